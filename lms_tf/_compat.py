@@ -1,0 +1,250 @@
+"""Every use of a private TensorFlow or Keras API in lms-tf lives in this module.
+
+The rest of the package goes through these helpers, so a TensorFlow or Keras
+release that changes one of them breaks here, loudly, and is tested in
+``tests/test_compat.py``.
+
+Example:
+    >>> from lms_tf import _compat
+    >>> _compat.check_private_apis()  # raises LMSError if this TF lacks an API we need
+"""
+
+from __future__ import annotations
+
+import glob
+import inspect
+import os
+import tempfile
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+
+from lms_tf.errors import LMSError
+
+
+def check_private_apis() -> None:
+    """Raises LMSError naming each private API this TensorFlow no longer provides.
+
+    Example:
+        >>> check_private_apis()
+    """
+    missing = [name for name in ("_update_input", "_add_control_input", "_set_attr", "_get_attr_type")
+               if not hasattr(tf.Operation, name)]
+    from tensorflow.python.framework import func_graph  # noqa: F401 - import is the check
+
+    if missing:
+        raise LMSError(
+            f"TensorFlow {tf.__version__} lacks tf.Operation.{', '.join(missing)}, which lms-tf uses to "
+            f"rewrite graphs. Install a tested version (see README) or report the TF version."
+        )
+
+
+# --- graph editing -----------------------------------------------------------------------------
+
+def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
+    """Re-points input ``index`` of ``op`` to ``tensor`` (in place, during tracing)."""
+    op._update_input(index, tensor)  # pylint: disable=protected-access
+
+
+def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
+    """Adds the control edge ``control -> op``."""
+    op._add_control_input(control)  # pylint: disable=protected-access
+
+
+def set_string_attr(op: tf.Operation, name: str, value: str) -> None:
+    """Sets a string attribute such as ``_lms`` on ``op``."""
+    op._set_attr(name, attr_value_pb2.AttrValue(s=value.encode()))  # pylint: disable=protected-access
+
+
+def set_bool_attr(op: tf.Operation, name: str, value: bool) -> None:
+    """Sets a boolean attribute such as ``_grappler_do_not_remove`` on ``op``."""
+    op._set_attr(name, attr_value_pb2.AttrValue(b=value))  # pylint: disable=protected-access
+
+
+def string_attr(op: tf.Operation, name: str) -> Optional[str]:
+    """Returns the string attribute ``name`` of ``op``, or None when absent."""
+    try:
+        value = op.get_attr(name)
+    except ValueError:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def is_function_graph(graph: tf.Graph) -> bool:
+    """Whether ``graph`` is a ``FuncGraph`` (the graph of a ``tf.function`` being traced)."""
+    from tensorflow.python.framework import func_graph
+
+    return isinstance(graph, func_graph.FuncGraph)
+
+
+def current_graph() -> tf.Graph:
+    """The graph ops are being added to: the FuncGraph while a ``tf.function`` traces."""
+    return tf.compat.v1.get_default_graph()
+
+
+def infer_shapes_with_inputs(graph: tf.Graph, input_shapes: Dict[str, tf.TensorShape]
+                             ) -> Dict[str, tf.TensorShape]:
+    """Re-runs TensorFlow's shape inference with concrete shapes for some placeholders.
+
+    The graph is exported and imported into a scratch graph whose placeholders named in
+    ``input_shapes`` have those shapes; TensorFlow infers every other op's shape again.
+
+    Returns:
+        Tensor name -> inferred shape, for every tensor of the graph.
+    """
+    graph_def = graph.as_graph_def()
+    scratch = tf.Graph()
+    with scratch.as_default():
+        input_map = {}
+        for name, shape in input_shapes.items():
+            dtype = graph.get_operation_by_name(name).outputs[0].dtype
+            input_map[name + ":0"] = tf.compat.v1.placeholder(dtype, shape=shape, name="lms_input_" + str(len(input_map)))
+        tf.graph_util.import_graph_def(graph_def, input_map=input_map, name="s")
+    shapes = {}
+    for op in scratch.get_operations():
+        if op.name.startswith("s/"):
+            for out in op.outputs:
+                shapes[out.name[2:]] = out.shape
+    return shapes
+
+
+# --- Keras -------------------------------------------------------------------------------------
+
+def using_legacy_keras() -> bool:
+    """Whether ``TF_USE_LEGACY_KERAS=1`` selects tf-keras (Keras 2) instead of Keras 3."""
+    return os.environ.get("TF_USE_LEGACY_KERAS", "0").lower() in ("1", "true", "yes")
+
+
+def keras_module():
+    """The Keras package models are built with: ``tf_keras`` under legacy mode, else ``keras``."""
+    if using_legacy_keras():
+        import tf_keras
+
+        return tf_keras
+    import keras
+
+    return keras
+
+
+def get_jit_compile(model) -> bool:
+    """The model's effective ``jit_compile`` setting (True, False or resolved "auto")."""
+    value = getattr(model, "jit_compile", None)
+    if value is None:
+        value = getattr(model, "_jit_compile", None)
+    return bool(value) if value not in ("auto",) else True
+
+
+def set_jit_compile(model, value: bool) -> None:
+    """Sets the model's ``jit_compile`` (Keras 3 property, tf-keras ``_jit_compile``)."""
+    if hasattr(type(model), "jit_compile") and isinstance(getattr(type(model), "jit_compile"), property) \
+            and getattr(type(model), "jit_compile").fset is not None:
+        model.jit_compile = value
+    else:
+        model._jit_compile = value  # pylint: disable=protected-access
+
+
+def fit_batch_size() -> Optional[int]:
+    """The batch size of the ``Model.fit`` call that is running, read from its frame.
+
+    Keras does not hand callbacks the batch size; ``fit`` holds it in its epoch iterator
+    (Keras 3: ``epoch_iterator.data_adapter.batch_size``; tf-keras: ``data_handler._batch_size``)
+    or its ``batch_size`` argument. Returns None when no such frame is found.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "fit" and "self" in frame.f_locals:
+                local = frame.f_locals
+                it = local.get("epoch_iterator")
+                adapter = getattr(it, "data_adapter", None) or getattr(it, "_data_adapter", None)
+                size = getattr(adapter, "batch_size", None)
+                if size is None:
+                    handler = local.get("data_handler")
+                    size = getattr(handler, "_batch_size", None)
+                if size is None:
+                    size = local.get("batch_size")
+                return int(size) if size else None
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+# --- Grappler's virtual cluster (the GPU memory oracle) ------------------------------------------
+
+def grappler_peak_memory(graph_def, fetch_names: Sequence[str], devices: Sequence[Tuple[str, str, int]]
+                         ) -> Dict[str, int]:
+    """Simulates ``graph_def`` on virtual devices and returns the peak bytes per device.
+
+    Args:
+        graph_def: A GraphDef whose nodes all carry a full device name.
+        fetch_names: Node names the step must compute (the graph's outputs and stateful ops).
+        devices: ``(full_name, type, memory_bytes)`` for each virtual device.
+    """
+    from tensorflow.core.protobuf import device_properties_pb2, meta_graph_pb2
+    from tensorflow.python.grappler import cluster as gcluster
+    from tensorflow.python.grappler import item as gitem
+    from tensorflow.core.protobuf.device_properties_pb2 import NamedDevice  # noqa: F401
+
+    named = []
+    for name, dev_type, memory in devices:
+        props = device_properties_pb2.DeviceProperties(
+            type=dev_type, frequency=1000 if dev_type == "CPU" else 1530, num_cores=2 if dev_type == "CPU" else 80,
+            memory_size=memory, bandwidth=900_000_000 if dev_type == "GPU" else 20_000_000,
+            l1_cache_size=32 * 1024, l2_cache_size=6 * 1024 * 1024, shared_memory_size_per_multiprocessor=96 * 1024)
+        named.append(device_properties_pb2.NamedDevice(name=name, properties=props))
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.graph_def.CopyFrom(graph_def)
+    meta.collection_def["train_op"].node_list.value.extend(fetch_names)
+    cluster = gcluster.Cluster(devices=named)
+    try:
+        peaks = cluster.DeterminePeakMemoryUsage(gitem.Item(meta, ignore_colocation=True))
+    finally:
+        cluster.Shutdown()
+    return {dev: int(value[0]) for dev, value in peaks.items()}
+
+
+# --- executed-op order from TensorFlow's profiler ----------------------------------------------
+
+def profile_executed_ops(run_step) -> List[Tuple[str, str, int, int]]:
+    """Runs ``run_step()`` under TensorFlow's profiler and returns the ops it executed.
+
+    Returns:
+        ``(node_name, op_type, start_ps, end_ps)`` per executed kernel, sorted by start.
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    logdir = tempfile.mkdtemp(prefix="lms_tf_profile_")
+    options = tf.profiler.experimental.ProfilerOptions(host_tracer_level=3, device_tracer_level=0)
+    tf.profiler.experimental.start(logdir, options=options)
+    try:
+        run_step()
+    finally:
+        tf.profiler.experimental.stop()
+    files = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        raise LMSError(f"TensorFlow's profiler wrote no trace into {logdir}.")
+    space = xplane_pb2.XSpace()
+    with open(files[0], "rb") as handle:
+        space.ParseFromString(handle.read())
+    events = []
+    for plane in space.planes:
+        metadata = plane.event_metadata
+        for line in plane.lines:
+            if not line.name.startswith("tf_") and line.name != "python":
+                continue
+            for event in line.events:
+                label = metadata[event.metadata_id].name
+                if ":" not in label or label.startswith(("ExecutorState", "ThreadpoolListener")):
+                    continue
+                node, _, op_type = label.rpartition(":")
+                start = line.timestamp_ns * 1000 + event.offset_ps
+                events.append((node, op_type, start, start + event.duration_ps))
+    events.sort(key=lambda e: e[2])
+    return events
+
+
+def enumerate_tensor_refs(tensors: Iterable[tf.Tensor]):
+    """Hashable identities of tensors (graph tensors are not hashable by value in TF2)."""
+    return [t.ref() for t in tensors]

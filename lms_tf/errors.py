@@ -1,0 +1,61 @@
+"""Exception and warning types raised by lms-tf.
+
+Every error the library raises derives from :class:`LMSError`, so callers can
+catch one type. Messages say what was wrong, what was received and how to fix it.
+
+Example:
+    >>> import lms_tf
+    >>> try:
+    ...     lms_tf.LMSOptions(swapin_ahead=-1)
+    ... except lms_tf.LMSError as err:
+    ...     print(type(err).__name__)
+    LMSOptionError
+"""
+
+
+class LMSError(Exception):
+    """Base class of every error raised by lms-tf.
+
+    Example:
+        >>> issubclass(LMSOptionError, LMSError)
+        True
+    """
+
+
+class LMSOptionError(LMSError, ValueError):
+    """An option has the wrong type or value, or names something that does not exist.
+
+    Example:
+        >>> import lms_tf
+        >>> lms_tf.LMSOptions(min_swap_bytes="big")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lms_tf.errors.LMSOptionError: min_swap_bytes must be an int >= 0; received 'big' (str)...
+    """
+
+
+class GraphAnalysisError(LMSError):
+    """The traced graph cannot be analysed (for example an unresolvable tensor size).
+
+    Example:
+        >>> issubclass(GraphAnalysisError, LMSError)
+        True
+    """
+
+
+class RewriteError(LMSError):
+    """A rewrite precondition or postcondition failed; the graph is left unusable for LMS.
+
+    Example:
+        >>> issubclass(RewriteError, LMSError)
+        True
+    """
+
+
+class LMSWarning(UserWarning):
+    """Warning category for cases where lms-tf leaves a step untouched or changes a setting.
+
+    Example:
+        >>> import warnings
+        >>> warnings.simplefilter("ignore", LMSWarning)
+    """

@@ -1,0 +1,196 @@
+"""``lms_tf.function``: a drop-in for ``tf.function`` that runs the swap pass on every trace.
+
+Example:
+    >>> import tensorflow as tf, lms_tf
+    >>> w = tf.Variable(tf.ones((8, 8)))
+    >>> @lms_tf.function(device="/CPU:0", host="/CPU:1", min_swap_bytes=0)
+    ... def train_step(x):
+    ...     with tf.GradientTape() as tape:
+    ...         loss = tf.reduce_sum(tf.nn.relu(x @ w))
+    ...     w.assign_sub(0.1 * tape.gradient(loss, w))
+    ...     return loss
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from lms_tf.errors import LMSOptionError
+from lms_tf.options import LMSOptions
+from lms_tf.pipeline import rewrite_traced_step
+from lms_tf.planner import Plan
+
+_call_shapes = threading.local()
+
+
+def _concrete_shapes(structure) -> List[Optional[tuple]]:
+    shapes = []
+    for leaf in tf.nest.flatten(structure, expand_composites=False):
+        if isinstance(leaf, (tf.Tensor, np.ndarray)) or hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            try:
+                shapes.append(tuple(tf.TensorShape(leaf.shape).as_list()))
+            except (TypeError, ValueError):
+                shapes.append(None)
+        else:
+            shapes.append(None)
+    return shapes
+
+
+class LMSFunction:
+    """A ``tf.function`` whose traces are rewritten by the lms-tf swap pass.
+
+    Built by :func:`function`; call it exactly like the ``tf.function`` it wraps.
+
+    Attributes:
+        options: The validated :class:`~lms_tf.LMSOptions`.
+        plans: One plan per trace, oldest first (None entries: step left untouched).
+
+    Example:
+        >>> import lms_tf
+        >>> f = lms_tf.function(lambda x: x * 2.0, device="/CPU:0", host="/CPU:1")
+        >>> float(f(tf.constant(2.0))), f.plan.decisions
+        (4.0, ())
+    """
+
+    def __init__(self, python_function: Callable, options: LMSOptions, tf_function_kwargs: Dict[str, Any]):
+        self.python_function = python_function
+        self.options = options
+        self.plans: List[Optional[Plan]] = []
+        self._tf_function_kwargs = tf_function_kwargs
+        self._bound: "weakref.WeakKeyDictionary[Any, LMSFunction]" = weakref.WeakKeyDictionary()
+        functools.update_wrapper(self, python_function)
+
+        @functools.wraps(python_function)
+        def traced(*args, **kwargs):
+            result = python_function(*args, **kwargs)
+            self._after_trace(args, kwargs)
+            return result
+
+        self._tf_function = tf.function(traced, **tf_function_kwargs)
+
+    @tf.autograph.experimental.do_not_convert
+    def _after_trace(self, args, kwargs) -> None:
+        symbolic = tf.nest.flatten((args, kwargs))
+        concrete = getattr(_call_shapes, "stack", [None])[-1]
+        input_shapes = {}
+        if concrete is not None and len(concrete) == len(symbolic):
+            for sym, shape in zip(symbolic, concrete):
+                if (isinstance(sym, tf.Tensor) and shape is not None and sym.op.type == "Placeholder"
+                        and not sym.shape.is_fully_defined() and sym.shape.is_compatible_with(shape)):
+                    input_shapes[sym.op.name] = shape
+        self.plans.append(rewrite_traced_step(self.options, api="lms_tf.function", input_shapes=input_shapes))
+
+    @property
+    def plan(self) -> Optional[Plan]:
+        """The plan of the latest trace (None before the first trace or when left untouched).
+
+        Example:
+            >>> import lms_tf
+            >>> lms_tf.function(lambda x: x, device="/CPU:0", host="/CPU:1").plan is None
+            True
+        """
+        return self.plans[-1] if self.plans else None
+
+    def _with_call_shapes(self, method, args, kwargs):
+        stack = getattr(_call_shapes, "stack", None)
+        if stack is None:
+            stack = _call_shapes.stack = []
+        stack.append(_concrete_shapes((args, kwargs)))
+        try:
+            return method(*args, **kwargs)
+        finally:
+            stack.pop()
+
+    def __call__(self, *args, **kwargs):
+        return self._with_call_shapes(self._tf_function, args, kwargs)
+
+    def get_concrete_function(self, *args, **kwargs):
+        """Traces (if needed) and returns the rewritten ``ConcreteFunction``, as ``tf.function`` does.
+
+        Example:
+            >>> import lms_tf
+            >>> f = lms_tf.function(lambda x: x + 1.0, device="/CPU:0", host="/CPU:1")
+            >>> f.get_concrete_function(tf.TensorSpec((2,))).structured_outputs.shape
+            TensorShape([2])
+        """
+        return self._with_call_shapes(self._tf_function.get_concrete_function, args, kwargs)
+
+    def experimental_get_tracing_count(self) -> int:
+        """Number of traces so far (each one was rewritten).
+
+        Example:
+            >>> import lms_tf
+            >>> lms_tf.function(lambda x: x, device="/CPU:0", host="/CPU:1").experimental_get_tracing_count()
+            0
+        """
+        return self._tf_function.experimental_get_tracing_count()
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        bound = self._bound.get(instance)
+        if bound is None:
+            bound = LMSFunction(self.python_function.__get__(instance, owner), self.options,
+                                self._tf_function_kwargs)
+            self._bound[instance] = bound
+        return bound
+
+    def __repr__(self) -> str:
+        return f"<lms_tf.function {getattr(self.python_function, '__name__', '?')} traces={len(self.plans)}>"
+
+
+def function(func: Optional[Callable] = None, *, input_signature=None, autograph: bool = True,
+             reduce_retracing: bool = False, jit_compile: Optional[bool] = None, **options):
+    """Like ``tf.function``, and every trace is rewritten to swap activations to the host.
+
+    Usable bare (``@lms_tf.function``) or configured (``@lms_tf.function(swapin_ahead=2)``).
+    The function must build the forward pass, the gradients and (usually) the update.
+
+    Args:
+        func: The Python training step.
+        input_signature: As for ``tf.function``.
+        autograph: As for ``tf.function``.
+        reduce_retracing: As for ``tf.function``.
+        jit_compile: Must not be True: XLA ignores host placement and control edges.
+        **options: lms-tf options (see :class:`~lms_tf.LMSOptions`): ``device``, ``host``,
+            ``swapout_threshold``, ``swapin_ahead``, ``swapin_groupby``, ``min_swap_bytes``,
+            ``exclude``, ``batch_size``.
+
+    Returns:
+        An :class:`LMSFunction`, or a decorator when ``func`` is None.
+
+    Raises:
+        LMSOptionError: Unknown or invalid options, or ``jit_compile=True``.
+
+    Example:
+        >>> import tensorflow as tf, lms_tf
+        >>> model = tf.keras.Sequential([tf.keras.layers.Dense(4)])
+        >>> @lms_tf.function(device="/CPU:0", host="/CPU:1")
+        ... def step(x):
+        ...     with tf.GradientTape() as tape:
+        ...         loss = tf.reduce_mean(model(x) ** 2)
+        ...     grads = tape.gradient(loss, model.trainable_variables)
+        ...     return loss
+        >>> float(step(tf.zeros((2, 3))))
+        0.0
+    """
+    if jit_compile:
+        raise LMSOptionError(
+            "lms_tf.function received jit_compile=True: XLA ignores host placement and control edges, so "
+            "the swap pass would have no effect. Pass jit_compile=False (or leave it unset).")
+    lms_options = LMSOptions.from_kwargs(options, api="lms_tf.function")
+    tf_kwargs = dict(input_signature=input_signature, autograph=autograph, reduce_retracing=reduce_retracing,
+                     jit_compile=False if jit_compile is not None else None)
+
+    def decorate(f: Callable) -> LMSFunction:
+        if not callable(f):
+            raise LMSOptionError(f"lms_tf.function expects a callable; received {f!r} ({type(f).__name__}).")
+        return LMSFunction(f, lms_options, tf_kwargs)
+
+    return decorate if func is None else decorate(func)

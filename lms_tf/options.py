@@ -1,0 +1,156 @@
+"""User options of the swap pass, validated when they are constructed.
+
+Example:
+    >>> from lms_tf.options import LMSOptions
+    >>> LMSOptions(host="/CPU:0", swapin_ahead=2).swapin_ahead
+    2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Mapping, Optional, Tuple
+
+from lms_tf.errors import LMSOptionError
+
+_DEVICE_TYPES = ("CPU", "GPU", "TPU")
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise LMSOptionError(
+            f"{name} must be an int >= {minimum}; received {_describe(value)}. "
+            f"Pass for example {name}={max(minimum, 1)}."
+        )
+    return value
+
+
+def _check_device(name: str, value: Any) -> str:
+    """Returns the device string in canonical form (``/device:GPU:0``)."""
+    if not isinstance(value, str) or not value.strip():
+        raise LMSOptionError(
+            f"{name} must be a device string such as '/GPU:0' or '/CPU:0'; received {_describe(value)}."
+        )
+    import tensorflow as tf  # Local import: options must stay cheap to import.
+
+    try:
+        spec = tf.DeviceSpec.from_string(value)
+    except (ValueError, TypeError) as err:
+        raise LMSOptionError(
+            f"{name}={value!r} is not a TensorFlow device string ({err}); use e.g. '/GPU:0' or '/CPU:1'."
+        ) from None
+    if spec.device_type is None or spec.device_type.upper() not in _DEVICE_TYPES:
+        raise LMSOptionError(
+            f"{name}={value!r} names no device type; use '/GPU:<index>' or '/CPU:<index>'."
+        )
+    spec = spec.replace(device_type=spec.device_type.upper(), device_index=spec.device_index or 0)
+    return spec.to_string()
+
+
+@dataclasses.dataclass(frozen=True)
+class LMSOptions:
+    """Options of the lms-tf swap pass (TFLMS semantics), checked at construction.
+
+    Args:
+        device: The accelerator whose memory is managed, e.g. ``"/GPU:0"``. ``None``
+            means the first GPU; with no GPU the step is left untouched (a warning says so).
+        host: Where swapped tensors live, ``"/CPU:0"`` by default.
+        swapout_threshold: Swap a forward tensor only if its first backward consumer
+            runs at least this many ops after its producer in execution order.
+        swapin_ahead: The swap-in is triggered this many backward ops before the
+            first consumer, so the copy back overlaps the ops in between.
+        swapin_groupby: Backward consumers of one tensor that lie within this many
+            ops of each other share one swap-in.
+        min_swap_bytes: Tensors smaller than this are never swapped.
+        exclude: Layer names (e.g. ``"conv2d_1"``) or op-name glob patterns
+            (e.g. ``"*/attention/*"``) whose tensors are never swapped. An entry
+            that matches nothing in the traced step is an error.
+        batch_size: Size of a batch dimension that the traced step leaves unknown
+            (``None`` in the input signature). Only needed when lms-tf cannot
+            resolve it from the traced inputs itself.
+
+    Example:
+        >>> opts = LMSOptions(device="/GPU:0", swapin_ahead=2, exclude=("dense",))
+        >>> opts.device, opts.exclude
+        ('/device:GPU:0', ('dense',))
+    """
+
+    device: Optional[str] = None
+    host: str = "/CPU:0"
+    swapout_threshold: int = 32
+    swapin_ahead: int = 8
+    swapin_groupby: int = 4
+    min_swap_bytes: int = 64 * 1024
+    exclude: Tuple[str, ...] = ()
+    batch_size: Optional[int] = None
+
+    def __init__(self, *, device=None, host="/CPU:0", swapout_threshold=32, swapin_ahead=8,
+                 swapin_groupby=4, min_swap_bytes=64 * 1024, exclude=(), batch_size=None):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass init
+        set_("device", None if device is None else _check_device("device", device))
+        set_("host", _check_device("host", host))
+        set_("swapout_threshold", _check_int("swapout_threshold", swapout_threshold, 1))
+        set_("swapin_ahead", _check_int("swapin_ahead", swapin_ahead, 1))
+        set_("swapin_groupby", _check_int("swapin_groupby", swapin_groupby, 0))
+        set_("min_swap_bytes", _check_int("min_swap_bytes", min_swap_bytes, 0))
+        if isinstance(exclude, str):
+            exclude = (exclude,)
+        if not isinstance(exclude, (list, tuple, set, frozenset)) or not all(
+            isinstance(e, str) and e for e in exclude
+        ):
+            raise LMSOptionError(
+                f"exclude must be a list of layer names or op-name patterns (non-empty strings); "
+                f"received {_describe(exclude)}. Example: exclude=['conv2d_1', '*/attention/*']."
+            )
+        set_("exclude", tuple(exclude))
+        if batch_size is not None:
+            _check_int("batch_size", batch_size, 1)
+        set_("batch_size", batch_size)
+        if self.device is not None and self.device == self.host:
+            raise LMSOptionError(
+                f"device and host are the same device ({self.device}); swapping to the device "
+                f"itself saves nothing. Use host='/CPU:0' (default) with device='/GPU:0'."
+            )
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any], api: str) -> "LMSOptions":
+        """Builds options from keyword arguments, rejecting unknown names with a suggestion.
+
+        Args:
+            kwargs: Keyword arguments given to a front-end.
+            api: The front-end's name, used in error messages.
+
+        Returns:
+            The validated options.
+
+        Raises:
+            LMSOptionError: An unknown keyword or a bad value.
+
+        Example:
+            >>> LMSOptions.from_kwargs({"swapin_ahead": 3}, api="LMSCallback").swapin_ahead
+            3
+        """
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in kwargs:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise LMSOptionError(
+                    f"{api} got an unknown option {key!r}.{hint} Valid options: {', '.join(known)}."
+                )
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        """Returns the options as a plain dict (JSON-serialisable).
+
+        Example:
+            >>> LMSOptions().to_dict()["host"]
+            '/device:CPU:0'
+        """
+        return {f.name: (list(v) if isinstance(v, tuple) else v)
+                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}

@@ -1,0 +1,111 @@
+"""Runs layers 1-3 (IR, planner, rewriter) on the graph being traced; used by every front-end.
+
+Example:
+    >>> from lms_tf.pipeline import resolve_device
+    >>> from lms_tf.options import LMSOptions
+    >>> resolve_device(LMSOptions(device="/CPU:0", host="/CPU:1"))
+    '/device:CPU:0'
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Mapping, Optional, Sequence
+
+import tensorflow as tf
+
+from lms_tf import _compat
+from lms_tf.errors import LMSError, LMSWarning
+from lms_tf.graph import build_ir
+from lms_tf.options import LMSOptions
+from lms_tf.planner import Plan, plan_swaps
+from lms_tf.rewrite import apply_swap_plan
+
+logger = logging.getLogger("lms_tf")
+_warned = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Issues an LMSWarning (and a log line) once per process for ``key``.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True):
+        ...     warn_once("doc-example", "shown once")
+    """
+    if key in _warned:
+        return
+    _warned.add(key)
+    logger.warning(message)
+    warnings.warn(message, LMSWarning, stacklevel=3)
+
+
+def resolve_device(options: LMSOptions) -> Optional[str]:
+    """The accelerator to manage: ``options.device``, else the first GPU, else None.
+
+    Example:
+        >>> resolve_device(LMSOptions(device="/GPU:1"))
+        '/device:GPU:1'
+    """
+    if options.device is not None:
+        return options.device
+    gpus = tf.config.list_logical_devices("GPU")
+    if gpus:
+        return tf.DeviceSpec.from_string(gpus[0].name).replace(job=None, replica=None, task=None).to_string()
+    return None
+
+
+def no_accelerator_message(api: str) -> str:
+    """The warning given when there is no GPU and no explicit ``device=``.
+
+    Example:
+        >>> "untouched" in no_accelerator_message("lms_tf.function")
+        True
+    """
+    return (f"{api}: no GPU is visible and no device= was given, so the training step is left untouched "
+            f"(nothing to swap from). Pass device='/GPU:0' on a GPU machine, or device='/CPU:0', "
+            f"host='/CPU:1' with two logical CPUs to exercise the pass on a CPU.")
+
+
+@tf.autograph.experimental.do_not_convert
+def rewrite_traced_step(options: LMSOptions, *, api: str,
+                        input_shapes: Optional[Mapping[str, Sequence[Optional[int]]]] = None,
+                        batch_size: Optional[int] = None) -> Optional[Plan]:
+    """Plans and applies the swap pass to the ``tf.function`` graph being traced right now.
+
+    Call it inside the traced body, after the gradients and the update were built.
+
+    Args:
+        options: Validated options.
+        api: Front-end name for messages.
+        input_shapes: Concrete shapes of the function's input placeholders, by op name.
+        batch_size: Batch size to resolve unknown leading input dimensions with.
+
+    Returns:
+        The plan applied, or None when the step was left untouched (no accelerator).
+
+    Raises:
+        LMSError: Not inside a ``tf.function`` trace (eager execution), or the pass failed.
+
+    Example:
+        >>> rewrite_traced_step(LMSOptions(device="/CPU:0", host="/CPU:1"), api="doc")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lms_tf.errors.LMSError: doc: the step runs eagerly...
+    """
+    graph = _compat.current_graph()
+    if not _compat.is_function_graph(graph):
+        raise LMSError(
+            f"{api}: the step runs eagerly (received a {type(graph).__name__}, not a tf.function graph), so "
+            f"there is no graph to rewrite. Remove run_eagerly=True from compile() and do not call "
+            f"tf.config.run_functions_eagerly(True).")
+    device = resolve_device(options)
+    if device is None:
+        warn_once(f"no-accelerator:{api}", no_accelerator_message(api))
+        return None
+    ir = build_ir(graph, input_shapes=input_shapes, batch_size=batch_size or options.batch_size)
+    plan = plan_swaps(ir, options, device=device)
+    report = apply_swap_plan(graph, ir, plan)
+    logger.info("%s (graph %s; inserted %s)", plan.one_line(), graph.name, report.inserted)
+    return plan

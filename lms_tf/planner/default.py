@@ -1,0 +1,207 @@
+"""The default swap plan (TFLMS semantics) until the budget planner exists.
+
+A forward tensor is swapped when the backward pass reads it, its first backward
+consumer runs at least ``swapout_threshold`` ops after its producer, it is at
+least ``min_swap_bytes`` big, and it is eligible (not a variable read, function
+input, host-resident value, control-flow value, or excluded by the user).
+
+Example:
+    >>> import tensorflow as tf
+    >>> from lms_tf.graph import build_ir
+    >>> from lms_tf.options import LMSOptions
+    >>> w = tf.Variable(tf.ones((64, 64)))
+    >>> @tf.function
+    ... def step(x):
+    ...     with tf.GradientTape() as tape:
+    ...         h = x
+    ...         for _ in range(4):
+    ...             h = tf.nn.relu(h @ w)
+    ...         loss = tf.reduce_sum(h)
+    ...     w.assign_sub(tape.gradient(loss, w))
+    ...     return loss
+    >>> ir = build_ir(step.get_concrete_function(tf.ones((256, 64))).graph)
+    >>> opts = LMSOptions(device="/CPU:0", host="/CPU:1", swapout_threshold=4, swapin_ahead=1, min_swap_bytes=1)
+    >>> plan = plan_swaps(ir, opts, device="/device:CPU:0")
+    >>> [d.tensor for d in plan.swapped]
+    ['Relu:0', 'Relu_1:0', 'Relu_2:0', 'Relu_3:0']
+"""
+
+from __future__ import annotations
+
+import bisect
+import fnmatch
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import tensorflow as tf
+
+from lms_tf.errors import GraphAnalysisError, LMSOptionError
+from lms_tf.graph.ir import CONTROL_FLOW_OP_TYPES, GraphIR, OpInfo, Phase, layer_of
+from lms_tf.options import LMSOptions
+from lms_tf.planner.plan import Decision, Plan, SwapIn, TensorDecision
+
+_VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2", "ResourceGather",
+                                  "VarIsInitializedOp", "_ReadVariablesOp"})
+#: dtypes that live in host memory on a GPU or have no fixed size: never swapped.
+_HOST_DTYPES = frozenset({"int32", "string", "resource", "variant", "bool"})
+_GLOB_CHARS = set("*?[")
+
+
+def _is_glob(entry: str) -> bool:
+    return bool(_GLOB_CHARS & set(entry))
+
+
+def _exclusion_matcher(ir: GraphIR, exclude: Sequence[str]):
+    """Returns op name -> matching exclude entry; raises for entries that match nothing."""
+    scopes: Set[str] = set()
+    for op in ir.ops:
+        scopes.update(op.name.split("/")[:-1])
+    for entry in exclude:
+        if _is_glob(entry):
+            if not any(fnmatch.fnmatchcase(op.name, entry) for op in ir.ops):
+                raise LMSOptionError(
+                    f"exclude pattern {entry!r} matches no op of the traced step. Patterns are matched "
+                    f"against op names such as {ir.ops[len(ir.ops) // 2].name!r}; fix or remove it.")
+        elif entry not in scopes and not any(op.name == entry for op in ir.ops):
+            layers = sorted({layer_of(op.name) for op in ir.ops if op.phase is Phase.FORWARD} - {""})
+            raise LMSOptionError(
+                f"exclude entry {entry!r} is not a layer name or op name of the traced step. "
+                f"Known layers include: {', '.join(layers[:12])}{' ...' if len(layers) > 12 else ''}. "
+                f"Use a layer name, an op name or a glob pattern like '*/{entry}*'.")
+
+    def match(op_name: str) -> Optional[str]:
+        segments = op_name.split("/")
+        for entry in exclude:
+            if _is_glob(entry):
+                if fnmatch.fnmatchcase(op_name, entry):
+                    return entry
+            elif entry == op_name or entry in segments[:-1]:
+                return entry
+        return None
+
+    return match
+
+
+def _data_dependent_ops(ir: GraphIR) -> Set[str]:
+    """Ops computed from the step's data (not only from constants and variables)."""
+    sources = {n for n in ir.function_inputs
+               if ir.tensors[ir.op(n).outputs[0]].dtype not in ("resource", "variant")}
+    dependent = set(sources)
+    for op in ir.ops:
+        if any(ir.tensors[t].producer in dependent for t in op.inputs):
+            dependent.add(op.name)
+    return dependent
+
+
+def _gate_candidates(ir: GraphIR) -> List[OpInfo]:
+    """Backward ops that can trigger a swap-in: they carry gradient data, so they run in the backward pass."""
+    candidates = []
+    for op in ir.ops:
+        if op.phase is not Phase.BACKWARD or op.type in ("Const", "NoOp") or op.type in CONTROL_FLOW_OP_TYPES:
+            continue
+        gradient_input = any(ir.op(ir.tensors[t].producer).phase is Phase.BACKWARD
+                             and ir.op(ir.tensors[t].producer).type != "Const" for t in op.inputs)
+        numeric_output = any(ir.tensors[t].dtype not in ("resource", "variant", "string") for t in op.outputs)
+        if gradient_input and numeric_output:
+            candidates.append(op)
+    return candidates
+
+
+def _same_device(op_device: str, device: str) -> bool:
+    """An op without a requested device is placed on the accelerator by TF's placer."""
+    if not op_device:
+        return True
+    a, b = tf.DeviceSpec.from_string(op_device), tf.DeviceSpec.from_string(device)
+    return (a.device_type or "").upper() == (b.device_type or "").upper() and \
+        (a.device_index or 0) == (b.device_index or 0)
+
+
+def plan_swaps(ir: GraphIR, options: LMSOptions, *, device: str) -> Plan:
+    """Makes the default swap plan for a traced step.
+
+    Args:
+        ir: The step's IR.
+        options: Validated options.
+        device: Full name of the managed accelerator (``options.device`` or the detected GPU).
+
+    Returns:
+        The plan, with one decision per forward tensor that a backward op reads.
+
+    Raises:
+        LMSOptionError: An ``exclude`` entry matches nothing in the step.
+        GraphAnalysisError: A tensor that would be swapped has an unresolvable size.
+
+    Example:
+        >>> from lms_tf.graph.ir import GraphIR
+        >>> plan_swaps(GraphIR((), {}, frozenset(), {}), LMSOptions(), device="/device:GPU:0").decisions
+        ()
+    """
+    excluded_by = _exclusion_matcher(ir, options.exclude)
+    dependent = _data_dependent_ops(ir)
+    gates = _gate_candidates(ir)
+    gate_positions = [op.index for op in gates]
+    decisions: List[TensorDecision] = []
+
+    for op in ir.ops:
+        if op.phase is not Phase.FORWARD:
+            continue
+        for name in op.outputs:
+            tensor = ir.tensors[name]
+            readers = [ir.op(c) for c in tensor.consumers]
+            backward = [c for c in readers if c.phase is Phase.BACKWARD]
+            if not backward:
+                continue
+            first = min(c.index for c in backward)
+            distance = first - op.index
+
+            def keep(reason: str) -> None:
+                decisions.append(TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes,
+                                                Decision.KEEP, reason, distance, ()))
+
+            exclusion = excluded_by(op.name)
+            if op.name in ir.function_inputs:
+                keep("function input")
+            elif op.type in _VARIABLE_READ_TYPES or tensor.dtype == "resource":
+                keep("variable read")
+            elif op.name not in dependent:
+                keep("derived from variables or constants only")
+            elif tensor.dtype in _HOST_DTYPES:
+                keep(f"host-resident dtype ({tensor.dtype})")
+            elif not _same_device(op.device, device):
+                keep(f"placed on {op.device}, not the managed device")
+            elif op.type in CONTROL_FLOW_OP_TYPES or any(c.type in CONTROL_FLOW_OP_TYPES for c in readers):
+                keep("control-flow value (while/cond bodies stay untouched)")
+            elif exclusion is not None:
+                keep(f"excluded by {exclusion!r}")
+            elif any(c.phase is Phase.UPDATE for c in readers):
+                keep("read by an update op")
+            elif distance < options.swapout_threshold:
+                keep(f"needed again after {distance} ops (< swapout_threshold={options.swapout_threshold})")
+            elif tensor.nbytes is None:
+                raise GraphAnalysisError(
+                    f"cannot size tensor {name!r} (shape {tensor.shape}, dtype {tensor.dtype}): a dimension is "
+                    f"unknown and could not be resolved from the traced inputs "
+                    f"(resolved: {dict(ir.resolved_dims) or 'none'}). Pass batch_size=<int> to lms-tf, or "
+                    f"trace the step with a fully defined input_signature.")
+            elif tensor.nbytes < options.min_swap_bytes:
+                keep(f"smaller than min_swap_bytes ({tensor.nbytes} < {options.min_swap_bytes})")
+            else:
+                groups: List[List[OpInfo]] = []
+                for consumer in sorted(backward, key=lambda c: c.index):
+                    if groups and consumer.index - groups[-1][0].index <= options.swapin_groupby:
+                        groups[-1].append(consumer)
+                    else:
+                        groups.append([consumer])
+                swap_ins = []
+                for group in groups:
+                    before = bisect.bisect_left(gate_positions, group[0].index)
+                    if before == 0:
+                        break
+                    trigger = gates[max(0, before - options.swapin_ahead)]
+                    swap_ins.append(SwapIn(trigger.name, tuple(c.name for c in group)))
+                if len(swap_ins) != len(groups):
+                    keep("no backward op runs before its first backward consumer to trigger a swap-in")
+                    continue
+                decisions.append(TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes,
+                                                Decision.SWAP, "swap", distance, tuple(swap_ins)))
+    return Plan(decisions=tuple(decisions), device=device, host=options.host,
+                options=options.to_dict(), phase_counts=ir.phase_counts())

@@ -1,0 +1,203 @@
+"""The plan: an immutable, printable value saying what happens to each forward tensor.
+
+Example:
+    >>> p = Plan(decisions=(), device="/device:GPU:0", host="/device:CPU:0", options={}, phase_counts={})
+    >>> p.swapped_bytes, p.num_swap_ins
+    (0, 0)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import json
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+
+class Decision(str, enum.Enum):
+    """What happens to a forward tensor that the backward pass reads.
+
+    Example:
+        >>> Decision.SWAP.value
+        'swap'
+    """
+
+    KEEP = "keep"
+    SWAP = "swap"
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapIn:
+    """One swap-in: the op that triggers it and the backward consumers it feeds.
+
+    Example:
+        >>> SwapIn(trigger="gradient_tape/dense/MatMul", consumers=("gradient_tape/conv/ReluGrad",)).trigger
+        'gradient_tape/dense/MatMul'
+    """
+
+    trigger: str
+    consumers: Tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorDecision:
+    """The decision for one forward tensor read by the backward pass.
+
+    Attributes:
+        tensor: Tensor name.
+        layer: Layer (name-scope path) of its producer.
+        shape: Resolved shape, when known.
+        nbytes: Size in bytes, when known.
+        decision: KEEP or SWAP.
+        reason: Why, in words.
+        distance: Ops between the producer and the first backward consumer.
+        swap_ins: For SWAP, one entry per group of backward consumers.
+
+    Example:
+        >>> d = TensorDecision("c/Relu:0", "c", (8, 8), 256, Decision.KEEP, "smaller than min_swap_bytes", 3, ())
+        >>> d.decision.value
+        'keep'
+    """
+
+    tensor: str
+    layer: str
+    shape: Optional[Tuple[Optional[int], ...]]
+    nbytes: Optional[int]
+    decision: Decision
+    reason: str
+    distance: Optional[int]
+    swap_ins: Tuple[SwapIn, ...]
+
+
+def _mib(nbytes: Optional[int]) -> str:
+    return "?" if nbytes is None else f"{nbytes / 2**20:.2f}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the swap pass will do to one traced step.
+
+    Attributes:
+        decisions: One entry per forward tensor that a backward op reads, in execution order.
+        device: The managed accelerator.
+        host: Where swapped tensors live.
+        options: The options the plan was made with.
+        phase_counts: Number of forward/backward/update ops in the step.
+
+    Example:
+        >>> plan = Plan((), "/device:GPU:0", "/device:CPU:0", {}, {"forward": 3})
+        >>> print(plan.one_line())
+        lms-tf: swapped 0 of 0 candidate tensors (0.00 MiB of 0.00 MiB) with 0 swap-ins, device /device:GPU:0 -> host /device:CPU:0
+    """
+
+    decisions: Tuple[TensorDecision, ...]
+    device: str
+    host: str
+    options: Mapping[str, Any]
+    phase_counts: Mapping[str, int]
+
+    @property
+    def swapped(self) -> Tuple[TensorDecision, ...]:
+        """Decisions whose tensor is swapped.
+
+        Example:
+            >>> Plan((), "d", "h", {}, {}).swapped
+            ()
+        """
+        return tuple(d for d in self.decisions if d.decision is Decision.SWAP)
+
+    @property
+    def swapped_bytes(self) -> int:
+        """Bytes swapped out (and in) per step.
+
+        Example:
+            >>> Plan((), "d", "h", {}, {}).swapped_bytes
+            0
+        """
+        return sum(d.nbytes or 0 for d in self.swapped)
+
+    @property
+    def num_swap_ins(self) -> int:
+        """Number of swap-in ops the rewrite inserts.
+
+        Example:
+            >>> Plan((), "d", "h", {}, {}).num_swap_ins
+            0
+        """
+        return sum(len(d.swap_ins) for d in self.swapped)
+
+    def kept_reasons(self) -> Dict[str, int]:
+        """How many tensors were kept for each reason.
+
+        Example:
+            >>> Plan((), "d", "h", {}, {}).kept_reasons()
+            {}
+        """
+        return dict(collections.Counter(d.reason.split(" (")[0] for d in self.decisions
+                                        if d.decision is Decision.KEEP))
+
+    def one_line(self) -> str:
+        """A one-line summary for logs.
+
+        Example:
+            >>> Plan((), "d", "h", {}, {}).one_line().startswith("lms-tf: swapped 0")
+            True
+        """
+        total = sum(d.nbytes or 0 for d in self.decisions)
+        return (f"lms-tf: swapped {len(self.swapped)} of {len(self.decisions)} candidate tensors "
+                f"({_mib(self.swapped_bytes)} MiB of {_mib(total)} MiB) with {self.num_swap_ins} swap-ins, "
+                f"device {self.device} -> host {self.host}")
+
+    def summary(self, max_rows: int = 60) -> str:
+        """A table of the swapped tensors (trigger, bytes) and a tally of why others were kept.
+
+        Example:
+            >>> print(Plan((), "d", "h", {}, {}).summary().splitlines()[0])
+            lms-tf: swapped 0 of 0 candidate tensors (0.00 MiB of 0.00 MiB) with 0 swap-ins, device d -> host h
+        """
+        lines = [self.one_line()]
+        rows = self.swapped
+        if rows:
+            lines.append(f"{'tensor':<52} {'shape':<22} {'MiB':>8} {'dist':>5}  trigger -> consumers")
+            for d in rows[:max_rows]:
+                for i, s in enumerate(d.swap_ins):
+                    head = (f"{d.tensor[-52:]:<52} {str(d.shape)[:22]:<22} {_mib(d.nbytes):>8} {d.distance:>5}"
+                            if i == 0 else " " * 90)
+                    lines.append(f"{head}  {s.trigger} -> {len(s.consumers)} op(s)")
+            if len(rows) > max_rows:
+                lines.append(f"... {len(rows) - max_rows} more swapped tensors")
+        reasons = self.kept_reasons()
+        if reasons:
+            lines.append("kept: " + "; ".join(f"{n} {r}" for r, n in sorted(reasons.items(), key=lambda x: -x[1])))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The plan as plain data.
+
+        Example:
+            >>> sorted(Plan((), "d", "h", {}, {}).to_dict())[:3]
+            ['decisions', 'device', 'host']
+        """
+        return {
+            "device": self.device, "host": self.host, "options": dict(self.options),
+            "phase_counts": dict(self.phase_counts), "swapped_bytes": self.swapped_bytes,
+            "num_swapped": len(self.swapped), "num_swap_ins": self.num_swap_ins,
+            "decisions": [
+                {**{k: v for k, v in dataclasses.asdict(d).items() if k != "swap_ins"},
+                 "decision": d.decision.value,
+                 "swap_ins": [dataclasses.asdict(s) for s in d.swap_ins]}
+                for d in self.decisions],
+        }
+
+    def to_json(self, **kwargs) -> str:
+        """The plan as JSON.
+
+        Example:
+            >>> Plan((), "d", "h", {}, {}).to_json().startswith("{")
+            True
+        """
+        return json.dumps(self.to_dict(), **kwargs)

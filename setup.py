@@ -1,0 +1,32 @@
+"""Packaging for lms-tf (distribution ``lms-tf``, package ``lms_tf``, console script ``lms-tf``)."""
+
+from setuptools import find_packages, setup
+
+TF_VERSION = "2.21.0"
+KERAS_VERSION = "3.15.1"
+
+setup(
+    name="lms-tf",
+    version="0.1.0",
+    description="Large Model Support for TensorFlow 2.16+ / Keras 3: swap activations to host memory "
+                "so training fits in less GPU memory.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["lms_tf", "lms_tf.*"]),
+    install_requires=[f"tensorflow=={TF_VERSION}", f"keras=={KERAS_VERSION}", "numpy"],
+    extras_require={
+        "gpu": [f"tensorflow[and-cuda]=={TF_VERSION}"],
+        "horovod": ["horovod==0.28.1"],
+        "legacy-keras": [f"tf-keras=={TF_VERSION}"],
+        "plot": ["matplotlib>=3.7"],
+        "test": [f"tf-keras=={TF_VERSION}", "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7"],
+    },
+    entry_points={"console_scripts": ["lms-tf=lms_tf.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "License :: OSI Approved :: Apache Software License",
+    ],
+)
