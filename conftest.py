@@ -1,0 +1,16 @@
+"""Doctests of the library run with the same two logical CPUs as the tests."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+_cpus = tf.config.list_physical_devices("CPU")
+try:
+    tf.config.set_logical_device_configuration(
+        _cpus[0], [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
+except RuntimeError:  # already initialised by tests/conftest.py
+    pass
+
+collect_ignore = ["setup.py", "examples", "benchmarks", "scripts"]

@@ -1,0 +1,71 @@
+"""Shared helpers: train a model with and without lms-tf and compare every number."""
+
+import numpy as np
+import keras
+import tensorflow as tf
+
+import lms_tf
+from tests.zoo import BATCH
+
+
+class LossRecorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+def fit_steps(builder, callbacks=(), steps_per_execution=1, **compile_kwargs):
+    """Builds a zoo model and fits it for 3 steps; returns (losses, weights, model)."""
+    model, (x, y) = builder(**compile_kwargs) if compile_kwargs else builder()
+    if steps_per_execution != 1:
+        model.compile(optimizer=model.optimizer, loss=model.loss, steps_per_execution=steps_per_execution)
+    recorder = LossRecorder()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder, *callbacks])
+    return recorder.losses, [np.array(w) for w in model.get_weights()], model
+
+
+def assert_same_numbers(plain, rewritten, rtol=0.0):
+    (losses_a, weights_a), (losses_b, weights_b) = plain[:2], rewritten[:2]
+    assert len(losses_a) == len(losses_b) >= 1
+    assert len(weights_a) == len(weights_b) >= 1
+    if rtol == 0.0:
+        assert losses_a == losses_b, (losses_a, losses_b)
+        for i, (a, b) in enumerate(zip(weights_a, weights_b)):
+            assert np.array_equal(a, b), f"weight {i} differs by up to {np.max(np.abs(a - b))}"
+    else:
+        np.testing.assert_allclose(losses_a, losses_b, rtol=rtol)
+        for a, b in zip(weights_a, weights_b):
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-7)
+
+
+def custom_loop(builder, decorate, steps=3, use_tf_gradients=False):
+    """Trains a zoo model with a hand-written step; returns (losses, weights, step_function)."""
+    model, (x, y) = builder()
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def step(xb, yb):
+        if use_tf_gradients:
+            loss = loss_fn(yb, model(xb, training=True))
+            grads = tf.gradients(loss, [v.value for v in model.trainable_variables])
+        else:
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    fn = decorate(step)
+    losses = []
+    for i in range(steps):
+        sl = slice(i * BATCH, (i + 1) * BATCH)
+        xb = tuple(tf.constant(a[sl]) for a in x) if isinstance(x, tuple) else tf.constant(x[sl])
+        losses.append(float(fn(xb, tf.constant(y[sl]))))
+    return losses, [np.array(w) for w in model.get_weights()], fn
+
+
+def lms_function(**options):
+    return lambda step: lms_tf.function(step, **options)
