@@ -228,7 +228,8 @@ def _execution_order(ops: Sequence[tf.Operation]) -> List[tf.Operation]:
     return order
 
 
-def _classify(order: Sequence[tf.Operation], data_inputs: FrozenSet[str]) -> Dict[str, Phase]:
+def _classify(order: Sequence[tf.Operation], created: Mapping[str, int],
+              data_inputs: FrozenSet[str]) -> Dict[str, Phase]:
     names = [op.name for op in order]
     preds = {op.name: {t.op.name for t in op.inputs} | {c.name for c in op.control_inputs} for op in order}
     succs: Dict[str, set] = {n: set() for n in names}
@@ -236,10 +237,20 @@ def _classify(order: Sequence[tf.Operation], data_inputs: FrozenSet[str]) -> Dic
         for p in ps:
             if p in succs:
                 succs[p].add(name)
-    gradient = {n for n in names if is_gradient_scoped(n)}
+    # Gradient-scoped ops that only feed ops created before them (or other such ops) were added in place to the
+    # forward pass by a gradient function (while_v2 accumulators of the forward loop and their
+    # constants): they run in the forward pass whatever their name scope.
+    retrofitted = set()
+    for n in reversed(names):
+        if is_gradient_scoped(n) and succs[n] and all(
+                created[s] < created[n] or s in retrofitted for s in succs[n]):
+            retrofitted.add(n)
+    gradient = {n for n in names if is_gradient_scoped(n) and n not in retrofitted}
     below = set()  # descends from a gradient op
     for n in names:
-        if any(p in gradient or p in below for p in preds[n]):
+        # An input from an op created later was added in place by a gradient function (while_v2
+        # adds gradient-scoped accumulators to the forward While); it does not make n backward.
+        if any((p in gradient or p in below) and created[p] < created[n] for p in preds[n]):
             below.add(n)
     above = set()  # feeds a gradient op
     for n in reversed(names):
@@ -247,7 +258,9 @@ def _classify(order: Sequence[tf.Operation], data_inputs: FrozenSet[str]) -> Dic
             above.add(n)
     phase: Dict[str, Phase] = {}
     for n in names:
-        if n in gradient or (n in below and n in above):
+        if n in retrofitted:
+            phase[n] = Phase.FORWARD
+        elif n in gradient or (n in below and n in above):
             phase[n] = Phase.BACKWARD
         elif n in below:
             phase[n] = Phase.UPDATE
@@ -325,7 +338,7 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
     inputs = _function_inputs(graph)
     data_inputs = frozenset(n for n in inputs
                             if graph.get_operation_by_name(n).outputs[0].dtype not in (tf.resource, tf.variant))
-    phases = _classify(order, data_inputs)
+    phases = _classify(order, {op.name: i for i, op in enumerate(tf_ops)}, data_inputs)
 
     resolution: Dict[str, Tuple[Optional[int], ...]] = {}
     for name, shape in (input_shapes or {}).items():
