@@ -136,12 +136,35 @@ def get_jit_compile(model) -> bool:
 
 
 def set_jit_compile(model, value: bool) -> None:
-    """Sets the model's ``jit_compile`` (Keras 3 property, tf-keras ``_jit_compile``)."""
-    if hasattr(type(model), "jit_compile") and isinstance(getattr(type(model), "jit_compile"), property) \
-            and getattr(type(model), "jit_compile").fset is not None:
-        model.jit_compile = value
-    else:
+    """Sets the model's resolved ``jit_compile`` (``_jit_compile`` in Keras 3 and tf-keras).
+
+    The attribute is written directly: Keras 3's property setter re-validates against
+    the current machine and would refuse to restore a value resolved on a GPU.
+    """
+    if hasattr(model, "_jit_compile"):
         model._jit_compile = value  # pylint: disable=protected-access
+    else:
+        model.jit_compile = value
+
+
+def layer_scope_aliases(model, graph: tf.Graph) -> Dict[str, str]:
+    """Maps each layer name of ``model`` to the name scope its ops got in ``graph``.
+
+    Keras traces the train step after other uses of the model's name scope, so TF
+    uniquifies every scope of the trace with the same suffix (``seq_cnn`` -> ``seq_cnn_1``,
+    ``conv0`` -> ``conv0_1``). The suffix is read off the model's own scope.
+    """
+    layers = model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
+    names = [layer.name for layer in layers]
+    first_segments = {op.name.split("/")[0] for op in graph.get_operations()}
+    suffix = ""
+    if model.name not in first_segments:
+        for segment in first_segments:
+            tail = segment[len(model.name):]
+            if segment.startswith(model.name + "_") and tail[1:].isdigit():
+                suffix = tail
+                break
+    return {name: name + suffix for name in names}
 
 
 def fit_batch_size() -> Optional[int]:

@@ -79,7 +79,7 @@ class LMSFunction:
         symbolic = tf.nest.flatten((args, kwargs))
         concrete = getattr(_call_shapes, "stack", [None])[-1]
         input_shapes = {}
-        if concrete is not None and len(concrete) == len(symbolic):
+        if not tf.executing_eagerly() and concrete is not None and len(concrete) == len(symbolic):
             for sym, shape in zip(symbolic, concrete):
                 if (isinstance(sym, tf.Tensor) and shape is not None and sym.op.type == "Placeholder"
                         and not sym.shape.is_fully_defined() and sym.shape.is_compatible_with(shape)):

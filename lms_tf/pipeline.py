@@ -71,7 +71,8 @@ def no_accelerator_message(api: str) -> str:
 @tf.autograph.experimental.do_not_convert
 def rewrite_traced_step(options: LMSOptions, *, api: str,
                         input_shapes: Optional[Mapping[str, Sequence[Optional[int]]]] = None,
-                        batch_size: Optional[int] = None) -> Optional[Plan]:
+                        batch_size: Optional[int] = None,
+                        scope_aliases: Optional[Mapping[str, str]] = None) -> Optional[Plan]:
     """Plans and applies the swap pass to the ``tf.function`` graph being traced right now.
 
     Call it inside the traced body, after the gradients and the update were built.
@@ -81,6 +82,7 @@ def rewrite_traced_step(options: LMSOptions, *, api: str,
         api: Front-end name for messages.
         input_shapes: Concrete shapes of the function's input placeholders, by op name.
         batch_size: Batch size to resolve unknown leading input dimensions with.
+        scope_aliases: Keras layer name -> its name scope in this trace (for ``exclude``).
 
     Returns:
         The plan applied, or None when the step was left untouched (no accelerator).
@@ -105,7 +107,7 @@ def rewrite_traced_step(options: LMSOptions, *, api: str,
         warn_once(f"no-accelerator:{api}", no_accelerator_message(api))
         return None
     ir = build_ir(graph, input_shapes=input_shapes, batch_size=batch_size or options.batch_size)
-    plan = plan_swaps(ir, options, device=device)
+    plan = plan_swaps(ir, options, device=device, scope_aliases=scope_aliases)
     report = apply_swap_plan(graph, ir, plan)
     logger.info("%s (graph %s; inserted %s)", plan.one_line(), graph.name, report.inserted)
     return plan

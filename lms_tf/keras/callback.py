@@ -92,7 +92,8 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
 
         def train_step(data):
             outputs = original_step(data)
-            self.plans.append(rewrite_traced_step(options, api=_API, batch_size=batch_size))
+            aliases = _compat.layer_scope_aliases(model, _compat.current_graph())
+            self.plans.append(rewrite_traced_step(options, api=_API, batch_size=batch_size, scope_aliases=aliases))
             return outputs
 
         train_step = tf.autograph.experimental.do_not_convert(train_step)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import bisect
 import fnmatch
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import tensorflow as tf
 
@@ -44,29 +44,39 @@ _VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2",
 #: dtypes that live in host memory on a GPU or have no fixed size: never swapped.
 _HOST_DTYPES = frozenset({"int32", "string", "resource", "variant", "bool"})
 _GLOB_CHARS = set("*?[")
+#: Op types that mark a layer's compute, used to list layer names in error messages.
+_LAYER_OP_TYPES = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMulV2", "Einsum",
+                             "BiasAdd", "FusedBatchNormV3", "ResourceGather", "GatherV2", "Relu"})
 
 
 def _is_glob(entry: str) -> bool:
     return bool(_GLOB_CHARS & set(entry))
 
 
-def _exclusion_matcher(ir: GraphIR, exclude: Sequence[str]):
-    """Returns op name -> matching exclude entry; raises for entries that match nothing."""
+def _exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mapping[str, str]):
+    """Returns op name -> matching exclude entry; raises for entries that match nothing.
+
+    A plain entry names a name-scope segment (a layer) or an op; ``scope_aliases`` maps a
+    Keras layer name to the scope it got in this trace (Keras/TF may suffix it, e.g. ``_1``).
+    """
     scopes: Set[str] = set()
     for op in ir.ops:
         scopes.update(op.name.split("/")[:-1])
+    targets = {entry: scope_aliases.get(entry, entry) for entry in exclude}
     for entry in exclude:
         if _is_glob(entry):
             if not any(fnmatch.fnmatchcase(op.name, entry) for op in ir.ops):
                 raise LMSOptionError(
                     f"exclude pattern {entry!r} matches no op of the traced step. Patterns are matched "
                     f"against op names such as {ir.ops[len(ir.ops) // 2].name!r}; fix or remove it.")
-        elif entry not in scopes and not any(op.name == entry for op in ir.ops):
-            layers = sorted({layer_of(op.name) for op in ir.ops if op.phase is Phase.FORWARD} - {""})
+        elif targets[entry] not in scopes and not any(op.name == entry for op in ir.ops):
+            layers = sorted({layer_of(op.name).split("/")[-1] for op in ir.ops
+                             if op.phase is Phase.FORWARD and op.type in _LAYER_OP_TYPES} - {""})
             raise LMSOptionError(
                 f"exclude entry {entry!r} is not a layer name or op name of the traced step. "
-                f"Known layers include: {', '.join(layers[:12])}{' ...' if len(layers) > 12 else ''}. "
-                f"Use a layer name, an op name or a glob pattern like '*/{entry}*'.")
+                f"Layers with compute ops in this trace: {', '.join(layers[:20])}"
+                f"{' ...' if len(layers) > 20 else ''}. Use a layer name, an op name or a glob pattern "
+                f"like '*/{entry}*/*'.")
 
     def match(op_name: str) -> Optional[str]:
         segments = op_name.split("/")
@@ -74,7 +84,7 @@ def _exclusion_matcher(ir: GraphIR, exclude: Sequence[str]):
             if _is_glob(entry):
                 if fnmatch.fnmatchcase(op_name, entry):
                     return entry
-            elif entry == op_name or entry in segments[:-1]:
+            elif entry == op_name or targets[entry] in segments[:-1]:
                 return entry
         return None
 
@@ -115,13 +125,15 @@ def _same_device(op_device: str, device: str) -> bool:
         (a.device_index or 0) == (b.device_index or 0)
 
 
-def plan_swaps(ir: GraphIR, options: LMSOptions, *, device: str) -> Plan:
+def plan_swaps(ir: GraphIR, options: LMSOptions, *, device: str,
+               scope_aliases: Optional[Mapping[str, str]] = None) -> Plan:
     """Makes the default swap plan for a traced step.
 
     Args:
         ir: The step's IR.
         options: Validated options.
         device: Full name of the managed accelerator (``options.device`` or the detected GPU).
+        scope_aliases: Keras layer name -> its name scope in this trace, for ``exclude``.
 
     Returns:
         The plan, with one decision per forward tensor that a backward op reads.
@@ -135,7 +147,7 @@ def plan_swaps(ir: GraphIR, options: LMSOptions, *, device: str) -> Plan:
         >>> plan_swaps(GraphIR((), {}, frozenset(), {}), LMSOptions(), device="/device:GPU:0").decisions
         ()
     """
-    excluded_by = _exclusion_matcher(ir, options.exclude)
+    excluded_by = _exclusion_matcher(ir, options.exclude, scope_aliases or {})
     dependent = _data_dependent_ops(ir)
     gates = _gate_candidates(ir)
     gate_positions = [op.index for op in gates]
