@@ -13,4 +13,4 @@ try:
 except RuntimeError:  # already initialised by tests/conftest.py
     pass
 
-collect_ignore = ["setup.py", "examples", "benchmarks", "scripts"]
+collect_ignore = ["setup.py", "examples", "benchmarks", "scripts", "tests/legacy_keras_script.py"]

@@ -83,12 +83,13 @@ def current_graph() -> tf.Graph:
     return tf.compat.v1.get_default_graph()
 
 
-def infer_shapes_with_inputs(graph: tf.Graph, input_shapes: Dict[str, tf.TensorShape]
+def infer_shapes_with_inputs(graph: tf.Graph, tensor_shapes: Dict[str, tf.TensorShape]
                              ) -> Dict[str, tf.TensorShape]:
-    """Re-runs TensorFlow's shape inference with concrete shapes for some placeholders.
+    """Re-runs TensorFlow's shape inference with concrete shapes for some tensors.
 
-    The graph is exported and imported into a scratch graph whose placeholders named in
-    ``input_shapes`` have those shapes; TensorFlow infers every other op's shape again.
+    The graph is exported and imported into a scratch graph in which the tensors named in
+    ``tensor_shapes`` (placeholders, iterator outputs) are replaced by placeholders of those
+    shapes; TensorFlow infers every other op's shape again while importing.
 
     Returns:
         Tensor name -> inferred shape, for every tensor of the graph.
@@ -97,9 +98,9 @@ def infer_shapes_with_inputs(graph: tf.Graph, input_shapes: Dict[str, tf.TensorS
     scratch = tf.Graph()
     with scratch.as_default():
         input_map = {}
-        for name, shape in input_shapes.items():
-            dtype = graph.get_operation_by_name(name).outputs[0].dtype
-            input_map[name + ":0"] = tf.compat.v1.placeholder(dtype, shape=shape, name="lms_input_" + str(len(input_map)))
+        for i, (name, shape) in enumerate(sorted(tensor_shapes.items())):
+            dtype = graph.get_tensor_by_name(name).dtype
+            input_map[name] = tf.compat.v1.placeholder(dtype, shape=shape, name=f"lms_input_{i}")
         tf.graph_util.import_graph_def(graph_def, input_map=input_map, name="s")
     shapes = {}
     for op in scratch.get_operations():

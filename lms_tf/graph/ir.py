@@ -44,6 +44,11 @@ from lms_tf.errors import GraphAnalysisError
 
 _GRADIENT_SCOPE = re.compile(r"^(gradient_tape|gradients)(_\d+)?$")
 
+#: Ops that bring a batch into the step from inside the graph (tf-keras, input pipelines in the step).
+DATA_SOURCE_OP_TYPES = frozenset({
+    "IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue", "MultiDeviceIteratorGetNextFromShard",
+})
+
 #: Op types that write variables: they end the step, so they and what descends from gradients are "update".
 CONTROL_FLOW_OP_TYPES = frozenset({
     "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
@@ -152,7 +157,9 @@ class GraphIR:
         ops: Ops in a deterministic execution order (topological, ties broken by creation).
         tensors: Tensor name -> TensorInfo.
         function_inputs: Names of the ops that are the function's inputs (placeholders).
-        resolved_dims: How unknown dimensions were resolved, e.g. ``{"data": (32, 224, 224, 3)}``.
+        resolved_dims: How unknown dimensions were resolved, e.g. ``{"data:0": (32, 224, 224, 3)}``.
+        data_dependent: Ops computed from the batch (function inputs that are not
+            resources, iterator outputs), not only from constants and variables.
 
     Example:
         >>> ir = GraphIR(ops=(), tensors={}, function_inputs=frozenset(), resolved_dims={})
@@ -164,6 +171,7 @@ class GraphIR:
     tensors: Mapping[str, TensorInfo]
     function_inputs: FrozenSet[str]
     resolved_dims: Mapping[str, Tuple[Optional[int], ...]]
+    data_dependent: FrozenSet[str] = frozenset()
 
     def __post_init__(self):
         object.__setattr__(self, "_by_name", {op.name: op for op in self.ops})
@@ -228,8 +236,16 @@ def _execution_order(ops: Sequence[tf.Operation]) -> List[tf.Operation]:
     return order
 
 
+def _data_dependent(order: Sequence[tf.Operation], sources: FrozenSet[str]) -> FrozenSet[str]:
+    dependent = set(sources)
+    for op in order:
+        if any(t.op.name in dependent for t in op.inputs):
+            dependent.add(op.name)
+    return frozenset(dependent)
+
+
 def _classify(order: Sequence[tf.Operation], created: Mapping[str, int],
-              data_inputs: FrozenSet[str]) -> Dict[str, Phase]:
+              data_dependent: FrozenSet[str]) -> Dict[str, Phase]:
     names = [op.name for op in order]
     preds = {op.name: {t.op.name for t in op.inputs} | {c.name for c in op.control_inputs} for op in order}
     succs: Dict[str, set] = {n: set() for n in names}
@@ -264,10 +280,6 @@ def _classify(order: Sequence[tf.Operation], created: Mapping[str, int],
             phase[n] = Phase.BACKWARD
         elif n in below:
             phase[n] = Phase.UPDATE
-    data_dependent = set(data_inputs)  # computed from the batch, not only from constants and variables
-    for n in names:
-        if any(p in data_dependent for p in preds[n]):
-            data_dependent.add(n)
     # A constant or variable-derived op that only feeds one later phase belongs to it (the
     # loss-gradient seed `ones`, the optimizer's learning-rate read). Data-dependent ops
     # never move: the loss itself feeds only gradient ops until TF adds the outputs.
@@ -317,8 +329,8 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
 
     Args:
         graph: A ``tf.Graph`` or the ``FuncGraph`` of a ``tf.function``.
-        input_shapes: Concrete shapes of input placeholders, by op name.
-        batch_size: Size to give unknown leading dimensions of the inputs.
+        input_shapes: Concrete shapes of input placeholders, by op name (or tensor name).
+        batch_size: Size to give unknown leading dimensions of the inputs and iterator outputs.
 
     Returns:
         The GraphIR.
@@ -336,29 +348,32 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
     tf_ops = graph.get_operations()
     order = _execution_order(tf_ops)
     inputs = _function_inputs(graph)
-    data_inputs = frozenset(n for n in inputs
-                            if graph.get_operation_by_name(n).outputs[0].dtype not in (tf.resource, tf.variant))
-    phases = _classify(order, {op.name: i for i, op in enumerate(tf_ops)}, data_inputs)
+    sources = frozenset(
+        {n for n in inputs if graph.get_operation_by_name(n).outputs[0].dtype not in (tf.resource, tf.variant)}
+        | {op.name for op in tf_ops if op.type in DATA_SOURCE_OP_TYPES})
+    data_dependent = _data_dependent(order, sources)
+    phases = _classify(order, {op.name: i for i, op in enumerate(tf_ops)}, data_dependent)
 
+    # Concrete shapes for the batch-carrying tensors, by tensor name.
     resolution: Dict[str, Tuple[Optional[int], ...]] = {}
     for name, shape in (input_shapes or {}).items():
-        resolution[name] = tuple(shape)
+        resolution[name if ":" in name else name + ":0"] = tuple(shape)
     if batch_size is not None:
-        for name in inputs:
-            out = graph.get_operation_by_name(name).outputs[0]
-            if out.dtype in (tf.resource, tf.variant) or out.shape.rank in (None, 0):
-                continue
-            dims = list(resolution.get(name, out.shape.as_list()))
-            if dims[0] is None:
-                dims[0] = batch_size
-                resolution[name] = tuple(dims)
+        for name in sorted(sources):
+            for out in graph.get_operation_by_name(name).outputs:
+                if out.dtype in (tf.resource, tf.variant) or out.shape.rank in (None, 0):
+                    continue
+                dims = list(resolution.get(out.name, out.shape.as_list()))
+                if dims[0] is None:
+                    dims[0] = batch_size
+                    resolution[out.name] = tuple(dims)
     inferred: Dict[str, tf.TensorShape] = {}
     needs_inference = any(
         not t.shape.is_fully_defined() and t.dtype not in (tf.resource, tf.variant)
         for op in tf_ops for t in op.outputs)
     if resolution and needs_inference:
         for name, dims in resolution.items():
-            static = graph.get_operation_by_name(name).outputs[0].shape
+            static = graph.get_tensor_by_name(name).shape
             if not static.is_compatible_with(tf.TensorShape(dims)):
                 raise GraphAnalysisError(
                     f"input {name!r} has traced shape {static} but a concrete shape {tuple(dims)} was given "
@@ -387,4 +402,5 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
             inputs=tuple(t.name for t in op.inputs),
             control_inputs=tuple(c.name for c in op.control_inputs),
             outputs=tuple(t.name for t in op.outputs)))
-    return GraphIR(ops=tuple(ops), tensors=tensors, function_inputs=inputs, resolved_dims=resolution)
+    return GraphIR(ops=tuple(ops), tensors=tensors, function_inputs=inputs, resolved_dims=resolution,
+                   data_dependent=data_dependent)

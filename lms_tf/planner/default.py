@@ -91,17 +91,6 @@ def _exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappi
     return match
 
 
-def _data_dependent_ops(ir: GraphIR) -> Set[str]:
-    """Ops computed from the step's data (not only from constants and variables)."""
-    sources = {n for n in ir.function_inputs
-               if ir.tensors[ir.op(n).outputs[0]].dtype not in ("resource", "variant")}
-    dependent = set(sources)
-    for op in ir.ops:
-        if any(ir.tensors[t].producer in dependent for t in op.inputs):
-            dependent.add(op.name)
-    return dependent
-
-
 def _gate_candidates(ir: GraphIR) -> List[OpInfo]:
     """Backward ops that can trigger a swap-in: they carry gradient data, so they run in the backward pass."""
     candidates = []
@@ -148,7 +137,6 @@ def plan_swaps(ir: GraphIR, options: LMSOptions, *, device: str,
         ()
     """
     excluded_by = _exclusion_matcher(ir, options.exclude, scope_aliases or {})
-    dependent = _data_dependent_ops(ir)
     gates = _gate_candidates(ir)
     gate_positions = [op.index for op in gates]
     decisions: List[TensorDecision] = []
@@ -174,7 +162,7 @@ def plan_swaps(ir: GraphIR, options: LMSOptions, *, device: str,
                 keep("function input")
             elif op.type in _VARIABLE_READ_TYPES or tensor.dtype == "resource":
                 keep("variable read")
-            elif op.name not in dependent:
+            elif op.name not in ir.data_dependent:
                 keep("derived from variables or constants only")
             elif tensor.dtype in _HOST_DTYPES:
                 keep(f"host-resident dtype ({tensor.dtype})")
@@ -188,6 +176,8 @@ def plan_swaps(ir: GraphIR, options: LMSOptions, *, device: str,
                 keep("read by an update op")
             elif distance < options.swapout_threshold:
                 keep(f"needed again after {distance} ops (< swapout_threshold={options.swapout_threshold})")
+            elif tensor.shape is None:
+                keep("rank unknown to TensorFlow's own shape inference (op-internal scratch output)")
             elif tensor.nbytes is None:
                 raise GraphAnalysisError(
                     f"cannot size tensor {name!r} (shape {tensor.shape}, dtype {tensor.dtype}): a dimension is "

@@ -1,0 +1,48 @@
+"""Run by tests/test_legacy_keras.py with TF_USE_LEGACY_KERAS=1: LMSCallback on tf-keras (Keras 2)."""
+
+import json
+import os
+import sys
+
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0],
+    [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
+
+import tf_keras as keras  # noqa: E402
+
+import lms_tf  # noqa: E402
+
+
+def build():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((24, 24, 3))
+    x = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="c0")(inputs)
+    y = keras.layers.Conv2D(16, 3, padding="same", name="c1")(x)
+    y = keras.layers.BatchNormalization(name="bn")(y)
+    x = keras.layers.Activation("relu")(keras.layers.Add()([x, y]))
+    x = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="c2")(x)
+    outputs = keras.layers.Dense(5)(keras.layers.GlobalAveragePooling2D()(x))
+    model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+rng = np.random.RandomState(0)
+x, y = rng.rand(24, 24, 24, 3).astype("float32"), rng.randint(0, 5, 24)
+results = {}
+for name, callbacks in (("plain", []), ("lms", [lms_tf.LMSCallback(device="/CPU:0", host="/CPU:1",
+                                                                 swapout_threshold=4, min_swap_bytes=1024)])):
+    model = build()
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+    results[name] = {"loss": history.history["loss"], "weights": [w.tolist() for w in model.get_weights()]}
+    if callbacks:
+        results["swapped"] = len(callbacks[0].plan.swapped)
+        results["keras_module"] = type(model).__module__
+json.dump(results, sys.stdout)

@@ -1,0 +1,23 @@
+"""tf-keras (Keras 2) selected by TF_USE_LEGACY_KERAS=1 trains identically with LMSCallback."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(300)
+def test_legacy_keras_fit_with_callback_equals_plain():
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
+    script = os.path.join(os.path.dirname(__file__), "legacy_keras_script.py")
+    root = os.path.dirname(os.path.dirname(__file__))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results["keras_module"].startswith("tf_keras")
+    assert results["swapped"] >= 2
+    assert results["plain"]["loss"] == results["lms"]["loss"]
+    assert results["plain"]["weights"] == results["lms"]["weights"]
