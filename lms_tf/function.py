@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
@@ -50,6 +51,7 @@ class LMSFunction:
     Attributes:
         options: The validated :class:`~lms_tf.LMSOptions`.
         plans: One plan per trace, oldest first (None entries: step left untouched).
+        pass_seconds: Time the pass (analyse, plan, rewrite) took on each trace.
 
     Example:
         >>> import lms_tf
@@ -62,6 +64,7 @@ class LMSFunction:
         self.python_function = python_function
         self.options = options
         self.plans: List[Optional[Plan]] = []
+        self.pass_seconds: List[float] = []
         self._tf_function_kwargs = tf_function_kwargs
         self._bound: "weakref.WeakKeyDictionary[Any, LMSFunction]" = weakref.WeakKeyDictionary()
         functools.update_wrapper(self, python_function)
@@ -84,7 +87,9 @@ class LMSFunction:
                 if (isinstance(sym, tf.Tensor) and shape is not None and sym.op.type == "Placeholder"
                         and not sym.shape.is_fully_defined() and sym.shape.is_compatible_with(shape)):
                     input_shapes[sym.op.name] = shape
+        started = time.perf_counter()
         self.plans.append(rewrite_traced_step(self.options, api="lms_tf.function", input_shapes=input_shapes))
+        self.pass_seconds.append(time.perf_counter() - started)
 
     @property
     def plan(self) -> Optional[Plan]:
