@@ -1,0 +1,87 @@
+"""Every private TensorFlow/Keras API lms-tf relies on still behaves as expected.
+
+If one of these fails after a TensorFlow or Keras upgrade, lms_tf/_compat.py needs an update.
+"""
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+from lms_tf import _compat
+
+
+def test_private_tf_operation_apis_exist():
+    _compat.check_private_apis()
+
+
+def test_graph_editing_helpers_rewire_inputs_and_set_attributes():
+    graph = tf.Graph()
+    with graph.as_default():
+        a, b = tf.constant(1.0, name="a"), tf.constant(2.0, name="b")
+        c = tf.identity(a, name="c")
+        gate = tf.raw_ops.NoOp(name="gate")
+    _compat.update_input(c.op, 0, b)
+    _compat.add_control_input(c.op, gate)
+    _compat.set_string_attr(c.op, "_lms", "swap_in")
+    _compat.set_bool_attr(c.op, "_grappler_do_not_remove", True)
+    assert c.op.inputs[0].name == "b:0" and gate in c.op.control_inputs
+    assert _compat.string_attr(c.op, "_lms") == "swap_in" and _compat.string_attr(a.op, "_lms") is None
+    node = next(n for n in graph.as_graph_def().node if n.name == "c")
+    assert node.attr["_grappler_do_not_remove"].b is True
+
+
+def test_shape_inference_with_concrete_inputs():
+    f = tf.function(lambda x: tf.nn.relu(tf.concat([x, x], axis=1)))
+    graph = f.get_concrete_function(tf.TensorSpec((None, 3))).graph
+    shapes = _compat.infer_shapes_with_inputs(graph, {graph.inputs[0].name: tf.TensorShape((5, 3))})
+    relu = next(op for op in graph.get_operations() if op.type == "Relu")
+    assert shapes[relu.outputs[0].name].as_list() == [5, 6]
+
+
+def test_fit_batch_size_and_layer_scopes_are_readable_from_a_callback():
+    seen = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen["batch"] = _compat.fit_batch_size()
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")], name="probe_model")
+    model.compile("sgd", "mse")
+    model.fit(np.ones((12, 4)), np.ones((12, 2)), batch_size=6, epochs=1, verbose=0, callbacks=[Probe()])
+    assert seen["batch"] == 6
+    graph = tf.Graph()
+    with graph.as_default(), tf.name_scope("probe_model_1"):
+        tf.constant(0.0, name="x")
+    assert _compat.layer_scope_aliases(model, graph)["d"] == "d_1"
+    assert _compat.fit_batch_size() is None
+
+
+def test_jit_compile_attribute_round_trips():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    _compat.set_jit_compile(model, True)
+    assert _compat.get_jit_compile(model) is True
+    _compat.set_jit_compile(model, False)
+    assert _compat.get_jit_compile(model) is False
+
+
+def test_profiler_reports_executed_kernels():
+    f = tf.function(lambda x: tf.nn.relu(tf.matmul(x, x)))
+    f(tf.ones((8, 8)))
+    events = _compat.profile_executed_ops(lambda: f(tf.ones((8, 8))))
+    kinds = [e[1] for e in events]
+    assert "MatMul" in kinds and "Relu" in kinds
+    assert kinds.index("MatMul") < kinds.index("Relu")
+
+
+def test_grappler_virtual_cluster_reports_a_peak():
+    f = tf.function(lambda x: tf.nn.relu(x) * 2.0)
+    graph = f.get_concrete_function(tf.ones((256, 256))).graph
+    graph_def = graph.as_graph_def()
+    gpu = "/job:localhost/replica:0/task:0/device:GPU:0"
+    for node in graph_def.node:
+        node.device = gpu
+    peaks = _compat.grappler_peak_memory(graph_def, [t.op.name for t in graph.outputs], [(gpu, "GPU", 2**30)])
+    assert peaks[gpu] >= 256 * 256 * 4

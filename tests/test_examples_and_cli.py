@@ -1,0 +1,51 @@
+"""The shipped examples and the lms-tf command line run end to end."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, timeout):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_USE_LEGACY_KERAS", None)
+    env.pop("TF_DETERMINISTIC_OPS", None)  # set by conftest for the in-process tests only
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    return done, time.perf_counter() - started
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("example", ["examples/keras_fit.py", "examples/custom_loop.py"])
+def test_example_runs_on_cpu_and_swaps(example):
+    done, seconds = _run([example], timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = [line for line in done.stdout.splitlines() if line.startswith("lms-tf: swapped")]
+    assert summary and not summary[0].startswith("lms-tf: swapped 0 "), done.stdout[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_cli_explain_json_reports_a_lower_virtual_gpu_peak():
+    done, _ = _run(["-m", "lms_tf.cli", "explain", "--model", "MobileNetV2", "--batch-size", "8",
+                    "--image-size", "96", "--classes", "10", "--json"], timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["swapped_tensors"] > 0 and result["swap_ins"] >= result["swapped_tensors"]
+    assert 0 < result["oracle_lms_peak_bytes"] < result["oracle_baseline_peak_bytes"]
+    assert "[4/4] simulating" in done.stderr  # progress is shown
+
+
+@pytest.mark.timeout(120)
+def test_cli_reports_bad_input_without_a_traceback():
+    done, _ = _run(["-m", "lms_tf.cli", "explain", "--model", "NoSuchNet"], timeout=110)
+    assert done.returncode == 2
+    assert "lms-tf: error: model 'NoSuchNet' is not a keras.applications name" in done.stderr
+    assert "Traceback" not in done.stderr
+    done, _ = _run(["-m", "lms_tf.cli", "explain", "--swapin-ahead", "0"], timeout=110)
+    assert done.returncode == 2 and "swapin_ahead must be an int >= 1; received 0" in done.stderr
