@@ -8,6 +8,7 @@ import tensorflow as tf
 import keras
 
 import lms_tf
+from lms_tf import pipeline
 from lms_tf.errors import GraphAnalysisError, LMSError, LMSOptionError, LMSWarning
 from lms_tf.rewrite import count_lms_ops
 from tests import zoo
@@ -116,6 +117,7 @@ def test_unresolvable_batch_dimension_is_an_error_naming_the_tensor():
 @pytest.mark.timeout(120)
 def test_no_accelerator_leaves_the_step_untouched_and_warns_once():
     assert not tf.config.list_logical_devices("GPU")
+    pipeline._warned.clear()  # "once" is per process; start this test from a clean slate
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plain = custom_loop(zoo.sequential_cnn, tf.function)
@@ -194,3 +196,14 @@ def test_method_decoration_binds_per_instance():
     a, b = Trainer(), Trainer()
     assert float(a.step(tf.ones((8, 32)))) == float(b.step(tf.ones((8, 32))))
     assert a.step is a.step and a.step is not b.step and a.step.plan is not None
+
+
+@pytest.mark.timeout(120)
+def test_callback_without_accelerator_leaves_fit_untouched_and_warns():
+    pipeline._warned.clear()  # "once" is per process; start this test from a clean slate
+    plain = fit_steps(zoo.sequential_cnn)
+    callback = lms_tf.LMSCallback()
+    with pytest.warns(LMSWarning, match="LMSCallback: no GPU is visible"):
+        untouched = fit_steps(zoo.sequential_cnn, callbacks=[callback])
+    assert callback.plan is None and "train_step" not in untouched[2].__dict__
+    assert_same_numbers(plain, untouched)
