@@ -15,7 +15,7 @@ import glob
 import inspect
 import os
 import tempfile
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
@@ -209,7 +209,6 @@ def grappler_peak_memory(graph_def, fetch_names: Sequence[str], devices: Sequenc
     from tensorflow.core.protobuf import device_properties_pb2, meta_graph_pb2
     from tensorflow.python.grappler import cluster as gcluster
     from tensorflow.python.grappler import item as gitem
-    from tensorflow.core.protobuf.device_properties_pb2 import NamedDevice  # noqa: F401
 
     named = []
     for name, dev_type, memory in devices:
@@ -267,8 +266,3 @@ def profile_executed_ops(run_step) -> List[Tuple[str, str, int, int]]:
                 events.append((node, op_type, start, start + event.duration_ps))
     events.sort(key=lambda e: e[2])
     return events
-
-
-def enumerate_tensor_refs(tensors: Iterable[tf.Tensor]):
-    """Hashable identities of tensors (graph tensors are not hashable by value in TF2)."""
-    return [t.ref() for t in tensors]

@@ -33,7 +33,7 @@ _call_shapes = threading.local()
 def _concrete_shapes(structure) -> List[Optional[tuple]]:
     shapes = []
     for leaf in tf.nest.flatten(structure, expand_composites=False):
-        if isinstance(leaf, (tf.Tensor, np.ndarray)) or hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        if isinstance(leaf, (tf.Tensor, np.ndarray)) or (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
             try:
                 shapes.append(tuple(tf.TensorShape(leaf.shape).as_list()))
             except (TypeError, ValueError):

@@ -49,7 +49,7 @@ DATA_SOURCE_OP_TYPES = frozenset({
     "IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue", "MultiDeviceIteratorGetNextFromShard",
 })
 
-#: Op types that write variables: they end the step, so they and what descends from gradients are "update".
+#: Control-flow ops: values entering or leaving them are never swapped (their bodies are functions).
 CONTROL_FLOW_OP_TYPES = frozenset({
     "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
     "Enter", "Exit", "Switch", "Merge", "NextIteration", "LoopCond", "RefEnter", "RefExit",
