@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple, Union
 
 from lms_tf.errors import LMSOptionError
 
@@ -52,6 +52,22 @@ def _check_device(name: str, value: Any) -> str:
     return spec.to_string()
 
 
+RECOMPUTE_POLICIES = ("cheap", "sqrt")
+
+
+def _check_recompute(value: Any):
+    if value is False or value is None:
+        return False
+    if isinstance(value, str) and value in RECOMPUTE_POLICIES:
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
+        return tuple(value)
+    raise LMSOptionError(
+        f"recompute must be False, 'cheap', 'sqrt' or a non-empty list of layer names / op-name patterns; "
+        f"received {_describe(value)}. Example: recompute='sqrt' or recompute=['conv2d_3', '*/block2_*']."
+        + (" ('auto' arrives with the budget planner.)" if value == "auto" else ""))
+
+
 @dataclasses.dataclass(frozen=True)
 class LMSOptions:
     """Options of the lms-tf swap pass (TFLMS semantics), checked at construction.
@@ -73,6 +89,13 @@ class LMSOptions:
         batch_size: Size of a batch dimension that the traced step leaves unknown
             (``None`` in the input signature). Only needed when lms-tf cannot
             resolve it from the traced inputs itself.
+        swap: Whether to swap at all. ``swap=False`` with a ``recompute`` policy
+            recomputes only, which also works when the only device is the CPU
+            (``device="/CPU:0"``).
+        recompute: ``False`` (default), ``"cheap"`` (recompute outputs of cheap op
+            types, see ``lms_tf.planner.CHEAP_OP_TYPES``), ``"sqrt"`` (keep every
+            ceil(sqrt(n))-th activation as a checkpoint and recompute the rest, Chen et
+            al. 2016), or a list of layer names / op-name patterns to recompute.
 
     Example:
         >>> opts = LMSOptions(device="/GPU:0", swapin_ahead=2, exclude=("dense",))
@@ -88,9 +111,12 @@ class LMSOptions:
     min_swap_bytes: int = 64 * 1024
     exclude: Tuple[str, ...] = ()
     batch_size: Optional[int] = None
+    swap: bool = True
+    recompute: Union[bool, str, Tuple[str, ...]] = False
 
     def __init__(self, *, device=None, host="/CPU:0", swapout_threshold=32, swapin_ahead=8,
-                 swapin_groupby=4, min_swap_bytes=64 * 1024, exclude=(), batch_size=None):
+                 swapin_groupby=4, min_swap_bytes=64 * 1024, exclude=(), batch_size=None, swap=True,
+                 recompute=False):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass init
         set_("device", None if device is None else _check_device("device", device))
         set_("host", _check_device("host", host))
@@ -111,7 +137,15 @@ class LMSOptions:
         if batch_size is not None:
             _check_int("batch_size", batch_size, 1)
         set_("batch_size", batch_size)
-        if self.device is not None and self.device == self.host:
+        if not isinstance(swap, bool):
+            raise LMSOptionError(f"swap must be True or False; received {_describe(swap)}.")
+        set_("swap", swap)
+        set_("recompute", _check_recompute(recompute))
+        if not swap and not self.recompute:
+            raise LMSOptionError(
+                "swap=False and recompute=False leave nothing to do; pass recompute='sqrt' or 'cheap' "
+                "(or a list of layer names) to recompute, or leave swap=True.")
+        if self.swap and self.device is not None and self.device == self.host:
             raise LMSOptionError(
                 f"device and host are the same device ({self.device}); swapping to the device "
                 f"itself saves nothing. Use host='/CPU:0' (default) with device='/GPU:0'."

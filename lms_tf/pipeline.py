@@ -20,7 +20,7 @@ from lms_tf.errors import LMSError, LMSWarning
 from lms_tf.graph import build_ir
 from lms_tf.options import LMSOptions
 from lms_tf.planner import Plan, plan_swaps
-from lms_tf.rewrite import apply_swap_plan
+from lms_tf.rewrite import apply_plan
 
 logger = logging.getLogger("lms_tf")
 _warned = set()
@@ -108,6 +108,6 @@ def rewrite_traced_step(options: LMSOptions, *, api: str,
         return None
     ir = build_ir(graph, input_shapes=input_shapes, batch_size=batch_size or options.batch_size)
     plan = plan_swaps(ir, options, device=device, scope_aliases=scope_aliases)
-    report = apply_swap_plan(graph, ir, plan)
+    report = apply_plan(graph, ir, plan)
     logger.info("%s (graph %s; inserted %s)", plan.one_line(), graph.name, report.inserted)
     return plan

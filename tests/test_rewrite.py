@@ -10,7 +10,7 @@ from lms_tf import _compat
 from lms_tf.diagnostics import executed_ops, find_executed, virtual_gpu_peak
 from lms_tf.errors import RewriteError
 from lms_tf.graph import Phase, build_ir
-from lms_tf.rewrite import LMS_ATTR, apply_swap_plan, count_lms_ops
+from lms_tf.rewrite import LMS_ATTR, apply_plan, count_lms_ops
 from tests import zoo
 from tests.conftest import CPU_LMS
 
@@ -110,7 +110,7 @@ def test_rewriting_twice_is_refused(toy):
     graph = fn.get_concrete_function(x, y).graph
     ir = build_ir(graph)
     with pytest.raises(RewriteError, match="already rewritten"):
-        apply_swap_plan(graph, ir, fn.plan)
+        apply_plan(graph, ir, fn.plan)
 
 
 @pytest.mark.timeout(240)

@@ -110,6 +110,8 @@ class OpInfo:
         inputs: Input tensor names.
         control_inputs: Names of ops with a control edge into this op.
         outputs: Output tensor names.
+        stateful: Whether TensorFlow declares the op stateful (variable access,
+            random ops with hidden state, I/O): such ops are never recomputed.
 
     Example:
         >>> OpInfo("a", "Relu", 0, Phase.FORWARD, "", (), (), ("a:0",)).type
@@ -124,6 +126,7 @@ class OpInfo:
     inputs: Tuple[str, ...]
     control_inputs: Tuple[str, ...]
     outputs: Tuple[str, ...]
+    stateful: bool = False
 
 
 def layer_of(op_name: str) -> str:
@@ -401,6 +404,6 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
             name=op.name, type=op.type, index=index, phase=phases[op.name], device=op.device,
             inputs=tuple(t.name for t in op.inputs),
             control_inputs=tuple(c.name for c in op.control_inputs),
-            outputs=tuple(t.name for t in op.outputs)))
+            outputs=tuple(t.name for t in op.outputs), stateful=bool(op.op_def.is_stateful)))
     return GraphIR(ops=tuple(ops), tensors=tensors, function_inputs=inputs, resolved_dims=resolution,
                    data_dependent=data_dependent)

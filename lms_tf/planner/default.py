@@ -1,9 +1,17 @@
-"""The default swap plan (TFLMS semantics) until the budget planner exists.
+"""The default plan until the budget planner exists: TFLMS-style swaps plus a recompute policy.
 
-A forward tensor is swapped when the backward pass reads it, its first backward
-consumer runs at least ``swapout_threshold`` ops after its producer, it is at
-least ``min_swap_bytes`` big, and it is eligible (not a variable read, function
-input, host-resident value, control-flow value, or excluded by the user).
+Swap: a forward tensor is swapped when the backward pass reads it, its first backward
+consumer runs at least ``swapout_threshold`` ops after its producer, it is at least
+``min_swap_bytes`` big, and it is eligible (not a variable read, function input,
+host-resident value, control-flow value, or excluded by the user).
+
+Recompute (``recompute=``): ``"cheap"`` recomputes outputs of :data:`CHEAP_OP_TYPES`;
+``"sqrt"`` keeps every ceil(sqrt(n))-th eligible activation as a checkpoint and
+recomputes the rest (Chen et al. 2016); a list names layers or op patterns. A
+recomputed tensor overrides a swap; the checkpoints its clones start from may be
+swapped (KARMA). Stateful ops (variable reads, random ops with hidden state) are
+never cloned; stateless random ops are, with the same seed input, so they give the
+same values.
 
 Example:
     >>> import tensorflow as tf
@@ -30,6 +38,8 @@ from __future__ import annotations
 
 import bisect
 import fnmatch
+import math
+import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import tensorflow as tf
@@ -44,6 +54,26 @@ _VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2",
 #: dtypes that live in host memory on a GPU or have no fixed size: never swapped.
 _HOST_DTYPES = frozenset({"int32", "string", "resource", "variant", "bool"})
 _GLOB_CHARS = set("*?[")
+
+#: Op types whose outputs ``recompute="cheap"`` recomputes: activations, elementwise math,
+#: normalisation arithmetic, pooling, concatenation and layout ops. Cheap in FLOPs per byte,
+#: so recomputing them costs little time for the memory it frees.
+CHEAP_OP_TYPES = frozenset({
+    # activations
+    "Relu", "Relu6", "Elu", "Selu", "Sigmoid", "Tanh", "Softplus", "Softsign", "LeakyRelu", "Gelu",
+    "Softmax", "LogSoftmax",
+    # elementwise
+    "Add", "AddV2", "Sub", "Mul", "RealDiv", "DivNoNan", "Maximum", "Minimum", "Neg", "Square",
+    "SquaredDifference", "Sqrt", "Rsqrt", "Exp", "Log", "Abs", "BiasAdd", "Cast", "Identity", "AddN",
+    "Select", "SelectV2", "Erf",
+    # normalisation (fused kernel and the reductions of unfused batch/layer norm)
+    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "Mean",
+    # pooling
+    "MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D",
+    # concat and layout
+    "ConcatV2", "Reshape", "Squeeze", "ExpandDims", "Transpose", "Pad", "StridedSlice", "Slice",
+    "Tile", "BroadcastTo",
+})
 #: Op types that mark a layer's compute, used to list layer names in error messages.
 _LAYER_OP_TYPES = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMulV2", "Einsum",
                              "BiasAdd", "FusedBatchNormV3", "ResourceGather", "GatherV2", "Relu"})
@@ -114,9 +144,106 @@ def _same_device(op_device: str, device: str) -> bool:
         (a.device_index or 0) == (b.device_index or 0)
 
 
+def _ineligible(ir: GraphIR, op: OpInfo, tensor, readers, device: str, excluded_by) -> Optional[str]:
+    """Why a forward tensor may be neither swapped nor recomputed, or None."""
+    exclusion = excluded_by(op.name)
+    if op.name in ir.function_inputs:
+        return "function input"
+    if op.type in _VARIABLE_READ_TYPES or tensor.dtype == "resource":
+        return "variable read"
+    if op.name not in ir.data_dependent:
+        return "derived from variables or constants only"
+    if tensor.dtype in _HOST_DTYPES:
+        return f"host-resident dtype ({tensor.dtype})"
+    if not _same_device(op.device, device):
+        return f"placed on {op.device}, not the managed device"
+    if op.type in CONTROL_FLOW_OP_TYPES or any(c.type in CONTROL_FLOW_OP_TYPES for c in readers):
+        return "control-flow value (while/cond bodies stay untouched)"
+    if exclusion is not None:
+        return f"excluded by {exclusion!r}"
+    if any(c.phase is Phase.UPDATE for c in readers):
+        return "read by an update op"
+    if tensor.shape is None:
+        return "rank unknown to TensorFlow's own shape inference (op-internal scratch output)"
+    return None
+
+
+def _swap_decision(ir: GraphIR, op: OpInfo, tensor, backward, distance, options: LMSOptions,
+                   gates: Sequence[OpInfo], gate_positions: Sequence[int]) -> TensorDecision:
+    name = tensor.name
+
+    def keep(reason: str) -> TensorDecision:
+        return TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes, Decision.KEEP, reason,
+                              distance, ())
+
+    if distance < options.swapout_threshold:
+        return keep(f"needed again after {distance} ops (< swapout_threshold={options.swapout_threshold})")
+    if tensor.nbytes < options.min_swap_bytes:
+        return keep(f"smaller than min_swap_bytes ({tensor.nbytes} < {options.min_swap_bytes})")
+    groups: List[List[OpInfo]] = []
+    for consumer in sorted(backward, key=lambda c: c.index):
+        if groups and consumer.index - groups[-1][0].index <= options.swapin_groupby:
+            groups[-1].append(consumer)
+        else:
+            groups.append([consumer])
+    swap_ins = []
+    for group in groups:
+        before = bisect.bisect_left(gate_positions, group[0].index)
+        if before == 0:
+            return keep("no backward op runs before its first backward consumer to trigger a swap-in")
+        trigger = gates[max(0, before - options.swapin_ahead)]
+        swap_ins.append(SwapIn(trigger.name, tuple(c.name for c in group)))
+    return TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes, Decision.SWAP, "swap", distance,
+                          tuple(swap_ins))
+
+
+def _recompute_targets(ir: GraphIR, eligible: Sequence[str], options: LMSOptions,
+                       scope_aliases: Mapping[str, str]) -> Tuple[Set[str], callable]:
+    """The tensors the policy recomputes, and which pure intermediates a clone may recompute through."""
+    clonable = [t for t in eligible if not ir.op(ir.tensors[t].producer).stateful]
+    policy = options.recompute
+    if policy == "cheap":
+        targets = {t for t in clonable if ir.op(ir.tensors[t].producer).type in CHEAP_OP_TYPES}
+        through = lambda op: op.type in CHEAP_OP_TYPES  # noqa: E731
+    elif policy == "sqrt":
+        ordered = sorted(clonable, key=lambda t: ir.op(ir.tensors[t].producer).index)
+        stride = max(1, math.ceil(math.sqrt(len(ordered))))
+        targets = {t for i, t in enumerate(ordered) if i % stride != stride - 1}
+        through = lambda op: True  # noqa: E731
+    else:
+        matcher = _exclusion_matcher(ir, policy, scope_aliases)
+        targets = {t for t in clonable if matcher(ir.tensors[t].producer) is not None}
+        through = lambda op: matcher(op.name) is not None  # noqa: E731
+    return targets, through
+
+
+def _clone_region(ir: GraphIR, tensor: str, targets: Set[str], through) -> Tuple[str, ...]:
+    """Forward ops to clone to produce ``tensor`` again from its nearest checkpoints."""
+    region: Set[str] = set()
+    stack = [ir.tensors[tensor].producer]
+    while stack:
+        name = stack.pop()
+        if name in region:
+            continue
+        region.add(name)
+        for t in ir.op(name).inputs:
+            info = ir.tensors[t]
+            producer = ir.op(info.producer)
+            if t in targets:
+                stack.append(producer.name)
+            elif (producer.phase is Phase.FORWARD and producer.name in ir.data_dependent
+                  and not producer.stateful and producer.name not in ir.function_inputs
+                  and producer.type not in CONTROL_FLOW_OP_TYPES and producer.type not in _VARIABLE_READ_TYPES
+                  and info.dtype not in ("resource", "variant")
+                  and not any(ir.op(c).phase is Phase.BACKWARD for c in info.consumers)
+                  and through(producer)):
+                stack.append(producer.name)  # a pure intermediate: recompute it too
+    return tuple(sorted(region, key=lambda n: ir.op(n).index))
+
+
 def plan_swaps(ir: GraphIR, options: LMSOptions, *, device: str,
                scope_aliases: Optional[Mapping[str, str]] = None) -> Plan:
-    """Makes the default swap plan for a traced step.
+    """Makes the default plan for a traced step: swaps (TFLMS rule) and the recompute policy.
 
     Args:
         ir: The step's IR.
@@ -136,10 +263,14 @@ def plan_swaps(ir: GraphIR, options: LMSOptions, *, device: str,
         >>> plan_swaps(GraphIR((), {}, frozenset(), {}), LMSOptions(), device="/device:GPU:0").decisions
         ()
     """
-    excluded_by = _exclusion_matcher(ir, options.exclude, scope_aliases or {})
+    aliases = scope_aliases or {}
+    excluded_by = _exclusion_matcher(ir, options.exclude, aliases)
     gates = _gate_candidates(ir)
     gate_positions = [op.index for op in gates]
-    decisions: List[TensorDecision] = []
+    decisions: Dict[str, TensorDecision] = {}
+    order: List[str] = []
+    backward_of: Dict[str, List[OpInfo]] = {}
+    eligible: List[str] = []
 
     for op in ir.ops:
         if op.phase is not Phase.FORWARD:
@@ -150,60 +281,45 @@ def plan_swaps(ir: GraphIR, options: LMSOptions, *, device: str,
             backward = [c for c in readers if c.phase is Phase.BACKWARD]
             if not backward:
                 continue
-            first = min(c.index for c in backward)
-            distance = first - op.index
-
-            def keep(reason: str) -> None:
-                decisions.append(TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes,
-                                                Decision.KEEP, reason, distance, ()))
-
-            exclusion = excluded_by(op.name)
-            if op.name in ir.function_inputs:
-                keep("function input")
-            elif op.type in _VARIABLE_READ_TYPES or tensor.dtype == "resource":
-                keep("variable read")
-            elif op.name not in ir.data_dependent:
-                keep("derived from variables or constants only")
-            elif tensor.dtype in _HOST_DTYPES:
-                keep(f"host-resident dtype ({tensor.dtype})")
-            elif not _same_device(op.device, device):
-                keep(f"placed on {op.device}, not the managed device")
-            elif op.type in CONTROL_FLOW_OP_TYPES or any(c.type in CONTROL_FLOW_OP_TYPES for c in readers):
-                keep("control-flow value (while/cond bodies stay untouched)")
-            elif exclusion is not None:
-                keep(f"excluded by {exclusion!r}")
-            elif any(c.phase is Phase.UPDATE for c in readers):
-                keep("read by an update op")
-            elif distance < options.swapout_threshold:
-                keep(f"needed again after {distance} ops (< swapout_threshold={options.swapout_threshold})")
-            elif tensor.shape is None:
-                keep("rank unknown to TensorFlow's own shape inference (op-internal scratch output)")
-            elif tensor.nbytes is None:
+            order.append(name)
+            backward_of[name] = backward
+            distance = min(c.index for c in backward) - op.index
+            reason = _ineligible(ir, op, tensor, readers, device, excluded_by)
+            if reason is None and tensor.nbytes is None:
                 raise GraphAnalysisError(
                     f"cannot size tensor {name!r} (shape {tensor.shape}, dtype {tensor.dtype}): a dimension is "
                     f"unknown and could not be resolved from the traced inputs "
                     f"(resolved: {dict(ir.resolved_dims) or 'none'}). Pass batch_size=<int> to lms-tf, or "
                     f"trace the step with a fully defined input_signature.")
-            elif tensor.nbytes < options.min_swap_bytes:
-                keep(f"smaller than min_swap_bytes ({tensor.nbytes} < {options.min_swap_bytes})")
+            if reason is not None:
+                decisions[name] = TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes,
+                                                 Decision.KEEP, reason, distance, ())
+                continue
+            eligible.append(name)
+            if options.swap:
+                decisions[name] = _swap_decision(ir, op, tensor, backward, distance, options, gates, gate_positions)
             else:
-                groups: List[List[OpInfo]] = []
-                for consumer in sorted(backward, key=lambda c: c.index):
-                    if groups and consumer.index - groups[-1][0].index <= options.swapin_groupby:
-                        groups[-1].append(consumer)
-                    else:
-                        groups.append([consumer])
-                swap_ins = []
-                for group in groups:
-                    before = bisect.bisect_left(gate_positions, group[0].index)
-                    if before == 0:
-                        break
-                    trigger = gates[max(0, before - options.swapin_ahead)]
-                    swap_ins.append(SwapIn(trigger.name, tuple(c.name for c in group)))
-                if len(swap_ins) != len(groups):
-                    keep("no backward op runs before its first backward consumer to trigger a swap-in")
-                    continue
-                decisions.append(TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes,
-                                                Decision.SWAP, "swap", distance, tuple(swap_ins)))
-    return Plan(decisions=tuple(decisions), device=device, host=options.host,
+                decisions[name] = TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes,
+                                                 Decision.KEEP, "swap=False", distance, ())
+
+    if options.recompute:
+        targets, through = _recompute_targets(ir, eligible, options, aliases)
+        for name in eligible:
+            if name not in targets:
+                if ir.op(ir.tensors[name].producer).stateful and decisions[name].decision is Decision.KEEP:
+                    decisions[name] = dataclasses.replace(
+                        decisions[name], reason="stateful op: never recomputed")
+                continue
+            first = min(c.index for c in backward_of[name])
+            before = bisect.bisect_left(gate_positions, first)
+            if before == 0:
+                continue
+            old = decisions[name]
+            decisions[name] = TensorDecision(
+                name, old.layer, old.shape, old.nbytes, Decision.RECOMPUTE, f"recompute ({options.recompute})"
+                if isinstance(options.recompute, str) else "recompute (named)", old.distance, (),
+                recompute_ops=_clone_region(ir, name, targets, through), gate=gates[before - 1].name,
+                consumers=tuple(c.name for c in sorted(backward_of[name], key=lambda c: c.index)))
+
+    return Plan(decisions=tuple(decisions[n] for n in order), device=device, host=options.host,
                 options=options.to_dict(), phase_counts=ir.phase_counts())

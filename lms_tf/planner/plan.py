@@ -25,6 +25,7 @@ class Decision(str, enum.Enum):
 
     KEEP = "keep"
     SWAP = "swap"
+    RECOMPUTE = "recompute"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,12 @@ class TensorDecision:
         reason: Why, in words.
         distance: Ops between the producer and the first backward consumer.
         swap_ins: For SWAP, one entry per group of backward consumers.
+        recompute_ops: For RECOMPUTE, the forward ops cloned into the backward pass to
+            produce it again, in execution order (their inputs outside this list are
+            checkpoints: kept, or swapped in).
+        gate: For RECOMPUTE, the backward op the clones wait for (the one just before
+            the first backward consumer).
+        consumers: For RECOMPUTE, the backward ops re-pointed to the clone.
 
     Example:
         >>> d = TensorDecision("c/Relu:0", "c", (8, 8), 256, Decision.KEEP, "smaller than min_swap_bytes", 3, ())
@@ -68,6 +75,9 @@ class TensorDecision:
     reason: str
     distance: Optional[int]
     swap_ins: Tuple[SwapIn, ...]
+    recompute_ops: Tuple[str, ...] = ()
+    gate: Optional[str] = None
+    consumers: Tuple[str, ...] = ()
 
 
 def _mib(nbytes: Optional[int]) -> str:
@@ -118,6 +128,36 @@ class Plan:
         return sum(d.nbytes or 0 for d in self.swapped)
 
     @property
+    def recomputed(self) -> Tuple[TensorDecision, ...]:
+        """Decisions whose tensor is recomputed in the backward pass.
+
+        Example:
+            >>> Plan((), "d", "h", {}, {}).recomputed
+            ()
+        """
+        return tuple(d for d in self.decisions if d.decision is Decision.RECOMPUTE)
+
+    @property
+    def recomputed_bytes(self) -> int:
+        """Bytes of forward tensors that are recomputed instead of kept.
+
+        Example:
+            >>> Plan((), "d", "h", {}, {}).recomputed_bytes
+            0
+        """
+        return sum(d.nbytes or 0 for d in self.recomputed)
+
+    @property
+    def num_recompute_clones(self) -> int:
+        """Number of ops the recompute pass clones (an op shared by regions with one gate is cloned once).
+
+        Example:
+            >>> Plan((), "d", "h", {}, {}).num_recompute_clones
+            0
+        """
+        return len({(op, d.gate) for d in self.recomputed for op in d.recompute_ops})
+
+    @property
     def num_swap_ins(self) -> int:
         """Number of swap-in ops the rewrite inserts.
 
@@ -145,9 +185,13 @@ class Plan:
             True
         """
         total = sum(d.nbytes or 0 for d in self.decisions)
-        return (f"lms-tf: swapped {len(self.swapped)} of {len(self.decisions)} candidate tensors "
+        line = (f"lms-tf: swapped {len(self.swapped)} of {len(self.decisions)} candidate tensors "
                 f"({_mib(self.swapped_bytes)} MiB of {_mib(total)} MiB) with {self.num_swap_ins} swap-ins, "
                 f"device {self.device} -> host {self.host}")
+        if self.recomputed:
+            line += (f"; recomputed {len(self.recomputed)} ({_mib(self.recomputed_bytes)} MiB) "
+                     f"with {self.num_recompute_clones} cloned ops")
+        return line
 
     def summary(self, max_rows: int = 60) -> str:
         """A table of the swapped tensors (trigger, bytes) and a tally of why others were kept.
@@ -167,6 +211,13 @@ class Plan:
                     lines.append(f"{head}  {s.trigger} -> {len(s.consumers)} op(s)")
             if len(rows) > max_rows:
                 lines.append(f"... {len(rows) - max_rows} more swapped tensors")
+        if self.recomputed:
+            lines.append(f"{'recomputed tensor':<52} {'shape':<22} {'MiB':>8} {'ops':>5}  gate")
+            for d in self.recomputed[:max_rows]:
+                lines.append(f"{d.tensor[-52:]:<52} {str(d.shape)[:22]:<22} {_mib(d.nbytes):>8} "
+                             f"{len(d.recompute_ops):>5}  {d.gate}")
+            if len(self.recomputed) > max_rows:
+                lines.append(f"... {len(self.recomputed) - max_rows} more recomputed tensors")
         reasons = self.kept_reasons()
         if reasons:
             lines.append("kept: " + "; ".join(f"{n} {r}" for r, n in sorted(reasons.items(), key=lambda x: -x[1])))
@@ -186,6 +237,8 @@ class Plan:
             "device": self.device, "host": self.host, "options": dict(self.options),
             "phase_counts": dict(self.phase_counts), "swapped_bytes": self.swapped_bytes,
             "num_swapped": len(self.swapped), "num_swap_ins": self.num_swap_ins,
+            "recomputed_bytes": self.recomputed_bytes, "num_recomputed": len(self.recomputed),
+            "num_recompute_clones": self.num_recompute_clones,
             "decisions": [
                 {**{k: v for k, v in dataclasses.asdict(d).items() if k != "swap_ins"},
                  "decision": d.decision.value,

@@ -1,0 +1,79 @@
+"""Applies a whole Plan: preconditions, the swap step, the recompute step, postconditions.
+
+Example:
+    >>> from lms_tf.rewrite import apply_plan
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Dict
+
+import tensorflow as tf
+
+from lms_tf import _compat
+from lms_tf.errors import RewriteError
+from lms_tf.graph.ir import GraphIR, Phase
+from lms_tf.planner.plan import Plan
+from lms_tf.rewrite.common import LMS_ATTR, SCOPE, RewriteReport, check_postconditions, is_rewritten
+from lms_tf.rewrite.recompute import insert_recomputes
+from lms_tf.rewrite.swap import insert_swaps
+
+
+def apply_plan(graph: tf.Graph, ir: GraphIR, plan: Plan) -> RewriteReport:
+    """Inserts the swaps and recompute clones ``plan`` asks for, in place.
+
+    Must be called while ``graph`` is still being traced (inside the ``tf.function``
+    body, after the gradients and the update were built).
+
+    Args:
+        graph: The graph ``ir`` and ``plan`` were made from.
+        ir: Its IR.
+        plan: The plan to apply.
+
+    Returns:
+        What was inserted.
+
+    Raises:
+        RewriteError: The graph was already rewritten, or a postcondition failed
+            (a cycle, an ungated swap-in or clone, a changed forward op, a backward op
+            still reading a swapped or recomputed tensor).
+
+    Example:
+        >>> from lms_tf.graph import build_ir
+        >>> from lms_tf.options import LMSOptions
+        >>> from lms_tf.planner import plan_swaps
+        >>> from lms_tf.rewrite import count_lms_ops
+        >>> w = tf.Variable(tf.ones((64, 64)))
+        >>> def step(x):
+        ...     with tf.GradientTape() as tape:
+        ...         h = x
+        ...         for _ in range(4):
+        ...             h = tf.nn.relu(h @ w)
+        ...         loss = tf.reduce_sum(h)
+        ...     w.assign_sub(tape.gradient(loss, w))
+        ...     graph = tf.compat.v1.get_default_graph()
+        ...     ir = build_ir(graph)
+        ...     opts = LMSOptions(device="/CPU:0", host="/CPU:1", min_swap_bytes=1, swapout_threshold=4)
+        ...     apply_plan(graph, ir, plan_swaps(ir, opts, device="/device:CPU:0"))
+        ...     return loss
+        >>> graph = tf.function(step).get_concrete_function(tf.ones((256, 64))).graph
+        >>> count_lms_ops(graph)
+        {'swap_out': 4, 'swap_gate': 8, 'swap_in': 4, 'marker': 1}
+    """
+    if is_rewritten(graph):
+        raise RewriteError(
+            f"graph {getattr(graph, 'name', '')!r} was already rewritten by lms-tf (it has the "
+            f"{SCOPE}rewritten marker); a step is rewritten once. Trace the original function again instead.")
+    forward_inputs_before = {
+        op.name: tuple(t.name for t in graph.get_operation_by_name(op.name).inputs)
+        for op in ir.ops if op.phase is Phase.FORWARD}
+    inserted: Dict[str, int] = collections.Counter()
+    with graph.as_default(), graph.name_scope(SCOPE), graph.control_dependencies(None):
+        swap_outs, rerouted = insert_swaps(graph, plan, inserted)
+        rerouted += insert_recomputes(graph, plan, swap_outs, inserted)
+        marker = tf.raw_ops.NoOp(name="rewritten")
+        _compat.set_string_attr(marker, LMS_ATTR, "marker")
+        inserted["marker"] += 1
+    check_postconditions(graph, plan, forward_inputs_before)
+    return RewriteReport(inserted=dict(inserted), rerouted_inputs=rerouted)

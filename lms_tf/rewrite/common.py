@@ -1,0 +1,122 @@
+"""Pieces every rewrite step shares: the ``_lms`` marker, counts, and the postconditions.
+
+Example:
+    >>> import tensorflow as tf
+    >>> count_lms_ops(tf.Graph())
+    {}
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Dict
+
+import tensorflow as tf
+
+from lms_tf import _compat
+from lms_tf.errors import RewriteError
+from lms_tf.planner.plan import Plan
+
+LMS_ATTR = "_lms"
+_DO_NOT_REMOVE = "_grappler_do_not_remove"
+SCOPE = "lms_tf/"
+
+
+@dataclasses.dataclass(frozen=True)
+class RewriteReport:
+    """What the swap pass inserted.
+
+    Attributes:
+        inserted: ``_lms`` value -> number of ops inserted with it.
+        rerouted_inputs: Number of backward-op inputs re-pointed to a swap-in.
+
+    Example:
+        >>> RewriteReport({"swap_out": 2}, 3).inserted["swap_out"]
+        2
+    """
+
+    inserted: Dict[str, int]
+    rerouted_inputs: int
+
+
+def count_lms_ops(graph_or_ops) -> Dict[str, int]:
+    """Counts ops carrying the ``_lms`` attribute, by value.
+
+    Args:
+        graph_or_ops: A ``tf.Graph`` or an iterable of ``tf.Operation``/``NodeDef``.
+
+    Example:
+        >>> count_lms_ops(tf.Graph())
+        {}
+    """
+    ops = graph_or_ops.get_operations() if isinstance(graph_or_ops, tf.Graph) else graph_or_ops
+    counts: Dict[str, int] = collections.Counter()
+    for op in ops:
+        if isinstance(op, tf.Operation):
+            value = _compat.string_attr(op, LMS_ATTR)
+        else:  # NodeDef
+            value = op.attr[LMS_ATTR].s.decode() if LMS_ATTR in op.attr else None
+        if value:
+            counts[value] += 1
+    return dict(counts)
+
+
+def is_rewritten(graph: tf.Graph) -> bool:
+    """Whether lms-tf already rewrote ``graph`` (it carries the lms-tf marker op).
+
+    Example:
+        >>> is_rewritten(tf.Graph())
+        False
+    """
+    return any(_compat.string_attr(op, LMS_ATTR) == "marker"
+               for op in graph.get_operations() if op.name.startswith(SCOPE))
+
+
+def mark(op: tf.Operation, kind: str) -> None:
+    _compat.set_string_attr(op, LMS_ATTR, kind)
+    _compat.set_bool_attr(op, _DO_NOT_REMOVE, True)
+
+
+def check_acyclic(graph: tf.Graph) -> None:
+    ops = graph.get_operations()
+    indegree = {op.name: 0 for op in ops}
+    succs: Dict[str, List[str]] = {op.name: [] for op in ops}
+    for op in ops:
+        for pred in {t.op.name for t in op.inputs} | {c.name for c in op.control_inputs}:
+            succs[pred].append(op.name)
+            indegree[op.name] += 1
+    ready = [n for n, d in indegree.items() if d == 0]
+    seen = 0
+    while ready:
+        n = ready.pop()
+        seen += 1
+        for s in succs[n]:
+            indegree[s] -= 1
+            if indegree[s] == 0:
+                ready.append(s)
+    if seen != len(ops):
+        stuck = [n for n, d in indegree.items() if d > 0][:5]
+        raise RewriteError(f"postcondition failed: the rewritten graph has a cycle through {stuck}.")
+
+
+def check_postconditions(graph: tf.Graph, plan: Plan, forward_inputs_before) -> None:
+    """Raises RewriteError unless the rewritten graph is acyclic, gated and forward-unchanged."""
+    check_acyclic(graph)
+    for op_name, inputs in forward_inputs_before.items():
+        now = tuple(t.name for t in graph.get_operation_by_name(op_name).inputs)
+        if now != inputs:
+            raise RewriteError(f"postcondition failed: forward op {op_name!r} inputs changed from {inputs} to {now}.")
+    for op in graph.get_operations():
+        kind = _compat.string_attr(op, LMS_ATTR)
+        if kind == "swap_in" and not any(_compat.string_attr(c, LMS_ATTR) == "swap_gate" for c in op.control_inputs):
+            raise RewriteError(f"postcondition failed: swap-in {op.name!r} has no gate.")
+        if kind == "recompute" and not op.control_inputs and not any(
+                _compat.string_attr(t.op, LMS_ATTR) in ("recompute", "swap_in") for t in op.inputs):
+            raise RewriteError(f"postcondition failed: recompute clone {op.name!r} is not gated.")
+    for decision in plan.swapped + plan.recomputed:
+        consumers = [c for s in decision.swap_ins for c in s.consumers] + list(decision.consumers)
+        for consumer_name in consumers:
+            if any(t.name == decision.tensor for t in graph.get_operation_by_name(consumer_name).inputs):
+                raise RewriteError(
+                    f"postcondition failed: backward op {consumer_name!r} still reads {decision.tensor!r}.")

@@ -1,0 +1,86 @@
+"""The recompute step: clone cheap forward subgraphs into the backward pass.
+
+For a tensor ``t`` the plan marks RECOMPUTE with clone region ``ops`` and gate ``g``
+(the backward op just before ``t``'s first backward consumer)::
+
+    checkpoints -> clone(op_1) -> ... -> clone(producer of t) -> backward consumers of t
+    g -^ (control edge into every clone with no cloned input: the region cannot start early)
+
+The original forward ops still run for the forward pass; ``t`` is freed after its last
+forward consumer instead of living until the backward pass. A checkpoint the clones read
+that is itself swapped is read through a fresh swap-in gated by ``g`` (swap, then
+recompute the rest, as KARMA does). An op shared by several regions with the same gate
+is cloned once. Clones carry ``_lms="recompute"``.
+
+Example:
+    >>> from lms_tf.rewrite.recompute import insert_recomputes
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import tensorflow as tf
+
+from lms_tf import _compat
+from lms_tf.planner.plan import Plan
+from lms_tf.rewrite.common import mark
+from lms_tf.rewrite.swap import gated_swap_in
+
+
+def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tensor],
+                      inserted: Dict[str, int]) -> int:
+    """Clones the plan's recompute regions and re-points backward consumers to the clones.
+
+    Must run inside ``graph.as_default()`` under the lms-tf name scope, after the swap step.
+
+    Args:
+        graph: The graph being rewritten.
+        plan: The plan.
+        swap_outs: Swapped tensor name -> its swap-out tensor (from the swap step).
+        inserted: Counter of inserted ops by ``_lms`` kind, updated in place.
+
+    Returns:
+        The number of backward-op inputs re-pointed to a clone.
+    """
+    clones: Dict[Tuple[str, str], tf.Operation] = {}
+    swap_ins: Dict[Tuple[str, str], tf.Tensor] = {}
+    rerouted = 0
+    for i, decision in enumerate(plan.recomputed):
+        gate = graph.get_operation_by_name(decision.gate)
+        for op_name in decision.recompute_ops:
+            if (op_name, decision.gate) in clones:
+                continue
+            original = graph.get_operation_by_name(op_name)
+            inputs, from_clone = [], False
+            for tensor in original.inputs:
+                source = clones.get((tensor.op.name, decision.gate))
+                if source is not None:
+                    inputs.append(source.outputs[tensor.value_index])
+                    from_clone = True
+                elif tensor.name in swap_outs:
+                    key = (tensor.name, decision.gate)
+                    if key not in swap_ins:
+                        swap_ins[key] = gated_swap_in(graph, swap_outs[tensor.name], gate, plan.host,
+                                                      f"recompute_swap_in_{len(swap_ins)}")
+                        inserted["swap_gate"] += 2
+                        inserted["swap_in"] += 1
+                    inputs.append(swap_ins[key])
+                    from_clone = True
+                else:
+                    inputs.append(tensor)
+            clone = _compat.clone_op(graph, original, inputs, name=f"recompute/{op_name.replace('/', '_')}")
+            if not from_clone:
+                _compat.add_control_input(clone, gate)
+            mark(clone, "recompute")
+            inserted["recompute"] += 1
+            clones[(op_name, decision.gate)] = clone
+        producer = graph.get_tensor_by_name(decision.tensor)
+        replacement = clones[(producer.op.name, decision.gate)].outputs[producer.value_index]
+        for consumer_name in decision.consumers:
+            consumer = graph.get_operation_by_name(consumer_name)
+            for k, tensor in enumerate(list(consumer.inputs)):
+                if tensor.name == decision.tensor:
+                    _compat.update_input(consumer, k, replacement)
+                    rerouted += 1
+    return rerouted
