@@ -14,6 +14,7 @@ Example:
 from lms_tf.errors import GraphAnalysisError, LMSError, LMSOptionError, LMSWarning, RewriteError
 from lms_tf.function import LMSFunction, function
 from lms_tf.keras import LMSCallback
+from lms_tf.memory import PeakMemory, measure_peak_memory
 from lms_tf.options import LMSOptions
 from lms_tf.planner import Decision, Plan
 
@@ -51,4 +52,5 @@ def explain(obj) -> str:
 
 
 __all__ = ["Decision", "GraphAnalysisError", "LMSCallback", "LMSError", "LMSFunction", "LMSOptionError",
-           "LMSOptions", "LMSWarning", "Plan", "RewriteError", "explain", "function", "__version__"]
+           "LMSOptions", "LMSWarning", "PeakMemory", "Plan", "RewriteError", "explain", "function",
+           "measure_peak_memory", "__version__"]

@@ -3,6 +3,8 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Real allocator peaks on the CPU need the BFC allocator (lms_tf.measure_peak_memory).
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
 
 import tensorflow as tf  # noqa: E402

@@ -198,23 +198,36 @@ def _swap_decision(ir: GraphIR, op: OpInfo, tensor, backward, distance, options:
 
 
 def _recompute_targets(ir: GraphIR, eligible: Sequence[str], options: LMSOptions,
-                       scope_aliases: Mapping[str, str]) -> Tuple[Set[str], callable]:
-    """The tensors the policy recomputes, and which pure intermediates a clone may recompute through."""
+                       scope_aliases: Mapping[str, str]):
+    """The tensors the policy recomputes, the segment each belongs to, and which pure
+    intermediates a clone may recompute through.
+
+    Tensors of one segment share one gate, so the segment is recomputed once in the
+    backward pass (Chen et al.): with "sqrt" a segment is the run between two
+    checkpoints; otherwise every tensor is its own segment.
+    """
     clonable = [t for t in eligible if not ir.op(ir.tensors[t].producer).stateful]
     policy = options.recompute
-    if policy == "cheap":
-        targets = {t for t in clonable if ir.op(ir.tensors[t].producer).type in CHEAP_OP_TYPES}
-        through = lambda op: op.type in CHEAP_OP_TYPES  # noqa: E731
-    elif policy == "sqrt":
+    segment: Dict[str, int] = {}
+    if policy == "sqrt":
         ordered = sorted(clonable, key=lambda t: ir.op(ir.tensors[t].producer).index)
         stride = max(1, math.ceil(math.sqrt(len(ordered))))
-        targets = {t for i, t in enumerate(ordered) if i % stride != stride - 1}
+        for i, t in enumerate(ordered):
+            if i % stride != stride - 1:
+                segment[t] = i // stride
         through = lambda op: True  # noqa: E731
+    elif policy == "cheap":
+        for i, t in enumerate(clonable):
+            if ir.op(ir.tensors[t].producer).type in CHEAP_OP_TYPES:
+                segment[t] = i
+        through = lambda op: op.type in CHEAP_OP_TYPES  # noqa: E731
     else:
         matcher = _exclusion_matcher(ir, policy, scope_aliases)
-        targets = {t for t in clonable if matcher(ir.tensors[t].producer) is not None}
+        for i, t in enumerate(clonable):
+            if matcher(ir.tensors[t].producer) is not None:
+                segment[t] = i
         through = lambda op: matcher(op.name) is not None  # noqa: E731
-    return targets, through
+    return segment, through
 
 
 def _clone_region(ir: GraphIR, tensor: str, targets: Set[str], through) -> Tuple[str, ...]:
@@ -303,21 +316,25 @@ def plan_swaps(ir: GraphIR, options: LMSOptions, *, device: str,
                                                  Decision.KEEP, "swap=False", distance, ())
 
     if options.recompute:
-        targets, through = _recompute_targets(ir, eligible, options, aliases)
+        segment_of, through = _recompute_targets(ir, eligible, options, aliases)
+        targets = set(segment_of)
+        first_use: Dict[int, int] = {}
+        for name, seg in segment_of.items():
+            first = min(c.index for c in backward_of[name])
+            first_use[seg] = min(first, first_use.get(seg, first))
         for name in eligible:
             if name not in targets:
                 if ir.op(ir.tensors[name].producer).stateful and decisions[name].decision is Decision.KEEP:
                     decisions[name] = dataclasses.replace(
                         decisions[name], reason="stateful op: never recomputed")
                 continue
-            first = min(c.index for c in backward_of[name])
-            before = bisect.bisect_left(gate_positions, first)
+            before = bisect.bisect_left(gate_positions, first_use[segment_of[name]])
             if before == 0:
                 continue
             old = decisions[name]
+            why = f"recompute ({options.recompute})" if isinstance(options.recompute, str) else "recompute (named)"
             decisions[name] = TensorDecision(
-                name, old.layer, old.shape, old.nbytes, Decision.RECOMPUTE, f"recompute ({options.recompute})"
-                if isinstance(options.recompute, str) else "recompute (named)", old.distance, (),
+                name, old.layer, old.shape, old.nbytes, Decision.RECOMPUTE, why, old.distance, (),
                 recompute_ops=_clone_region(ir, name, targets, through), gate=gates[before - 1].name,
                 consumers=tuple(c.name for c in sorted(backward_of[name], key=lambda c: c.index)))
 
