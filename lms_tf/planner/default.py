@@ -45,7 +45,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 import tensorflow as tf
 
 from lms_tf.errors import GraphAnalysisError, LMSOptionError
-from lms_tf.graph.ir import CONTROL_FLOW_OP_TYPES, GraphIR, OpInfo, Phase, layer_of
+from lms_tf.graph.ir import CONTROL_FLOW_OP_TYPES, DATA_SOURCE_OP_TYPES, GraphIR, OpInfo, Phase, layer_of
 from lms_tf.options import LMSOptions
 from lms_tf.planner.plan import Decision, Plan, SwapIn, TensorDecision
 
@@ -197,36 +197,74 @@ def _swap_decision(ir: GraphIR, op: OpInfo, tensor, backward, distance, options:
                           tuple(swap_ins))
 
 
+def _articulation_tensors(ir: GraphIR) -> List[str]:
+    """Forward tensors that are the only batch-derived value alive at their point of the forward pass.
+
+    Every later forward op depends on the batch only through such a tensor, so a
+    checkpoint there cuts the graph: recomputing anything after it never needs anything
+    before it (Chen et al. 2016 checkpoint these "articulation points").
+    """
+    forward = [op for op in ir.ops if op.phase is Phase.FORWARD]
+    position = {op.name: i for i, op in enumerate(forward)}
+    last_use: Dict[str, int] = {}
+    for op in forward:
+        # Inputs themselves (the batch, the labels the loss reads at the end) are not activations.
+        if op.name not in ir.data_dependent or op.name in ir.function_inputs or op.type in DATA_SOURCE_OP_TYPES:
+            continue
+        for t in op.outputs:
+            uses = [position[c] for c in ir.tensors[t].consumers if c in position]
+            if uses and ir.tensors[t].dtype not in _HOST_DTYPES:
+                last_use[t] = max(uses)
+    ends: Dict[int, int] = {}
+    for t, end in last_use.items():
+        ends[end] = ends.get(end, 0) + 1
+    live, cuts = 0, []
+    for i, op in enumerate(forward):
+        produced = [t for t in op.outputs if t in last_use]
+        live += len(produced) - ends.get(i, 0)
+        if live == 1 and len(produced) == 1 and last_use[produced[0]] > i:
+            cuts.append(produced[0])
+    return cuts
+
+
 def _recompute_targets(ir: GraphIR, eligible: Sequence[str], options: LMSOptions,
                        scope_aliases: Mapping[str, str]):
     """The tensors the policy recomputes, the segment each belongs to, and which pure
     intermediates a clone may recompute through.
 
     Tensors of one segment share one gate, so the segment is recomputed once in the
-    backward pass (Chen et al.): with "sqrt" a segment is the run between two
-    checkpoints; otherwise every tensor is its own segment.
+    backward pass (Chen et al.). Segments run between articulation tensors: with "sqrt"
+    every ceil(sqrt(n))-th of the n articulation tensors is kept as a checkpoint and the
+    rest of the activations are recomputed; with "cheap" and named policies every
+    articulation tensor is a checkpoint that bounds a segment.
     """
     clonable = [t for t in eligible if not ir.op(ir.tensors[t].producer).stateful]
+    eligible_set = set(clonable)
+    cuts = [t for t in _articulation_tensors(ir) if t in eligible_set]
+    index = lambda t: ir.op(ir.tensors[t].producer).index  # noqa: E731
     policy = options.recompute
-    segment: Dict[str, int] = {}
     if policy == "sqrt":
-        ordered = sorted(clonable, key=lambda t: ir.op(ir.tensors[t].producer).index)
-        stride = max(1, math.ceil(math.sqrt(len(ordered))))
-        for i, t in enumerate(ordered):
-            if i % stride != stride - 1:
-                segment[t] = i // stride
+        if len(cuts) < 4:  # no usable articulation points: fall back to evenly spaced checkpoints
+            cuts = sorted(clonable, key=index)
+        stride = max(1, math.ceil(math.sqrt(len(cuts))))
+        checkpoints = set(cuts[stride - 1::stride])
+        selected = [t for t in clonable if t not in checkpoints]
+        bounds = sorted(index(t) for t in checkpoints)
         through = lambda op: True  # noqa: E731
-    elif policy == "cheap":
-        for i, t in enumerate(clonable):
-            if ir.op(ir.tensors[t].producer).type in CHEAP_OP_TYPES:
-                segment[t] = i
-        through = lambda op: op.type in CHEAP_OP_TYPES  # noqa: E731
     else:
-        matcher = _exclusion_matcher(ir, policy, scope_aliases)
-        for i, t in enumerate(clonable):
-            if matcher(ir.tensors[t].producer) is not None:
-                segment[t] = i
-        through = lambda op: matcher(op.name) is not None  # noqa: E731
+        if policy == "cheap":
+            selected = [t for t in clonable if ir.op(ir.tensors[t].producer).type in CHEAP_OP_TYPES]
+            through = lambda op: op.type in CHEAP_OP_TYPES  # noqa: E731
+        else:
+            matcher = _exclusion_matcher(ir, policy, scope_aliases)
+            selected = [t for t in clonable if matcher(ir.tensors[t].producer) is not None]
+            through = lambda op: matcher(op.name) is not None  # noqa: E731
+        # Articulation tensors stay as checkpoints: a residual chain is all cheap ops (Add, Relu),
+        # and recomputing through it would reach back to the first block from every block.
+        cut_set = set(cuts)
+        selected = [t for t in selected if t not in cut_set]
+        bounds = sorted(index(t) for t in cuts)
+    segment = {t: bisect.bisect_left(bounds, index(t)) for t in selected}
     return segment, through
 
 
