@@ -51,8 +51,8 @@ from lms_tf.planner.plan import Decision, Plan, SwapIn, TensorDecision
 
 _VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2", "ResourceGather",
                                   "VarIsInitializedOp", "_ReadVariablesOp"})
-#: dtypes that live in host memory on a GPU or have no fixed size: never swapped.
-_HOST_DTYPES = frozenset({"int32", "string", "resource", "variant", "bool"})
+#: dtypes that live in host memory on a GPU (int32) or have no fixed size: never swapped or recomputed.
+_HOST_DTYPES = frozenset({"int32", "string", "resource", "variant"})
 _GLOB_CHARS = set("*?[")
 
 #: Op types whose outputs ``recompute="cheap"`` recomputes: activations, elementwise math,
