@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("min-swap-bytes", int)):
         explain.add_argument(f"--{name}", type=kind, default=None)
     explain.add_argument("--exclude", nargs="*", default=None)
+    explain.add_argument("--recompute", default=None,
+                         help="recompute policy: sqrt, cheap, or comma-separated layer names / op patterns")
+    explain.add_argument("--no-swap", action="store_true", help="recompute only (needs --recompute)")
     explain.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     explain.add_argument("--max-rows", type=int, default=30)
     return parser
@@ -80,7 +83,9 @@ def _explain(args) -> int:
     device, host = _setup_devices(args)
     options = {k: v for k, v in dict(
         device=device, host=host, swapout_threshold=args.swapout_threshold, swapin_ahead=args.swapin_ahead,
-        swapin_groupby=args.swapin_groupby, min_swap_bytes=args.min_swap_bytes, exclude=args.exclude).items()
+        swapin_groupby=args.swapin_groupby, min_swap_bytes=args.min_swap_bytes, exclude=args.exclude,
+        recompute=(args.recompute if args.recompute in (None, "sqrt", "cheap") else args.recompute.split(",")),
+        swap=False if args.no_swap else None).items()
         if v is not None}
     gpu_memory = _parse_bytes(args.gpu_memory)
     logger.info("[1/4] building %s (batch %d, %dx%d)", args.model, args.batch_size, args.image_size, args.image_size)
@@ -101,6 +106,8 @@ def _explain(args) -> int:
         "model": args.model, "batch_size": args.batch_size, "image_size": args.image_size,
         "device": plan.device, "host": plan.host, "swapped_tensors": len(plan.swapped),
         "swap_ins": plan.num_swap_ins, "swapped_bytes": plan.swapped_bytes,
+        "recomputed_tensors": len(plan.recomputed), "recomputed_bytes": plan.recomputed_bytes,
+        "recompute_clones": plan.num_recompute_clones,
         "oracle_baseline_peak_bytes": before, "oracle_lms_peak_bytes": after,
         "oracle_ratio": round(after / before, 4) if before else None,
         "trace_seconds": round(trace_seconds, 3), "pass_seconds": round(fn.pass_seconds[-1], 3),

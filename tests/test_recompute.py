@@ -175,7 +175,8 @@ def test_sqrt_recompute_lowers_the_real_cpu_allocator_peak(deep_batch):
         with lms_tf.measure_peak_memory("CPU:0") as memory:
             fn(x, y).numpy()
         peaks[name] = memory.peak_bytes
-    # Measured 160 -> 80 MiB; about 64 MiB of both is a fixed CPU conv-backprop scratch buffer.
+    # Measured 160 -> 80 MiB; the plain step of this net has a depth-independent part of about
+    # 65-70 MiB (73/76/90 MiB peak at 4/8/16 blocks) that recompute cannot remove.
     assert peaks["sqrt"] < 0.65 * peaks["plain"], {k: v / 2**20 for k, v in peaks.items()}
 
 
