@@ -227,6 +227,30 @@ def _articulation_tensors(ir: GraphIR) -> List[str]:
     return cuts
 
 
+def _balanced_checkpoints(ir: GraphIR, cuts: Sequence[str], activations: Sequence[str]) -> Set[str]:
+    """About sqrt(n) of the n articulation tensors, spaced so each segment holds equal activation bytes.
+
+    Chen et al. balance segments by memory, not by count: the early stages of a CNN hold
+    much larger activations than the late ones.
+    """
+    segments = max(1, math.ceil(math.sqrt(len(cuts))))
+    index = {t: ir.op(ir.tensors[t].producer).index for t in activations}
+    ordered = sorted(activations, key=index.get)
+    total = sum(ir.tensors[t].nbytes or 0 for t in ordered) or 1
+    target = total / segments
+    cut_positions = sorted((index[t], t) for t in cuts)
+    checkpoints: Set[str] = set()
+    acc, next_cut = 0, 0
+    for t in ordered:
+        acc += ir.tensors[t].nbytes or 0
+        while next_cut < len(cut_positions) and cut_positions[next_cut][0] <= index[t]:
+            if acc >= target:
+                checkpoints.add(cut_positions[next_cut][1])
+                acc = 0
+            next_cut += 1
+    return checkpoints
+
+
 def _recompute_targets(ir: GraphIR, eligible: Sequence[str], options: LMSOptions,
                        scope_aliases: Mapping[str, str]):
     """The tensors the policy recomputes, the segment each belongs to, and which pure
@@ -234,8 +258,8 @@ def _recompute_targets(ir: GraphIR, eligible: Sequence[str], options: LMSOptions
 
     Tensors of one segment share one gate, so the segment is recomputed once in the
     backward pass (Chen et al.). Segments run between articulation tensors: with "sqrt"
-    every ceil(sqrt(n))-th of the n articulation tensors is kept as a checkpoint and the
-    rest of the activations are recomputed; with "cheap" and named policies every
+    about sqrt(n) of the n articulation tensors, spaced for equal activation bytes per
+    segment, are kept as checkpoints and the rest of the activations are recomputed; with "cheap" and named policies every
     articulation tensor is a checkpoint that bounds a segment.
     """
     clonable = [t for t in eligible if not ir.op(ir.tensors[t].producer).stateful]
@@ -246,8 +270,7 @@ def _recompute_targets(ir: GraphIR, eligible: Sequence[str], options: LMSOptions
     if policy == "sqrt":
         if len(cuts) < 4:  # no usable articulation points: fall back to evenly spaced checkpoints
             cuts = sorted(clonable, key=index)
-        stride = max(1, math.ceil(math.sqrt(len(cuts))))
-        checkpoints = set(cuts[stride - 1::stride])
+        checkpoints = _balanced_checkpoints(ir, cuts, clonable)
         selected = [t for t in clonable if t not in checkpoints]
         bounds = sorted(index(t) for t in checkpoints)
         through = lambda op: True  # noqa: E731
