@@ -49,3 +49,14 @@ def test_cli_reports_bad_input_without_a_traceback():
     assert "Traceback" not in done.stderr
     done, _ = _run(["-m", "lms_tf.cli", "explain", "--swapin-ahead", "0"], timeout=110)
     assert done.returncode == 2 and "swapin_ahead must be an int >= 1; received 0" in done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_cli_explain_recompute_only():
+    done, _ = _run(["-m", "lms_tf.cli", "explain", "--model", "MobileNetV2", "--batch-size", "4",
+                    "--image-size", "64", "--classes", "10", "--recompute", "sqrt", "--no-swap",
+                    "--device", "/CPU:0", "--json"], timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["swapped_tensors"] == 0 and result["recomputed_tensors"] > 0
+    assert result["recompute_clones"] >= result["recomputed_tensors"]
