@@ -5,7 +5,7 @@ import tensorflow as tf
 
 from lms_tf.graph import Phase, build_ir
 from lms_tf.options import LMSOptions
-from lms_tf.planner import Decision, plan_swaps
+from lms_tf.planner import Decision, make_plan
 from lms_tf.planner.default import _gate_candidates
 
 DEVICE = "/device:CPU:0"
@@ -35,12 +35,12 @@ def _options(**kw):
 
 
 def test_threshold_selects_tensors_by_distance_to_first_backward_consumer(chain_ir):
-    plan = plan_swaps(chain_ir, _options(swapout_threshold=1), device=DEVICE)
+    plan = make_plan(chain_ir, _options(swapout_threshold=1), device=DEVICE)
     relu = [d for d in plan.decisions if d.tensor.startswith("Relu")]
     assert len(relu) == 8 and all(d.decision is Decision.SWAP for d in relu)
     distances = sorted(d.distance for d in relu)
     cut = distances[4]
-    plan = plan_swaps(chain_ir, _options(swapout_threshold=cut), device=DEVICE)
+    plan = make_plan(chain_ir, _options(swapout_threshold=cut), device=DEVICE)
     for d in plan.decisions:
         if d.tensor.startswith("Relu"):
             assert (d.decision is Decision.SWAP) == (d.distance >= cut), d
@@ -50,7 +50,7 @@ def test_swapin_ahead_counts_gate_candidates_before_the_first_consumer(chain_ir)
     gates = _gate_candidates(chain_ir)
     positions = [g.index for g in gates]
     for ahead in (1, 3):
-        plan = plan_swaps(chain_ir, _options(swapout_threshold=1, swapin_ahead=ahead), device=DEVICE)
+        plan = make_plan(chain_ir, _options(swapout_threshold=1, swapin_ahead=ahead), device=DEVICE)
         for d in plan.swapped:
             for swap in d.swap_ins:
                 first = min(chain_ir.op(c).index for c in swap.consumers)
@@ -60,8 +60,8 @@ def test_swapin_ahead_counts_gate_candidates_before_the_first_consumer(chain_ir)
 
 
 def test_swapin_groupby_merges_nearby_consumers(chain_ir):
-    separate = plan_swaps(chain_ir, _options(swapout_threshold=1, swapin_groupby=0), device=DEVICE)
-    merged = plan_swaps(chain_ir, _options(swapout_threshold=1, swapin_groupby=1000), device=DEVICE)
+    separate = make_plan(chain_ir, _options(swapout_threshold=1, swapin_groupby=0), device=DEVICE)
+    merged = make_plan(chain_ir, _options(swapout_threshold=1, swapin_groupby=1000), device=DEVICE)
     assert all(len(d.swap_ins) == 1 for d in merged.swapped)
     assert separate.num_swap_ins > merged.num_swap_ins
     for d in separate.swapped:
@@ -70,18 +70,18 @@ def test_swapin_groupby_merges_nearby_consumers(chain_ir):
 
 
 def test_min_swap_bytes_keeps_small_tensors(chain_ir):
-    plan = plan_swaps(chain_ir, _options(swapout_threshold=1, min_swap_bytes=128 * 64 * 4 + 1), device=DEVICE)
+    plan = make_plan(chain_ir, _options(swapout_threshold=1, min_swap_bytes=128 * 64 * 4 + 1), device=DEVICE)
     assert not plan.swapped
     assert plan.kept_reasons()["smaller than min_swap_bytes"] >= 8
 
 
 def test_ops_placed_elsewhere_are_not_swapped(chain_ir):
-    plan = plan_swaps(chain_ir, _options(swapout_threshold=1), device="/device:GPU:0")
+    plan = make_plan(chain_ir, _options(swapout_threshold=1), device="/device:GPU:0")
     assert plan.swapped, "ops without a requested device are placed on the accelerator"
 
 
 def test_plan_is_printable_data(chain_ir):
-    plan = plan_swaps(chain_ir, _options(swapout_threshold=1), device=DEVICE)
+    plan = make_plan(chain_ir, _options(swapout_threshold=1), device=DEVICE)
     text = plan.summary()
     assert "Relu:0" in text and "MiB" in text
     data = plan.to_dict()

@@ -5,13 +5,15 @@ consumer runs at least ``swapout_threshold`` ops after its producer, it is at le
 ``min_swap_bytes`` big, and it is eligible (not a variable read, function input,
 host-resident value, control-flow value, or excluded by the user).
 
-Recompute (``recompute=``): ``"cheap"`` recomputes outputs of :data:`CHEAP_OP_TYPES`;
-``"sqrt"`` keeps every ceil(sqrt(n))-th eligible activation as a checkpoint and
-recomputes the rest (Chen et al. 2016); a list names layers or op patterns. A
-recomputed tensor overrides a swap; the checkpoints its clones start from may be
-swapped (KARMA). Stateful ops (variable reads, random ops with hidden state) are
-never cloned; stateless random ops are, with the same seed input, so they give the
-same values.
+Recompute (``recompute=``): ``"sqrt"`` keeps about sqrt(n) of the n articulation
+tensors (the only batch-derived value alive at that point of the forward pass) as
+checkpoints, spaced for equal activation bytes per segment, and recomputes every other
+activation (Chen et al. 2016); ``"cheap"`` recomputes outputs of :data:`CHEAP_OP_TYPES`
+from the articulation tensors and expensive outputs; a list names layers or op patterns.
+A recomputed tensor overrides a swap; the checkpoints its clones start from may be
+swapped (KARMA). Stateful ops (variable reads, random ops with hidden state) are never
+cloned; stateless random ops are, with their seed tensor from the forward pass, so they
+give the same values.
 
 Example:
     >>> import tensorflow as tf
@@ -29,7 +31,7 @@ Example:
     ...     return loss
     >>> ir = build_ir(step.get_concrete_function(tf.ones((256, 64))).graph)
     >>> opts = LMSOptions(device="/CPU:0", host="/CPU:1", swapout_threshold=4, swapin_ahead=1, min_swap_bytes=1)
-    >>> plan = plan_swaps(ir, opts, device="/device:CPU:0")
+    >>> plan = make_plan(ir, opts, device="/device:CPU:0")
     >>> [d.tensor for d in plan.swapped]
     ['Relu:0', 'Relu_1:0', 'Relu_2:0', 'Relu_3:0']
 """
@@ -276,16 +278,16 @@ def _recompute_targets(ir: GraphIR, eligible: Sequence[str], options: LMSOptions
         through = lambda op: True  # noqa: E731
     else:
         if policy == "cheap":
-            selected = [t for t in clonable if ir.op(ir.tensors[t].producer).type in CHEAP_OP_TYPES]
+            # Articulation tensors stay as checkpoints: a residual chain is all cheap ops (Add, Relu),
+            # and recomputing through it would reach back to the first block from every block.
+            cut_set = set(cuts)
+            selected = [t for t in clonable if ir.op(ir.tensors[t].producer).type in CHEAP_OP_TYPES
+                        and t not in cut_set]
             through = lambda op: op.type in CHEAP_OP_TYPES  # noqa: E731
-        else:
+        else:  # named layers / patterns: exactly what the user asked for
             matcher = _exclusion_matcher(ir, policy, scope_aliases)
             selected = [t for t in clonable if matcher(ir.tensors[t].producer) is not None]
             through = lambda op: matcher(op.name) is not None  # noqa: E731
-        # Articulation tensors stay as checkpoints: a residual chain is all cheap ops (Add, Relu),
-        # and recomputing through it would reach back to the first block from every block.
-        cut_set = set(cuts)
-        selected = [t for t in selected if t not in cut_set]
         bounds = sorted(index(t) for t in cuts)
     segment = {t: bisect.bisect_left(bounds, index(t)) for t in selected}
     return segment, through
@@ -315,8 +317,8 @@ def _clone_region(ir: GraphIR, tensor: str, targets: Set[str], through) -> Tuple
     return tuple(sorted(region, key=lambda n: ir.op(n).index))
 
 
-def plan_swaps(ir: GraphIR, options: LMSOptions, *, device: str,
-               scope_aliases: Optional[Mapping[str, str]] = None) -> Plan:
+def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
+              scope_aliases: Optional[Mapping[str, str]] = None) -> Plan:
     """Makes the default plan for a traced step: swaps (TFLMS rule) and the recompute policy.
 
     Args:
@@ -334,7 +336,7 @@ def plan_swaps(ir: GraphIR, options: LMSOptions, *, device: str,
 
     Example:
         >>> from lms_tf.graph.ir import GraphIR
-        >>> plan_swaps(GraphIR((), {}, frozenset(), {}), LMSOptions(), device="/device:GPU:0").decisions
+        >>> make_plan(GraphIR((), {}, frozenset(), {}), LMSOptions(), device="/device:GPU:0").decisions
         ()
     """
     aliases = scope_aliases or {}

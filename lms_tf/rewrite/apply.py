@@ -42,7 +42,7 @@ def apply_plan(graph: tf.Graph, ir: GraphIR, plan: Plan) -> RewriteReport:
     Example:
         >>> from lms_tf.graph import build_ir
         >>> from lms_tf.options import LMSOptions
-        >>> from lms_tf.planner import plan_swaps
+        >>> from lms_tf.planner import make_plan
         >>> from lms_tf.rewrite import count_lms_ops
         >>> w = tf.Variable(tf.ones((64, 64)))
         >>> def step(x):
@@ -55,7 +55,7 @@ def apply_plan(graph: tf.Graph, ir: GraphIR, plan: Plan) -> RewriteReport:
         ...     graph = tf.compat.v1.get_default_graph()
         ...     ir = build_ir(graph)
         ...     opts = LMSOptions(device="/CPU:0", host="/CPU:1", min_swap_bytes=1, swapout_threshold=4)
-        ...     apply_plan(graph, ir, plan_swaps(ir, opts, device="/device:CPU:0"))
+        ...     apply_plan(graph, ir, make_plan(ir, opts, device="/device:CPU:0"))
         ...     return loss
         >>> graph = tf.function(step).get_concrete_function(tf.ones((256, 64))).graph
         >>> count_lms_ops(graph)

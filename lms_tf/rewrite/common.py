@@ -78,6 +78,22 @@ def mark(op: tf.Operation, kind: str) -> None:
     _compat.set_bool_attr(op, _DO_NOT_REMOVE, True)
 
 
+def repoint_consumers(graph: tf.Graph, consumers, original: str, replacement: tf.Tensor) -> int:
+    """Makes every input of ``consumers`` that reads tensor ``original`` read ``replacement``.
+
+    Returns:
+        The number of inputs re-pointed.
+    """
+    count = 0
+    for consumer_name in consumers:
+        consumer = graph.get_operation_by_name(consumer_name)
+        for index, tensor in enumerate(list(consumer.inputs)):
+            if tensor.name == original:
+                _compat.update_input(consumer, index, replacement)
+                count += 1
+    return count
+
+
 def check_acyclic(graph: tf.Graph) -> None:
     ops = graph.get_operations()
     indegree = {op.name: 0 for op in ops}

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.planner.plan import Plan
-from lms_tf.rewrite.common import mark
+from lms_tf.rewrite.common import mark, repoint_consumers
 from lms_tf.rewrite.swap import gated_swap_in
 
 
@@ -77,10 +77,5 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
             clones[(op_name, decision.gate)] = clone
         producer = graph.get_tensor_by_name(decision.tensor)
         replacement = clones[(producer.op.name, decision.gate)].outputs[producer.value_index]
-        for consumer_name in decision.consumers:
-            consumer = graph.get_operation_by_name(consumer_name)
-            for k, tensor in enumerate(list(consumer.inputs)):
-                if tensor.name == decision.tensor:
-                    _compat.update_input(consumer, k, replacement)
-                    rerouted += 1
+        rerouted += repoint_consumers(graph, decision.consumers, decision.tensor, replacement)
     return rerouted

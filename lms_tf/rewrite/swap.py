@@ -20,10 +20,9 @@ from typing import Dict, List, Tuple
 
 import tensorflow as tf
 
-from lms_tf import _compat
 from lms_tf.errors import RewriteError
 from lms_tf.planner.plan import Plan
-from lms_tf.rewrite.common import mark
+from lms_tf.rewrite.common import mark, repoint_consumers
 
 
 def _gate_source(trigger: tf.Operation) -> tf.Tensor:
@@ -75,10 +74,5 @@ def insert_swaps(graph: tf.Graph, plan: Plan, inserted: Dict[str, int]) -> Tuple
             swap_in = gated_swap_in(graph, swap_out, trigger, plan.host, f"swap_in_{i}_{j}")
             inserted["swap_gate"] += 2
             inserted["swap_in"] += 1
-            for consumer_name in swap.consumers:
-                consumer = graph.get_operation_by_name(consumer_name)
-                for k, tensor in enumerate(list(consumer.inputs)):
-                    if tensor.name == decision.tensor:
-                        _compat.update_input(consumer, k, swap_in)
-                        rerouted += 1
+            rerouted += repoint_consumers(graph, swap.consumers, decision.tensor, swap_in)
     return swap_outs, rerouted
