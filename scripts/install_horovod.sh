@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Builds Horovod 0.28.1 from its PyPI source archive against the TensorFlow already installed in
+# the target Python, and installs it there.
+#
+# Horovod 0.28.1 (the last release) does not build against TF >= 2.16 as released: its
+# horovod/tensorflow/CMakeLists.txt compiles xla_mpi_ops.cc, which includes XLA headers that
+# moved. This script deletes that one line (lms-tf never uses Horovod's XLA ops) and builds with:
+#   - Gloo on every machine (horovodrun --gloo, no MPI needed: CPU-only machines, tests, CI);
+#   - NCCL (HOROVOD_GPU_OPERATIONS=NCCL) and MPI as well when CUDA (nvcc + a GPU driver) and
+#     an MPI compiler (mpicxx) are present, as on the GPU nodes of the Dockerfile.
+#
+# Idempotent: when Horovod 0.28.1 already imports in the target Python, its TensorFlow ops load
+# and it was built against the TensorFlow version installed now, it does nothing and says so.
+# The built wheel is cached per (TF version, Python, build flavour) in $LMS_TF_CACHE
+# (default ~/.cache/lms-tf), so a fresh virtualenv with the same TensorFlow installs it
+# in seconds; a TensorFlow upgrade triggers a rebuild.
+#
+# Usage: bash scripts/install_horovod.sh [PYTHON]      (default: .venv/bin/python)
+#        FORCE=1 bash scripts/install_horovod.sh        (rebuild even if a matching build imports)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${1:-${PYTHON:-.venv/bin/python}}"
+HOROVOD_VERSION="0.28.1"
+CACHE="${LMS_TF_CACHE:-$HOME/.cache/lms-tf}"
+say() { echo "install_horovod: $*"; }
+
+if [ ! -x "$PYTHON" ]; then
+    say "error: no Python interpreter at '$PYTHON'. Run scripts/setup.sh first or pass the interpreter: bash scripts/install_horovod.sh /path/to/python" >&2
+    exit 2
+fi
+TF_VERSION="$("$PYTHON" -c 'import importlib.metadata as m
+for d in ("tensorflow", "tensorflow-cpu"):
+    try:
+        print(m.version(d)); break
+    except m.PackageNotFoundError:
+        pass' 2>/dev/null || true)"
+if [ -z "$TF_VERSION" ]; then
+    say "error: TensorFlow is not installed in $PYTHON; Horovod must be built against it. Install lms-tf first (scripts/setup.sh)." >&2
+    exit 2
+fi
+PY_TAG="$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
+
+# The build flavour: GPU operations only where CUDA can compile them.
+FLAVOUR="gloo"
+BUILD_ENV=(HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1)
+if command -v nvcc >/dev/null 2>&1 && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+    FLAVOUR="$FLAVOUR-nccl"
+    BUILD_ENV+=(HOROVOD_GPU_OPERATIONS=NCCL)
+    [ -n "${NCCL_HOME:-}" ] && BUILD_ENV+=(HOROVOD_NCCL_HOME="$NCCL_HOME")
+fi
+if command -v mpicxx >/dev/null 2>&1; then
+    FLAVOUR="$FLAVOUR-mpi"
+    BUILD_ENV+=(HOROVOD_WITH_MPI=1)
+else
+    BUILD_ENV+=(HOROVOD_WITHOUT_MPI=1)
+fi
+STAMP_TEXT="horovod=$HOROVOD_VERSION tensorflow=$TF_VERSION python=$PY_TAG flavour=$FLAVOUR"
+
+# What "a matching build imports" means: the package imports, its TF op library loads into this
+# TensorFlow (an ABI mismatch fails here), and the stamp written at install time names this TF.
+check_installed() {
+    "$PYTHON" - "$STAMP_TEXT" <<'EOF'
+import os, sys
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+try:
+    import horovod
+    import horovod.tensorflow as hvd
+    from horovod.tensorflow import mpi_ops  # loads mpi_lib.so into TensorFlow
+except Exception as error:  # noqa: BLE001 - any failure means "not usable", reported below
+    print(f"not usable: {type(error).__name__}: {error}")
+    sys.exit(1)
+stamp = os.path.join(os.path.dirname(horovod.__file__), "LMS_TF_BUILD")
+found = open(stamp).read().strip() if os.path.exists(stamp) else "no build stamp"
+if horovod.__version__ != "0.28.1" or found != sys.argv[1]:
+    print(f"built for a different setup ({found}; horovod {horovod.__version__})")
+    sys.exit(1)
+print(f"Horovod {horovod.__version__} with TensorFlow ops, gloo={hvd.gloo_built()}, "
+      f"mpi={hvd.mpi_built()}, nccl={bool(hvd.nccl_built())}")
+EOF
+}
+
+if [ "${FORCE:-0}" != "1" ] && status="$(check_installed 2>/dev/null)"; then
+    say "already installed, nothing to do: $status ($STAMP_TEXT)"
+    exit 0
+fi
+say "installing Horovod $HOROVOD_VERSION for TensorFlow $TF_VERSION, $PY_TAG, flavour $FLAVOUR"
+
+WHEEL_DIR="$CACHE/horovod-$HOROVOD_VERSION-tf$TF_VERSION-$PY_TAG-$FLAVOUR"
+if [ "${FORCE:-0}" = "1" ]; then rm -rf "$WHEEL_DIR"; fi
+if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+    WORK="$(mktemp -d)"
+    trap 'rm -rf "$WORK"' EXIT
+    # Build requirements that --no-build-isolation expects in the target environment.
+    "$PYTHON" -m pip install --quiet --progress-bar off "setuptools<81" wheel cmake packaging \
+        cloudpickle psutil pyyaml
+    say "downloading the horovod==$HOROVOD_VERSION source archive from PyPI"
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
+        -d "$WORK" "horovod==$HOROVOD_VERSION"
+    tar -xzf "$WORK/horovod-$HOROVOD_VERSION.tar.gz" -C "$WORK"
+    SRC="$WORK/horovod-$HOROVOD_VERSION"
+    CMAKELISTS="$SRC/horovod/tensorflow/CMakeLists.txt"
+    if ! grep -q "xla_mpi_ops.cc" "$CMAKELISTS"; then
+        say "error: $CMAKELISTS no longer names xla_mpi_ops.cc; the patch this script applies does not fit this source archive" >&2
+        exit 1
+    fi
+    # The one change: drop XLA's MPI ops, whose XLA headers moved in TF >= 2.16.
+    sed -i '/xla_mpi_ops\.cc/d' "$CMAKELISTS"
+    say "building the wheel (about 8 minutes on 2 cores; compiler output in $WORK/build.log)"
+    mkdir -p "$WHEEL_DIR.partial"
+    if ! env "${BUILD_ENV[@]}" MAKEFLAGS="-j$(nproc)" "$PYTHON" -m pip wheel --no-deps \
+            --no-build-isolation -w "$WHEEL_DIR.partial" "$SRC" >"$WORK/build.log" 2>&1; then
+        tail -n 40 "$WORK/build.log" >&2
+        say "error: the Horovod build failed (last lines above)" >&2
+        exit 1
+    fi
+    rm -rf "$WHEEL_DIR" && mv "$WHEEL_DIR.partial" "$WHEEL_DIR"
+else
+    say "using the wheel built earlier for this TensorFlow: $(ls "$WHEEL_DIR"/horovod-*.whl)"
+fi
+
+"$PYTHON" -m pip install --quiet --progress-bar off --force-reinstall --no-deps "$WHEEL_DIR"/horovod-*.whl
+"$PYTHON" -m pip install --quiet --progress-bar off cloudpickle psutil pyyaml packaging
+SITE_DIR="$("$PYTHON" -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("horovod").origin))')"
+echo "$STAMP_TEXT" > "$SITE_DIR/LMS_TF_BUILD"
+
+if ! status="$(check_installed)"; then
+    say "error: Horovod installed but its TensorFlow ops do not load: $status" >&2
+    exit 1
+fi
+say "done: $status"
