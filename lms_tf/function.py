@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -22,12 +23,15 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
+from lms_tf import _compat
 from lms_tf.errors import LMSOptionError
+from lms_tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
 from lms_tf.options import LMSOptions
-from lms_tf.pipeline import rewrite_traced_step
+from lms_tf.pipeline import resolve_device, rewrite_traced_step
 from lms_tf.planner import Plan
 
 _call_shapes = threading.local()
+_API = "lms_tf.function"
 
 
 def _concrete_shapes(structure) -> List[Optional[tuple]]:
@@ -67,15 +71,49 @@ class LMSFunction:
         self.pass_seconds: List[float] = []
         self._tf_function_kwargs = tf_function_kwargs
         self._bound: "weakref.WeakKeyDictionary[Any, LMSFunction]" = weakref.WeakKeyDictionary()
+        self._broadcast_ids: set = set()
+        self._broadcast_keepalive: list = []  # ids stay unique while the variables are referenced
         functools.update_wrapper(self, python_function)
 
         @functools.wraps(python_function)
         def traced(*args, **kwargs):
-            result = python_function(*args, **kwargs)
+            updates = [0]
+            with self._optimizer_hooks(updates):
+                result = python_function(*args, **kwargs)
+            if self.options.horovod and updates[0] == 0:
+                raise LMSOptionError(
+                    f"lms_tf.function(horovod=True): {getattr(python_function, '__name__', 'the step')} updated no "
+                    f"variables through a Keras optimizer (optimizer.apply / apply_gradients), so there is no "
+                    f"point between the gradients and the update to average them across ranks. Use a Keras "
+                    f"optimizer, or drop horovod=True and call hvd.allreduce on the gradients yourself.")
             self._after_trace(args, kwargs)
             return result
 
         self._tf_function = tf.function(traced, **tf_function_kwargs)
+
+    def _optimizer_hooks(self, updates: List[int]) -> contextlib.ExitStack:
+        """Hooks on the optimizer update while tracing: Horovod averaging, host placement."""
+        stack = contextlib.ExitStack()
+        if self.options.horovod:
+            from lms_tf.horovod import ALLREDUCE_ORDER, DEFAULT_BUCKET_BYTES, gradient_allreduce_hook
+
+            stack.enter_context(_compat.intercept_optimizer_updates(
+                gradient_allreduce_hook(DEFAULT_BUCKET_BYTES, updates), order=ALLREDUCE_ORDER))
+        if self.options.optimizer_on_host and resolve_device(self.options) is not None:
+            stack.enter_context(_compat.intercept_optimizer_updates(
+                host_update_hook(self.options.host, api=_API), order=HOST_UPDATE_ORDER))
+        return stack
+
+    def _broadcast_new_variables(self, args, kwargs) -> None:
+        """horovod=True: before a trace first runs, its variables take the root rank's values."""
+        from lms_tf.horovod import broadcast_variables
+
+        concrete = self._with_call_shapes(self._tf_function.get_concrete_function, args, kwargs)
+        fresh = [v for v in concrete.variables if id(v) not in self._broadcast_ids]
+        if fresh:
+            broadcast_variables(fresh, root_rank=0)
+            self._broadcast_ids.update(id(v) for v in fresh)
+            self._broadcast_keepalive.extend(fresh)
 
     @tf.autograph.experimental.do_not_convert
     def _after_trace(self, args, kwargs) -> None:
@@ -113,6 +151,8 @@ class LMSFunction:
             stack.pop()
 
     def __call__(self, *args, **kwargs):
+        if self.options.horovod:
+            self._broadcast_new_variables(args, kwargs)
         return self._with_call_shapes(self._tf_function, args, kwargs)
 
     def get_concrete_function(self, *args, **kwargs):
@@ -165,7 +205,9 @@ def function(func: Optional[Callable] = None, *, input_signature=None, autograph
         jit_compile: Must not be True: XLA ignores host placement and control edges.
         **options: lms-tf options (see :class:`~lms_tf.LMSOptions`): ``device``, ``host``,
             ``swapout_threshold``, ``swapin_ahead``, ``swapin_groupby``, ``min_swap_bytes``,
-            ``exclude``, ``batch_size``.
+            ``exclude``, ``batch_size``, ``swap``, ``recompute``, ``optimizer_on_host``,
+            ``horovod`` (data-parallel: average the gradients across Horovod ranks before
+            the optimizer update, broadcast the variables from rank 0 before a trace first runs).
 
     Returns:
         An :class:`LMSFunction`, or a decorator when ``func`` is None.

@@ -96,6 +96,15 @@ class LMSOptions:
             types, see ``lms_tf.planner.CHEAP_OP_TYPES``), ``"sqrt"`` (keep every
             ceil(sqrt(n))-th activation as a checkpoint and recompute the rest, Chen et
             al. 2016), or a list of layer names / op-name patterns to recompute.
+        optimizer_on_host: Keep the optimizer's slot variables (e.g. Adam's two moments)
+            and its update ops on ``host`` (KARMA, ZeRO-Offload): gradients travel to the
+            host, the update runs there, and only the new weights come back. The optimizer
+            must not have been built before the first traced step (its slots would already
+            live on the device; a warning says so).
+        horovod: Only for :func:`lms_tf.function`: average every gradient across Horovod
+            ranks between the gradient and the optimizer update (pipelined in buckets, see
+            :mod:`lms_tf.horovod`) and broadcast the variables from rank 0 before the first
+            step. ``model.fit`` uses :class:`lms_tf.horovod.DistributedCallback` instead.
 
     Example:
         >>> opts = LMSOptions(device="/GPU:0", swapin_ahead=2, exclude=("dense",))
@@ -113,10 +122,12 @@ class LMSOptions:
     batch_size: Optional[int] = None
     swap: bool = True
     recompute: Union[bool, str, Tuple[str, ...]] = False
+    optimizer_on_host: bool = False
+    horovod: bool = False
 
     def __init__(self, *, device=None, host="/CPU:0", swapout_threshold=32, swapin_ahead=8,
                  swapin_groupby=4, min_swap_bytes=64 * 1024, exclude=(), batch_size=None, swap=True,
-                 recompute=False):
+                 recompute=False, optimizer_on_host=False, horovod=False):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass init
         set_("device", None if device is None else _check_device("device", device))
         set_("host", _check_device("host", host))
@@ -141,11 +152,15 @@ class LMSOptions:
             raise LMSOptionError(f"swap must be True or False; received {_describe(swap)}.")
         set_("swap", swap)
         set_("recompute", _check_recompute(recompute))
-        if not swap and not self.recompute:
+        for name, value in (("optimizer_on_host", optimizer_on_host), ("horovod", horovod)):
+            if not isinstance(value, bool):
+                raise LMSOptionError(f"{name} must be True or False; received {_describe(value)}.")
+            set_(name, value)
+        if not swap and not self.recompute and not optimizer_on_host and not horovod:
             raise LMSOptionError(
                 "swap=False and recompute=False leave nothing to do; pass recompute='sqrt' or 'cheap' "
-                "(or a list of layer names) to recompute, or leave swap=True.")
-        if self.swap and self.device is not None and self.device == self.host:
+                "(or a list of layer names) to recompute, optimizer_on_host=True, or leave swap=True.")
+        if (self.swap or optimizer_on_host) and self.device is not None and self.device == self.host:
             raise LMSOptionError(
                 f"device and host are the same device ({self.device}); swapping to the device "
                 f"itself saves nothing. Use host='/CPU:0' (default) with device='/GPU:0'."

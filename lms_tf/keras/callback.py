@@ -19,6 +19,8 @@ import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.errors import LMSOptionError
+from lms_tf.keras.step_hooks import add_step_hook, check_traceable, remove_step_hook, restore_jit, turn_jit_off
+from lms_tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
 from lms_tf.options import LMSOptions
 from lms_tf.pipeline import no_accelerator_message, resolve_device, rewrite_traced_step, warn_once
 from lms_tf.planner import Plan
@@ -34,7 +36,9 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
         **options: lms-tf options (see :class:`~lms_tf.LMSOptions`), keyword-only:
             ``device``, ``host``, ``swapout_threshold``, ``swapin_ahead``,
             ``swapin_groupby``, ``min_swap_bytes``, ``exclude``, ``batch_size``
-            (by default read from ``fit``).
+            (by default read from ``fit``), ``swap``, ``recompute``, ``optimizer_on_host``.
+            Data-parallel training adds :class:`lms_tf.horovod.DistributedCallback`
+            to the same ``callbacks`` list, in either order.
 
     Attributes:
         options: The validated options.
@@ -73,45 +77,44 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         model = self.model
-        if getattr(model, "run_eagerly", False) or tf.config.functions_run_eagerly():
+        check_traceable(model, _API)
+        if self.options.horovod:
             raise LMSOptionError(
-                f"{_API}: the model runs eagerly (run_eagerly=True), so there is no traced train step to "
-                f"rewrite. Compile with run_eagerly=False (the default) to use lms-tf.")
-        if resolve_device(self.options) is None:
+                f"{_API}(horovod=True): for model.fit, add lms_tf.horovod.DistributedCallback() to the callbacks "
+                f"beside LMSCallback (it also broadcasts the variables and averages the metrics); horovod=True "
+                f"is the option of lms_tf.function for custom loops.")
+        device = resolve_device(self.options)
+        if device is None:
             warn_once(f"no-accelerator:{_API}", no_accelerator_message(_API))
             return
-        jit_was = _compat.get_jit_compile(model)
-        if jit_was:
-            warn_once(f"jit:{id(model)}",
-                      f"{_API}: turning jit_compile off for training: XLA ignores host placement and control "
-                      f"edges, so the swap pass would have no effect. evaluate/predict keep their setting.")
-            _compat.set_jit_compile(model, False)
+        jit_was = turn_jit_off(model, _API, "XLA ignores host placement and control edges, so the swap pass "
+                                            "would have no effect")
         batch_size = self.options.batch_size or _compat.fit_batch_size()
-        original_step = model.train_step
         options = self.options
+        host_hook = host_update_hook(options.host, api=_API) if options.optimizer_on_host else None
 
-        def train_step(data):
-            outputs = original_step(data)
-            aliases = _compat.layer_scope_aliases(model, _compat.current_graph())
-            self.plans.append(rewrite_traced_step(options, api=_API, batch_size=batch_size, scope_aliases=aliases))
-            return outputs
+        def lms_hook(step):
+            def train_step(data):
+                if host_hook is None:
+                    outputs = step(data)
+                else:
+                    with _compat.intercept_optimizer_updates(host_hook, order=HOST_UPDATE_ORDER):
+                        outputs = step(data)
+                aliases = _compat.layer_scope_aliases(model, _compat.current_graph())
+                self.plans.append(rewrite_traced_step(options, api=_API, batch_size=batch_size,
+                                                      scope_aliases=aliases))
+                return outputs
+            return train_step
 
-        train_step = tf.autograph.experimental.do_not_convert(train_step)
-        model.train_step = train_step
-        self._restore = (original_step, jit_was)
-        model.make_train_function(force=True)
+        self._restore = (lms_hook, jit_was)
+        add_step_hook(model, lms_hook)
 
     def on_train_end(self, logs=None):
         if self._restore is None:
             return
-        original_step, jit_was = self._restore
+        lms_hook, jit_was = self._restore
         self._restore = None
-        model = self.model
-        if "train_step" in model.__dict__:
-            del model.__dict__["train_step"]
-        if jit_was:
-            _compat.set_jit_compile(model, jit_was)
-        # The next fit() must not reuse the rewritten function unless LMS is asked for again.
-        model.train_function = None
+        remove_step_hook(self.model, lms_hook)
+        restore_jit(self.model, jit_was)
         if self.plan is not None:
             logger.info(self.plan.one_line())

@@ -1,0 +1,369 @@
+"""Data-parallel training with Horovod for lms-tf, on Keras 3 and tf-keras.
+
+Horovod's TensorFlow ops (``allreduce``, ``grouped_allreduce``, ``broadcast``) work with
+TF 2.21 and Keras 3 once Horovod is built (``scripts/install_horovod.sh``); its Keras
+wrappers (``DistributedOptimizer``, its callbacks) target Keras 2 and do not. This module
+is the Keras 3 integration, built on those ops only:
+
+* :class:`DistributedCallback` for ``model.fit``: broadcasts the variables from the root
+  rank when training begins, averages every gradient across ranks inside the traced train
+  step (between the gradients and the optimizer update), and averages the logged metrics
+  at the end of each epoch. It composes with :class:`lms_tf.LMSCallback` in either order;
+  the swap/recompute pass sees the allreduce ops.
+* ``@lms_tf.function(horovod=True)`` does the same for a custom training loop.
+
+The gradient exchange is *pipelined* (KARMA): the gradients are grouped into buckets in
+the order the backward pass produces them (last layer first) and each bucket gets its own
+``grouped_allreduce`` op, which TensorFlow starts as soon as that bucket's gradients exist,
+so communication overlaps the rest of the backward pass and its swap-ins. Horovod still
+fuses the tensors of a bucket (and of buckets that become ready in the same cycle) into
+one message.
+
+Example:
+    >>> import lms_tf.horovod as lms_hvd
+    >>> lms_hvd.DEFAULT_BUCKET_BYTES
+    4194304
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from lms_tf import _compat
+from lms_tf.errors import LMSError, LMSOptionError
+from lms_tf.keras.step_hooks import add_step_hook, check_traceable, remove_step_hook, restore_jit, turn_jit_off
+
+logger = logging.getLogger("lms_tf")
+
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+# Outside the optimizer_on_host hook (order 1): average on the device, then update on the host.
+ALLREDUCE_ORDER = 0
+_API = "DistributedCallback"
+
+
+def horovod_tensorflow():
+    """Imports ``horovod.tensorflow`` and initialises Horovod once.
+
+    Returns:
+        The ``horovod.tensorflow`` module, initialised.
+
+    Raises:
+        LMSError: Horovod is not installed, or was built against another TensorFlow.
+
+    Example:
+        >>> hvd = horovod_tensorflow()
+        >>> hvd.size() >= 1
+        True
+    """
+    try:
+        import horovod.tensorflow as hvd
+    except Exception as error:  # noqa: BLE001 - ImportError or a TF op library that does not load
+        raise LMSError(
+            f"Horovod is not usable in this Python ({type(error).__name__}: {error}). Build it against the "
+            f"installed TensorFlow with: bash scripts/install_horovod.sh [python]") from error
+    if not hvd.is_initialized():
+        hvd.init()
+    return hvd
+
+
+def _nbytes(tensor) -> int:
+    shape = tensor.shape
+    if shape.rank is None or not shape.is_fully_defined():
+        return DEFAULT_BUCKET_BYTES  # unknown size: give it a bucket of its own
+    return int(np.prod(shape.as_list(), dtype=np.int64)) * tensor.dtype.size
+
+
+def backward_order(grads: Sequence) -> List[int]:
+    """Indices of ``grads`` in the order the backward pass produces them.
+
+    In a trace, TensorFlow creates the gradient ops in backward order, so the creation
+    index of each gradient's op is its production order. Eagerly (no graph), Keras'
+    variable order reversed is the best guess (last layer first).
+
+    Args:
+        grads: Gradients (tensors, IndexedSlices or None).
+
+    Returns:
+        A permutation of ``range(len(grads))``; None gradients come last.
+
+    Example:
+        >>> backward_order([tf.constant(1.0), None, tf.constant(2.0)])
+        [2, 0, 1]
+    """
+    present = [i for i, g in enumerate(grads) if g is not None]
+    missing = [i for i, g in enumerate(grads) if g is None]
+    if tf.executing_eagerly() or not present:
+        return present[::-1] + missing
+    graph = _compat.current_graph()
+    created = {op.name: position for position, op in enumerate(graph.get_operations())}
+
+    def produced_at(i):
+        g = grads[i]
+        op = (g.values if isinstance(g, tf.IndexedSlices) else g).op
+        return created.get(op.name, -1)
+    return sorted(present, key=produced_at) + missing
+
+
+def bucket_by_bytes(order: Sequence[int], sizes: Sequence[int], bucket_bytes: Optional[int]) -> List[List[int]]:
+    """Splits ``order`` into consecutive buckets of at most ``bucket_bytes`` (at least one tensor each).
+
+    Args:
+        order: Gradient indices in production order.
+        sizes: Bytes of each gradient, by index.
+        bucket_bytes: Bucket capacity; None puts everything in one bucket.
+
+    Returns:
+        Buckets of indices, in production order.
+
+    Example:
+        >>> bucket_by_bytes([2, 0, 1], [4, 4, 8], bucket_bytes=8)
+        [[2], [0, 1]]
+    """
+    if bucket_bytes is None:
+        return [list(order)] if order else []
+    buckets: List[List[int]] = []
+    filled = math.inf
+    for index in order:
+        if filled + sizes[index] > bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(index)
+        filled += sizes[index]
+    return buckets
+
+
+def allreduce_gradients(grads: Sequence, *, bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES,
+                        name: str = "lms_tf_allreduce") -> List:
+    """Averages gradients across Horovod ranks, one ``grouped_allreduce`` per bucket.
+
+    Args:
+        grads: Gradients of one update (tensors, ``tf.IndexedSlices`` or None).
+        bucket_bytes: Bucket capacity in bytes, filled in backward order (pipelined
+            exchange). None: one group for all gradients (starts after the whole backward).
+        name: Prefix of the allreduce op names (identical on every rank).
+
+    Returns:
+        The averaged gradients, in the order given (None stays None).
+
+    Example:
+        >>> [g.numpy() for g in allreduce_gradients([tf.constant([2.0])])]  # one process: unchanged
+        [array([2.], dtype=float32)]
+    """
+    hvd = horovod_tensorflow()
+    grads = list(grads)
+    averaged = list(grads)
+    order = backward_order(grads)
+    dense = [i for i in order if grads[i] is not None and not isinstance(grads[i], tf.IndexedSlices)]
+    for i in order:
+        if isinstance(grads[i], tf.IndexedSlices):
+            # Sparse gradients (embeddings) are averaged by allgather inside hvd.allreduce.
+            averaged[i] = hvd.allreduce(grads[i], op=hvd.Average, name=f"{name}_sparse_{i}")
+    sizes = [_nbytes(g) if g is not None and not isinstance(g, tf.IndexedSlices) else 0 for g in grads]
+    for number, bucket in enumerate(bucket_by_bytes(dense, sizes, bucket_bytes)):
+        reduced = hvd.grouped_allreduce([grads[i] for i in bucket], op=hvd.Average, name=f"{name}_{number}")
+        for i, tensor in zip(bucket, reduced):
+            averaged[i] = tensor
+    return averaged
+
+
+def gradient_allreduce_hook(bucket_bytes: Optional[int], counter: Optional[List[int]] = None) -> Callable:
+    """An optimizer-update hook that averages the gradients across ranks before the update.
+
+    Args:
+        bucket_bytes: See :func:`allreduce_gradients`.
+        counter: A one-element list incremented per intercepted update (lets a front-end
+            check that the step did update through a Keras optimizer).
+
+    Returns:
+        ``hook(optimizer, grads, variables, update)`` for ``_compat.intercept_optimizer_updates``.
+
+    Example:
+        >>> hook = gradient_allreduce_hook(bucket_bytes=None)
+    """
+    def hook(optimizer, grads, variables, update):
+        if counter is not None:
+            counter[0] += 1
+        return update(allreduce_gradients(grads, bucket_bytes=bucket_bytes,
+                                          name=f"lms_tf_allreduce_{optimizer.name}"), variables)
+    return hook
+
+
+def broadcast_variables(variables: Sequence, root_rank: int = 0) -> int:
+    """Sets ``variables`` on every rank to their values on ``root_rank`` (eagerly).
+
+    Args:
+        variables: Keras or TF variables, identical in order and shape on every rank.
+        root_rank: The rank whose values win.
+
+    Returns:
+        The number of variables broadcast.
+
+    Example:
+        >>> broadcast_variables([tf.Variable(1.0)])
+        1
+    """
+    hvd = horovod_tensorflow()
+    variables = list(variables)
+
+    # One traced function that closes over the variables (Horovod's own broadcast_variables
+    # passes them as arguments, which turns Keras 3 variables into tensors that cannot be
+    # assigned); the broadcasts run concurrently and Horovod fuses them.
+    @tf.function(autograph=False)
+    def broadcast_all():
+        for index, variable in enumerate(variables):
+            variable.assign(hvd.broadcast(tf.convert_to_tensor(variable), root_rank,
+                                          name=f"lms_tf_broadcast_{index}"))
+
+    if variables:
+        broadcast_all()
+    return len(variables)
+
+
+def _is_scalar_number(value) -> bool:
+    if isinstance(value, (bool, str, bytes)):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return np.ndim(value) == 0
+
+
+def average_logs(logs: Dict[str, object], name: str = "lms_tf_metrics") -> Dict[str, object]:
+    """Averages the numeric entries of Keras ``logs`` across ranks (one allreduce for all).
+
+    Args:
+        logs: A Keras logs dict (same keys on every rank).
+        name: Name of the allreduce (identical on every rank).
+
+    Returns:
+        A new dict: numeric entries averaged, the rest unchanged.
+
+    Example:
+        >>> average_logs({"loss": 2.0, "note": "x"})
+        {'loss': 2.0, 'note': 'x'}
+    """
+    hvd = horovod_tensorflow()
+    keys = sorted(k for k, v in logs.items() if _is_scalar_number(v))
+    result = dict(logs)
+    if keys:
+        values = tf.constant([float(logs[k]) for k in keys], dtype=tf.float64)
+        mean = hvd.allreduce(values, op=hvd.Average, name=name).numpy()
+        result.update({k: float(m) for k, m in zip(keys, mean)})
+    return result
+
+
+class DistributedCallback(_compat.keras_module().callbacks.Callback):
+    """Keras callback for data-parallel ``model.fit`` across Horovod ranks (Keras 3 and tf-keras).
+
+    Put it in ``callbacks`` of every rank, beside :class:`lms_tf.LMSCallback` if wanted (either
+    order), give each rank its own shard of the data, and launch with ``horovodrun``.
+
+    * ``on_train_begin``: broadcasts the model's variables (and the optimizer's, if it was
+      already built, e.g. resumed training) from ``root_rank``. An optimizer that is not
+      built yet needs no broadcast: it is built identically on every rank in the first
+      step, which applies the same averaged gradients to the same weights.
+    * In the traced train step: averages the gradients across ranks between
+      ``tape.gradient`` and the optimizer update, pipelined in buckets of
+      ``bucket_bytes`` (see :func:`allreduce_gradients`).
+    * ``on_epoch_end``: averages the numeric logs (loss, metrics, val_*) across ranks, in
+      place, so ``History`` and later callbacks see the global values. The per-rank values
+      are kept in :attr:`local_logs`.
+
+    Not averaged (as in Horovod): BatchNormalization's moving statistics, which each rank
+    computes from its own batch.
+
+    Args:
+        root_rank: The rank whose initial variables every rank starts from.
+        bucket_bytes: Bytes per gradient bucket (pipelined exchange); None for one
+            allreduce after the whole backward pass.
+        average_metrics: Whether to average the logs at epoch end.
+
+    Attributes:
+        local_logs: The logs of each epoch on this rank, before averaging.
+        broadcast_count: Variables broadcast when training began.
+
+    Raises:
+        LMSError: Horovod is not installed or not usable.
+        LMSOptionError: Invalid arguments, or the model runs eagerly.
+
+    Example:
+        >>> import numpy as np, keras
+        >>> from lms_tf.horovod import DistributedCallback
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.compile("sgd", "mse")
+        >>> callback = DistributedCallback()
+        >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 2)), epochs=1, verbose=0, callbacks=[callback])
+        >>> callback.broadcast_count
+        2
+    """
+
+    def __init__(self, root_rank: int = 0, bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES,
+                 average_metrics: bool = True):
+        super().__init__()
+        if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank < 0:
+            raise LMSOptionError(f"{_API}: root_rank must be an int >= 0; received {root_rank!r}.")
+        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
+                                         or bucket_bytes < 1):
+            raise LMSOptionError(f"{_API}: bucket_bytes must be None or an int >= 1 (bytes per gradient "
+                                 f"bucket); received {bucket_bytes!r}. Example: bucket_bytes=4 * 1024 * 1024.")
+        if not isinstance(average_metrics, bool):
+            raise LMSOptionError(f"{_API}: average_metrics must be True or False; received {average_metrics!r}.")
+        hvd = horovod_tensorflow()
+        if root_rank >= hvd.size():
+            raise LMSOptionError(f"{_API}: root_rank={root_rank} but the job has {hvd.size()} rank(s); "
+                                 f"use a rank in 0..{hvd.size() - 1}.")
+        self.root_rank = root_rank
+        self.bucket_bytes = bucket_bytes
+        self.average_metrics = average_metrics
+        self.local_logs: List[Dict[str, object]] = []
+        self.broadcast_count = 0
+        self.updates_intercepted = [0]
+        self._restore = None
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        check_traceable(model, _API)
+        optimizer = getattr(model, "optimizer", None)
+        variables = list(model.variables)
+        if optimizer is not None and getattr(optimizer, "built", False):
+            variables += list(optimizer.variables)
+        self.broadcast_count = broadcast_variables(variables, self.root_rank)
+        jit_was = turn_jit_off(model, _API, "Horovod's allreduce ops have no XLA kernels in this build")
+        allreduce_hook = gradient_allreduce_hook(self.bucket_bytes, self.updates_intercepted)
+
+        def distributed_hook(step):
+            def train_step(data):
+                with _compat.intercept_optimizer_updates(allreduce_hook, order=ALLREDUCE_ORDER):
+                    return step(data)
+            return train_step
+
+        self._restore = (distributed_hook, jit_was)
+        add_step_hook(model, distributed_hook)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 0 and self.updates_intercepted[0] == 0 and self._restore is not None:
+            raise LMSError(
+                f"{_API}: the train step of {self.model.name!r} updated no variables through a Keras optimizer "
+                f"(optimizer.apply / apply_gradients), so there was nowhere to average the gradients and the ranks "
+                f"would drift apart. Use a Keras optimizer in train_step, or average with hvd.allreduce yourself.")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        self.local_logs.append(dict(logs))
+        if self.average_metrics:
+            logs.update(average_logs(logs, name=f"lms_tf_metrics_epoch_{epoch}"))
+
+    def on_train_end(self, logs=None):
+        if self._restore is None:
+            return
+        hook, jit_was = self._restore
+        self._restore = None
+        remove_step_hook(self.model, hook)
+        restore_jit(self.model, jit_was)

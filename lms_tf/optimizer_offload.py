@@ -1,0 +1,90 @@
+"""``optimizer_on_host``: the optimizer's slots and update ops live on the host (KARMA, ZeRO-Offload).
+
+The optimizer update is traced under ``tf.device(host)``. Keras creates the slot variables
+lazily, inside the first traced update, and a variable created there keeps the innermost
+device scope, so the slots (Adam's ``m`` and ``v``: twice the model's size) are allocated in
+host memory and the update arithmetic runs on the host. Ops that read or write a model
+variable stay with the variable (TensorFlow's placer colocates resource ops with their
+resource), so per step the gradients travel to the host and the new weight values travel
+back: two model-sized copies, no slot bytes on the device.
+
+Example:
+    >>> from lms_tf.optimizer_offload import host_update_hook
+    >>> hook = host_update_hook("/CPU:1", api="lms_tf.function")
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, List
+
+import tensorflow as tf
+
+from lms_tf.pipeline import warn_once
+
+logger = logging.getLogger("lms_tf")
+
+# Nested under a gradient-averaging hook (order 0): average on the device, update on the host.
+HOST_UPDATE_ORDER = 1
+
+
+def _device_of(variable) -> str:
+    """The device of a TF variable, or of the TF variable behind a Keras 3 variable (``.value``)."""
+    device = getattr(variable, "device", None)
+    if device is None:
+        device = getattr(getattr(variable, "value", None), "device", None)
+    return device or ""
+
+
+def variables_off_device(variables, device: str) -> List[str]:
+    """Names of ``variables`` that are not placed on ``device`` (compared as DeviceSpecs).
+
+    Example:
+        >>> v = tf.Variable(1.0)
+        >>> variables_off_device([v], v.device)
+        []
+    """
+    wanted = tf.DeviceSpec.from_string(device)
+    off = []
+    for variable in variables:
+        spec = tf.DeviceSpec.from_string(_device_of(variable))
+        if (spec.device_type or "").upper() != (wanted.device_type or "").upper() or \
+                (spec.device_index or 0) != (wanted.device_index or 0):
+            off.append(getattr(variable, "path", None) or variable.name)
+    return off
+
+
+def host_update_hook(host: str, api: str) -> Callable:
+    """An optimizer-update hook (see ``_compat.intercept_optimizer_updates``) that updates on ``host``.
+
+    Args:
+        host: The host device, e.g. ``"/CPU:0"``.
+        api: The front-end's name, for the warning about an optimizer built too early.
+
+    Returns:
+        ``hook(optimizer, grads, variables, update)``.
+
+    Example:
+        >>> hook = host_update_hook("/CPU:0", api="LMSCallback")
+        >>> callable(hook)
+        True
+    """
+    def hook(optimizer, grads, variables, update):
+        built_before = bool(getattr(optimizer, "built", False)) and bool(optimizer.variables)
+        with tf.device(host):
+            result = update(grads, variables)
+        slots = [v for v in optimizer.variables if "iteration" not in v.name and "learning_rate" not in v.name]
+        off_host = variables_off_device(slots, host)
+        if off_host:
+            why = ("it was built before this step was traced" if built_before
+                   else "Keras placed them outside the host scope")
+            warn_once(f"optimizer-on-host:{id(optimizer)}",
+                      f"{api}: optimizer_on_host=True, but {len(off_host)} of {len(slots)} slot variables of "
+                      f"optimizer {optimizer.name!r} are not on {host} ({why}; e.g. {off_host[0]!r}). The "
+                      f"update ops run on the host; the slots stay where they are. Create the optimizer afresh "
+                      f"(compile again) before the first step so lms-tf can create its slots on the host.")
+        else:
+            logger.info("%s: optimizer %r: %d slot variables and the update ops on %s",
+                        api, optimizer.name, len(slots), host)
+        return result
+    return hook
