@@ -21,6 +21,11 @@ class LMSError(Exception):
         True
     """
 
+    # AutoGraph re-raises an error from traced code as the same type only when the type's
+    # __init__ is Exception's (else it becomes a StagingError); LMSOptionError would inherit
+    # ValueError's, so the subclasses inherit this one and users can still catch our types.
+    __init__ = Exception.__init__
+
 
 class LMSOptionError(LMSError, ValueError):
     """An option has the wrong type or value, or names something that does not exist.

@@ -109,7 +109,11 @@ class LMSFunction:
         from lms_tf.horovod import broadcast_variables
 
         concrete = self._with_call_shapes(self._tf_function.get_concrete_function, args, kwargs)
-        fresh = [v for v in concrete.variables if id(v) not in self._broadcast_ids]
+        # Ranks must list the variables in the same order; concrete.variables comes from an
+        # identity set (process-specific order), the trace's capture order is the same everywhere.
+        position = {id(handle): i for i, handle in enumerate(concrete.captured_inputs)}
+        ordered = sorted(concrete.variables, key=lambda v: position.get(id(v.handle), len(position)))
+        fresh = [v for v in ordered if id(v) not in self._broadcast_ids]
         if fresh:
             broadcast_variables(fresh, root_rank=0)
             self._broadcast_ids.update(id(v) for v in fresh)

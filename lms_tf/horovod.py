@@ -188,8 +188,10 @@ def gradient_allreduce_hook(bucket_bytes: Optional[int], counter: Optional[List[
     def hook(optimizer, grads, variables, update):
         if counter is not None:
             counter[0] += 1
-        return update(allreduce_gradients(grads, bucket_bytes=bucket_bytes,
-                                          name=f"lms_tf_allreduce_{optimizer.name}"), variables)
+        # Horovod matches tensors across ranks by op name, so the name must not depend on
+        # anything rank-local (an optimizer's auto-name counts the optimizers this process
+        # made). A second update in the same trace gets a graph-uniquified name, in trace order.
+        return update(allreduce_gradients(grads, bucket_bytes=bucket_bytes), variables)
     return hook
 
 

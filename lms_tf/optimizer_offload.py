@@ -16,8 +16,9 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Callable, List
+from typing import Callable, Dict, List
 
+import numpy as np
 import tensorflow as tf
 
 from lms_tf.pipeline import warn_once
@@ -54,6 +55,24 @@ def variables_off_device(variables, device: str) -> List[str]:
     return off
 
 
+def variable_bytes_by_device(variables) -> Dict[str, int]:
+    """Bytes of ``variables`` per device they live on (full device names).
+
+    Example:
+        >>> with tf.device("/CPU:0"):
+        ...     v = tf.Variable(tf.zeros((4,)))
+        >>> variable_bytes_by_device([v])
+        {'/job:localhost/replica:0/task:0/device:CPU:0': 16}
+    """
+    totals: Dict[str, int] = {}
+    for variable in variables:
+        # Keras 3 variables give shape as a tuple and dtype as a string; tf.Variable as TF types.
+        nbytes = int(np.prod(tuple(variable.shape), dtype=np.int64)) * tf.as_dtype(variable.dtype).size
+        device = _device_of(variable)
+        totals[device] = totals.get(device, 0) + nbytes
+    return totals
+
+
 def host_update_hook(host: str, api: str) -> Callable:
     """An optimizer-update hook (see ``_compat.intercept_optimizer_updates``) that updates on ``host``.
 
@@ -84,7 +103,8 @@ def host_update_hook(host: str, api: str) -> Callable:
                       f"update ops run on the host; the slots stay where they are. Create the optimizer afresh "
                       f"(compile again) before the first step so lms-tf can create its slots on the host.")
         else:
-            logger.info("%s: optimizer %r: %d slot variables and the update ops on %s",
-                        api, optimizer.name, len(slots), host)
+            logger.info("%s: optimizer %r: %d slot variables (%.1f MiB) and the update ops on %s",
+                        api, optimizer.name, len(slots), sum(variable_bytes_by_device(slots).values()) / 2**20,
+                        host)
         return result
     return hook

@@ -5,6 +5,7 @@ import keras
 import tensorflow as tf
 
 import lms_tf
+from lms_tf import _compat
 from tests.zoo import BATCH
 
 
@@ -69,3 +70,37 @@ def custom_loop(builder, decorate, steps=3, use_tf_gradients=False):
 
 def lms_function(**options):
     return lambda step: lms_tf.function(step, **options)
+
+
+def graph_probe(facts: dict):
+    """A step hook that keeps the traced graph (counted after fit, once every hook has rewritten it)."""
+    def hook(step):
+        def train_step(data):
+            facts["graph"] = _compat.current_graph()
+            return step(data)
+        return train_step
+    return hook
+
+
+def count_ops(graph) -> dict:
+    ops = graph.get_operations()
+    return dict(allreduce_ops=sum(op.type.startswith("HorovodGroupedAllreduce") for op in ops),
+                lms_ops=sum(_compat.string_attr(op, "_lms") is not None for op in ops))
+
+
+def first_consumers(op) -> list:
+    """Names of the ops that first consume ``op``'s outputs, looking through Identity ops.
+
+    IdentityN (Keras passes all gradients through one) forwards input i to output i only.
+    """
+    found, frontier = [], list(op.outputs)
+    while frontier:
+        tensor = frontier.pop()
+        for consumer in tensor.consumers():
+            if consumer.type == "Identity":
+                frontier.append(consumer.outputs[0])
+            elif consumer.type == "IdentityN":
+                frontier.extend(consumer.outputs[i] for i, t in enumerate(consumer.inputs) if t is tensor)
+            else:
+                found.append(consumer.name)
+    return found

@@ -1,0 +1,220 @@
+"""One Horovod rank of the data-parallel tests; started by ``horovodrun --gloo -np 2`` from test_horovod.py.
+
+Usage: python horovod_worker.py SCENARIO OUTDIR
+
+Scenarios:
+    all: every scenario below in one job (one TF start-up per rank); each rank writes
+        OUTDIR/rank<r>.npz (weights) and OUTDIR/rank<r>.json (logs, graph facts, timings);
+        rank 0 also writes the single-process references it computes on the two ranks'
+        batches concatenated. LMS_TF_SCENARIOS=a,b limits the job to some of them:
+        fit_lms_first, fit_dist_first (LMSCallback with optimizer_on_host), custom
+        (lms_tf.function(horovod=True)), pipelined (executed-op order of one step with one
+        bucket per gradient), one_bucket (the same with a single allreduce).
+    raise: rank 1 raises in its third training batch; rank 0 keeps training. The job must stop.
+
+Each rank initialises its model from a different seed, so equal weights prove the broadcast.
+The models have no BatchNormalization or Dropout: their per-rank statistics and masks make
+data-parallel training legitimately differ from one process on the concatenated batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                           [tf.config.LogicalDeviceConfiguration()] * 2)
+tf.config.threading.set_inter_op_parallelism_threads(2)
+
+import keras  # noqa: E402
+
+import lms_tf  # noqa: E402
+from lms_tf.diagnostics import executed_ops  # noqa: E402
+from lms_tf.horovod import DistributedCallback, horovod_tensorflow  # noqa: E402
+from lms_tf.keras.step_hooks import add_step_hook  # noqa: E402
+from tests.helpers import count_ops, first_consumers, graph_probe  # noqa: E402
+
+hvd = horovod_tensorflow()
+RANK, SIZE = hvd.rank(), hvd.size()
+CPU_LMS = dict(device="/CPU:0", host="/CPU:1", min_swap_bytes=0)
+LOCAL_BATCH, STEPS = 4, 3
+
+
+def progress(message: str) -> None:
+    """One line per stage on stderr, so a hung job shows where it stopped."""
+    print(f"[rank {RANK}] {message}", file=sys.stderr, flush=True)
+
+
+def conv_model(seed: int) -> keras.Model:
+    """A Functional model with a branch and a skip connection."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((12, 12, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="conv_a")(inputs)
+    branch = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="conv_b")(x)
+    x = keras.layers.Add(name="skip")([x, branch])
+    x = keras.layers.Conv2D(8, 3, strides=2, activation="relu", name="conv_c")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras.layers.Dense(5, name="head")(x)
+    return keras.Model(inputs, outputs, name="hvd_net")
+
+
+def global_data(samples: int):
+    rng = np.random.RandomState(123)
+    return (rng.rand(samples, 12, 12, 3).astype("float32"),
+            rng.randint(0, 5, size=(samples,)).astype("int32"))
+
+
+def shard(x, y):
+    """This rank's part of each global batch: rows [k*G + r*B, k*G + (r+1)*B) of global batch k."""
+    global_batch = LOCAL_BATCH * SIZE
+    rows = [k * global_batch + RANK * LOCAL_BATCH + i for k in range(len(x) // global_batch)
+            for i in range(LOCAL_BATCH)]
+    return x[rows], y[rows]
+
+
+def compile_(model):
+    model.compile(keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["sparse_categorical_accuracy"])
+    return model
+
+
+def fit_scenario(name: str, lms_first: bool, results: dict, weights: dict) -> None:
+    x, y = global_data(LOCAL_BATCH * SIZE * STEPS)
+    model = compile_(conv_model(seed=100 + RANK))
+    initial = [w.numpy() for w in model.weights]  # on rank 0: what DistributedCallback broadcasts
+    lms = lms_tf.LMSCallback(**CPU_LMS, recompute="cheap", optimizer_on_host=(name == "fit_dist_first"))
+    dist = DistributedCallback(bucket_bytes=1024)
+    facts: dict = {}
+    add_step_hook(model, graph_probe(facts))
+    xs, ys = shard(x, y)
+    history = model.fit(xs, ys, batch_size=LOCAL_BATCH, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[lms, dist] if lms_first else [dist, lms])
+    weights[f"{name}/dist"] = [w.numpy() for w in model.weights]
+    results[name] = dict(history=history.history, local_logs=[{k: float(v) for k, v in logs.items()}
+                                                                for logs in dist.local_logs],
+                         broadcast=dist.broadcast_count, plan_swapped=len(lms.plan.swapped),
+                         **count_ops(facts["graph"]))
+    if RANK == 0:
+        reference = compile_(conv_model(seed=100))
+        reference.set_weights(initial)
+        reference.fit(x, y, batch_size=LOCAL_BATCH * SIZE, epochs=2, shuffle=False, verbose=0)
+        weights[f"{name}/reference"] = [w.numpy() for w in reference.weights]
+
+
+def custom_loop_scenario(results: dict, weights: dict) -> None:
+    x, y = global_data(LOCAL_BATCH * SIZE * STEPS)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def make_step(model, optimizer, decorator):
+        @decorator
+        def step(images, labels):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(labels, model(images, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return step
+
+    model = conv_model(seed=200 + RANK)
+    initial = [w.numpy() for w in model.weights]
+    step = make_step(model, keras.optimizers.Adam(1e-2), lms_tf.function(horovod=True, **CPU_LMS))
+    xs, ys = shard(x, y)
+    losses = [float(step(xs[k * LOCAL_BATCH:(k + 1) * LOCAL_BATCH], ys[k * LOCAL_BATCH:(k + 1) * LOCAL_BATCH]))
+              for k in range(STEPS)]
+    weights["custom/dist"] = [w.numpy() for w in model.weights]
+    graph = step.get_concrete_function(xs[:LOCAL_BATCH], ys[:LOCAL_BATCH]).graph
+    results["custom"] = dict(losses=losses, plan_swapped=len(step.plan.swapped),
+                             allreduce_ops=sum(op.type.startswith("HorovodGroupedAllreduce")
+                                               for op in graph.get_operations()))
+    if RANK == 0:
+        reference = conv_model(seed=200)
+        reference.set_weights(initial)
+        plain = make_step(reference, keras.optimizers.Adam(1e-2), tf.function)
+        global_batch = LOCAL_BATCH * SIZE
+        for k in range(STEPS):
+            plain(x[k * global_batch:(k + 1) * global_batch], y[k * global_batch:(k + 1) * global_batch])
+        weights["custom/reference"] = [w.numpy() for w in reference.weights]
+
+
+def pipelined_scenario(results: dict, bucket_bytes, key: str) -> None:
+    """Executed-op order of one step of a deeper net, with the given gradient buckets."""
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((32, 32, 3))]
+                             + [keras.layers.Conv2D(32, 3, padding="same", activation="relu", name=f"conv{i}")
+                                for i in range(8)]
+                             + [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10, name="head")],
+                             name="deep")
+    compile_(model)
+    images = np.random.RandomState(RANK).rand(16, 32, 32, 3).astype("float32")
+    labels = np.arange(16, dtype="int32") % 10
+    iterator = iter(tf.data.Dataset.from_tensor_slices((images, labels)).batch(16).repeat())
+    # Drive the callback by hand to profile exactly one step of fit's own train function.
+    dist = DistributedCallback(bucket_bytes=bucket_bytes)
+    dist.set_model(model)
+    facts: dict = {}
+    add_step_hook(model, graph_probe(facts))
+    dist.on_train_begin()
+    for _ in range(2):  # trace, then warm up
+        model.train_function(iterator)
+    events = executed_ops(lambda: model.train_function(iterator))
+    dist.on_train_end()
+    # The profiler records no event for Horovod's asynchronous kernels, so each bucket's
+    # allreduce is observed through its consumers (the optimizer update): a consumer that
+    # started before the backward pass ended proves the bucket was averaged during backward.
+    allreduce_ops = [op for op in facts["graph"].get_operations() if op.type.startswith("HorovodGroupedAllreduce")]
+    backward = [e for e in events if "gradient_tape" in e.node]
+    last_backward_end = max(e.end_ps for e in backward)
+    consumer_starts = []
+    for op in allreduce_ops:
+        starts = [e.start_ps for name in first_consumers(op) for e in events
+                  if e.node == name or e.node.endswith("/" + name)]
+        consumer_starts.append(min(starts) if starts else None)
+    results[key] = dict(
+        allreduce_ops=len(allreduce_ops), backward_ops=len(backward), last_backward_end=last_backward_end,
+        first_backward_start=min(e.start_ps for e in backward), consumer_starts=consumer_starts,
+        buckets_consumed_before_backward_end=sum(t is not None and t < last_backward_end for t in consumer_starts))
+
+
+def main() -> None:
+    scenario, outdir = sys.argv[1], sys.argv[2]
+    os.makedirs(outdir, exist_ok=True)
+    if scenario == "raise":
+        model = compile_(conv_model(seed=1))
+        x, y = shard(*global_data(LOCAL_BATCH * SIZE * 50))
+
+        class Fail(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                if RANK == 1 and batch == 2:
+                    raise RuntimeError("rank 1 failed on purpose in batch 2")
+
+        model.fit(x, y, batch_size=LOCAL_BATCH, epochs=50, verbose=0,
+                  callbacks=[DistributedCallback(), Fail()])
+        return
+    results: dict = {"rank": RANK, "size": SIZE}
+    weights: dict = {}
+    wanted = set(os.environ.get("LMS_TF_SCENARIOS", "fit_lms_first,fit_dist_first,custom,pipelined,one_bucket").split(","))
+    for name, run in [("fit_lms_first", lambda: fit_scenario("fit_lms_first", True, results, weights)),
+                      ("fit_dist_first", lambda: fit_scenario("fit_dist_first", False, results, weights)),
+                      ("custom", lambda: custom_loop_scenario(results, weights)),
+                      ("pipelined", lambda: pipelined_scenario(results, 1, "pipelined")),
+                      ("one_bucket", lambda: pipelined_scenario(results, None, "one_bucket"))]:
+        if name not in wanted:
+            continue
+        progress(f"{name} ...")
+        run()
+        progress(f"{name} done")
+    np.savez(os.path.join(outdir, f"rank{RANK}.npz"),
+             **{f"{key}/{i}": w for key, ws in weights.items() for i, w in enumerate(ws)})
+    with open(os.path.join(outdir, f"rank{RANK}.json"), "w") as handle:
+        json.dump(results, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

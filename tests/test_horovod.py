@@ -1,0 +1,137 @@
+"""Data-parallel training with Horovod: two real ranks (``horovodrun --gloo -np 2``) on this CPU.
+
+One Horovod job runs every scenario of ``tests/horovod_worker.py`` (see its docstring); the
+tests below read what each rank wrote. Horovod is a hard requirement of the suite
+(``scripts/test.sh`` builds it): a missing Horovod fails these tests, it does not skip them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "horovod_worker.py"
+RANKS = 2
+JOB_TIMEOUT_S = 540
+
+
+def horovodrun(*worker_args: str, timeout: float = JOB_TIMEOUT_S, env_extra=None) -> subprocess.CompletedProcess:
+    """Runs the worker on RANKS local ranks with Gloo; returns the finished process."""
+    launcher = Path(sys.executable).with_name("horovodrun")
+    assert launcher.exists(), f"horovodrun not found next to {sys.executable}: run bash scripts/install_horovod.sh"
+    env = dict(os.environ, PYTHONPATH=str(REPO), **(env_extra or {}))
+    # The pytest process' logical-device and allocator settings must not leak into the ranks.
+    env.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
+    return subprocess.run([str(launcher), "--gloo", "-np", str(RANKS), "-H", f"localhost:{RANKS}",
+                           sys.executable, str(WORKER), *worker_args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    outdir = tmp_path_factory.mktemp("horovod")
+    done = horovodrun("all", str(outdir))
+    assert done.returncode == 0, f"horovod job failed (exit {done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    ranks = []
+    for rank in range(RANKS):
+        with open(outdir / f"rank{rank}.json") as handle:
+            facts = json.load(handle)
+        arrays = np.load(outdir / f"rank{rank}.npz")
+        weights = {}
+        for key in arrays.files:
+            scenario_role, _, index = key.rpartition("/")
+            weights.setdefault(scenario_role, {})[int(index)] = arrays[key]
+        facts["weights"] = {k: [v[i] for i in sorted(v)] for k, v in weights.items()}
+        ranks.append(facts)
+    return ranks
+
+
+SCENARIOS = ["fit_lms_first", "fit_dist_first", "custom"]
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_ranks_end_equal_to_one_process_on_the_global_batch(job, scenario):
+    """Each rank starts from its own seed and sees only its shard: equal weights on both ranks
+    prove the broadcast and the averaging; equality with one process training on the
+    concatenated batches proves the average is the right one (mean over ranks)."""
+    assert job[0]["size"] == RANKS
+    dist = [rank["weights"][f"{scenario}/dist"] for rank in job]
+    reference = job[0]["weights"][f"{scenario}/reference"]
+    assert len(dist[0]) == len(dist[1]) == len(reference) >= 8
+    for a, b in zip(*dist):
+        np.testing.assert_array_equal(a, b)
+    for got, want in zip(dist[0], reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The LMS rewrite was really active in the distributed step.
+    assert all(rank[scenario]["plan_swapped"] > 0 for rank in job)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+@pytest.mark.parametrize("scenario", ["fit_lms_first", "fit_dist_first"])
+def test_fit_history_is_the_mean_of_the_ranks_logs(job, scenario):
+    histories = [rank[scenario]["history"] for rank in job]
+    local = [rank[scenario]["local_logs"] for rank in job]
+    assert histories[0] == histories[1]
+    for epoch, logs in enumerate(zip(*local)):
+        assert logs[0]["loss"] != logs[1]["loss"]  # different shards: a real average below
+        for key in logs[0]:
+            assert histories[0][key][epoch] == pytest.approx((logs[0][key] + logs[1][key]) / 2, rel=1e-6)
+    assert all(rank[scenario]["broadcast"] == 8 for rank in job)  # 4 kernels + 4 biases
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+@pytest.mark.parametrize("scenario", ["fit_lms_first", "fit_dist_first"])
+def test_one_traced_step_holds_both_rewrites(job, scenario):
+    """Either callback order gives one step with the allreduces and the LMS ops in it."""
+    for rank in job:
+        facts = rank[scenario]
+        assert facts["allreduce_ops"] >= 2, facts  # bucket_bytes=1024 splits the 5 gradients
+        assert facts["lms_ops"] > 0, facts
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_custom_loop_averages_in_one_bucket_by_default(job):
+    assert all(rank["custom"]["allreduce_ops"] == 1 for rank in job)  # 4 MiB default, tiny model
+    losses = [rank["custom"]["losses"] for rank in job]
+    assert losses[0] != losses[1]  # each rank's loss is on its own shard
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_gradients_are_averaged_while_the_backward_pass_runs(job):
+    """Executed order: with one bucket per gradient, the optimizer consumed averaged buckets
+    before the last backward op ended; with a single bucket it never can (the control case)."""
+    for rank in job:
+        pipelined, single = rank["pipelined"], rank["one_bucket"]
+        assert pipelined["allreduce_ops"] == 18 and single["allreduce_ops"] == 1
+        assert pipelined["backward_ops"] > 20
+        assert None not in pipelined["consumer_starts"], "a bucket's consumer was not seen executing"
+        assert pipelined["buckets_consumed_before_backward_end"] >= 1, pipelined
+        assert single["buckets_consumed_before_backward_end"] == 0, single
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_rank_stops_the_whole_job(tmp_path):
+    started = time.monotonic()
+    done = horovodrun("raise", str(tmp_path), timeout=240)
+    elapsed = time.monotonic() - started
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert "rank 1 failed on purpose in batch 2" in output
+    assert elapsed < 200, f"the job took {elapsed:.0f} s to stop"
+
+
+@pytest.mark.timeout(120)
+def test_install_script_is_idempotent():
+    done = subprocess.run(["bash", "scripts/install_horovod.sh", sys.executable], cwd=REPO,
+                          capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr
+    assert "already installed, nothing to do" in done.stdout, done.stdout
