@@ -18,7 +18,6 @@ setup(
     install_requires=[f"tensorflow=={TF_VERSION}", f"keras=={KERAS_VERSION}", "numpy"],
     extras_require={
         "gpu": [f"tensorflow[and-cuda]=={TF_VERSION}"],
-        "horovod": ["horovod==0.28.1"],
         "legacy-keras": [f"tf-keras=={TF_VERSION}"],
         "plot": ["matplotlib>=3.7"],
         "test": [f"tf-keras=={TF_VERSION}", "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7"],

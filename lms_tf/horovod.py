@@ -71,6 +71,40 @@ def horovod_tensorflow():
     return hvd
 
 
+def pin_gpu() -> Optional[str]:
+    """Makes only this rank's GPU (``hvd.local_rank()``) visible to TensorFlow, as Horovod requires.
+
+    Call it at the top of the training script, before anything touches a GPU. On a machine
+    without GPUs it does nothing.
+
+    Returns:
+        The name of the physical GPU this rank uses, or None without GPUs.
+
+    Raises:
+        LMSError: This node has fewer GPUs than ranks on it, or TensorFlow already
+            initialised its GPUs.
+
+    Example:
+        >>> pin_gpu() is None  # no GPU on the test machine
+        True
+    """
+    hvd = horovod_tensorflow()
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return None
+    local_rank = hvd.local_rank()
+    if local_rank >= len(gpus):
+        raise LMSError(f"pin_gpu: rank {hvd.rank()} is local rank {local_rank} on this node, which has only "
+                       f"{len(gpus)} GPU(s). Start at most {len(gpus)} ranks per node (horovodrun -H host:{len(gpus)}).")
+    try:
+        tf.config.set_visible_devices(gpus[local_rank], "GPU")
+        tf.config.experimental.set_memory_growth(gpus[local_rank], True)
+    except RuntimeError as error:
+        raise LMSError(f"pin_gpu() must run before TensorFlow initialises its GPUs ({error}); call it "
+                       f"at the top of the script, before building a model or creating a tensor.") from error
+    return gpus[local_rank].name
+
+
 def _nbytes(tensor) -> int:
     shape = tensor.shape
     if shape.rank is None or not shape.is_fully_defined():

@@ -6,8 +6,8 @@
 # horovod/tensorflow/CMakeLists.txt compiles xla_mpi_ops.cc, which includes XLA headers that
 # moved. This script deletes that one line (lms-tf never uses Horovod's XLA ops) and builds with:
 #   - Gloo on every machine (horovodrun --gloo, no MPI needed: CPU-only machines, tests, CI);
-#   - NCCL (HOROVOD_GPU_OPERATIONS=NCCL) and MPI as well when CUDA (nvcc + a GPU driver) and
-#     an MPI compiler (mpicxx) are present, as on the GPU nodes of the Dockerfile.
+#   - NCCL (HOROVOD_GPU_OPERATIONS=NCCL) when CUDA (nvcc + a GPU driver, or nvcc alone with
+#     LMS_TF_HOROVOD_GPU=1, as in the Dockerfile) is present, and MPI when mpicxx is.
 #
 # Idempotent: when Horovod 0.28.1 already imports in the target Python, its TensorFlow ops load
 # and it was built against the TensorFlow version installed now, it does nothing and says so.
@@ -44,7 +44,15 @@ PY_TAG="$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_
 # The build flavour: GPU operations only where CUDA can compile them.
 FLAVOUR="gloo"
 BUILD_ENV=(HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1)
-if command -v nvcc >/dev/null 2>&1 && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+# LMS_TF_HOROVOD_GPU=1 builds the NCCL operations whenever nvcc exists, without a GPU driver
+# (a `docker build` sees no GPU); =0 never builds them; unset: only where a GPU answers.
+WANT_GPU="${LMS_TF_HOROVOD_GPU:-auto}"
+if [ "$WANT_GPU" = "1" ] && ! command -v nvcc >/dev/null 2>&1; then
+    say "error: LMS_TF_HOROVOD_GPU=1 but nvcc is not on PATH; install the CUDA toolkit (a -devel CUDA image)" >&2
+    exit 2
+fi
+if [ "$WANT_GPU" = "1" ] || { [ "$WANT_GPU" = "auto" ] && command -v nvcc >/dev/null 2>&1 \
+        && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; }; then
     FLAVOUR="$FLAVOUR-nccl"
     BUILD_ENV+=(HOROVOD_GPU_OPERATIONS=NCCL)
     [ -n "${NCCL_HOME:-}" ] && BUILD_ENV+=(HOROVOD_NCCL_HOME="$NCCL_HOME")

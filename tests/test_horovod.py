@@ -8,6 +8,7 @@ tests below read what each rank wrote. Horovod is a hard requirement of the suit
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -135,3 +136,39 @@ def test_install_script_is_idempotent():
                           capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr
     assert "already installed, nothing to do" in done.stdout, done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_launch_script_runs_the_example_on_two_ranks():
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
+    done = subprocess.run(["bash", "scripts/launch.sh", "-np", "2", "--", "python", "examples/horovod_fit.py",
+                           "--epochs", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"{Path(sys.executable).with_name('horovodrun')} -np 2 -H localhost:2 {sys.executable}" in done.stderr
+    lines = [line.split(">:", 1)[1] for line in done.stdout.splitlines() if "weights checksum" in line]
+    assert len(lines) == 2 and {line.split(": ", 1)[0] for line in lines} == {"rank 0/2", "rank 1/2"}
+    checksums = {line.split("weights checksum ")[1].split(",")[0] for line in lines}
+    assert len(checksums) == 1, lines  # both ranks hold the same weights
+    assert all("swapped" in line for line in lines)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["-np", "2"], "no training command"),
+    (["-np", "2", "--"], "nothing after '--'"),
+    (["-np", "zero", "--", "true"], "-np must be a positive integer; received 'zero'"),
+])
+def test_launch_script_rejects_bad_usage(args, fragment):
+    done = subprocess.run(["bash", "scripts/launch.sh", *args], cwd=REPO, env=dict(os.environ, PYTHON=sys.executable),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and fragment in done.stderr, done.stderr
+
+
+def test_dockerfile_builds_only_with_scripts_the_tests_run():
+    """Docker has no engine here: the Dockerfile must do its work through the scripts CI runs."""
+    text = (REPO / "Dockerfile").read_text()
+    named = set(re.findall(r"scripts/[\w.]+\.sh", text)) | set(re.findall(r"examples/[\w.]+\.py", text))
+    assert named == {"scripts/setup.sh", "scripts/install_horovod.sh", "scripts/launch.sh", "examples/horovod_fit.py"}
+    assert all((REPO / path).exists() for path in named)
+    test_sources = (REPO / "scripts" / "test.sh").read_text() + Path(__file__).read_text()
+    assert all(path in test_sources for path in named - {"scripts/test.sh"})
