@@ -18,7 +18,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
 
 import tensorflow as tf
 
@@ -34,8 +36,41 @@ def _same_device(a: str, b: str) -> bool:
         (sa.device_index or 0) == (sb.device_index or 0)
 
 
+def variable_device(variable) -> str:
+    """The device of a TF variable, or of the TF variable behind a Keras 3 variable (``.value``).
+
+    Example:
+        >>> with tf.device("/CPU:0"):
+        ...     v = tf.Variable(1.0)
+        >>> variable_device(v)
+        '/job:localhost/replica:0/task:0/device:CPU:0'
+    """
+    device = getattr(variable, "device", None)
+    if device is None:
+        device = getattr(getattr(variable, "value", None), "device", None)
+    return device or ""
+
+
+def variable_bytes_by_device(variables) -> Dict[str, int]:
+    """Bytes of ``variables`` per device they live on (full device names).
+
+    Example:
+        >>> with tf.device("/CPU:0"):
+        ...     v = tf.Variable(tf.zeros((4,)))
+        >>> variable_bytes_by_device([v])
+        {'/job:localhost/replica:0/task:0/device:CPU:0': 16}
+    """
+    totals: Dict[str, int] = {}
+    for variable in variables:
+        # Keras 3 variables give shape as a tuple and dtype as a string; tf.Variable as TF types.
+        nbytes = int(np.prod(tuple(variable.shape), dtype=np.int64)) * tf.as_dtype(variable.dtype).size
+        device = variable_device(variable)
+        totals[device] = totals.get(device, 0) + nbytes
+    return totals
+
+
 def virtual_gpu_peak(concrete_function, *, host: str = "/CPU:1", gpu_memory_bytes: int = 16 * 2**30,
-                     host_memory_bytes: int = 256 * 2**30) -> int:
+                     host_memory_bytes: int = 256 * 2**30, include_variables: bool = False) -> int:
     """Peak GPU bytes of a traced step by Grappler's virtual cluster.
 
     Ops without a device, or on a device other than ``host``, are put on a virtual
@@ -46,6 +81,10 @@ def virtual_gpu_peak(concrete_function, *, host: str = "/CPU:1", gpu_memory_byte
         host: The device the rewrite used as host.
         gpu_memory_bytes: Memory of the virtual GPU.
         host_memory_bytes: Memory of the virtual host.
+        include_variables: Add the bytes of the variables the step captures that live
+            off ``host`` (model weights, optimizer slots). Grappler simulates only the
+            tensors a step computes: variables are resident for the whole step, so they
+            add to its peak as a constant; this is how ``optimizer_on_host`` shows.
 
     Returns:
         The virtual GPU's peak memory in bytes.
@@ -63,7 +102,11 @@ def virtual_gpu_peak(concrete_function, *, host: str = "/CPU:1", gpu_memory_byte
     fetches = sorted({t.op.name for t in graph.outputs} | {op.name for op in graph.control_outputs})
     peaks = _compat.grappler_peak_memory(
         graph_def, fetches, [(_VIRTUAL_GPU, "GPU", gpu_memory_bytes), (_VIRTUAL_CPU, "CPU", host_memory_bytes)])
-    return peaks.get(_VIRTUAL_GPU, 0)
+    resident = 0
+    if include_variables:
+        resident = sum(n for device, n in variable_bytes_by_device(concrete_function.variables).items()
+                       if not _same_device(device, host))
+    return peaks.get(_VIRTUAL_GPU, 0) + resident
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,25 +16,17 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, List
+from typing import Callable, List
 
-import numpy as np
 import tensorflow as tf
 
+from lms_tf.diagnostics import variable_bytes_by_device, variable_device
 from lms_tf.pipeline import warn_once
 
 logger = logging.getLogger("lms_tf")
 
 # Nested under a gradient-averaging hook (order 0): average on the device, update on the host.
 HOST_UPDATE_ORDER = 1
-
-
-def _device_of(variable) -> str:
-    """The device of a TF variable, or of the TF variable behind a Keras 3 variable (``.value``)."""
-    device = getattr(variable, "device", None)
-    if device is None:
-        device = getattr(getattr(variable, "value", None), "device", None)
-    return device or ""
 
 
 def variables_off_device(variables, device: str) -> List[str]:
@@ -48,29 +40,11 @@ def variables_off_device(variables, device: str) -> List[str]:
     wanted = tf.DeviceSpec.from_string(device)
     off = []
     for variable in variables:
-        spec = tf.DeviceSpec.from_string(_device_of(variable))
+        spec = tf.DeviceSpec.from_string(variable_device(variable))
         if (spec.device_type or "").upper() != (wanted.device_type or "").upper() or \
                 (spec.device_index or 0) != (wanted.device_index or 0):
             off.append(getattr(variable, "path", None) or variable.name)
     return off
-
-
-def variable_bytes_by_device(variables) -> Dict[str, int]:
-    """Bytes of ``variables`` per device they live on (full device names).
-
-    Example:
-        >>> with tf.device("/CPU:0"):
-        ...     v = tf.Variable(tf.zeros((4,)))
-        >>> variable_bytes_by_device([v])
-        {'/job:localhost/replica:0/task:0/device:CPU:0': 16}
-    """
-    totals: Dict[str, int] = {}
-    for variable in variables:
-        # Keras 3 variables give shape as a tuple and dtype as a string; tf.Variable as TF types.
-        nbytes = int(np.prod(tuple(variable.shape), dtype=np.int64)) * tf.as_dtype(variable.dtype).size
-        device = _device_of(variable)
-        totals[device] = totals.get(device, 0) + nbytes
-    return totals
 
 
 def host_update_hook(host: str, api: str) -> Callable:

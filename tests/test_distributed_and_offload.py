@@ -14,7 +14,7 @@ import lms_tf
 from lms_tf.errors import LMSError, LMSOptionError, LMSWarning
 from lms_tf.horovod import DistributedCallback, allreduce_gradients, backward_order, bucket_by_bytes
 from lms_tf.keras.step_hooks import add_step_hook
-from lms_tf.optimizer_offload import variable_bytes_by_device
+from lms_tf.diagnostics import variable_bytes_by_device, virtual_gpu_peak
 from tests import zoo
 from tests.conftest import CPU_LMS
 from tests.helpers import assert_same_numbers, custom_loop, fit_steps, graph_probe, lms_function
@@ -66,6 +66,36 @@ def test_optimizer_on_host_places_the_update_arithmetic_on_the_host():
                    if op.name.startswith(model.optimizer.name + "/") and op.type in ("Mul", "Sub", "AddV2")]
     assert len(update_math) >= 2 * len(model.trainable_variables)
     assert {op.device for op in update_math} == {"/device:CPU:1"}
+
+
+def _adam_step_concrete(decorate):
+    """The traced custom-loop Adam step of resnet_style (the optimizer's slots created in it)."""
+    model, (x, y) = zoo.resnet_style()
+    optimizer = keras.optimizers.Adam()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def step(images, labels):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(images, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    concrete = decorate(step).get_concrete_function(tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH]))
+    return concrete, (model, optimizer)  # the function holds its variables weakly
+
+
+def test_grappler_oracle_shows_adam_slots_leave_the_gpu():
+    plain, (model, _optimizer) = _adam_step_concrete(tf.function)
+    offloaded, _alive = _adam_step_concrete(lms_function(**CPU_LMS, swap=False, optimizer_on_host=True))
+    slot_bytes = 2 * sum(variable_bytes_by_device(model.trainable_variables).values())  # Adam: m and v
+    before = virtual_gpu_peak(plain, host=CPU_LMS["host"], include_variables=True)
+    after = virtual_gpu_peak(offloaded, host=CPU_LMS["host"], include_variables=True)
+    transient_before = virtual_gpu_peak(plain, host=CPU_LMS["host"])
+    transient_after = virtual_gpu_peak(offloaded, host=CPU_LMS["host"])
+    assert before - after == slot_bytes + (transient_before - transient_after), (before, after, slot_bytes)
+    assert transient_after <= transient_before  # the update's temporaries moved too, nothing grew
+    assert after < before - 0.9 * slot_bytes
 
 
 def test_optimizer_on_host_in_a_custom_loop_numbers_equal():
