@@ -378,7 +378,8 @@ def profile_executed_ops(run_step) -> List[Tuple[str, str, int, int]]:
     """Runs ``run_step()`` under TensorFlow's profiler and returns the ops it executed.
 
     Returns:
-        ``(node_name, op_type, start_ps, end_ps)`` per executed kernel, sorted by start.
+        ``(node_name, op_type, start_ps, end_ps)`` per executed kernel, sorted by start; times
+        in picoseconds since the Unix epoch.
     """
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
@@ -395,6 +396,13 @@ def profile_executed_ops(run_step) -> List[Tuple[str, str, int, int]]:
     space = xplane_pb2.XSpace()
     with open(files[0], "rb") as handle:
         space.ParseFromString(handle.read())
+    # Line timestamps count from the session start, which the "Task Environment" plane records
+    # in wall-clock ns: adding it puts events on the clock other tools (Horovod's timeline) use.
+    session_start_ns = 0
+    for plane in space.planes:
+        for stat in plane.stats:
+            if plane.stat_metadata[stat.metadata_id].name == "profile_start_time":
+                session_start_ns = stat.int64_value or stat.uint64_value
     events = []
     for plane in space.planes:
         metadata = plane.event_metadata
@@ -406,7 +414,7 @@ def profile_executed_ops(run_step) -> List[Tuple[str, str, int, int]]:
                 if ":" not in label or label.startswith(("ExecutorState", "ThreadpoolListener")):
                     continue
                 node, _, op_type = label.rpartition(":")
-                start = line.timestamp_ns * 1000 + event.offset_ps
+                start = (session_start_ns + line.timestamp_ns) * 1000 + event.offset_ps
                 events.append((node, op_type, start, start + event.duration_ps))
     events.sort(key=lambda e: e[2])
     return events

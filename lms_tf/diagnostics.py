@@ -116,8 +116,8 @@ class ExecutedOp:
     Attributes:
         node: Node name as executed (Grappler may prefix inlined function nodes).
         type: Op type.
-        start_ps: Start time in picoseconds.
-        end_ps: End time in picoseconds.
+        start_ps: Start time in picoseconds since the Unix epoch (wall clock).
+        end_ps: End time in picoseconds since the Unix epoch.
 
     Example:
         >>> ExecutedOp("a/Relu", "Relu", 0, 10).end_ps

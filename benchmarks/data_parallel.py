@@ -9,11 +9,11 @@ step) in two configurations, timed after warm-up:
 
 The 2 cores are shared fairly: each rank gets cores / ranks intra-op threads. Rank 0 of the
 2-process run also records one step's timeline: TensorFlow's executed ops (profiler) and
-Horovod's own allreduce intervals (Horovod timeline, on the same clock), drawn to
+Horovod's own allreduce intervals (Horovod timeline, on the same clock; 256 KiB buckets), drawn to
 ``benchmarks/out/horovod_timeline.png``; a bucket whose allreduce ends before the last
 backward op ends overlapped the backward pass.
 
-    .venv/bin/python benchmarks/horovod.py       # writes benchmarks/out/horovod.{md,json,png}
+    .venv/bin/python benchmarks/data_parallel.py   # writes benchmarks/out/horovod.{md,json} and horovod_timeline.png
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "out"
 CORES = os.cpu_count() or 2
 LOCAL_BATCH, IMAGE, STEPS, WARMUP = 16, 48, 12, 3
+TIMELINE_BUCKET_BYTES = 256 * 1024  # smaller than the timed runs' 1 MiB, so the plot shows more buckets
 log = logging.getLogger("benchmark")
 
 
@@ -74,7 +76,8 @@ def rank_main(ranks: int, outdir: Path) -> None:
     configs = {
         "horovod": lambda: [DistributedCallback(bucket_bytes=2**20)],
         "horovod+lms": lambda: [DistributedCallback(bucket_bytes=2**20),
-                                lms_tf.LMSCallback(device="/CPU:0", host="/CPU:1", optimizer_on_host=True)],
+                                lms_tf.LMSCallback(device="/CPU:0", host="/CPU:1", optimizer_on_host=True,
+                                                   batch_size=LOCAL_BATCH)],
     }
     for name, make_callbacks in configs.items():
         model = build()
@@ -109,56 +112,61 @@ def record_timeline(build, iterator, hvd, outdir: Path) -> dict:
     model = build()
     facts: dict = {}
     add_step_hook(model, graph_probe(facts))
-    callback = DistributedCallback(bucket_bytes=2**20)
+    callback = DistributedCallback(bucket_bytes=TIMELINE_BUCKET_BYTES)
     callback.set_model(model)
     callback.on_train_begin()
     for _ in range(3):
         model.train_function(iterator)
     timeline_file = outdir / f"horovod_timeline_rank{hvd.rank()}.json"
-    # Horovod stamps its events in microseconds of the monotonic clock since start_timeline();
-    # the profiler stamps wall-clock nanoseconds. Bracketing the start converts one into the other.
-    before = time.monotonic_ns()
     hvd.start_timeline(str(timeline_file), mark_cycles=False)
-    after = time.monotonic_ns()
-    wall_minus_monotonic = time.time_ns() - time.monotonic_ns()
     events = executed_ops(lambda: model.train_function(iterator))
     time.sleep(0.5)  # Horovod's timeline writer is asynchronous
     hvd.stop_timeline()
     callback.on_train_end()
-    start_wall_ns = (before + after) // 2 + wall_minus_monotonic
-    allreduces = parse_horovod_timeline(timeline_file.read_text(), start_wall_ns)
+    if hvd.rank() != 0:  # Horovod's coordinator (rank 0) writes the timeline
+        return {}
+    allreduces = parse_horovod_timeline(timeline_file.read_text())
     names = {op.name for op in facts["graph"].get_operations() if op.type.startswith("HorovodGroupedAllreduce")}
     return {
         "ops": [{"node": e.node, "type": e.type, "start_ns": e.start_ps // 1000, "end_ns": e.end_ps // 1000}
                 for e in events],
-        "allreduces": [a for a in allreduces if any(n in a["tensor"] for n in names)],
-        "clock_bracket_ns": after - before,
+        "allreduces": [a for a in allreduces if a["group"].rsplit("/", 1)[-1] in names],
     }
 
 
-def parse_horovod_timeline(text: str, start_wall_ns: int) -> list:
-    """Intervals of each tensor's allreduce (from the first begin to the last end of its events)."""
+def parse_horovod_timeline(text: str) -> list:
+    """Per allreduce group: from its first tensor's first event to its last tensor's last event.
+
+    Horovod stamps events in microseconds since its start and writes that start as wall-clock
+    microseconds (``start_time_since_epoch_in_micros``), the profiler's clock, so both align.
+    Grouped allreduces appear per tensor (``<group>_3of16``) and are merged back per group.
+    """
     text = text.strip().rstrip(",")
     if not text.endswith("]"):
         text += "]"
     records = json.loads(text)
-    names = {r["pid"]: r["args"]["name"] for r in records if r.get("ph") == "M" and r.get("name") == "process_name"}
+    start_us = next(r["args"]["start_time_since_epoch_in_micros"] for r in records
+                    if "start_time_since_epoch_in_micros" in r.get("args", {}))
+    groups = {r["pid"]: re.sub(r"_\d+of\d+$", "", r["args"]["name"]) for r in records
+              if r.get("ph") == "M" and r.get("name") == "process_name" and "name" in r.get("args", {})}
     spans: dict = {}
     for record in records:
-        if record.get("ph") not in ("B", "E", "X") or record.get("pid") not in names:
+        if record.get("ph") not in ("B", "E", "X") or record.get("pid") not in groups:
             continue
-        ts = start_wall_ns + int(record["ts"]) * 1000
-        end = ts + int(record.get("dur", 0)) * 1000
-        span = spans.setdefault(record["pid"], [ts, end])
-        span[0], span[1] = min(span[0], ts), max(span[1], end)
-    return [{"tensor": names[pid], "start_ns": s, "end_ns": e} for pid, (s, e) in sorted(spans.items())]
+        begin = (start_us + int(record["ts"])) * 1000
+        end = begin + int(record.get("dur", 0)) * 1000
+        span = spans.setdefault(groups[record["pid"]], [begin, end])
+        span[0], span[1] = min(span[0], begin), max(span[1], end)
+    return sorted(({"group": g, "start_ns": b, "end_ns": e} for g, (b, e) in spans.items()),
+                  key=lambda a: a["start_ns"])
 
 
 # --- the benchmark -----------------------------------------------------------------------------
 
 def run_ranks(ranks: int, outdir: Path) -> None:
     launcher = Path(sys.executable).with_name("horovodrun")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # DYNAMIC lets rank 0 start Horovod's timeline for one step (set for both runs alike).
+    env = dict(os.environ, PYTHONPATH=str(REPO), HOROVOD_TIMELINE="DYNAMIC")
     command = [str(launcher), "--gloo", "-np", str(ranks), "-H", f"localhost:{ranks}",
                sys.executable, __file__, "--rank", str(ranks), str(outdir)]
     log.info("running %d process(es): %s", ranks, " ".join(command))
@@ -217,7 +225,7 @@ def main() -> None:
             rows.append(f"| {name} | {result['ranks']} | {result['threads']} | {1000 * c['step_s']:.0f} | "
                         f"{c['steps_per_s']:.2f} | {c['samples_per_s']:.1f} | {c['samples_per_s'] / base:.2f}x |")
     table = "\n".join(rows)
-    summary = (f"Timeline (2 processes, rank 0, 1 MiB buckets): {overlap['buckets']} allreduce buckets, "
+    summary = (f"Timeline (2 processes, rank 0, 256 KiB buckets): {overlap['buckets']} allreduce buckets, "
                f"{overlap['started_before_backward_end']} started and {overlap['ended_before_backward_end']} "
                f"finished before the last backward op ended.")
     (OUT / "horovod.md").write_text(table + "\n\n" + summary + "\n")
