@@ -17,6 +17,8 @@ tf.config.set_logical_device_configuration(
 import tf_keras as keras  # noqa: E402
 
 import lms_tf  # noqa: E402
+from lms_tf.diagnostics import variable_bytes_by_device  # noqa: E402
+from lms_tf.horovod import DistributedCallback  # noqa: E402
 
 
 def build():
@@ -37,12 +39,22 @@ def build():
 rng = np.random.RandomState(0)
 x, y = rng.rand(24, 24, 24, 3).astype("float32"), rng.randint(0, 5, 24)
 results = {}
-for name, callbacks in (("plain", []), ("lms", [lms_tf.LMSCallback(device="/CPU:0", host="/CPU:1",
-                                                                 swapout_threshold=4, min_swap_bytes=1024)])):
+configs = (
+    ("plain", []),
+    ("lms", [lms_tf.LMSCallback(device="/CPU:0", host="/CPU:1", swapout_threshold=4, min_swap_bytes=1024)]),
+    # One Horovod rank (its average is the gradient itself) + the optimizer on the host.
+    ("dist", [lms_tf.LMSCallback(device="/CPU:0", host="/CPU:1", swapout_threshold=4, min_swap_bytes=1024,
+                                 optimizer_on_host=True), DistributedCallback(bucket_bytes=1)]),
+)
+for name, callbacks in configs:
     model = build()
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
     results[name] = {"loss": history.history["loss"], "weights": [w.tolist() for w in model.get_weights()]}
-    if callbacks:
+    if name == "lms":
         results["swapped"] = len(callbacks[0].plan.swapped)
         results["keras_module"] = type(model).__module__
+    if name == "dist":
+        slots = [v for v in model.optimizer.variables if "momentum" in v.name]
+        results["slot_devices"] = sorted(variable_bytes_by_device(slots))
+        results["updates_intercepted"] = callbacks[1].updates_intercepted[0]
 json.dump(results, sys.stdout)

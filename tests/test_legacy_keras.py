@@ -1,4 +1,4 @@
-"""tf-keras (Keras 2) selected by TF_USE_LEGACY_KERAS=1 trains identically with LMSCallback."""
+"""tf-keras (Keras 2) selected by TF_USE_LEGACY_KERAS=1 trains identically with LMSCallback and DistributedCallback."""
 
 import json
 import os
@@ -21,3 +21,8 @@ def test_legacy_keras_fit_with_callback_equals_plain():
     assert results["swapped"] >= 2
     assert results["plain"]["loss"] == results["lms"]["loss"]
     assert results["plain"]["weights"] == results["lms"]["weights"]
+    # DistributedCallback + optimizer_on_host on tf-keras: same numbers, slots on the host.
+    assert results["plain"]["loss"] == results["dist"]["loss"]
+    assert results["plain"]["weights"] == results["dist"]["weights"]
+    assert results["slot_devices"] == ["/job:localhost/replica:0/task:0/device:CPU:1"]
+    assert results["updates_intercepted"] >= 1
