@@ -54,7 +54,7 @@ for name, callbacks in configs:
         results["swapped"] = len(callbacks[0].plan.swapped)
         results["keras_module"] = type(model).__module__
     if name == "dist":
-        slots = [v for v in model.optimizer.variables if "momentum" in v.name]
+        slots = [v for v in model.optimizer.variables if "iteration" not in v.name and "learning_rate" not in v.name]
         results["slot_devices"] = sorted(variable_bytes_by_device(slots))
         results["updates_intercepted"] = callbacks[1].updates_intercepted[0]
 json.dump(results, sys.stdout)
