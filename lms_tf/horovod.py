@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.errors import LMSError, LMSOptionError
-from lms_tf.keras.step_hooks import add_step_hook, check_traceable, remove_step_hook, restore_jit, turn_jit_off
+from lms_tf.keras.step_hooks import add_step_hook, check_traceable, detach, turn_jit_off
 
 logger = logging.getLogger("lms_tf")
 
@@ -397,9 +397,7 @@ class DistributedCallback(_compat.keras_module().callbacks.Callback):
             logs.update(average_logs(logs, name=f"lms_tf_metrics_epoch_{epoch}"))
 
     def on_train_end(self, logs=None):
-        if self._restore is None:
+        restore, self._restore = self._restore, None
+        if restore is None:
             return
-        hook, jit_was = self._restore
-        self._restore = None
-        remove_step_hook(self.model, hook)
-        restore_jit(self.model, jit_was)
+        detach(self.model, restore)

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.errors import LMSOptionError
-from lms_tf.keras.step_hooks import add_step_hook, check_traceable, remove_step_hook, restore_jit, turn_jit_off
+from lms_tf.keras.step_hooks import add_step_hook, check_traceable, detach, turn_jit_off
 from lms_tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
 from lms_tf.options import LMSOptions
 from lms_tf.pipeline import no_accelerator_message, resolve_device, rewrite_traced_step, warn_once
@@ -110,11 +110,9 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
         add_step_hook(model, lms_hook)
 
     def on_train_end(self, logs=None):
-        if self._restore is None:
+        restore, self._restore = self._restore, None
+        if restore is None:
             return
-        lms_hook, jit_was = self._restore
-        self._restore = None
-        remove_step_hook(self.model, lms_hook)
-        restore_jit(self.model, jit_was)
+        detach(self.model, restore)
         if self.plan is not None:
             logger.info(self.plan.one_line())

@@ -143,3 +143,18 @@ def restore_jit(model, jit_was: bool) -> None:
     """
     if jit_was:
         _compat.set_jit_compile(model, jit_was)
+
+
+def detach(model, restore) -> None:
+    """Undoes what a callback attached in ``on_train_begin``: ``restore`` is ``(hook, jit_was)`` or None.
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> detach(model, None)  # nothing attached: nothing to do
+    """
+    if restore is None:
+        return
+    hook, jit_was = restore
+    remove_step_hook(model, hook)
+    restore_jit(model, jit_was)
