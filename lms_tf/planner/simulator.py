@@ -1,0 +1,461 @@
+"""Memory and time simulator: replays a step, with or without a plan, on a device.
+
+The step is replayed as TensorFlow's executor runs it on an accelerator: one compute
+stream that runs ops in the order they become ready (first ready, first run; ties in
+graph order), and one copy stream per direction for swap-outs and swap-ins. Memory follows
+TensorFlow's rules:
+
+* an op's outputs are allocated when it starts; a buffer is freed when its last reader
+  ends (Identity, IdentityN, StopGradient, Reshape, Squeeze and ExpandDims alias their
+  input: Grappler removes identities, and the others share the buffer);
+* elementwise kernels reuse an input buffer of the same size that nobody else will read
+  (``forward_input_or_allocate_output``), so ``Relu(BiasAdd(...))`` allocates once;
+* variables, constants and the step's inputs are resident (not counted); an update of a
+  variable while one of its reads is still pending copies the variable first
+  (TensorFlow's copy-on-write), which is counted;
+* with a plan, a swapped tensor leaves the device when its swap-out copy ends (and its
+  forward readers are done); its swap-in is allocated when the copy back starts, right
+  after its trigger op, and consumers wait for the copy to end; recompute clones run after
+  their gate and hold their outputs until their backward readers end.
+
+Example:
+    >>> import tensorflow as tf
+    >>> from lms_tf.graph import build_ir
+    >>> from lms_tf.cost import CostModel, get_device_spec
+    >>> @tf.function
+    ... def f(x):
+    ...     return tf.reduce_sum(tf.nn.relu(x * 2.0) + 1.0)
+    >>> ir = build_ir(f.get_concrete_function(tf.ones((1024, 256))).graph)
+    >>> sim = simulate(ir, cost=CostModel(get_device_spec("v100-16gb-pcie3")))
+    >>> sim.peak_bytes == 1024 * 256 * 4   # one buffer, reused in place by Relu and Add
+    True
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from lms_tf.cost.model import CostModel
+from lms_tf.graph.ir import GraphIR, OpInfo
+from lms_tf.planner.plan import Decision, Plan
+
+#: Ops whose outputs share their input's buffer.
+ALIAS_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "Snapshot", "Reshape", "Squeeze", "ExpandDims",
+                         "EnsureShape", "PreventGradient"})
+#: Ops whose outputs are resident or live outside the step's transient memory.
+RESIDENT_TYPES = frozenset({"ReadVariableOp", "Const", "VarHandleOp", "Placeholder", "_Arg", "HostConst"})
+#: Elementwise kernels that write into an input buffer nobody else reads.
+FORWARDING_TYPES = frozenset({
+    "Relu", "Relu6", "Elu", "Selu", "Sigmoid", "Tanh", "Softplus", "Softsign", "LeakyRelu", "Neg", "Square",
+    "Sqrt", "Rsqrt", "Exp", "Log", "Abs", "Add", "AddV2", "Sub", "Mul", "RealDiv", "DivNoNan", "Maximum",
+    "Minimum", "BiasAdd", "SquaredDifference", "AddN", "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad",
+    "SigmoidGrad", "TanhGrad", "SoftplusGrad", "LeakyReluGrad", "RsqrtGrad", "SqrtGrad", "Erf", "Reciprocal",
+    "OnesLike", "ZerosLike", "Select", "SelectV2", "Pow", "FloorDiv", "Floor", "Round", "Sign", "Cos", "Sin",
+})
+#: Ops that update a variable (input 0 is its handle) in place.
+VARIABLE_UPDATE_PREFIXES = ("Assign", "ResourceApply", "ResourceScatter", "ResourceSparseApply")
+
+_COMPUTE, _TO_HOST, _TO_DEVICE = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+    """The outcome of replaying one step.
+
+    Attributes:
+        peak_bytes: Peak device bytes of the step's transient tensors (resident
+            variables and inputs excluded).
+        peak_op: The op running when the peak was reached.
+        live_at_peak: The largest buffers alive at the peak, ``(name, bytes)``.
+        step_time_s: Predicted step time, stalls for swap-ins included.
+        compute_time_s: Sum of compute-stream op times (recompute clones included).
+        swap_out_bytes: Bytes copied device -> host.
+        swap_in_bytes: Bytes copied host -> device.
+        timeline: ``(seconds, bytes in use, bytes in flight to host, bytes in flight to device)``
+            after every allocation or free.
+
+    Example:
+        >>> Simulation(10, "a", (), 1.0, 1.0, 0, 0, ()).peak_bytes
+        10
+    """
+
+    peak_bytes: int
+    peak_op: str
+    live_at_peak: Tuple[Tuple[str, int], ...]
+    step_time_s: float
+    compute_time_s: float
+    swap_out_bytes: int
+    swap_in_bytes: int
+    timeline: Tuple[Tuple[float, int, int, int], ...]
+
+
+@dataclasses.dataclass
+class _Op:
+    name: str
+    stream: int
+    duration: float
+    reads: List[str]
+    writes: List[Tuple[str, int]]
+    deps: List[int]
+    forwarding: bool = False
+    updates: Optional[str] = None  # variable handle tensor
+    order: float = 0.0
+    trigger: Optional[str] = None  # IR op after which a copy may start
+
+
+class _Builder:
+    """Turns the IR plus a plan into simulator ops with buffer keys."""
+
+    def __init__(self, ir: GraphIR, cost: CostModel):
+        self.ir = ir
+        self.cost = cost
+        self.ops: List[_Op] = []
+        self.index_of: Dict[str, int] = {}
+        self.replace: Dict[Tuple[str, str], str] = {}
+        self.buffer_producer: Dict[str, int] = {}
+        self.read_handles: Dict[str, str] = {}  # read buffer -> variable handle tensor
+
+    def source(self, consumer: str, tensor: str) -> str:
+        """The buffer ``consumer`` really reads for input ``tensor`` (aliases and re-pointing resolved)."""
+        ir = self.ir
+        while True:
+            key = self.replace.get((consumer, tensor))
+            if key is not None:
+                return key
+            producer = ir.op(ir.tensors[tensor].producer)
+            if producer.type not in ALIAS_TYPES or not producer.inputs:
+                return tensor
+            position = producer.outputs.index(tensor) if producer.type == "IdentityN" else 0
+            consumer, tensor = producer.name, producer.inputs[min(position, len(producer.inputs) - 1)]
+
+    def counted(self, tensor: str) -> bool:
+        info = self.ir.tensors.get(tensor)
+        if info is None:
+            return True  # a buffer the plan introduced
+        producer = self.ir.op(info.producer)
+        return not (producer.type in RESIDENT_TYPES or producer.name in self.ir.function_inputs
+                    or info.dtype in ("resource", "variant", "string") or not info.nbytes)
+
+    def add(self, op: _Op) -> int:
+        self.ops.append(op)
+        index = len(self.ops) - 1
+        for key, _ in op.writes:
+            self.buffer_producer[key] = index
+        return index
+
+    def producer_deps(self, op: OpInfo) -> List[str]:
+        """Names of the non-alias ops an IR op waits for: producers of the buffers it reads (through
+        aliases, output by output) and its control inputs (an alias op as a control input waits for
+        all of its inputs)."""
+        ir, names = self.ir, []
+        for t in op.inputs:
+            key = self.source(op.name, t)
+            if key in ir.tensors:
+                names.append(ir.tensors[key].producer)
+        stack, seen = list(op.control_inputs), set()
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            dep = ir.op(name)
+            if dep.type in ALIAS_TYPES:
+                stack.extend(ir.tensors[t].producer for t in dep.inputs)
+                stack.extend(dep.control_inputs)
+            else:
+                names.append(name)
+        return names
+
+
+def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel) -> _Builder:
+    b = _Builder(ir, cost)
+    ir_names = {op.name for op in ir.ops if op.type not in ALIAS_TYPES}
+    decisions = {d.tensor: d for d in plan.decisions} if plan is not None else {}
+    swapped = {t for t, d in decisions.items() if d.decision is Decision.SWAP}
+    # Re-pointing decided by the plan: backward consumers read swap-ins and clones.
+    for d in decisions.values():
+        if d.decision is Decision.SWAP:
+            for i, s in enumerate(d.swap_ins):
+                for consumer in s.consumers:
+                    b.replace[(consumer, d.tensor)] = f"swap_in/{d.tensor}/{i}"
+        elif d.decision is Decision.RECOMPUTE:
+            for consumer in d.consumers:
+                b.replace[(consumer, d.tensor)] = f"recompute/{d.gate}/{d.tensor}"
+
+    extra_after: Dict[str, List[_Op]] = collections.defaultdict(list)  # ops gated by an IR op
+    extra_deps: Dict[str, List[str]] = collections.defaultdict(list)  # IR op -> names of extra ops it waits for
+    for t in sorted(swapped, key=lambda t: ir.op(ir.tensors[t].producer).index):
+        d, nbytes = decisions[t], decisions[t].nbytes or 0
+        extra_after[ir.tensors[t].producer].append(_Op(
+            f"swap_out/{t}", _TO_HOST, cost.transfer_time(nbytes, "device_to_host"), [b.source("", t)],
+            [(f"host/{t}", 0)], []))
+        for i, s in enumerate(d.swap_ins):
+            key = f"swap_in/{t}/{i}"
+            extra_after[s.trigger].append(_Op(key, _TO_DEVICE, cost.transfer_time(nbytes, "host_to_device"),
+                                              [f"host/{t}"], [(key, nbytes)], [], trigger=s.trigger))
+            for consumer in s.consumers:
+                extra_deps[consumer].append(key)
+    cloned = set()
+    for d in decisions.values():
+        if d.decision is not Decision.RECOMPUTE:
+            continue
+        region = set(d.recompute_ops)
+        for name in d.recompute_ops:
+            if (name, d.gate) in cloned:
+                continue
+            cloned.add((name, d.gate))
+            op = ir.op(name)
+            reads = []
+            for t in op.inputs:
+                producer = ir.tensors[t].producer
+                if producer in region:
+                    reads.append(f"recompute/{d.gate}/{t}")
+                elif t in swapped:
+                    key = f"swap_in/{t}/@{d.gate}"
+                    if not any(o.name == key for o in extra_after[d.gate]):
+                        nbytes = decisions[t].nbytes or 0
+                        extra_after[d.gate].append(_Op(key, _TO_DEVICE, cost.transfer_time(nbytes, "host_to_device"),
+                                                       [f"host/{t}"], [(key, nbytes)], [], trigger=d.gate))
+                    reads.append(key)
+                else:
+                    reads.append(b.source(name, t))
+            writes = [(f"recompute/{d.gate}/{t}", ir.tensors[t].nbytes or 0) for t in op.outputs]
+            extra_after[d.gate].append(_Op(f"recompute/{d.gate}/{name}", _COMPUTE, cost.op_time(ir, op), reads,
+                                           writes, [], forwarding=op.type in FORWARDING_TYPES, trigger=d.gate))
+        for consumer in d.consumers:
+            extra_deps[consumer].append(f"recompute/{d.gate}/{ir.tensors[d.tensor].producer}")
+
+    for op in ir.ops:
+        if op.type in ALIAS_TYPES:
+            for extra in extra_after.get(op.name, ()):
+                extra.order = op.index + 0.5
+                b.index_of[extra.name] = b.add(extra)
+            continue
+        reads = [b.source(op.name, t) for t in op.inputs]
+        writes = [(t, ir.tensors[t].nbytes or 0) for t in op.outputs]
+        updates = op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None
+        index = b.add(_Op(op.name, _COMPUTE, cost.op_time(ir, op), reads, writes, [],
+                          forwarding=op.type in FORWARDING_TYPES, updates=updates, order=op.index))
+        b.index_of[op.name] = index
+        if op.type == "ReadVariableOp" and op.inputs:
+            b.read_handles[op.outputs[0]] = op.inputs[0]
+        for extra in extra_after.get(op.name, ()):
+            extra.order = op.index + 0.5
+            b.index_of[extra.name] = b.add(extra)
+
+    # Dependencies: producers of every buffer read, control edges, triggers (gates) and swap-ins.
+    for index, sim in enumerate(b.ops):
+        deps = {b.buffer_producer[k] for k in sim.reads if k in b.buffer_producer}
+        if sim.trigger is not None:
+            deps.update([b.index_of[sim.trigger]] if sim.trigger in b.index_of else
+                        (b.index_of[n] for n in b.producer_deps(ir.op(sim.trigger))))
+        if sim.name in ir_names:
+            deps.update(b.index_of[n] for n in b.producer_deps(ir.op(sim.name)))
+            deps.update(b.index_of[n] for n in extra_deps.get(sim.name, ()))
+        sim.deps = sorted(deps - {index})
+    return b
+
+
+def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: int = 8,
+             priority: Optional[Dict[str, float]] = None, executor: str = "gpu") -> Simulation:
+    """Replays the step (rewritten by ``plan``, if given) and reports memory and time.
+
+    Args:
+        ir: The step's IR (of the plain, un-rewritten step).
+        plan: A plan for this IR, or None for the plain step.
+        cost: Op and transfer times on the target device.
+        top: How many of the largest live buffers to report at the peak.
+        priority: Op name -> rank; among ready ops the lowest rank runs first (e.g. the start
+            times of a profiled real step, to replay the order TensorFlow really used).
+        executor: ``"gpu"``: every kernel launch runs inline, in the order ops become ready
+            (TensorFlow's executor on a GPU). ``"cpu"``: TensorFlow's executor on a CPU with
+            one inter-op thread: cheap ops run inline in ready order, expensive ones go to the
+            thread pool, whose worker takes the latest first (used to validate against the
+            real CPU allocator).
+
+    Returns:
+        A :class:`Simulation`.
+
+    Example:
+        >>> from lms_tf.graph.ir import GraphIR
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> simulate(GraphIR((), {}, frozenset(), {}), cost=CostModel(get_device_spec("a100-40gb-pcie4"))).peak_bytes
+        0
+    """
+    builder = _build(ir, plan, cost)
+    ops, read_handles, counted = builder.ops, builder.read_handles, builder.counted
+    if priority is not None:
+        for op in ops:
+            op.order = priority.get(op.name, op.order)
+    uses: Dict[str, int] = collections.Counter()
+    for op in ops:
+        for key in set(op.reads):
+            uses[key] += 1
+    handle_reads: Dict[str, List[str]] = collections.defaultdict(list)
+    for key, handle in read_handles.items():
+        handle_reads[handle].append(key)
+    successors: List[List[int]] = [[] for _ in ops]
+    pending = [len(op.deps) for op in ops]
+    for i, op in enumerate(ops):
+        for d in op.deps:
+            successors[d].append(i)
+
+    alive: Dict[str, int] = {}
+    copy_on_write: Dict[str, List[str]] = {}  # cow buffer -> reads it waits for
+    in_use = peak = 0
+    peak_op, live_at_peak = "", ()
+    in_flight = [0, 0, 0]
+    timeline: List[Tuple[float, int, int, int]] = []
+    now = 0.0
+    compute_time = 0.0
+    swap_bytes = [0, 0, 0]
+
+    def record(t: float) -> None:
+        timeline.append((t, in_use, in_flight[_TO_HOST], in_flight[_TO_DEVICE]))
+
+    def free(key: str) -> None:
+        nonlocal in_use
+        size = alive.pop(key, None)
+        if size is not None:
+            in_use -= size
+
+    ready: List[collections.deque] = [collections.deque(), collections.deque(), collections.deque()]
+    initial = sorted((i for i, n in enumerate(pending) if n == 0), key=lambda i: ops[i].order)
+    for i in initial:
+        ready[ops[i].stream].append(i)
+    busy = [False, False, False]
+    events: List[Tuple[float, int, int]] = []
+
+    pool: List[int] = []  # the CPU executor's inter-op queue: its worker pops the latest first
+
+    def schedule_cpu(newly: List[int]) -> None:
+        inline = ready[_COMPUTE]
+        expensive = None
+        for s in newly:
+            if ops[s].duration <= cheap_seconds:
+                inline.append(s)
+            else:
+                if expensive is not None:
+                    pool.append(expensive)
+                expensive = s
+        if expensive is not None:
+            (inline if not inline else pool).append(expensive)
+
+    def start(stream: int, at: float) -> None:
+        nonlocal in_use, peak, peak_op, live_at_peak, compute_time
+        i = ready[stream].popleft()
+        op = ops[i]
+        busy[stream] = True
+        for key, nbytes in op.writes:
+            if stream == _TO_HOST or not counted(key) and not key.startswith(("swap_in/", "recompute/")):
+                continue
+            reuse = None
+            if op.forwarding:
+                reuse = next((r for r in op.reads if r in alive and uses[r] == 1 and alive[r] == nbytes), None)
+            if reuse is not None:
+                alive[key] = alive.pop(reuse)
+                uses[reuse] = 0
+                continue
+            alive[key] = nbytes
+            in_use += nbytes
+        if op.updates is not None:
+            pending_reads = [r for r in handle_reads.get(op.updates, ()) if uses[r] > 0]
+            if pending_reads:
+                key = f"copy_on_write/{op.name}"
+                alive[key] = builder.ir.tensors[pending_reads[0]].nbytes or 0
+                in_use += alive[key]
+                copy_on_write[key] = pending_reads
+        if stream == _COMPUTE:
+            compute_time += op.duration
+        else:
+            nbytes = sum(builder.ir.tensors[r[len("host/"):]].nbytes or 0 for r in op.reads if r.startswith("host/")) \
+                if stream == _TO_DEVICE else sum(builder.ir.tensors[r].nbytes or 0 for r in op.reads)
+            in_flight[stream] += nbytes
+            swap_bytes[stream] += nbytes
+        if in_use > peak:
+            peak, peak_op = in_use, op.name
+            live_at_peak = tuple(sorted(alive.items(), key=lambda kv: -kv[1])[:top])
+        record(at)
+        heapq.heappush(events, (at + op.duration, i, stream))
+
+    def finish(i: int, at: float) -> None:
+        op = ops[i]
+        busy[op.stream] = False
+        if op.stream != _COMPUTE:
+            in_flight[op.stream] -= sum(builder.ir.tensors[r[len("host/"):]].nbytes or 0 for r in op.reads
+                                        if r.startswith("host/")) if op.stream == _TO_DEVICE else \
+                sum(builder.ir.tensors[r].nbytes or 0 for r in op.reads)
+        for key in set(op.reads):
+            uses[key] -= 1
+            if uses[key] <= 0:
+                free(key)
+        for key, _ in op.writes:
+            if uses[key] <= 0:
+                free(key)
+        for key in [k for k, reads in copy_on_write.items() if all(uses[r] <= 0 for r in reads)]:
+            del copy_on_write[key]
+            free(key)
+        record(at)
+        newly = []
+        for s in successors[i]:
+            pending[s] -= 1
+            if pending[s] == 0:
+                if executor == "cpu" and ops[s].stream == _COMPUTE and priority is None:
+                    newly.append(s)
+                elif priority is None:
+                    ready[ops[s].stream].append(s)
+                else:  # keep the ready queue sorted by the given rank
+                    queue = ready[ops[s].stream]
+                    queue.append(s)
+                    if len(queue) > 1 and ops[queue[-2]].order > ops[s].order:
+                        ready[ops[s].stream] = collections.deque(sorted(queue, key=lambda j: ops[j].order))
+        if newly:
+            schedule_cpu(newly)
+
+    cheap_seconds = 2 * cost.device.launch_overhead_s * max(cost.scale.values(), default=1.0)
+    while True:
+        if executor == "cpu" and not busy[_COMPUTE] and not ready[_COMPUTE] and pool:
+            ready[_COMPUTE].append(pool.pop())
+        for stream in (_COMPUTE, _TO_HOST, _TO_DEVICE):
+            if not busy[stream] and ready[stream]:
+                start(stream, now)
+        if not events:
+            break
+        now, i, _ = heapq.heappop(events)
+        finish(i, now)
+        while events and events[0][0] <= now:
+            _, j, _ = heapq.heappop(events)
+            finish(j, now)
+    return Simulation(peak_bytes=peak, peak_op=peak_op, live_at_peak=live_at_peak, step_time_s=now,
+                      compute_time_s=compute_time, swap_out_bytes=swap_bytes[_TO_HOST],
+                      swap_in_bytes=swap_bytes[_TO_DEVICE], timeline=tuple(timeline))
+
+
+def resident_bytes(ir: GraphIR) -> int:
+    """Bytes of the variables the step reads (weights, optimizer slots): resident for the whole step.
+
+    Example:
+        >>> from lms_tf.graph.ir import GraphIR
+        >>> resident_bytes(GraphIR((), {}, frozenset(), {}))
+        0
+    """
+    sizes: Dict[str, int] = {}
+    for op in ir.ops:
+        if op.type == "ReadVariableOp" and op.inputs:
+            sizes[op.inputs[0]] = max(sizes.get(op.inputs[0], 0), ir.tensors[op.outputs[0]].nbytes or 0)
+    return sum(sizes.values())
+
+
+def simulate_many(ir: GraphIR, plans: Sequence[Optional[Plan]], *, cost: CostModel) -> List[Simulation]:
+    """:func:`simulate` for several plans of one IR.
+
+    Example:
+        >>> from lms_tf.graph.ir import GraphIR
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> len(simulate_many(GraphIR((), {}, frozenset(), {}), [None], cost=CostModel(get_device_spec("a100-40gb-pcie4"))))
+        1
+    """
+    return [simulate(ir, plan, cost=cost) for plan in plans]
