@@ -27,8 +27,8 @@ Example:
     ...     return tf.reduce_sum(tf.nn.relu(x * 2.0) + 1.0)
     >>> ir = build_ir(f.get_concrete_function(tf.ones((1024, 256))).graph)
     >>> sim = simulate(ir, cost=CostModel(get_device_spec("v100-16gb-pcie3")))
-    >>> sim.peak_bytes == 1024 * 256 * 4   # one buffer, reused in place by Relu and Add
-    True
+    >>> sim.peak_bytes // 2**10   # KiB: one 1 MiB buffer, reused in place by Relu and Add (+ the 4-byte sum)
+    1024
 """
 
 from __future__ import annotations
