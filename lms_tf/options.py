@@ -52,7 +52,10 @@ def _check_device(name: str, value: Any) -> str:
     return spec.to_string()
 
 
-RECOMPUTE_POLICIES = ("cheap", "sqrt")
+RECOMPUTE_POLICIES = ("auto", "cheap", "sqrt")
+
+_BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
 def _check_recompute(value: Any):
@@ -63,9 +66,57 @@ def _check_recompute(value: Any):
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
         return tuple(value)
     raise LMSOptionError(
-        f"recompute must be False, 'cheap', 'sqrt' or a non-empty list of layer names / op-name patterns; "
-        f"received {_describe(value)}. Example: recompute='sqrt' or recompute=['conv2d_3', '*/block2_*']."
-        + (" ('auto' arrives with the budget planner.)" if value == "auto" else ""))
+        f"recompute must be False, 'auto', 'cheap', 'sqrt' or a non-empty list of layer names / op-name "
+        f"patterns; received {_describe(value)}. Example: recompute='sqrt' or recompute=['conv2d_3', '*/block2_*'].")
+
+
+def _preset_names():
+    from lms_tf.cost.devices import PRESETS
+
+    return PRESETS
+
+
+def parse_budget(value: Any) -> Union[None, int, float, str]:
+    """Validates a memory budget: bytes, ``"12GiB"``-style text, ``"25%"`` of the plain peak, or ``"auto"``.
+
+    Returns:
+        None (no budget), an int (bytes), a float in (0, 1] (fraction of the plain step's
+        simulated peak) or ``"auto"`` (device memory minus resident variables and a margin).
+
+    Raises:
+        LMSOptionError: The value is none of these.
+
+    Example:
+        >>> parse_budget("12GiB"), parse_budget("25%"), parse_budget(1024), parse_budget("auto")
+        (12884901888, 0.25, 1024, 'auto')
+        >>> parse_budget("12 gigs")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lms_tf.errors.LMSOptionError: budget must be ...
+    """
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        text = value.strip().replace(" ", "")
+        try:
+            if text.endswith("%"):
+                percent = float(text[:-1])
+                if 0 < percent <= 100:
+                    return percent / 100.0
+            else:
+                for unit in sorted(_BYTE_UNITS, key=len, reverse=True):
+                    if text.endswith(unit) and float(text[: -len(unit)]) > 0:
+                        return int(float(text[: -len(unit)]) * _BYTE_UNITS[unit])
+                if text.isdigit() and int(text) > 0:
+                    return int(text)
+        except ValueError:
+            pass
+    raise LMSOptionError(
+        f"budget must be a positive number of bytes, a size like '12GiB' or '500MB', a percentage of the plain "
+        f"step's peak like '25%' (0-100], or 'auto' (device memory minus weights, optimizer slots and a safety "
+        f"margin); received {_describe(value)}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +156,18 @@ class LMSOptions:
             ranks between the gradient and the optimizer update (pipelined in buckets, see
             :mod:`lms_tf.horovod`) and broadcast the variables from rank 0 before the first
             step. ``model.fit`` uses :class:`lms_tf.horovod.DistributedCallback` instead.
+        budget: Device memory the step's tensors may use; the planner then decides KEEP /
+            SWAP / RECOMPUTE per tensor so the simulated peak fits at the least predicted
+            slowdown. Bytes, ``"12GiB"``, ``"25%"`` (of the plain step's simulated peak) or
+            ``"auto"`` (device memory minus resident variables and a safety margin).
+            ``swapout_threshold`` is then the planner's business and ignored.
+        device_spec: The device the planner models: a preset name (``lms_tf.cost.PRESETS``,
+            e.g. ``"v100-16gb-pcie3"``), ``"auto"`` (the visible GPU; the default) or an
+            :class:`lms_tf.cost.DeviceSpec`.
+
+    With a ``budget``, ``recompute`` left unset means ``"auto"`` (the planner may recompute),
+    ``recompute=False`` means swap only, and a list of names forces those layers to be
+    recomputed; ``exclude`` names layers the planner must keep.
 
     Example:
         >>> opts = LMSOptions(device="/GPU:0", swapin_ahead=2, exclude=("dense",))
@@ -124,10 +187,12 @@ class LMSOptions:
     recompute: Union[bool, str, Tuple[str, ...]] = False
     optimizer_on_host: bool = False
     horovod: bool = False
+    budget: Union[None, int, float, str] = None
+    device_spec: Any = None
 
     def __init__(self, *, device=None, host="/CPU:0", swapout_threshold=32, swapin_ahead=8,
                  swapin_groupby=4, min_swap_bytes=64 * 1024, exclude=(), batch_size=None, swap=True,
-                 recompute=False, optimizer_on_host=False, horovod=False):
+                 recompute=None, optimizer_on_host=False, horovod=False, budget=None, device_spec=None):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass init
         set_("device", None if device is None else _check_device("device", device))
         set_("host", _check_device("host", host))
@@ -151,7 +216,17 @@ class LMSOptions:
         if not isinstance(swap, bool):
             raise LMSOptionError(f"swap must be True or False; received {_describe(swap)}.")
         set_("swap", swap)
-        set_("recompute", _check_recompute(recompute))
+        set_("budget", parse_budget(budget))
+        recompute = _check_recompute(recompute if recompute is not None else ("auto" if self.budget else False))
+        if recompute == "auto" and self.budget is None:
+            set_("budget", "auto")
+        set_("recompute", recompute)
+        if device_spec is not None and device_spec != "auto":
+            from lms_tf.cost.devices import get_device_spec
+
+            device_spec = get_device_spec(device_spec)
+            device_spec = device_spec.name if device_spec.name in _preset_names() else device_spec
+        set_("device_spec", device_spec)
         for name, value in (("optimizer_on_host", optimizer_on_host), ("horovod", horovod)):
             if not isinstance(value, bool):
                 raise LMSOptionError(f"{name} must be True or False; received {_describe(value)}.")
@@ -201,5 +276,8 @@ class LMSOptions:
             >>> LMSOptions().to_dict()["host"]
             '/device:CPU:0'
         """
-        return {f.name: (list(v) if isinstance(v, tuple) else v)
-                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+        out = {f.name: (list(v) if isinstance(v, tuple) else v)
+               for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+        if out["device_spec"] is not None and not isinstance(out["device_spec"], str):
+            out["device_spec"] = out["device_spec"].name
+        return out

@@ -12,7 +12,7 @@ import collections
 import dataclasses
 import enum
 import json
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 
 class Decision(str, enum.Enum):
@@ -94,6 +94,13 @@ class Plan:
         host: Where swapped tensors live.
         options: The options the plan was made with.
         phase_counts: Number of forward/backward/update ops in the step.
+        budget_bytes: The memory budget the planner fitted (None: the default plan, no budget).
+        baseline_peak_bytes: Simulated peak of the plain step.
+        planned_peak_bytes: Simulated peak with this plan.
+        baseline_step_time_s: Predicted time of the plain step with unlimited memory.
+        predicted_step_time_s: Predicted time with this plan (swap stalls, recompute included).
+        device_spec: Name of the device the simulation modelled.
+        feasible: Whether the simulated peak fits the budget.
 
     Example:
         >>> plan = Plan((), "/device:GPU:0", "/device:CPU:0", {}, {"forward": 3})
@@ -106,6 +113,48 @@ class Plan:
     host: str
     options: Mapping[str, Any]
     phase_counts: Mapping[str, int]
+    budget_bytes: Optional[int] = None
+    baseline_peak_bytes: Optional[int] = None
+    planned_peak_bytes: Optional[int] = None
+    baseline_step_time_s: Optional[float] = None
+    predicted_step_time_s: Optional[float] = None
+    device_spec: Optional[str] = None
+    feasible: Optional[bool] = None
+
+    @property
+    def predicted_overhead(self) -> Optional[float]:
+        """Predicted step time with the plan / without it (unlimited memory), or None.
+
+        Example:
+            >>> Plan((), "d", "h", {}, {}, baseline_step_time_s=2.0, predicted_step_time_s=2.5).predicted_overhead
+            1.25
+        """
+        if not self.baseline_step_time_s or self.predicted_step_time_s is None:
+            return None
+        return self.predicted_step_time_s / self.baseline_step_time_s
+
+    def layer_table(self) -> List[Dict[str, Any]]:
+        """One row per layer: tensors and bytes per decision, and the most common reason.
+
+        Example:
+            >>> d = TensorDecision("c/Relu:0", "c", (8,), 32, Decision.SWAP, "swap", 40, ())
+            >>> Plan((d,), "d", "h", {}, {}).layer_table()[0]["swap_bytes"]
+            32
+        """
+        rows: Dict[str, Dict[str, Any]] = {}
+        for d in self.decisions:
+            row = rows.setdefault(d.layer or "(top)", {"layer": d.layer or "(top)", "keep_bytes": 0, "swap_bytes": 0,
+                                                       "recompute_bytes": 0, "tensors": 0, "reasons": []})
+            row[f"{d.decision.value}_bytes"] += d.nbytes or 0
+            row["tensors"] += 1
+            row["reasons"].append(d.reason.split(" (")[0])
+        table = []
+        for row in rows.values():
+            decided = [k for k in ("swap", "recompute", "keep") if row[f"{k}_bytes"]]
+            row["decision"] = "+".join(decided) or "keep"
+            row["why"] = collections.Counter(row.pop("reasons")).most_common(1)[0][0]
+            table.append(row)
+        return table
 
     @property
     def swapped(self) -> Tuple[TensorDecision, ...]:
@@ -201,6 +250,15 @@ class Plan:
             lms-tf: swapped 0 of 0 candidate tensors (0.00 MiB of 0.00 MiB) with 0 swap-ins, device d -> host h
         """
         lines = [self.one_line()]
+        if self.budget_bytes is not None:
+            lines.append(self.budget_line())
+            lines.append(f"{'layer':<48} {'decision':<16} {'keep MiB':>9} {'swap MiB':>9} {'recomp MiB':>10}  why")
+            for row in self.layer_table()[:max_rows]:
+                lines.append(f"{row['layer'][-48:]:<48} {row['decision']:<16} {_mib(row['keep_bytes']):>9} "
+                             f"{_mib(row['swap_bytes']):>9} {_mib(row['recompute_bytes']):>10}  {row['why']}")
+            if len(self.layer_table()) > max_rows:
+                lines.append(f"... {len(self.layer_table()) - max_rows} more layers")
+            return "\n".join(lines)
         rows = self.swapped
         if rows:
             lines.append(f"{'tensor':<52} {'shape':<22} {'MiB':>8} {'dist':>5}  trigger -> consumers")
@@ -223,6 +281,22 @@ class Plan:
             lines.append("kept: " + "; ".join(f"{n} {r}" for r, n in sorted(reasons.items(), key=lambda x: -x[1])))
         return "\n".join(lines)
 
+    def budget_line(self) -> str:
+        """Budget, simulated peaks and predicted overhead in one line.
+
+        Example:
+            >>> p = Plan((), "d", "h", {}, {}, budget_bytes=2**20, baseline_peak_bytes=2**21,
+            ...          planned_peak_bytes=2**20, baseline_step_time_s=1.0, predicted_step_time_s=1.1,
+            ...          device_spec="v100-16gb-pcie3", feasible=True)
+            >>> print(p.budget_line())
+            budget 1.00 MiB on v100-16gb-pcie3: simulated peak 2.00 MiB plain -> 1.00 MiB planned (fits); predicted step 1000.0 ms -> 1100.0 ms (1.10x)
+        """
+        fits = "fits" if self.feasible else "DOES NOT FIT"
+        return (f"budget {_mib(self.budget_bytes)} MiB on {self.device_spec}: simulated peak "
+                f"{_mib(self.baseline_peak_bytes)} MiB plain -> {_mib(self.planned_peak_bytes)} MiB planned ({fits}); "
+                f"predicted step {1e3 * (self.baseline_step_time_s or 0):.1f} ms -> "
+                f"{1e3 * (self.predicted_step_time_s or 0):.1f} ms ({self.predicted_overhead or 0:.2f}x)")
+
     def __str__(self) -> str:
         return self.summary()
 
@@ -230,8 +304,8 @@ class Plan:
         """The plan as plain data.
 
         Example:
-            >>> sorted(Plan((), "d", "h", {}, {}).to_dict())[:3]
-            ['decisions', 'device', 'host']
+            >>> {"decisions", "device", "planned_peak_bytes"} <= set(Plan((), "d", "h", {}, {}).to_dict())
+            True
         """
         return {
             "device": self.device, "host": self.host, "options": dict(self.options),
@@ -239,6 +313,11 @@ class Plan:
             "num_swapped": len(self.swapped), "num_swap_ins": self.num_swap_ins,
             "recomputed_bytes": self.recomputed_bytes, "num_recomputed": len(self.recomputed),
             "num_recompute_clones": self.num_recompute_clones,
+            "budget_bytes": self.budget_bytes, "baseline_peak_bytes": self.baseline_peak_bytes,
+            "planned_peak_bytes": self.planned_peak_bytes, "baseline_step_time_s": self.baseline_step_time_s,
+            "predicted_step_time_s": self.predicted_step_time_s, "predicted_overhead": self.predicted_overhead,
+            "device_spec": self.device_spec, "feasible": self.feasible,
+            "layers": self.layer_table(),
             "decisions": [
                 {**{k: v for k, v in dataclasses.asdict(d).items() if k != "swap_ins"},
                  "decision": d.decision.value,
