@@ -19,7 +19,7 @@ from lms_tf import _compat
 from lms_tf.errors import LMSError, LMSWarning
 from lms_tf.graph import build_ir
 from lms_tf.options import LMSOptions
-from lms_tf.planner import Plan, make_plan
+from lms_tf.planner import Plan, make_budget_plan, make_plan
 from lms_tf.rewrite import apply_plan
 
 logger = logging.getLogger("lms_tf")
@@ -107,7 +107,10 @@ def rewrite_traced_step(options: LMSOptions, *, api: str,
         warn_once(f"no-accelerator:{api}", no_accelerator_message(api))
         return None
     ir = build_ir(graph, input_shapes=input_shapes, batch_size=batch_size or options.batch_size)
-    plan = make_plan(ir, options, device=device, scope_aliases=scope_aliases)
+    if options.budget is not None:
+        plan = make_budget_plan(ir, options, device=device, scope_aliases=scope_aliases)
+    else:
+        plan = make_plan(ir, options, device=device, scope_aliases=scope_aliases)
     report = apply_plan(graph, ir, plan)
     logger.info("%s (graph %s; inserted %s)", plan.one_line(), graph.name, report.inserted)
     return plan

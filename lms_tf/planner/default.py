@@ -317,6 +317,82 @@ def _clone_region(ir: GraphIR, tensor: str, targets: Set[str], through) -> Tuple
     return tuple(sorted(region, key=lambda n: ir.op(n).index))
 
 
+@dataclasses.dataclass(frozen=True)
+class Candidates:
+    """The forward tensors a backward op reads, and which of them a plan may move.
+
+    Attributes:
+        order: Every such tensor, in execution order.
+        eligible: Those that may be swapped or recomputed.
+        kept: Decisions (KEEP, with the reason) for the others.
+        backward_of: Tensor -> its backward consumers.
+        distance: Tensor -> ops between its producer and its first backward consumer.
+        gates: Backward ops that can trigger a swap-in or gate a recompute.
+        gate_positions: Their execution indices.
+
+    Example:
+        >>> from lms_tf.graph.ir import GraphIR
+        >>> collect_candidates(GraphIR((), {}, frozenset(), {}), LMSOptions(), device="/device:GPU:0").eligible
+        ()
+    """
+
+    order: Tuple[str, ...]
+    eligible: Tuple[str, ...]
+    kept: Mapping[str, TensorDecision]
+    backward_of: Mapping[str, Tuple[OpInfo, ...]]
+    distance: Mapping[str, int]
+    gates: Tuple[OpInfo, ...]
+    gate_positions: Tuple[int, ...]
+
+
+def collect_candidates(ir: GraphIR, options: LMSOptions, *, device: str,
+                       scope_aliases: Optional[Mapping[str, str]] = None) -> Candidates:
+    """Finds the forward tensors the backward pass reads and which of them may be moved.
+
+    Raises:
+        LMSOptionError: An ``exclude`` entry matches nothing in the step.
+        GraphAnalysisError: A movable tensor has an unresolvable size.
+
+    Example:
+        >>> from lms_tf.graph.ir import GraphIR
+        >>> collect_candidates(GraphIR((), {}, frozenset(), {}), LMSOptions(), device="/device:GPU:0").order
+        ()
+    """
+    excluded_by = _exclusion_matcher(ir, options.exclude, scope_aliases or {})
+    gates = _gate_candidates(ir)
+    order: List[str] = []
+    kept: Dict[str, TensorDecision] = {}
+    backward_of: Dict[str, Tuple[OpInfo, ...]] = {}
+    distances: Dict[str, int] = {}
+    eligible: List[str] = []
+    for op in ir.ops:
+        if op.phase is not Phase.FORWARD:
+            continue
+        for name in op.outputs:
+            tensor = ir.tensors[name]
+            readers = [ir.op(c) for c in tensor.consumers]
+            backward = tuple(c for c in readers if c.phase is Phase.BACKWARD)
+            if not backward:
+                continue
+            order.append(name)
+            backward_of[name] = backward
+            distances[name] = distance = min(c.index for c in backward) - op.index
+            reason = _ineligible(ir, op, tensor, readers, device, excluded_by)
+            if reason is None and tensor.nbytes is None:
+                raise GraphAnalysisError(
+                    f"cannot size tensor {name!r} (shape {tensor.shape}, dtype {tensor.dtype}): a dimension is "
+                    f"unknown and could not be resolved from the traced inputs "
+                    f"(resolved: {dict(ir.resolved_dims) or 'none'}). Pass batch_size=<int> to lms-tf, or "
+                    f"trace the step with a fully defined input_signature.")
+            if reason is not None:
+                kept[name] = TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes,
+                                            Decision.KEEP, reason, distance, ())
+            else:
+                eligible.append(name)
+    return Candidates(tuple(order), tuple(eligible), kept, backward_of, distances, tuple(gates),
+                      tuple(op.index for op in gates))
+
+
 def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
               scope_aliases: Optional[Mapping[str, str]] = None) -> Plan:
     """Makes the default plan for a traced step: swaps (TFLMS rule) and the recompute policy.
@@ -340,43 +416,20 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
         ()
     """
     aliases = scope_aliases or {}
-    excluded_by = _exclusion_matcher(ir, options.exclude, aliases)
-    gates = _gate_candidates(ir)
-    gate_positions = [op.index for op in gates]
-    decisions: Dict[str, TensorDecision] = {}
-    order: List[str] = []
-    backward_of: Dict[str, List[OpInfo]] = {}
-    eligible: List[str] = []
-
-    for op in ir.ops:
-        if op.phase is not Phase.FORWARD:
-            continue
-        for name in op.outputs:
-            tensor = ir.tensors[name]
-            readers = [ir.op(c) for c in tensor.consumers]
-            backward = [c for c in readers if c.phase is Phase.BACKWARD]
-            if not backward:
-                continue
-            order.append(name)
-            backward_of[name] = backward
-            distance = min(c.index for c in backward) - op.index
-            reason = _ineligible(ir, op, tensor, readers, device, excluded_by)
-            if reason is None and tensor.nbytes is None:
-                raise GraphAnalysisError(
-                    f"cannot size tensor {name!r} (shape {tensor.shape}, dtype {tensor.dtype}): a dimension is "
-                    f"unknown and could not be resolved from the traced inputs "
-                    f"(resolved: {dict(ir.resolved_dims) or 'none'}). Pass batch_size=<int> to lms-tf, or "
-                    f"trace the step with a fully defined input_signature.")
-            if reason is not None:
-                decisions[name] = TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes,
-                                                 Decision.KEEP, reason, distance, ())
-                continue
-            eligible.append(name)
-            if options.swap:
-                decisions[name] = _swap_decision(ir, op, tensor, backward, distance, options, gates, gate_positions)
-            else:
-                decisions[name] = TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes,
-                                                 Decision.KEEP, "swap=False", distance, ())
+    found = collect_candidates(ir, options, device=device, scope_aliases=aliases)
+    gates, gate_positions, backward_of, eligible = (found.gates, found.gate_positions, found.backward_of,
+                                                    found.eligible)
+    order = found.order
+    decisions: Dict[str, TensorDecision] = dict(found.kept)
+    for name in eligible:
+        op, tensor = ir.op(ir.tensors[name].producer), ir.tensors[name]
+        distance = found.distance[name]
+        if options.swap:
+            decisions[name] = _swap_decision(ir, op, tensor, backward_of[name], distance, options, gates,
+                                             gate_positions)
+        else:
+            decisions[name] = TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes,
+                                             Decision.KEEP, "swap=False", distance, ())
 
     if options.recompute:
         segment_of, through = _recompute_targets(ir, eligible, options, aliases)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from lms_tf.cost.model import CostModel
 from lms_tf.graph.ir import GraphIR, OpInfo
@@ -76,6 +76,8 @@ class Simulation:
         swap_in_bytes: Bytes copied host -> device.
         timeline: ``(seconds, bytes in use, bytes in flight to host, bytes in flight to device)``
             after every allocation or free.
+        peak_time_s: When the peak was reached.
+        op_intervals: Op name -> (start, end) seconds, for every op the simulation ran.
 
     Example:
         >>> Simulation(10, "a", (), 1.0, 1.0, 0, 0, ()).peak_bytes
@@ -90,6 +92,8 @@ class Simulation:
     swap_out_bytes: int
     swap_in_bytes: int
     timeline: Tuple[Tuple[float, int, int, int], ...]
+    peak_time_s: float = 0.0
+    op_intervals: Mapping[str, Tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -259,7 +263,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel) -> _Builder:
     return b
 
 
-def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: int = 8,
+def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: Optional[int] = 8,
              priority: Optional[Dict[str, float]] = None, executor: str = "gpu") -> Simulation:
     """Replays the step (rewritten by ``plan``, if given) and reports memory and time.
 
@@ -267,7 +271,7 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         ir: The step's IR (of the plain, un-rewritten step).
         plan: A plan for this IR, or None for the plain step.
         cost: Op and transfer times on the target device.
-        top: How many of the largest live buffers to report at the peak.
+        top: How many of the largest live buffers to report at the peak (None: all).
         priority: Op name -> rank; among ready ops the lowest rank runs first (e.g. the start
             times of a profiled real step, to replay the order TensorFlow really used).
         executor: ``"gpu"``: every kernel launch runs inline, in the order ops become ready
@@ -309,7 +313,8 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
     peak_op, live_at_peak = "", ()
     in_flight = [0, 0, 0]
     timeline: List[Tuple[float, int, int, int]] = []
-    now = 0.0
+    now = peak_time = 0.0
+    intervals: Dict[str, Tuple[float, float]] = {}
     compute_time = 0.0
     swap_bytes = [0, 0, 0]
 
@@ -345,7 +350,7 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
             (inline if not inline else pool).append(expensive)
 
     def start(stream: int, at: float) -> None:
-        nonlocal in_use, peak, peak_op, live_at_peak, compute_time
+        nonlocal in_use, peak, peak_op, live_at_peak, compute_time, peak_time
         i = ready[stream].popleft()
         op = ops[i]
         busy[stream] = True
@@ -375,8 +380,9 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
                 if stream == _TO_DEVICE else sum(builder.ir.tensors[r].nbytes or 0 for r in op.reads)
             in_flight[stream] += nbytes
             swap_bytes[stream] += nbytes
+        intervals[op.name] = (at, at + op.duration)
         if in_use > peak:
-            peak, peak_op = in_use, op.name
+            peak, peak_op, peak_time = in_use, op.name, at
             live_at_peak = tuple(sorted(alive.items(), key=lambda kv: -kv[1])[:top])
         record(at)
         heapq.heappush(events, (at + op.duration, i, stream))
@@ -431,7 +437,8 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
             finish(j, now)
     return Simulation(peak_bytes=peak, peak_op=peak_op, live_at_peak=live_at_peak, step_time_s=now,
                       compute_time_s=compute_time, swap_out_bytes=swap_bytes[_TO_HOST],
-                      swap_in_bytes=swap_bytes[_TO_DEVICE], timeline=tuple(timeline))
+                      swap_in_bytes=swap_bytes[_TO_DEVICE], timeline=tuple(timeline), peak_time_s=peak_time,
+                      op_intervals=intervals)
 
 
 def resident_bytes(ir: GraphIR) -> int:
