@@ -19,11 +19,71 @@ from lms_tf import _compat
 from lms_tf.errors import LMSOptionError
 
 
+def unet(image_size: int = 128, classes: int = 2, base_filters: int = 16, depth: int = 4):
+    """A U-Net for segmentation (Ronneberger et al. 2015): conv blocks, skips across the bottleneck.
+
+    Example:
+        >>> unet(image_size=32, depth=2).output_shape
+        (None, 32, 32, 2)
+    """
+    keras = _compat.keras_module()
+    layers = keras.layers
+    inputs = keras.Input((image_size, image_size, 3))
+    x, skips = inputs, []
+    for level in range(depth):
+        filters = base_filters * 2 ** level
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu", name=f"down{level}_conv1")(x)
+        x = layers.BatchNormalization(name=f"down{level}_bn")(x)
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu", name=f"down{level}_conv2")(x)
+        skips.append(x)
+        x = layers.MaxPooling2D(name=f"down{level}_pool")(x)
+    x = layers.Conv2D(base_filters * 2 ** depth, 3, padding="same", activation="relu", name="bottleneck")(x)
+    for level in reversed(range(depth)):
+        filters = base_filters * 2 ** level
+        x = layers.Conv2DTranspose(filters, 2, strides=2, padding="same", name=f"up{level}_deconv")(x)
+        x = layers.Concatenate(name=f"up{level}_concat")([x, skips[level]])
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu", name=f"up{level}_conv1")(x)
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu", name=f"up{level}_conv2")(x)
+    outputs = layers.Conv2D(classes, 1, activation="softmax", name="head")(x)
+    return keras.Model(inputs, outputs, name="unet")
+
+
+def transformer_encoder(seq_len: int = 128, vocab: int = 1000, dim: int = 256, heads: int = 4, blocks: int = 4,
+                        classes: int = 10):
+    """A Transformer encoder classifier: embedding, ``MultiHeadAttention`` + MLP blocks, pooled head.
+
+    Example:
+        >>> transformer_encoder(seq_len=16, dim=32, blocks=1).output_shape
+        (None, 10)
+    """
+    keras = _compat.keras_module()
+    layers = keras.layers
+    inputs = keras.Input((seq_len,), dtype="int32")
+    x = layers.Embedding(vocab, dim, name="embedding")(inputs)
+    for block in range(blocks):
+        attention = layers.MultiHeadAttention(heads, dim // heads, name=f"block{block}_attention")(x, x)
+        x = layers.LayerNormalization(name=f"block{block}_norm1")(x + attention)
+        hidden = layers.Dense(4 * dim, activation="gelu", name=f"block{block}_mlp1")(x)
+        x = layers.LayerNormalization(name=f"block{block}_norm2")(x + layers.Dense(dim, name=f"block{block}_mlp2")(hidden))
+    outputs = layers.Dense(classes, activation="softmax", name="head")(layers.GlobalAveragePooling1D()(x))
+    return keras.Model(inputs, outputs, name="transformer_encoder")
+
+
+#: Built-in workloads beside ``keras.applications`` (name -> builder taking image_size, classes).
+BUILTIN_MODELS = {
+    "UNet": lambda image_size, classes: unet(image_size=image_size, classes=min(classes, 16)),
+    "TransformerEncoder": lambda image_size, classes: transformer_encoder(seq_len=image_size, classes=classes),
+}
+
+
 def build_model(spec: str, *, image_size: int = 224, classes: int = 1000):
-    """Builds an untrained model from a ``keras.applications`` name, a ``.keras`` file or ``module:factory``.
+    """Builds an untrained model from a ``keras.applications`` name, a built-in workload, a ``.keras`` file or ``module:factory``.
+
+    Built-in workloads: ``"UNet"`` (``image_size`` x ``image_size`` segmentation) and
+    ``"TransformerEncoder"`` (``image_size`` is the sequence length).
 
     Args:
-        spec: e.g. ``"ResNet50"``, ``"model.keras"`` or ``"my_pkg.models:build"``.
+        spec: e.g. ``"ResNet50"``, ``"UNet"``, ``"model.keras"`` or ``"my_pkg.models:build"``.
         image_size: Input height and width for ``keras.applications`` models.
         classes: Number of classes for ``keras.applications`` models.
 
@@ -47,6 +107,8 @@ def build_model(spec: str, *, image_size: int = 224, classes: int = 1000):
             return getattr(importlib.import_module(module_name), factory)()
         except (ImportError, AttributeError) as err:
             raise LMSOptionError(f"model {spec!r}: cannot load {factory!r} from {module_name!r} ({err}).") from None
+    if spec in BUILTIN_MODELS:
+        return BUILTIN_MODELS[spec](image_size, classes)
     constructor = getattr(keras.applications, spec, None)
     if constructor is None or not callable(constructor):
         names = sorted(n for n in dir(keras.applications) if n[0].isupper())
@@ -67,8 +129,12 @@ def synthetic_batch(model, batch_size: int, seed: int = 0) -> Tuple[tf.Tensor, t
     rng = np.random.RandomState(seed)
     shape = (batch_size,) + tuple(model.input_shape[1:])
     classes = int(model.output_shape[-1])
-    return (tf.constant(rng.rand(*shape).astype("float32")),
-            tf.constant(rng.randint(0, classes, batch_size).astype("int32")))
+    if model.inputs[0].dtype in ("int32", "int64"):  # token ids
+        x = rng.randint(0, 1000, shape).astype("int32")
+    else:
+        x = rng.rand(*shape).astype("float32")
+    labels = (batch_size,) + tuple(model.output_shape[1:-1])  # per-pixel labels for segmentation
+    return tf.constant(x), tf.constant(rng.randint(0, classes, labels).astype("int32"))
 
 
 def train_step(model, optimizer=None) -> Callable:

@@ -10,6 +10,8 @@ TensorFlow's rules:
   input: Grappler removes identities, and the others share the buffer);
 * elementwise kernels reuse an input buffer of the same size that nobody else will read
   (``forward_input_or_allocate_output``), so ``Relu(BiasAdd(...))`` allocates once;
+* convolution kernels hold scratch memory about the size of their largest operand while
+  they run (im2col/layout buffers on the CPU, cuDNN workspace on a GPU);
 * variables, constants and the step's inputs are resident (not counted); an update of a
   variable while one of its reads is still pending copies the variable first
   (TensorFlow's copy-on-write), which is counted;
@@ -57,6 +59,11 @@ FORWARDING_TYPES = frozenset({
 })
 #: Ops that update a variable (input 0 is its handle) in place.
 VARIABLE_UPDATE_PREFIXES = ("Assign", "ResourceApply", "ResourceScatter", "ResourceSparseApply")
+
+#: Kernels that hold scratch memory while they run (see :func:`_workspace`).
+WORKSPACE_TYPES = frozenset({"Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D",
+                             "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "DepthwiseConv2dNative",
+                             "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter"})
 
 _COMPUTE, _TO_HOST, _TO_DEVICE = 0, 1, 2
 
@@ -108,6 +115,7 @@ class _Op:
     updates: Optional[str] = None  # variable handle tensor
     order: float = 0.0
     trigger: Optional[str] = None  # IR op after which a copy may start
+    workspace: int = 0  # scratch bytes the kernel holds while it runs
 
 
 class _Builder:
@@ -174,7 +182,15 @@ class _Builder:
         return names
 
 
-def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel) -> _Builder:
+def _workspace(ir: GraphIR, op: OpInfo) -> int:
+    """Scratch bytes a convolution kernel holds while it runs: about its largest operand (im2col
+    or layout buffers of the CPU kernels, cuDNN workspace on a GPU)."""
+    if op.type not in WORKSPACE_TYPES:
+        return 0
+    return max([ir.tensors[t].nbytes or 0 for t in op.inputs] or [0])
+
+
+def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, workspace: bool = True) -> _Builder:
     b = _Builder(ir, cost)
     ir_names = {op.name for op in ir.ops if op.type not in ALIAS_TYPES}
     decisions = {d.tensor: d for d in plan.decisions} if plan is not None else {}
@@ -242,7 +258,8 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel) -> _Builder:
         writes = [(t, ir.tensors[t].nbytes or 0) for t in op.outputs]
         updates = op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None
         index = b.add(_Op(op.name, _COMPUTE, cost.op_time(ir, op), reads, writes, [],
-                          forwarding=op.type in FORWARDING_TYPES, updates=updates, order=op.index))
+                          forwarding=op.type in FORWARDING_TYPES, updates=updates, order=op.index,
+                          workspace=_workspace(ir, op) if workspace else 0))
         b.index_of[op.name] = index
         if op.type == "ReadVariableOp" and op.inputs:
             b.read_handles[op.outputs[0]] = op.inputs[0]
@@ -381,8 +398,8 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
             in_flight[stream] += nbytes
             swap_bytes[stream] += nbytes
         intervals[op.name] = (at, at + op.duration)
-        if in_use > peak:
-            peak, peak_op, peak_time = in_use, op.name, at
+        if in_use + op.workspace > peak:
+            peak, peak_op, peak_time = in_use + op.workspace, op.name, at
             live_at_peak = tuple(sorted(alive.items(), key=lambda kv: -kv[1])[:top])
         record(at)
         heapq.heappush(events, (at + op.duration, i, stream))
