@@ -48,6 +48,27 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--no-swap", action="store_true", help="recompute only (needs --recompute)")
     explain.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     explain.add_argument("--max-rows", type=int, default=30)
+
+    from lms_tf.cost.devices import PRESETS
+
+    plan = sub.add_parser("plan", help="plan a model's train step for a device and budget: table, peaks, plot")
+    maxb = sub.add_parser("max-batch", help="largest batch that fits a device without and with lms-tf")
+    for p in (plan, maxb):
+        p.add_argument("--model", required=True, help="keras.applications name, UNet, TransformerEncoder, "
+                                                       ".keras file or module:factory")
+        p.add_argument("--input-shape", default=None,
+                       help="HxW (or sequence length) of keras.applications / built-in models, e.g. 224x224")
+        p.add_argument("--classes", type=int, default=1000)
+        p.add_argument("--device", default="v100-16gb-pcie3", help=f"device preset ({', '.join(PRESETS)}) or auto")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--batch", type=int, required=True)
+    plan.add_argument("--budget", default="auto", help="bytes, 12GiB, 25%% of the plain peak, or auto")
+    plan.add_argument("--plot", default=None, help="write the memory timeline to this PNG file")
+    plan.add_argument("--no-swap", action="store_true", help="recompute only")
+    plan.add_argument("--no-recompute", action="store_true", help="swap only")
+    plan.add_argument("--no-oracle", action="store_true", help="skip Grappler's virtual-GPU second opinion")
+    plan.add_argument("--max-rows", type=int, default=40)
+    maxb.add_argument("--max", type=int, default=4096, help="largest batch to try")
     return parser
 
 
@@ -146,6 +167,14 @@ def main(argv=None) -> int:
     from lms_tf.errors import LMSError
 
     try:
+        if args.command == "plan":
+            from lms_tf.planning_cli import run_plan
+
+            return run_plan(args)
+        if args.command == "max-batch":
+            from lms_tf.planning_cli import run_max_batch
+
+            return run_max_batch(args)
         return _explain(args)
     except LMSError as err:
         print(f"lms-tf: error: {err}", file=sys.stderr)
