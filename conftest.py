@@ -15,4 +15,5 @@ try:
 except RuntimeError:  # already initialised by tests/conftest.py
     pass
 
-collect_ignore = ["setup.py", "examples", "benchmarks", "scripts", "tests/legacy_keras_script.py"]
+collect_ignore = ["setup.py", "examples", "benchmarks", "scripts", "tests/legacy_keras_script.py",
+                  "tests/allocator_worker.py"]

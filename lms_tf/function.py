@@ -56,6 +56,7 @@ class LMSFunction:
         options: The validated :class:`~lms_tf.LMSOptions`.
         plans: One plan per trace, oldest first (None entries: step left untouched).
         pass_seconds: Time the pass (analyse, plan, rewrite) took on each trace.
+        plain_irs: The IR of each trace before it was rewritten (``lms_tf.planner.simulate(ir, plan)``).
 
     Example:
         >>> import lms_tf
@@ -68,6 +69,7 @@ class LMSFunction:
         self.python_function = python_function
         self.options = options
         self.plans: List[Optional[Plan]] = []
+        self.plain_irs: list = []  # IR of each trace before its rewrite (what the plan refers to)
         self.pass_seconds: List[float] = []
         self._tf_function_kwargs = tf_function_kwargs
         self._bound: "weakref.WeakKeyDictionary[Any, LMSFunction]" = weakref.WeakKeyDictionary()
@@ -130,7 +132,8 @@ class LMSFunction:
                         and not sym.shape.is_fully_defined() and sym.shape.is_compatible_with(shape)):
                     input_shapes[sym.op.name] = shape
         started = time.perf_counter()
-        self.plans.append(rewrite_traced_step(self.options, api="lms_tf.function", input_shapes=input_shapes))
+        self.plans.append(rewrite_traced_step(self.options, api="lms_tf.function", input_shapes=input_shapes,
+                                              irs=self.plain_irs))
         self.pass_seconds.append(time.perf_counter() - started)
 
     @property

@@ -72,7 +72,8 @@ def no_accelerator_message(api: str) -> str:
 def rewrite_traced_step(options: LMSOptions, *, api: str,
                         input_shapes: Optional[Mapping[str, Sequence[Optional[int]]]] = None,
                         batch_size: Optional[int] = None,
-                        scope_aliases: Optional[Mapping[str, str]] = None) -> Optional[Plan]:
+                        scope_aliases: Optional[Mapping[str, str]] = None,
+                        irs: Optional[list] = None) -> Optional[Plan]:
     """Plans and applies the swap pass to the ``tf.function`` graph being traced right now.
 
     Call it inside the traced body, after the gradients and the update were built.
@@ -83,6 +84,7 @@ def rewrite_traced_step(options: LMSOptions, *, api: str,
         input_shapes: Concrete shapes of the function's input placeholders, by op name.
         batch_size: Batch size to resolve unknown leading input dimensions with.
         scope_aliases: Keras layer name -> its name scope in this trace (for ``exclude``).
+        irs: If given, the IR of the step before the rewrite is appended to it (to simulate the plan).
 
     Returns:
         The plan applied, or None when the step was left untouched (no accelerator).
@@ -107,6 +109,8 @@ def rewrite_traced_step(options: LMSOptions, *, api: str,
         warn_once(f"no-accelerator:{api}", no_accelerator_message(api))
         return None
     ir = build_ir(graph, input_shapes=input_shapes, batch_size=batch_size or options.batch_size)
+    if irs is not None:
+        irs.append(ir)
     if options.budget is not None:
         plan = make_budget_plan(ir, options, device=device, scope_aliases=scope_aliases)
     else:

@@ -92,9 +92,12 @@ def run_plan(args) -> int:
     device, host = _devices()
     spec = get_device_spec(args.device)
     cost = CostModel(spec)
-    model, step, graph, x_spec, y_spec = trace_unbatched(args)
-    logger.info("[1/4] sizing the step for batch %d", args.batch)
-    ir = build_ir(graph, batch_size=args.batch)
+    from lms_tf.workloads import build_model, synthetic_batch, train_step
+
+    model = build_model(args.model, image_size=_image_size(args.input_shape), classes=args.classes)
+    step = train_step(model)
+    logger.info("[1/4] tracing the plain train step at batch %d", args.batch)
+    ir = build_ir(tf.function(step).get_concrete_function(*synthetic_batch(model, args.batch)).graph)
     options = _options(args, device, host, args.budget)
     logger.info("[2/4] simulating and planning on %s", spec.name)
     started = time.perf_counter()
@@ -110,7 +113,6 @@ def run_plan(args) -> int:
     oracle_plain = oracle_planned = None
     if not args.no_oracle:
         import lms_tf
-        from lms_tf.workloads import synthetic_batch
 
         logger.info("[3/4] Grappler's virtual GPU: plain step")
         x, y = synthetic_batch(model, args.batch)

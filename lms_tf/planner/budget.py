@@ -73,15 +73,21 @@ class InfeasibleBudgetError(LMSOptionError):
         smallest_feasible_bytes: The simulated peak with every movable tensor moved.
 
     Example:
-        >>> err = InfeasibleBudgetError("too small", 10, 20)
+        >>> err = _infeasible("too small", 10, 20)
         >>> err.smallest_feasible_bytes
         20
     """
 
-    def __init__(self, message: str, budget_bytes: int, smallest_feasible_bytes: int):
-        super().__init__(message)
-        self.budget_bytes = budget_bytes
-        self.smallest_feasible_bytes = smallest_feasible_bytes
+    # No __init__ of its own: AutoGraph re-raises only exceptions with Exception's __init__ as
+    # themselves (lms_tf.errors); the figures are attributes set by :func:`_infeasible`.
+    budget_bytes: int = 0
+    smallest_feasible_bytes: int = 0
+
+
+def _infeasible(message: str, budget_bytes: int, smallest_feasible_bytes: int) -> InfeasibleBudgetError:
+    err = InfeasibleBudgetError(message)
+    err.budget_bytes, err.smallest_feasible_bytes = budget_bytes, smallest_feasible_bytes
+    return err
 
 
 def resolve_budget(budget, *, baseline_peak_bytes: int, device: DeviceSpec, resident: int) -> int:
@@ -107,7 +113,7 @@ def resolve_budget(budget, *, baseline_peak_bytes: int, device: DeviceSpec, resi
         margin = max(SAFETY_MARGIN_MIN_BYTES, int(SAFETY_MARGIN_FRACTION * device.memory_bytes))
         available = device.memory_bytes - resident - margin
         if available <= 0:
-            raise InfeasibleBudgetError(
+            raise _infeasible(
                 f"budget='auto': the step's variables ({resident / 2**30:.2f} GiB) plus the safety margin "
                 f"({margin / 2**30:.2f} GiB) do not fit {device.name} ({device.memory_bytes / 2**30:.2f} GiB). Use a "
                 f"larger device, optimizer_on_host=True, or a smaller model.", 0, resident + margin)
@@ -283,8 +289,8 @@ class _Planner:
             sim = simulate(self.ir, plan, cost=self.cost, top=None)
         return plan, sim
 
-    def most_aggressive(self) -> Simulation:
-        """The simulated peak with every movable tensor moved (cheaper kind of the two)."""
+    def most_aggressive(self) -> Tuple[Plan, Simulation]:
+        """The plan with every movable tensor moved (the cheaper kind of the two), and its simulation."""
         swap, recompute = set(), set(self.forced)
         for name in self.found.eligible:
             if name in recompute:
@@ -298,7 +304,8 @@ class _Planner:
                 swap.add(name)
             elif can_recompute:
                 recompute.add(name)
-        return simulate(self.ir, self.assemble(swap, recompute), cost=self.cost)
+        plan = self.assemble(swap, recompute)
+        return plan, simulate(self.ir, plan, cost=self.cost)
 
 
 def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,
@@ -335,11 +342,14 @@ def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,
                                   resident=resident_bytes(ir))
     plan, sim = planner.plan(budget_bytes)
     if sim.peak_bytes > budget_bytes:
-        floor = min(sim.peak_bytes, planner.most_aggressive().peak_bytes)
+        # The greedy rounds stalled (nothing idle at the peak): moving everything may still fit.
+        plan, sim = min((plan, sim), planner.most_aggressive(), key=lambda ps: ps[1].peak_bytes)
+    if sim.peak_bytes > budget_bytes:
+        floor = sim.peak_bytes
         kinds = " and ".join(k for k, on in (("swapping", options.swap), ("recomputing", options.recompute)) if on)
         hint = ("" if options.swap and options.recompute else
                 f", or allow {'recompute' if not options.recompute else 'swap'} too")
-        raise InfeasibleBudgetError(
+        raise _infeasible(
             f"budget {_gib(budget_bytes)} is infeasible on {spec.name}: the plain step peaks at "
             f"{_gib(baseline.peak_bytes)} (simulated) and {kinds or 'moving'} every movable tensor still needs "
             f"{_gib(floor)}. The smallest feasible budget is about {_gib(floor)}; pass budget >= that, "

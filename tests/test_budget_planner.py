@@ -1,0 +1,205 @@
+"""Budget planner, cost model and simulator (issue "Planner").
+
+Hand-built graphs with known answers, the simulator against TensorFlow's real CPU allocator,
+planned steps training to the plain step's numbers, budget errors, and the CLI's JSON and PNG.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lms_tf
+from lms_tf.cost import PRESETS, CostModel, get_device_spec, op_cost
+from lms_tf.graph import build_ir
+from lms_tf.graph.ir import GraphIR, OpInfo, Phase, TensorInfo
+from lms_tf.options import LMSOptions, parse_budget
+from lms_tf.planner import Decision, InfeasibleBudgetError, make_budget_plan, simulate
+from lms_tf.planner.plan import Plan, SwapIn, TensorDecision
+from tests import zoo
+from tests.helpers import assert_same_numbers, custom_loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+V100 = CostModel(get_device_spec("v100-16gb-pcie3"))
+MiB = 2**20
+
+
+def test_presets_cover_the_named_devices_with_sources():
+    for name in ("v100-16gb-pcie3", "v100-32gb-nvlink2", "a100-40gb-pcie4", "a100-80gb-pcie4", "h100-80gb-pcie5",
+                 "h200-141gb-pcie5", "gh200-96gb-c2c"):
+        spec = PRESETS[name]
+        assert spec.source and spec.memory_bytes > 15 * 2**30
+    assert PRESETS["v100-32gb-nvlink2"].host_to_device_bytes_per_s == 75e9
+    assert PRESETS["gh200-96gb-c2c"].device_to_host_bytes_per_s == 450e9
+
+
+def test_conv_and_matmul_flops_are_exact():
+    @tf.function
+    def f(x, w, a, b):
+        return tf.nn.conv2d(x, w, 1, "SAME"), tf.matmul(a, b, transpose_b=True)
+
+    ir = build_ir(f.get_concrete_function(tf.TensorSpec((2, 8, 8, 3)), tf.TensorSpec((3, 3, 3, 16)),
+                                          tf.TensorSpec((32, 64)), tf.TensorSpec((48, 64))).graph)
+    conv = next(op for op in ir.ops if op.type == "Conv2D")
+    matmul = next(op for op in ir.ops if op.type == "MatMul")
+    assert op_cost(ir, conv).flops == 2 * (2 * 8 * 8 * 16) * 3 * 3 * 3
+    assert op_cost(ir, matmul).flops == pytest.approx(2 * 32 * 48 * 64)
+    # roofline: max(flops / 14 TFLOP/s, bytes / 900 GB/s) + launch overhead; this small one is memory-bound
+    moved = (32 * 64 + 48 * 64 + 32 * 48) * 4
+    assert V100.op_time(ir, matmul) == pytest.approx(max(2 * 32 * 48 * 64 / 14e12, moved / 900e9) + 5e-6)
+    assert V100.transfer_time(12 * 10**9, "host_to_device") == pytest.approx(1.0)
+
+
+def _chain_ir():
+    """x -> a -> b -> c (forward, 4 MiB each) -> loss; backward reads a, b, c in reverse."""
+    t = lambda name, consumers, n=4 * MiB: TensorInfo(name + ":0", "float32", (n // 4,), n, name, consumers)  # noqa
+    ops = [OpInfo("x", "Placeholder", 0, Phase.FORWARD, "", (), (), ("x:0",)),
+           OpInfo("a", "Exp", 1, Phase.FORWARD, "", ("x:0",), (), ("a:0",)),
+           OpInfo("b", "Exp", 2, Phase.FORWARD, "", ("a:0",), (), ("b:0",)),
+           OpInfo("c", "Exp", 3, Phase.FORWARD, "", ("b:0",), (), ("c:0",)),
+           OpInfo("loss", "Sum", 4, Phase.FORWARD, "", ("c:0",), (), ("loss:0",)),
+           OpInfo("g3", "Mul", 5, Phase.BACKWARD, "", ("loss:0", "c:0"), (), ("g3:0",)),
+           OpInfo("g2", "Mul", 6, Phase.BACKWARD, "", ("g3:0", "b:0"), (), ("g2:0",)),
+           OpInfo("g1", "Mul", 7, Phase.BACKWARD, "", ("g2:0", "a:0"), (), ("g1:0",))]
+    tensors = {"x:0": t("x", ("a",)), "a:0": t("a", ("b", "g1")), "b:0": t("b", ("c", "g2")),
+               "c:0": t("c", ("loss", "g3")), "loss:0": t("loss", ("g3",), 4),
+               "g3:0": t("g3", ("g2",)), "g2:0": t("g2", ("g1",)), "g1:0": t("g1", ())}
+    return GraphIR(tuple(ops), tensors, frozenset({"x"}), {}, frozenset(o.name for o in ops))
+
+
+def test_simulator_liveness_on_a_hand_built_chain():
+    ir = _chain_ir()
+    sim = simulate(ir, cost=V100)
+    # a, b, c and the loss alive at the end of the forward pass; the Mul gradients write in place
+    # into c's, then g3's buffer (nobody else reads them), so the backward pass adds nothing
+    assert sim.peak_bytes == 3 * 4 * MiB + 4
+    assert sim.peak_op == "loss"
+    order = sorted(sim.op_intervals, key=lambda n: sim.op_intervals[n][0])
+    assert order == ["x", "a", "b", "c", "loss", "g3", "g2", "g1"]
+
+
+def test_simulator_swap_frees_the_tensor_between_copy_out_and_copy_in():
+    ir = _chain_ir()
+    swap_a = TensorDecision("a:0", "", (MiB,), 4 * MiB, Decision.SWAP, "swap", 6, (SwapIn("g2", ("g1",)),))
+    plan = Plan((swap_a,), "/device:GPU:0", "/device:CPU:0", {}, {})
+    import dataclasses
+    fast_link = CostModel(dataclasses.replace(get_device_spec("gh200-96gb-c2c"), host_to_device_bytes_per_s=1e16,
+                                              device_to_host_bytes_per_s=1e16))
+    sim = simulate(ir, plan, cost=fast_link)
+    assert sim.swap_out_bytes == sim.swap_in_bytes == 4 * MiB
+    assert sim.peak_bytes == 2 * 4 * MiB + 4  # a is on the host from after b until g2 triggers its return
+    slow = simulate(ir, plan, cost=CostModel(get_device_spec("v100-16gb-pcie3")))
+    assert slow.peak_bytes == 3 * 4 * MiB + 4  # over PCIe the copy out is still running when the loss is computed
+    # the consumer waits for the copy back, so the step is longer than the plain one
+    assert sim.step_time_s > simulate(ir, cost=fast_link).step_time_s
+
+
+def test_simulator_recompute_clone_runs_after_its_gate():
+    ir = _chain_ir()
+    rc = TensorDecision("b:0", "", (MiB,), 4 * MiB, Decision.RECOMPUTE, "recompute", 4, (),
+                        recompute_ops=("b",), gate="g3", consumers=("g2",))
+    sim = simulate(ir, Plan((rc,), "d", "h", {}, {}), cost=V100)
+    clone = sim.op_intervals["recompute/g3/b"]
+    assert clone[0] >= sim.op_intervals["g3"][1] and clone[1] <= sim.op_intervals["g2"][0]
+    # b's buffer is reused by c in the forward pass; the clone brings it back next to a and g3
+    assert sim.peak_op == "recompute/g3/b" and "b:0" not in dict(sim.live_at_peak)
+
+
+@pytest.mark.parametrize("text,expected", [("12GiB", 12 * 2**30), ("500MB", 500 * 10**6), ("25%", 0.25),
+                                           (4096, 4096), ("auto", "auto")])
+def test_budget_syntax(text, expected):
+    assert parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["12 gigs", "0%", "150%", -5, "GiB", 0.5, True])
+def test_malformed_budgets_are_refused(bad):
+    with pytest.raises(lms_tf.LMSOptionError, match="budget must be"):
+        lms_tf.LMSCallback(budget=bad)
+
+
+def test_unknown_preset_is_refused_with_a_suggestion():
+    with pytest.raises(lms_tf.LMSOptionError, match="Did you mean 'v100-16gb-pcie3'"):
+        lms_tf.function(lambda x: x, device_spec="v100-16gb-pcie")
+
+
+def _resnet_ir(batch=8):
+    from lms_tf.workloads import train_step
+    model, _ = zoo.resnet_style()
+    fn = tf.function(train_step(model))
+    return build_ir(fn.get_concrete_function(tf.zeros((batch, 24, 24, 3)), tf.zeros((batch,), tf.int32)).graph)
+
+
+def test_infeasible_budget_names_the_smallest_feasible_budget():
+    ir = _resnet_ir()
+    opts = LMSOptions(device="/CPU:0", host="/CPU:1", budget=1024, device_spec="v100-16gb-pcie3")
+    with pytest.raises(InfeasibleBudgetError, match="smallest feasible budget is about") as info:
+        make_budget_plan(ir, opts, device="/device:CPU:0")
+    assert 1024 < info.value.smallest_feasible_bytes < simulate(ir, cost=V100).peak_bytes
+    # and that budget is indeed feasible
+    feasible = LMSOptions(device="/CPU:0", host="/CPU:1", budget=int(info.value.smallest_feasible_bytes * 1.05),
+                          device_spec="v100-16gb-pcie3")
+    assert make_budget_plan(ir, feasible, device="/device:CPU:0").feasible
+
+
+@pytest.mark.parametrize("preset", ["v100-16gb-pcie3", "gh200-96gb-c2c"])
+def test_planned_peak_fits_and_the_plan_is_printable(preset):
+    ir = _resnet_ir()
+    opts = LMSOptions(device="/CPU:0", host="/CPU:1", budget="60%", device_spec=preset)
+    plan = make_budget_plan(ir, opts, device="/device:CPU:0")
+    assert plan.planned_peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
+    assert plan.swapped or plan.recomputed
+    assert simulate(ir, plan, cost=CostModel(get_device_spec(preset))).peak_bytes == plan.planned_peak_bytes
+    assert plan.predicted_overhead >= 1.0
+    text = plan.summary()
+    assert "budget" in text and "decision" in text
+    data = json.loads(plan.to_json())
+    assert data["feasible"] and data["layers"] and data["planned_peak_bytes"] == plan.planned_peak_bytes
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("builder", [zoo.resnet_style])
+def test_planned_steps_train_to_the_plain_numbers(builder, cpu_lms):
+    plain = custom_loop(builder, tf.function)
+    planned = custom_loop(builder, lambda f: lms_tf.function(f, budget="75%", device_spec="v100-16gb-pcie3",
+                                                                **cpu_lms))
+    assert planned[2].plan.budget_bytes is not None and planned[2].plan.feasible
+    assert planned[2].plan.swapped or planned[2].plan.recomputed
+    assert_same_numbers(plain, planned, rtol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_cli_plan_json_and_png(tmp_path):
+    png = tmp_path / "timeline.png"
+    out = subprocess.run([sys.executable, "-m", "lms_tf.cli", "plan", "--model", "UNet", "--input-shape", "32x32",
+                          "--batch", "4", "--budget", "70%", "--device", "h100-80gb-pcie5", "--json",
+                          "--plot", str(png)], capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("baseline_peak_bytes", "planned_peak_bytes", "oracle_baseline_peak_bytes",
+                "oracle_planned_peak_bytes", "budget_bytes", "swapped_bytes", "recomputed_bytes",
+                "predicted_step_time_s", "predicted_overhead", "feasible"):
+        assert key in result, key
+    assert result["feasible"] and result["planned_peak_bytes"] <= result["budget_bytes"]
+    assert result["oracle_planned_peak_bytes"] < result["oracle_baseline_peak_bytes"]
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
+    assert "[2/4]" in out.stderr  # progress
+
+
+@pytest.mark.timeout(300)
+def test_cli_max_batch_json_and_infeasible_exit_code():
+    out = subprocess.run([sys.executable, "-m", "lms_tf.cli", "max-batch", "--model", "ResNet50", "--input-shape",
+                          "32x32", "--classes", "10", "--device", "v100-16gb-pcie3", "--max", "4", "--json"],
+                         capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["max_batch_plain"] == result["max_batch_lms"] == 4  # a 32x32 batch of 4 fits 16 GB easily
+    bad = subprocess.run([sys.executable, "-m", "lms_tf.cli", "plan", "--model", "UNet", "--input-shape", "32x32",
+                          "--batch", "2", "--budget", "1KiB", "--no-oracle", "--json"],
+                         capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert bad.returncode == 3
+    result = json.loads(bad.stdout.strip().splitlines()[-1])
+    assert result["feasible"] is False and result["smallest_feasible_budget_bytes"] > 1024
