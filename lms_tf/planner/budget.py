@@ -50,7 +50,7 @@ from lms_tf.cost.model import CostModel
 from lms_tf.errors import LMSOptionError
 from lms_tf.graph.ir import GraphIR, layer_of
 from lms_tf.options import LMSOptions
-from lms_tf.planner.default import (CHEAP_OP_TYPES, Candidates, _clone_region, _exclusion_matcher,
+from lms_tf.planner.default import (CHEAP_OP_TYPES, Candidates, _clone_region, _exclusion_matcher, clonable,
                                     collect_candidates)
 from lms_tf.planner.plan import Decision, Plan, SwapIn, TensorDecision
 from lms_tf.planner.simulator import Simulation, resident_bytes, simulate
@@ -136,7 +136,7 @@ class _Planner:
         if isinstance(options.recompute, tuple):
             matcher = _exclusion_matcher(ir, options.recompute, scope_aliases)
             self.forced = {t for t in self.found.eligible
-                           if matcher(ir.tensors[t].producer) and not ir.op(ir.tensors[t].producer).stateful}
+                           if matcher(ir.tensors[t].producer) and clonable(ir.op(ir.tensors[t].producer))}
             self.named_through = matcher
         self.baseline = simulate(ir, None, cost=cost, top=None)
         self.op_time = {op.name: cost.op_time(ir, op) for op in ir.ops}
@@ -266,7 +266,7 @@ class _Planner:
                 choices = []
                 if options.swap and nbytes >= options.min_swap_bytes:
                     choices.append((self.swap_cost(name, link_busy), "swap"))
-                if options.recompute and not self.ir.op(self.ir.tensors[name].producer).stateful:
+                if options.recompute and clonable(self.ir.op(self.ir.tensors[name].producer)):
                     seconds, freed = self.recompute_cost(name, recompute)
                     if freed > 0:
                         choices.append((seconds * nbytes / freed, "recompute"))
@@ -299,7 +299,7 @@ class _Planner:
             can_swap = self.options.swap and nbytes >= self.options.min_swap_bytes
             seconds, freed = self.recompute_cost(name, recompute)
             can_recompute = (self.options.recompute and freed > 0
-                             and not self.ir.op(self.ir.tensors[name].producer).stateful)
+                             and clonable(self.ir.op(self.ir.tensors[name].producer)))
             if can_swap and (not can_recompute or self.swap_cost(name, 0.0) <= seconds):
                 swap.add(name)
             elif can_recompute:

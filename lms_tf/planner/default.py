@@ -76,6 +76,23 @@ CHEAP_OP_TYPES = frozenset({
     "ConcatV2", "Reshape", "Squeeze", "ExpandDims", "Transpose", "Pad", "StridedSlice", "Slice",
     "Tile", "BroadcastTo",
 })
+#: Op types never cloned, whatever the policy: on CPUs, oneDNN's layout pass pairs each
+#: ``MaxPoolGrad``/``LRNGrad`` with the workspace output of the forward op that produced its
+#: ``orig_output``; a cloned forward op there closes a cycle at run time ("N nodes in a cycle").
+NEVER_CLONED_TYPES = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D", "LRN"})
+
+
+def clonable(op: OpInfo) -> bool:
+    """Whether the recompute pass may clone ``op``: not stateful, not in :data:`NEVER_CLONED_TYPES`.
+
+    Example:
+        >>> from lms_tf.graph.ir import OpInfo, Phase
+        >>> clonable(OpInfo("p", "MaxPool", 0, Phase.FORWARD, "", (), (), ())), clonable(OpInfo("r", "Relu", 0, Phase.FORWARD, "", (), (), ()))
+        (False, True)
+    """
+    return not op.stateful and op.type not in NEVER_CLONED_TYPES
+
+
 #: Op types that mark a layer's compute, used to list layer names in error messages.
 _LAYER_OP_TYPES = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMulV2", "Einsum",
                              "BiasAdd", "FusedBatchNormV3", "ResourceGather", "GatherV2", "Relu"})
@@ -123,11 +140,18 @@ def _exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappi
     return match
 
 
+#: Backward ops never used as gates or swap-in triggers: oneDNN fuses ``BiasAddGrad`` into the
+#: ``Conv2DBackpropFilter``/``MatMul`` next to it on CPUs, and if that partner reads a tensor the
+#: gate releases, the fused node waits for itself ("N nodes in a cycle").
+FUSABLE_GATE_TYPES = frozenset({"BiasAddGrad"})
+
+
 def _gate_candidates(ir: GraphIR) -> List[OpInfo]:
     """Backward ops that can trigger a swap-in: they carry gradient data, so they run in the backward pass."""
     candidates = []
     for op in ir.ops:
-        if op.phase is not Phase.BACKWARD or op.type in ("Const", "NoOp") or op.type in CONTROL_FLOW_OP_TYPES:
+        if (op.phase is not Phase.BACKWARD or op.type in ("Const", "NoOp") or op.type in CONTROL_FLOW_OP_TYPES
+                or op.type in FUSABLE_GATE_TYPES):
             continue
         gradient_input = any(ir.op(ir.tensors[t].producer).phase is Phase.BACKWARD
                              and ir.op(ir.tensors[t].producer).type != "Const" for t in op.inputs)
@@ -264,16 +288,16 @@ def _recompute_targets(ir: GraphIR, eligible: Sequence[str], options: LMSOptions
     segment, are kept as checkpoints and the rest of the activations are recomputed; with "cheap" and named policies every
     articulation tensor is a checkpoint that bounds a segment.
     """
-    clonable = [t for t in eligible if not ir.op(ir.tensors[t].producer).stateful]
-    eligible_set = set(clonable)
+    clonable_tensors = [t for t in eligible if clonable(ir.op(ir.tensors[t].producer))]
+    eligible_set = set(clonable_tensors)
     cuts = [t for t in _articulation_tensors(ir) if t in eligible_set]
     index = lambda t: ir.op(ir.tensors[t].producer).index  # noqa: E731
     policy = options.recompute
     if policy == "sqrt":
         if len(cuts) < 4:  # no usable articulation points: fall back to evenly spaced checkpoints
-            cuts = sorted(clonable, key=index)
-        checkpoints = _balanced_checkpoints(ir, cuts, clonable)
-        selected = [t for t in clonable if t not in checkpoints]
+            cuts = sorted(clonable_tensors, key=index)
+        checkpoints = _balanced_checkpoints(ir, cuts, clonable_tensors)
+        selected = [t for t in clonable_tensors if t not in checkpoints]
         bounds = sorted(index(t) for t in checkpoints)
         through = lambda op: True  # noqa: E731
     else:
@@ -281,12 +305,12 @@ def _recompute_targets(ir: GraphIR, eligible: Sequence[str], options: LMSOptions
             # Articulation tensors stay as checkpoints: a residual chain is all cheap ops (Add, Relu),
             # and recomputing through it would reach back to the first block from every block.
             cut_set = set(cuts)
-            selected = [t for t in clonable if ir.op(ir.tensors[t].producer).type in CHEAP_OP_TYPES
+            selected = [t for t in clonable_tensors if ir.op(ir.tensors[t].producer).type in CHEAP_OP_TYPES
                         and t not in cut_set]
             through = lambda op: op.type in CHEAP_OP_TYPES  # noqa: E731
         else:  # named layers / patterns: exactly what the user asked for
             matcher = _exclusion_matcher(ir, policy, scope_aliases)
-            selected = [t for t in clonable if matcher(ir.tensors[t].producer) is not None]
+            selected = [t for t in clonable_tensors if matcher(ir.tensors[t].producer) is not None]
             through = lambda op: matcher(op.name) is not None  # noqa: E731
         bounds = sorted(index(t) for t in cuts)
     segment = {t: bisect.bisect_left(bounds, index(t)) for t in selected}
@@ -308,7 +332,7 @@ def _clone_region(ir: GraphIR, tensor: str, targets: Set[str], through) -> Tuple
             if t in targets:
                 stack.append(producer.name)
             elif (producer.phase is Phase.FORWARD and producer.name in ir.data_dependent
-                  and not producer.stateful and producer.name not in ir.function_inputs
+                  and clonable(producer) and producer.name not in ir.function_inputs
                   and producer.type not in CONTROL_FLOW_OP_TYPES and producer.type not in _VARIABLE_READ_TYPES
                   and info.dtype not in ("resource", "variant")
                   and not any(ir.op(c).phase is Phase.BACKWARD for c in info.consumers)
@@ -440,9 +464,11 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
             first_use[seg] = min(first, first_use.get(seg, first))
         for name in eligible:
             if name not in targets:
-                if ir.op(ir.tensors[name].producer).stateful and decisions[name].decision is Decision.KEEP:
+                producer = ir.op(ir.tensors[name].producer)
+                if not clonable(producer) and decisions[name].decision is Decision.KEEP:
                     decisions[name] = dataclasses.replace(
-                        decisions[name], reason="stateful op: never recomputed")
+                        decisions[name], reason="stateful op: never recomputed" if producer.stateful else
+                        f"{producer.type}: never recomputed (oneDNN pairs its gradient with its workspace)")
                 continue
             before = bisect.bisect_left(gate_positions, first_use[segment_of[name]])
             if before == 0:
