@@ -1,13 +1,17 @@
-"""Measures the real CPU-allocator peak of plain and recompute-only steps and prints them as JSON,
-beside the simulator's figures. Run in its own process: TensorFlow must start with one inter-op
-thread (ops run one at a time, as kernels on a GPU stream) and the BFC CPU allocator.
+"""Real CPU-allocator peaks of plain and recompute-only training steps beside the simulator's.
+
+For each model one step runs under TensorFlow's profiler inside ``measure_peak_memory``: the
+real peak and the order TensorFlow executed the ops in come from the same step. The
+simulator then replays that order (``replay``: checks the memory rules, since TF's CPU
+executor order changes from process to process) and predicts on its own (``blind``: the
+GPU executor's ready order). Prints one ``RESULT <json>`` line. Run it in its own process:
+TensorFlow must start with the BFC CPU allocator.
 
     python tests/allocator_worker.py ResNet50,64,8 UNet,64,4 ...
 """
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -15,30 +19,49 @@ os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402
 
+# One inter-op thread: ops run one at a time (as kernels on a GPU stream), so the profiled start
+# order is the order memory was used in.
 tf.config.threading.set_inter_op_parallelism_threads(1)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras  # noqa: E402
 
 import lms_tf  # noqa: E402
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
+from lms_tf.diagnostics import executed_ops  # noqa: E402
 from lms_tf.graph import build_ir  # noqa: E402
 from lms_tf.planner import simulate  # noqa: E402
+from lms_tf.rewrite.recompute import simulator_name  # noqa: E402
 from lms_tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
 
+COST = CostModel(get_device_spec("v100-16gb-pcie3"))
 
-def real_peak(fn, x, y, repeats=3):
+
+def measured(fn, x, y, graph=None):
+    """(real peak bytes, simulator op name -> start rank) of one profiled step."""
     fn(x, y).numpy()
-    peaks = []
-    for _ in range(repeats):
-        time.sleep(0.3)  # let the previous step's last frees land before the peak is reset
-        with lms_tf.measure_peak_memory("CPU:0") as memory:
-            fn(x, y).numpy()
-        peaks.append(memory.peak_bytes)
-    return statistics.median(peaks)
+    time.sleep(0.3)  # the previous step's last frees land before the peak is reset
+    with lms_tf.measure_peak_memory("CPU:0") as memory:
+        events = executed_ops(lambda: fn(x, y).numpy())
+    rank = {}
+    for event in events:
+        name = event.node
+        if graph is not None:
+            try:
+                name = simulator_name(graph, name)
+            except (KeyError, ValueError):  # runtime events that are not graph ops
+                pass
+        rank.setdefault(name, float(len(rank)))
+    return memory.peak_bytes, rank
+
+
+def compare(ir, plan, fn, x, y):
+    real, rank = measured(fn, x, y, graph=fn.get_concrete_function(x, y).graph)
+    return {"real": real, "replay": simulate(ir, plan, cost=COST, priority=rank).peak_bytes,
+            "blind": simulate(ir, plan, cost=COST).peak_bytes}
 
 
 def main(specs):
-    cost = CostModel(get_device_spec("v100-16gb-pcie3"))
     rows = []
     for spec in specs:
         name, size, batch = spec.split(",")
@@ -47,21 +70,13 @@ def main(specs):
         x, y = synthetic_batch(model, int(batch))
         plain = tf.function(train_step(model))
         ir = build_ir(plain.get_concrete_function(x, y).graph)
-        row = {"model": name, "size": int(size), "batch": int(batch),
-               "real_plain": real_peak(plain, x, y),
-               "sim_plain": simulate(ir, cost=cost, executor="cpu").peak_bytes}
+        row = {"model": name, "size": int(size), "batch": int(batch), "plain": compare(ir, None, plain, x, y)}
         recompute = lms_tf.function(train_step(model), device="/CPU:0", swap=False, recompute="sqrt")
         recompute.get_concrete_function(x, y)
-        # The plan refers to the recompute trace's own graph: simulate it on that trace's plain IR.
+        row["sqrt"] = compare(recompute.plain_irs[-1], recompute.plan, recompute, x, y)
         rows.append(row)
-        row["real_sqrt"] = real_peak(recompute, x, y)
-        row["sim_sqrt"] = simulate(recompute_ir(recompute, x, y), recompute.plan, cost=cost, executor="cpu").peak_bytes
+        print(json.dumps(row), file=sys.stderr, flush=True)
     print("RESULT " + json.dumps(rows))
-
-
-def recompute_ir(fn, x, y):
-    """The IR of the plain step the recompute plan was made for (the trace before rewriting)."""
-    return fn.plain_irs[-1]
 
 
 if __name__ == "__main__":

@@ -294,8 +294,9 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         executor: ``"gpu"``: every kernel launch runs inline, in the order ops become ready
             (TensorFlow's executor on a GPU). ``"cpu"``: TensorFlow's executor on a CPU with
             one inter-op thread: cheap ops run inline in ready order, expensive ones go to the
-            thread pool, whose worker takes the latest first (used to validate against the
-            real CPU allocator).
+            thread pool, whose worker takes the latest first. ``"single"``: TensorFlow's
+            ``SINGLE_THREADED_EXECUTOR``, which runs a depth-first reverse post-order of the
+            graph (used to validate against the real CPU allocator, where it is repeatable).
 
     Returns:
         A :class:`Simulation`.
@@ -308,9 +309,19 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
     """
     builder = _build(ir, plan, cost)
     ops, read_handles, counted = builder.ops, builder.read_handles, builder.counted
+    if executor == "single" and priority is None:
+        priority = _reverse_post_order(ops)
     if priority is not None:
+        # Ops the ranking does not name (clones, copies) rank right after their trigger, others
+        # right after the op before them in graph order.
+        previous = 0.0
         for op in ops:
-            op.order = priority.get(op.name, op.order)
+            if op.name in priority:
+                op.order = previous = priority[op.name]
+            elif op.trigger is not None and op.trigger in priority:
+                op.order = priority[op.trigger] + 1e-9
+            else:
+                op.order = previous = previous + 1e-9
     uses: Dict[str, int] = collections.Counter()
     for op in ops:
         for key in set(op.reads):
@@ -456,6 +467,30 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
                       compute_time_s=compute_time, swap_out_bytes=swap_bytes[_TO_HOST],
                       swap_in_bytes=swap_bytes[_TO_DEVICE], timeline=tuple(timeline), peak_time_s=peak_time,
                       op_intervals=intervals)
+
+
+def _reverse_post_order(ops: List[_Op]) -> Dict[str, float]:
+    """Rank of each op in a depth-first reverse post-order from the sources, children pushed in
+    graph order and taken last-first (TensorFlow's ``GetReversePostOrder``)."""
+    children: List[List[int]] = [[] for _ in ops]
+    for i, op in enumerate(ops):
+        for d in op.deps:
+            children[d].append(i)
+    visited = [False] * len(ops)
+    post: List[int] = []
+    stack = [(i, False) for i, op in enumerate(ops) if not op.deps]
+    stack.reverse()
+    while stack:
+        node, leave = stack.pop()
+        if leave:
+            post.append(node)
+            continue
+        if visited[node]:
+            continue
+        visited[node] = True
+        stack.append((node, True))
+        stack.extend((c, False) for c in children[node] if not visited[c])
+    return {ops[node].name: float(rank) for rank, node in enumerate(reversed(post))}
 
 
 def resident_bytes(ir: GraphIR) -> int:

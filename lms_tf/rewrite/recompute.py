@@ -27,6 +27,24 @@ from lms_tf.planner.plan import Plan
 from lms_tf.rewrite.common import mark, repoint_consumers
 from lms_tf.rewrite.swap import gated_swap_in
 
+CLONE_OF_ATTR = "_lms_clone_of"
+CLONE_GATE_ATTR = "_lms_gate"
+
+
+def simulator_name(graph: tf.Graph, op_name: str) -> str:
+    """The simulator's name for an op of a rewritten graph: ``recompute/<gate>/<op>`` for a clone.
+
+    Example:
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     _ = tf.constant(1.0, name="one")
+        >>> simulator_name(g, "one")
+        'one'
+    """
+    op = graph.get_operation_by_name(op_name)
+    source = _compat.string_attr(op, CLONE_OF_ATTR)
+    return f"recompute/{_compat.string_attr(op, CLONE_GATE_ATTR)}/{source}" if source else op_name
+
 
 def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tensor],
                       inserted: Dict[str, int]) -> int:
@@ -73,6 +91,10 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
             if not from_clone:
                 _compat.add_control_input(clone, gate)
             mark(clone, "recompute")
+            # Which op this clones and behind which gate: the simulator names the clone
+            # "recompute/<gate>/<op>", and diagnostics map executed clones back with these.
+            _compat.set_string_attr(clone, CLONE_OF_ATTR, op_name)
+            _compat.set_string_attr(clone, CLONE_GATE_ATTR, decision.gate)
             inserted["recompute"] += 1
             clones[(op_name, decision.gate)] = clone
         producer = graph.get_tensor_by_name(decision.tensor)
