@@ -354,13 +354,8 @@ def grappler_peak_memory(graph_def, fetch_names: Sequence[str], devices: Sequenc
     from tensorflow.python.grappler import cluster as gcluster
     from tensorflow.python.grappler import item as gitem
 
-    named = []
-    for name, dev_type, memory in devices:
-        props = device_properties_pb2.DeviceProperties(
-            type=dev_type, frequency=1000 if dev_type == "CPU" else 1530, num_cores=2 if dev_type == "CPU" else 80,
-            memory_size=memory, bandwidth=900_000_000 if dev_type == "GPU" else 20_000_000,
-            l1_cache_size=32 * 1024, l2_cache_size=6 * 1024 * 1024, shared_memory_size_per_multiprocessor=96 * 1024)
-        named.append(device_properties_pb2.NamedDevice(name=name, properties=props))
+    named = [device_properties_pb2.NamedDevice(name=name, properties=_device_properties(dev_type, memory))
+             for name, dev_type, memory in devices]
     meta = meta_graph_pb2.MetaGraphDef()
     meta.graph_def.CopyFrom(graph_def)
     meta.collection_def["train_op"].node_list.value.extend(fetch_names)
@@ -370,6 +365,55 @@ def grappler_peak_memory(graph_def, fetch_names: Sequence[str], devices: Sequenc
     finally:
         cluster.Shutdown()
     return {dev: int(value[0]) for dev, value in peaks.items()}
+
+
+def grappler_memory_optimized_peak(graph_def, fetch_names: Sequence[str], devices: Sequence[Tuple[str, str, int]],
+                                   mode: str, name_scope: str = "gradient_tape/") -> Dict[str, int]:
+    """Runs Grappler's own memory optimizer offline, then simulates the result on the same devices.
+
+    Args:
+        graph_def: A GraphDef whose nodes all carry a full device name.
+        fetch_names: Node names the step must compute.
+        devices: ``(full_name, type, memory_bytes)`` for each virtual device.
+        mode: ``"SWAPPING_HEURISTICS"`` or ``"RECOMPUTATION_HEURISTICS"``.
+        name_scope: ``memory_optimizer_target_node_name_scope`` (the gradient scope).
+
+    Returns:
+        Peak bytes per device of the graph Grappler's memory optimizer produced.
+    """
+    from tensorflow.core.protobuf import config_pb2, device_properties_pb2, meta_graph_pb2, rewriter_config_pb2
+    from tensorflow.python.grappler import cluster as gcluster
+    from tensorflow.python.grappler import item as gitem
+    from tensorflow.python.grappler import tf_optimizer
+
+    named = [device_properties_pb2.NamedDevice(name=name, properties=_device_properties(dev_type, memory))
+             for name, dev_type, memory in devices]
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.graph_def.CopyFrom(graph_def)
+    meta.collection_def["train_op"].node_list.value.extend(fetch_names)
+    config = config_pb2.ConfigProto()
+    rewrite = config.graph_options.rewrite_options
+    rewrite.optimizers.append("memory")  # only the memory optimizer, so the comparison is about it alone
+    rewrite.memory_optimization = getattr(rewriter_config_pb2.RewriterConfig, mode)
+    rewrite.memory_optimizer_target_node_name_scope = name_scope
+    rewrite.min_graph_nodes = -1
+    cluster = gcluster.Cluster(devices=named)
+    try:
+        optimized = tf_optimizer.OptimizeGraph(config, meta, cluster=cluster)
+        meta.graph_def.CopyFrom(optimized)
+        peaks = cluster.DeterminePeakMemoryUsage(gitem.Item(meta, ignore_colocation=True))
+    finally:
+        cluster.Shutdown()
+    return {dev: int(value[0]) for dev, value in peaks.items()}
+
+
+def _device_properties(dev_type: str, memory: int):
+    from tensorflow.core.protobuf import device_properties_pb2
+
+    return device_properties_pb2.DeviceProperties(
+        type=dev_type, frequency=1000 if dev_type == "CPU" else 1530, num_cores=2 if dev_type == "CPU" else 80,
+        memory_size=memory, bandwidth=900_000_000 if dev_type == "GPU" else 20_000_000,
+        l1_cache_size=32 * 1024, l2_cache_size=6 * 1024 * 1024, shared_memory_size_per_multiprocessor=96 * 1024)
 
 
 # --- executed-op order from TensorFlow's profiler ----------------------------------------------

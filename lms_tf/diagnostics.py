@@ -109,6 +109,36 @@ def virtual_gpu_peak(concrete_function, *, host: str = "/CPU:1", gpu_memory_byte
     return peaks.get(_VIRTUAL_GPU, 0) + resident
 
 
+def grappler_baseline_peak(concrete_function, mode: str, *, gpu_memory_bytes: int = 16 * 2**30,
+                           host_memory_bytes: int = 256 * 2**30) -> int:
+    """Virtual-GPU peak of a plain step after Grappler's own memory optimizer rewrote it offline.
+
+    Args:
+        concrete_function: The plain (un-rewritten) step.
+        mode: ``"SWAPPING_HEURISTICS"`` or ``"RECOMPUTATION_HEURISTICS"``.
+        gpu_memory_bytes: Memory of the virtual GPU (Grappler swaps only when it predicts
+            the graph does not fit).
+        host_memory_bytes: Memory of the virtual host.
+
+    Returns:
+        The virtual GPU's peak bytes, judged by the same oracle as :func:`virtual_gpu_peak`.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> f = tf.function(lambda x: tf.nn.relu(x) * 2.0)
+        >>> grappler_baseline_peak(f.get_concrete_function(tf.ones((256, 256))), "RECOMPUTATION_HEURISTICS") > 0
+        True
+    """
+    graph = concrete_function.graph
+    graph_def = graph.as_graph_def()
+    for node in graph_def.node:
+        node.device = _VIRTUAL_GPU
+    fetches = sorted({t.op.name for t in graph.outputs} | {op.name for op in graph.control_outputs})
+    peaks = _compat.grappler_memory_optimized_peak(
+        graph_def, fetches, [(_VIRTUAL_GPU, "GPU", gpu_memory_bytes), (_VIRTUAL_CPU, "CPU", host_memory_bytes)], mode)
+    return peaks.get(_VIRTUAL_GPU, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExecutedOp:
     """One kernel execution seen by TensorFlow's profiler.

@@ -7,8 +7,8 @@ again, until the peak fits. A tensor's cost is its predicted slowdown:
 
 * swap: the copy out and back that the compute between producer and consumer cannot
   hide, plus its share of the link when the link is already busier than the compute;
-* recompute: the predicted time of the forward ops cloned to produce it again (back to the
-  nearest kept or swapped tensors, through cheap ops; an expensive producer is cloned alone).
+* recompute: the predicted time of the forward ops cloned to produce it again, back to the
+  nearest tensors the backward pass keeps anyway, credited only with the bytes it frees.
 
 User overrides win: ``exclude`` keeps, a ``recompute`` list of names recomputes,
 ``swap=False`` / ``recompute=False`` forbid one kind. If even moving every movable tensor
@@ -140,9 +140,14 @@ class _Planner:
             self.named_through = matcher
         self.baseline = simulate(ir, None, cost=cost, top=None)
         self.op_time = {op.name: cost.op_time(ir, op) for op in ir.ops}
+        backward_starts = [self.baseline.op_intervals[g.name][0] for g in self.found.gates
+                           if g.name in self.baseline.op_intervals]
+        self.forward_seconds = min(backward_starts, default=self.baseline.compute_time_s)
 
     def _through(self, op) -> bool:
-        return op.type in CHEAP_OP_TYPES or (self.named_through is not None and self.named_through(op.name) is not None)
+        # Any pure forward op: a region then stops only at tensors the backward pass keeps anyway
+        # (so recomputing a convolution's output clones the convolution from its kept input).
+        return True
 
     def gate_before(self, tensor: str) -> Optional[str]:
         first = min(c.index for c in self.found.backward_of[tensor])
@@ -221,8 +226,12 @@ class _Planner:
         nbytes = self.ir.tensors[tensor].nbytes or 0
         one_way = max(self.cost.transfer_time(nbytes, "device_to_host"),
                       self.cost.transfer_time(nbytes, "host_to_device"))
-        step = self.baseline.compute_time_s
-        over = max(0.0, link_busy + one_way - step) - max(0.0, link_busy - step)
+        # Copies out must drain while the forward pass still runs, or the bytes they free stay
+        # on the device through the peak at the start of the backward pass.
+        window = self.forward_seconds
+        over = max(0.0, link_busy + one_way - window) - max(0.0, link_busy - window)
+        if over > 0:
+            return float("inf") if self.options.recompute else max(0.0, self.swap_exposed(tensor)) + over
         return max(0.0, self.swap_exposed(tensor)) + over
 
     def recompute_cost(self, tensor: str, recompute: Set[str]) -> Tuple[float, int]:
@@ -290,9 +299,12 @@ class _Planner:
         return plan, sim
 
     def most_aggressive(self) -> Tuple[Plan, Simulation]:
-        """The plan with every movable tensor moved (the cheaper kind of the two), and its simulation."""
+        """The plan with every movable tensor moved, and its simulation: each tensor, in production
+        order, takes the cheaper of swap (while the link can drain it during the forward pass)
+        and recompute."""
         swap, recompute = set(), set(self.forced)
-        for name in self.found.eligible:
+        link_busy = 0.0
+        for name in self.found.eligible:  # production order: early tensors have the longest windows
             if name in recompute:
                 continue
             nbytes = self.ir.tensors[name].nbytes or 0
@@ -300,12 +312,15 @@ class _Planner:
             seconds, freed = self.recompute_cost(name, recompute)
             can_recompute = (self.options.recompute and freed > 0
                              and clonable(self.ir.op(self.ir.tensors[name].producer)))
-            if can_swap and (not can_recompute or self.swap_cost(name, 0.0) <= seconds):
+            recompute_per_byte = seconds / freed if can_recompute else float("inf")
+            swap_per_byte = self.swap_cost(name, link_busy) / nbytes if can_swap and nbytes else float("inf")
+            if can_swap and swap_per_byte <= recompute_per_byte:
                 swap.add(name)
+                link_busy += self.cost.transfer_time(nbytes, "device_to_host")
             elif can_recompute:
                 recompute.add(name)
         plan = self.assemble(swap, recompute)
-        return plan, simulate(self.ir, plan, cost=self.cost)
+        return plan, simulate(self.ir, plan, cost=self.cost, top=None)
 
 
 def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,

@@ -146,12 +146,38 @@ def _exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappi
 FUSABLE_GATE_TYPES = frozenset({"BiasAddGrad"})
 
 
+def _after_the_forward_pass(ir: GraphIR) -> Set[str]:
+    """Ops that descend (through data edges) from the deepest forward op the backward pass reads,
+    deepest meaning the longest chain of data edges from the step's inputs (the logits' side;
+    ops derived from the labels alone are shallow): only these are sure to run after the forward
+    pass. Some gradient-scoped ops (shape bookkeeping, label handling) depend on forward values
+    alone and may run while the forward pass is still going."""
+    depth: Dict[str, int] = {}
+    anchor, anchor_depth = None, -1
+    for op in ir.ops:
+        depth[op.name] = 1 + max((depth.get(ir.tensors[t].producer, 0) for t in op.inputs), default=0)
+        if (op.phase is Phase.FORWARD and op.name in ir.data_dependent and depth[op.name] > anchor_depth
+                and any(ir.op(c).phase is Phase.BACKWARD for t in op.outputs for c in ir.tensors[t].consumers)):
+            anchor, anchor_depth = op.name, depth[op.name]
+    reached: Set[str] = set()
+    stack = [anchor] if anchor else []
+    while stack:
+        name = stack.pop()
+        for t in ir.op(name).outputs:
+            for consumer in ir.tensors[t].consumers:
+                if consumer not in reached:
+                    reached.add(consumer)
+                    stack.append(consumer)
+    return reached
+
+
 def _gate_candidates(ir: GraphIR) -> List[OpInfo]:
     """Backward ops that can trigger a swap-in: they carry gradient data, so they run in the backward pass."""
     candidates = []
+    after_forward = _after_the_forward_pass(ir)
     for op in ir.ops:
         if (op.phase is not Phase.BACKWARD or op.type in ("Const", "NoOp") or op.type in CONTROL_FLOW_OP_TYPES
-                or op.type in FUSABLE_GATE_TYPES):
+                or op.type in FUSABLE_GATE_TYPES or op.name not in after_forward):
             continue
         gradient_input = any(ir.op(ir.tensors[t].producer).phase is Phase.BACKWARD
                              and ir.op(ir.tensors[t].producer).type != "Const" for t in op.inputs)
