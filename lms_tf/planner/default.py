@@ -78,7 +78,8 @@ CHEAP_OP_TYPES = frozenset({
 })
 #: Op types never cloned, whatever the policy: on CPUs, oneDNN's layout pass pairs each
 #: ``MaxPoolGrad``/``LRNGrad`` with the workspace output of the forward op that produced its
-#: ``orig_output``; a cloned forward op there closes a cycle at run time ("N nodes in a cycle").
+#: ``orig_output``, so a clone there takes part in the rewrite; together with an early gate this
+#: made VGG16's recompute step cyclic at run time ("N nodes in a cycle"). Pooling is cheap to keep.
 NEVER_CLONED_TYPES = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D", "LRN"})
 
 
@@ -141,8 +142,8 @@ def _exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappi
 
 
 #: Backward ops never used as gates or swap-in triggers: oneDNN fuses ``BiasAddGrad`` into the
-#: ``Conv2DBackpropFilter``/``MatMul`` next to it on CPUs, and if that partner reads a tensor the
-#: gate releases, the fused node waits for itself ("N nodes in a cycle").
+#: ``Conv2DBackpropFilter``/``MatMul`` next to it on CPUs; if that partner reads a tensor the gate
+#: releases, the fused node would wait for itself (seen with VGG16: "N nodes in a cycle").
 FUSABLE_GATE_TYPES = frozenset({"BiasAddGrad"})
 
 
