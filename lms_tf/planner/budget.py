@@ -1,16 +1,16 @@
 """The budget planner: KEEP / SWAP / RECOMPUTE per tensor so the simulated peak fits a budget.
 
-KARMA's rule, driven by the simulator: replay the step, look at the peak, and free the
-tensors that sit idle in device memory there (produced before the peak, first read by the
-backward pass after it), cheapest first, until the bytes over budget are covered; replay
-again, until the peak fits. A tensor's cost is its predicted slowdown:
+KARMA's idea, driven by the simulator. Recompute bases are tried cheapest first: nothing,
+``"cheap"`` ops, then Chen et al.'s segments (``"sqrt"``) with several segment counts (the two
+with the lowest recompute-only peaks), each segment recomputed once behind one gate. On top of
+each base, greedy rounds swap what sits idle in device memory at the simulated peak (produced
+before it, first read by the backward pass after it), cheapest per byte first, until the bytes
+over budget are covered; the step is replayed and the rounds repeat until the peak fits or the
+link is saturated. The fitting plan with the least predicted step time wins. A swap's cost is
+the copy time the compute between producer and consumer cannot hide, plus copy-out time past
+the end of the forward pass (a copy still running at the peak frees nothing).
 
-* swap: the copy out and back that the compute between producer and consumer cannot
-  hide, plus its share of the link when the link is already busier than the compute;
-* recompute: the predicted time of the forward ops cloned to produce it again, back to the
-  nearest tensors the backward pass keeps anyway, credited only with the bytes it frees.
-
-User overrides win: ``exclude`` keeps, a ``recompute`` list of names recomputes,
+User overrides win: ``exclude`` keeps, a ``recompute`` list of names recomputes exactly those,
 ``swap=False`` / ``recompute=False`` forbid one kind. If even moving every movable tensor
 does not fit, :class:`InfeasibleBudgetError` names the smallest budget that does.
 
@@ -50,8 +50,7 @@ from lms_tf.cost.model import CostModel
 from lms_tf.errors import LMSOptionError
 from lms_tf.graph.ir import GraphIR, layer_of
 from lms_tf.options import LMSOptions
-from lms_tf.planner.default import (CHEAP_OP_TYPES, Candidates, _clone_region, _exclusion_matcher, clonable,
-                                    collect_candidates)
+from lms_tf.planner.default import Candidates, articulation_count, collect_candidates, make_plan
 from lms_tf.planner.plan import Decision, Plan, SwapIn, TensorDecision
 from lms_tf.planner.simulator import Simulation, resident_bytes, simulate
 
@@ -129,57 +128,59 @@ class _Planner:
     def __init__(self, ir: GraphIR, options: LMSOptions, device: str, cost: CostModel,
                  scope_aliases: Mapping[str, str]):
         self.ir, self.options, self.device, self.cost = ir, options, device, cost
+        self.scope_aliases = scope_aliases
         self.found: Candidates = collect_candidates(ir, options, device=device, scope_aliases=scope_aliases)
         self.eligible = set(self.found.eligible)
-        self.forced: Set[str] = set()
-        self.named_through = None
-        if isinstance(options.recompute, tuple):
-            matcher = _exclusion_matcher(ir, options.recompute, scope_aliases)
-            self.forced = {t for t in self.found.eligible
-                           if matcher(ir.tensors[t].producer) and clonable(ir.op(ir.tensors[t].producer))}
-            self.named_through = matcher
-        self.baseline = simulate(ir, None, cost=cost, top=None)
-        self.op_time = {op.name: cost.op_time(ir, op) for op in ir.ops}
+        self.op_times = {op.name: cost.op_time(ir, op) for op in ir.ops}
+        self.baseline = simulate(ir, None, cost=cost, top=None, op_times=self.op_times)
         backward_starts = [self.baseline.op_intervals[g.name][0] for g in self.found.gates
                            if g.name in self.baseline.op_intervals]
         self.forward_seconds = min(backward_starts, default=self.baseline.compute_time_s)
+        self.simulations = 1
 
-    def _through(self, op) -> bool:
-        # Any pure forward op: a region then stops only at tensors the backward pass keeps anyway
-        # (so recomputing a convolution's output clones the convolution from its kept input).
-        return True
+    def recompute_bases(self) -> List[Tuple[str, Dict[str, TensorDecision]]]:
+        """Recompute-only starting points, cheapest first: none, "cheap", "sqrt" with several
+        segment counts (segments share one gate each, so every op is recomputed at most once),
+        or exactly the layers the user named."""
+        policy = self.options.recompute
+        if not policy:
+            return [("none", {})]
+        if isinstance(policy, tuple):
+            return [("named", self._recompute_only(policy))]
+        bases = [("none", {})] if policy == "auto" else []
+        if policy in ("auto", "cheap"):
+            bases.append(("cheap", self._recompute_only("cheap")))
+        if policy in ("auto", "sqrt"):
+            n = articulation_count(self.ir)
+            counts = sorted({max(1, round(n ** 0.5 * f)) for f in (1.0, 1.5, 2.0, 3.0)})
+            for segments in counts if policy == "auto" else [None]:
+                bases.append((f"sqrt/{segments or 'default'}", self._recompute_only("sqrt", segments)))
+        return bases
 
-    def gate_before(self, tensor: str) -> Optional[str]:
-        first = min(c.index for c in self.found.backward_of[tensor])
-        before = bisect.bisect_left(self.found.gate_positions, first)
-        return self.found.gates[before - 1].name if before else None
+    def _recompute_only(self, policy, segments: Optional[int] = None) -> Dict[str, TensorDecision]:
+        options = dataclasses.replace(self.options, swap=False, recompute=policy, budget=None)
+        plan = make_plan(self.ir, options, device=self.device, scope_aliases=self.scope_aliases,
+                         sqrt_segments=segments, candidates=self.found)
+        return {d.tensor: d for d in plan.recomputed}
 
-    def assemble(self, swap: Set[str], recompute: Set[str]) -> Plan:
+    def assemble(self, swap: Set[str], recomputed: Mapping[str, TensorDecision]) -> Plan:
         ir, found, options = self.ir, self.found, self.options
         decisions: Dict[str, TensorDecision] = dict(found.kept)
         for name in found.eligible:
-            op, tensor = ir.op(ir.tensors[name].producer), ir.tensors[name]
-            distance = found.distance[name]
-            consumers = tuple(c.name for c in sorted(found.backward_of[name], key=lambda c: c.index))
-            if name in recompute and self.gate_before(name):
-                why = "recompute (named)" if name in self.forced else "recompute (cheapest per byte freed)"
-                decisions[name] = TensorDecision(
-                    name, layer_of(op.name), tensor.shape, tensor.nbytes, Decision.RECOMPUTE, why, distance, (),
-                    recompute_ops=_clone_region(ir, name, recompute, self._through), gate=self.gate_before(name),
-                    consumers=consumers)
+            if name in recomputed:
+                decisions[name] = recomputed[name]
                 continue
-            if name in swap:
-                decision = self.timed_swap(name, distance)
-                if decision is not None:
-                    decisions[name] = TensorDecision(
-                        name, decision.layer, decision.shape, decision.nbytes, Decision.SWAP,
-                        "swap (copy hidden behind compute)" if self.swap_exposed(name) <= 0 else
-                        "swap (cheapest per byte freed)", distance, decision.swap_ins)
-                    continue
-            decisions[name] = TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes, Decision.KEEP,
-                                             "fits the budget", distance, ())
+            info = ir.tensors[name]
+            decision = self.timed_swap(name, found.distance[name]) if name in swap else None
+            decisions[name] = decision or TensorDecision(
+                name, layer_of(info.producer), info.shape, info.nbytes, Decision.KEEP, "fits the budget",
+                found.distance[name], ())
         return Plan(decisions=tuple(decisions[n] for n in found.order), device=self.device, host=options.host,
                     options=options.to_dict(), phase_counts=ir.phase_counts())
+
+    def simulate(self, plan: Plan) -> Simulation:
+        self.simulations += 1
+        return simulate(self.ir, plan, cost=self.cost, top=None, op_times=self.op_times)
 
     def timed_swap(self, tensor: str, distance: int) -> Optional[TensorDecision]:
         """A SWAP decision whose swap-ins start just early enough for the copy back to end
@@ -204,7 +205,9 @@ class _Planner:
             while position > 0 and intervals.get(found.gates[position].name, (0.0, 0.0))[1] > deadline:
                 position -= 1
             swap_ins.append(SwapIn(found.gates[position].name, tuple(c.name for c in group)))
-        return TensorDecision(tensor, layer_of(info.producer), info.shape, info.nbytes, Decision.SWAP, "swap",
+        reason = ("swap (copy hidden behind compute)" if self.swap_exposed(tensor) <= 0 else
+                  "swap (cheapest per byte freed)")
+        return TensorDecision(tensor, layer_of(info.producer), info.shape, info.nbytes, Decision.SWAP, reason,
                               distance, tuple(swap_ins))
 
     def window(self, tensor: str) -> float:
@@ -223,104 +226,77 @@ class _Planner:
         return copies - self.window(tensor)
 
     def swap_cost(self, tensor: str, link_busy: float) -> float:
+        """Predicted slowdown of swapping: the copies the compute cannot hide, plus any copy-out
+        time past the forward pass (copies out must drain while it runs, or the bytes they free
+        stay on the device through the peak at the start of the backward pass)."""
         nbytes = self.ir.tensors[tensor].nbytes or 0
-        one_way = max(self.cost.transfer_time(nbytes, "device_to_host"),
-                      self.cost.transfer_time(nbytes, "host_to_device"))
-        # Copies out must drain while the forward pass still runs, or the bytes they free stay
-        # on the device through the peak at the start of the backward pass.
+        one_way = self.cost.transfer_time(nbytes, "device_to_host")
         window = self.forward_seconds
         over = max(0.0, link_busy + one_way - window) - max(0.0, link_busy - window)
-        if over > 0:
-            return float("inf") if self.options.recompute else max(0.0, self.swap_exposed(tensor)) + over
         return max(0.0, self.swap_exposed(tensor)) + over
 
-    def recompute_cost(self, tensor: str, recompute: Set[str]) -> Tuple[float, int]:
-        """Seconds of the clones, and the bytes recomputing really frees: the tensor, minus
-        the checkpoints it newly keeps alive (inputs the backward pass would not read otherwise)."""
-        ir = self.ir
-        region = _clone_region(ir, tensor, recompute | {tensor}, self._through)
-        inside = set(region)
-        new_checkpoints = set()
-        for name in region:
-            for t in ir.op(name).inputs:
-                info = ir.tensors[t]
-                if (info.producer not in inside and info.producer in ir.data_dependent
-                        and (t not in self.found.backward_of or t in recompute)
-                        and info.producer not in ir.function_inputs):
-                    new_checkpoints.add(t)
-        freed = (ir.tensors[tensor].nbytes or 0) - sum(ir.tensors[t].nbytes or 0 for t in new_checkpoints)
-        return sum(self.op_time[name] for name in region), freed
-
-    def plan(self, budget_bytes: int) -> Tuple[Plan, Simulation]:
-        options = self.options
+    def add_swaps(self, budget_bytes: int, recomputed: Mapping[str, TensorDecision]) -> Tuple[Plan, Simulation]:
+        """Greedy rounds on top of a recompute base: swap the kept tensors idle at the simulated
+        peak, cheapest per byte first, until the bytes over budget are covered; replay; repeat."""
         swap: Set[str] = set()
-        recompute: Set[str] = set(self.forced)
         link_busy = 0.0
-        plan = self.assemble(swap, recompute)
-        sim = simulate(self.ir, plan, cost=self.cost, top=None)
+        plan = self.assemble(swap, recomputed)
+        sim = self.simulate(plan)
+        if not self.options.swap:
+            return plan, sim
         for _ in range(MAX_ROUNDS):
             if sim.peak_bytes <= budget_bytes:
                 break
             excess = sim.peak_bytes - budget_bytes
-            at_peak = sim.peak_time_s
             idle = []
             for name, nbytes in sim.live_at_peak:
-                if name not in self.eligible or name in swap or name in recompute or not nbytes:
+                if (name not in self.eligible or name in swap or name in recomputed or not nbytes
+                        or nbytes < self.options.min_swap_bytes):
                     continue
                 producer = sim.op_intervals.get(self.ir.tensors[name].producer)
                 readers = [sim.op_intervals[c.name][0] for c in self.found.backward_of[name]
                            if c.name in sim.op_intervals]
-                if producer is None or not readers or not producer[1] <= at_peak < min(readers):
+                if producer is None or not readers or not producer[1] <= sim.peak_time_s < min(readers):
                     continue  # in use at the peak: moving it would not lower this peak
-                choices = []
-                if options.swap and nbytes >= options.min_swap_bytes:
-                    choices.append((self.swap_cost(name, link_busy), "swap"))
-                if options.recompute and clonable(self.ir.op(self.ir.tensors[name].producer)):
-                    seconds, freed = self.recompute_cost(name, recompute)
-                    if freed > 0:
-                        choices.append((seconds * nbytes / freed, "recompute"))
-                if choices:
-                    seconds, kind = min(choices)
-                    idle.append((seconds / nbytes, name, kind, nbytes))
+                idle.append((self.swap_cost(name, link_busy) / nbytes, name, nbytes))
             if not idle:
                 break
             freed = 0
-            for _, name, kind, nbytes in sorted(idle):
-                if kind == "swap":
-                    swap.add(name)
-                    link_busy += self.cost.transfer_time(nbytes, "device_to_host")
-                else:
-                    recompute.add(name)
+            for _, name, nbytes in sorted(idle):
+                swap.add(name)
+                link_busy += self.cost.transfer_time(nbytes, "device_to_host")
                 freed += nbytes
                 if freed >= 1.05 * excess:
                     break
-            plan = self.assemble(swap, recompute)
-            sim = simulate(self.ir, plan, cost=self.cost, top=None)
+            candidate = self.assemble(swap, recomputed)
+            candidate_sim = self.simulate(candidate)
+            if candidate_sim.peak_bytes >= sim.peak_bytes and candidate_sim.step_time_s > sim.step_time_s:
+                break  # the link is saturated: more swaps only slow the step down
+            plan, sim = candidate, candidate_sim
         return plan, sim
 
-    def most_aggressive(self) -> Tuple[Plan, Simulation]:
-        """The plan with every movable tensor moved, and its simulation: each tensor, in production
-        order, takes the cheaper of swap (while the link can drain it during the forward pass)
-        and recompute."""
-        swap, recompute = set(), set(self.forced)
-        link_busy = 0.0
-        for name in self.found.eligible:  # production order: early tensors have the longest windows
-            if name in recompute:
-                continue
-            nbytes = self.ir.tensors[name].nbytes or 0
-            can_swap = self.options.swap and nbytes >= self.options.min_swap_bytes
-            seconds, freed = self.recompute_cost(name, recompute)
-            can_recompute = (self.options.recompute and freed > 0
-                             and clonable(self.ir.op(self.ir.tensors[name].producer)))
-            recompute_per_byte = seconds / freed if can_recompute else float("inf")
-            swap_per_byte = self.swap_cost(name, link_busy) / nbytes if can_swap and nbytes else float("inf")
-            if can_swap and swap_per_byte <= recompute_per_byte:
-                swap.add(name)
-                link_busy += self.cost.transfer_time(nbytes, "device_to_host")
-            elif can_recompute:
-                recompute.add(name)
-        plan = self.assemble(swap, recompute)
-        return plan, simulate(self.ir, plan, cost=self.cost, top=None)
+    def plan(self, budget_bytes: int) -> Tuple[Plan, Simulation, str, List[Tuple[str, int]]]:
+        """The fastest plan that fits, trying recompute bases in order; else the lowest peak found."""
+        best: Optional[Tuple[Plan, Simulation, str]] = None
+        lowest: Optional[Tuple[Plan, Simulation, str]] = None
+        tried: List[Tuple[str, int]] = []
+        bases = self.recompute_bases()
+        sqrt_bases = [b for b in bases if b[0].startswith("sqrt/")]
+        if len(sqrt_bases) > 2:  # keep the sqrt segmentations with the lowest recompute-only peaks
+            peaks = {label: self.simulate(self.assemble(set(), rc)).peak_bytes for label, rc in sqrt_bases}
+            keep = set(sorted(peaks, key=peaks.get)[:2])
+            bases = [b for b in bases if not b[0].startswith("sqrt/") or b[0] in keep]
+        for label, recomputed in bases:
+            plan, sim = self.add_swaps(budget_bytes, recomputed)
+            tried.append((label, sim.peak_bytes))
+            if lowest is None or sim.peak_bytes < lowest[1].peak_bytes:
+                lowest = (plan, sim, label)
+            if sim.peak_bytes <= budget_bytes and (best is None or sim.step_time_s < best[1].step_time_s):
+                best = (plan, sim, label)
+            if best is not None and label in ("none", "cheap"):
+                break  # no recompute (or only cheap ops) fits: nothing faster to find
+        plan, sim, label = best or lowest
+        return plan, sim, label, tried
 
 
 def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,
@@ -355,10 +331,7 @@ def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,
     baseline = planner.baseline
     budget_bytes = resolve_budget(options.budget, baseline_peak_bytes=baseline.peak_bytes, device=spec,
                                   resident=resident_bytes(ir))
-    plan, sim = planner.plan(budget_bytes)
-    if sim.peak_bytes > budget_bytes:
-        # The greedy rounds stalled (nothing idle at the peak): moving everything may still fit.
-        plan, sim = min((plan, sim), planner.most_aggressive(), key=lambda ps: ps[1].peak_bytes)
+    plan, sim, label, tried = planner.plan(budget_bytes)
     if sim.peak_bytes > budget_bytes:
         floor = sim.peak_bytes
         kinds = " and ".join(k for k, on in (("swapping", options.swap), ("recomputing", options.recompute)) if on)
@@ -370,9 +343,9 @@ def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,
             f"{_gib(floor)}. The smallest feasible budget is about {_gib(floor)}; pass budget >= that, "
             f"a smaller batch{hint}.",
             budget_bytes, floor)
-    logger.info("lms-tf planner: %s peak %.1f -> %.1f MiB (budget %.1f MiB) in %.2f s", spec.name,
-                baseline.peak_bytes / 2**20, sim.peak_bytes / 2**20, budget_bytes / 2**20,
-                time.perf_counter() - started)
+    logger.info("lms-tf planner: %s peak %.1f -> %.1f MiB (budget %.1f MiB; recompute %s; %d simulations) "
+                "in %.2f s", spec.name, baseline.peak_bytes / 2**20, sim.peak_bytes / 2**20, budget_bytes / 2**20,
+                label, planner.simulations, time.perf_counter() - started)
     return dataclasses.replace(
         plan, budget_bytes=budget_bytes, baseline_peak_bytes=baseline.peak_bytes, planned_peak_bytes=sim.peak_bytes,
         baseline_step_time_s=baseline.step_time_s, predicted_step_time_s=sim.step_time_s, device_spec=spec.name,

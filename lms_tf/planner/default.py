@@ -32,8 +32,8 @@ Example:
     >>> ir = build_ir(step.get_concrete_function(tf.ones((256, 64))).graph)
     >>> opts = LMSOptions(device="/CPU:0", host="/CPU:1", swapout_threshold=4, swapin_ahead=1, min_swap_bytes=1)
     >>> plan = make_plan(ir, opts, device="/device:CPU:0")
-    >>> [d.tensor for d in plan.swapped]
-    ['Relu:0', 'Relu_1:0', 'Relu_2:0', 'Relu_3:0']
+    >>> [d.tensor for d in plan.swapped]   # the last one is read by the very first gradient op
+    ['Relu:0', 'Relu_1:0', 'Relu_2:0']
 """
 
 from __future__ import annotations
@@ -147,29 +147,32 @@ def _exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappi
 FUSABLE_GATE_TYPES = frozenset({"BiasAddGrad"})
 
 
+#: A gate must have a forward ancestor at most this many data edges above the deepest forward op
+#: the backward pass reads (the loss's own ops sit a few levels below the logits).
+_END_OF_FORWARD_LEVELS = 4
+
+
 def _after_the_forward_pass(ir: GraphIR) -> Set[str]:
-    """Ops that descend (through data edges) from the deepest forward op the backward pass reads,
-    deepest meaning the longest chain of data edges from the step's inputs (the logits' side;
-    ops derived from the labels alone are shallow): only these are sure to run after the forward
-    pass. Some gradient-scoped ops (shape bookkeeping, label handling) depend on forward values
-    alone and may run while the forward pass is still going."""
+    """Ops with a forward ancestor at the end of the forward pass: within
+    :data:`_END_OF_FORWARD_LEVELS` of the deepest forward op the backward pass reads, depth
+    being the longest chain of data edges from the step's inputs. Only these are sure to run
+    after the forward pass: some gradient-scoped ops (shape bookkeeping, label handling) depend
+    on early forward values alone and may run while the forward pass is still going."""
     depth: Dict[str, int] = {}
-    anchor, anchor_depth = None, -1
+    reach: Dict[str, int] = {}  # deepest forward ancestor of each op
+    deepest = 0
     for op in ir.ops:
         depth[op.name] = 1 + max((depth.get(ir.tensors[t].producer, 0) for t in op.inputs), default=0)
-        if (op.phase is Phase.FORWARD and op.name in ir.data_dependent and depth[op.name] > anchor_depth
+        ancestors = []
+        for t in op.inputs:
+            producer = ir.op(ir.tensors[t].producer)
+            forward = producer.phase is Phase.FORWARD and producer.name in ir.data_dependent
+            ancestors.append(depth[producer.name] if forward else reach.get(producer.name, 0))
+        reach[op.name] = max(ancestors, default=0)
+        if (op.phase is Phase.FORWARD and op.name in ir.data_dependent
                 and any(ir.op(c).phase is Phase.BACKWARD for t in op.outputs for c in ir.tensors[t].consumers)):
-            anchor, anchor_depth = op.name, depth[op.name]
-    reached: Set[str] = set()
-    stack = [anchor] if anchor else []
-    while stack:
-        name = stack.pop()
-        for t in ir.op(name).outputs:
-            for consumer in ir.tensors[t].consumers:
-                if consumer not in reached:
-                    reached.add(consumer)
-                    stack.append(consumer)
-    return reached
+            deepest = max(deepest, depth[op.name])
+    return {name for name, level in reach.items() if level and level >= deepest - _END_OF_FORWARD_LEVELS}
 
 
 def _gate_candidates(ir: GraphIR) -> List[OpInfo]:
@@ -250,6 +253,17 @@ def _swap_decision(ir: GraphIR, op: OpInfo, tensor, backward, distance, options:
                           tuple(swap_ins))
 
 
+def articulation_count(ir: GraphIR) -> int:
+    """How many articulation tensors the forward pass has (segment boundaries for ``"sqrt"``).
+
+    Example:
+        >>> from lms_tf.graph.ir import GraphIR
+        >>> articulation_count(GraphIR((), {}, frozenset(), {}))
+        0
+    """
+    return len(_articulation_tensors(ir))
+
+
 def _articulation_tensors(ir: GraphIR) -> List[str]:
     """Forward tensors that are the only batch-derived value alive at their point of the forward pass.
 
@@ -280,13 +294,14 @@ def _articulation_tensors(ir: GraphIR) -> List[str]:
     return cuts
 
 
-def _balanced_checkpoints(ir: GraphIR, cuts: Sequence[str], activations: Sequence[str]) -> Set[str]:
+def _balanced_checkpoints(ir: GraphIR, cuts: Sequence[str], activations: Sequence[str],
+                          segments: Optional[int] = None) -> Set[str]:
     """About sqrt(n) of the n articulation tensors, spaced so each segment holds equal activation bytes.
 
     Chen et al. balance segments by memory, not by count: the early stages of a CNN hold
     much larger activations than the late ones.
     """
-    segments = max(1, math.ceil(math.sqrt(len(cuts))))
+    segments = segments or max(1, math.ceil(math.sqrt(len(cuts))))
     index = {t: ir.op(ir.tensors[t].producer).index for t in activations}
     ordered = sorted(activations, key=index.get)
     total = sum(ir.tensors[t].nbytes or 0 for t in ordered) or 1
@@ -305,7 +320,7 @@ def _balanced_checkpoints(ir: GraphIR, cuts: Sequence[str], activations: Sequenc
 
 
 def _recompute_targets(ir: GraphIR, eligible: Sequence[str], options: LMSOptions,
-                       scope_aliases: Mapping[str, str]):
+                       scope_aliases: Mapping[str, str], segments: Optional[int] = None):
     """The tensors the policy recomputes, the segment each belongs to, and which pure
     intermediates a clone may recompute through.
 
@@ -323,7 +338,7 @@ def _recompute_targets(ir: GraphIR, eligible: Sequence[str], options: LMSOptions
     if policy == "sqrt":
         if len(cuts) < 4:  # no usable articulation points: fall back to evenly spaced checkpoints
             cuts = sorted(clonable_tensors, key=index)
-        checkpoints = _balanced_checkpoints(ir, cuts, clonable_tensors)
+        checkpoints = _balanced_checkpoints(ir, cuts, clonable_tensors, segments)
         selected = [t for t in clonable_tensors if t not in checkpoints]
         bounds = sorted(index(t) for t in checkpoints)
         through = lambda op: True  # noqa: E731
@@ -344,28 +359,53 @@ def _recompute_targets(ir: GraphIR, eligible: Sequence[str], options: LMSOptions
     return segment, through
 
 
+class _RegionFinder:
+    """Forward ops to clone to produce a tensor again from its nearest checkpoints, memoised per
+    op: regions of one segment overlap, so each op's own region is found once."""
+
+    def __init__(self, ir: GraphIR, targets: Set[str], through):
+        self.ir, self.targets, self.through = ir, targets, through
+        self.memo: Dict[str, frozenset] = {}
+
+    def _extends_through(self, t: str) -> bool:
+        ir = self.ir
+        info = ir.tensors[t]
+        if t in self.targets:
+            return True
+        producer = ir.op(info.producer)
+        return (producer.phase is Phase.FORWARD and producer.name in ir.data_dependent
+                and clonable(producer) and producer.name not in ir.function_inputs
+                and producer.type not in CONTROL_FLOW_OP_TYPES and producer.type not in _VARIABLE_READ_TYPES
+                and info.dtype not in ("resource", "variant")
+                and not any(ir.op(c).phase is Phase.BACKWARD for c in info.consumers)
+                and self.through(producer))  # a pure intermediate: recompute it too
+
+    def op_region(self, name: str) -> frozenset:
+        ir, memo = self.ir, self.memo
+        stack = [(name, False)]
+        while stack:
+            current, expanded = stack.pop()
+            if current in memo:
+                continue
+            feeders = [ir.tensors[t].producer for t in ir.op(current).inputs if self._extends_through(t)]
+            if not expanded:
+                stack.append((current, True))
+                stack.extend((f, False) for f in feeders if f not in memo)
+                continue
+            region = {current}
+            for feeder in feeders:
+                region |= memo.get(feeder, frozenset((feeder,)))  # a cycle cannot occur in a DAG
+            memo[current] = frozenset(region)
+        return memo[name]
+
+    def region(self, tensor: str) -> Tuple[str, ...]:
+        ir = self.ir
+        return tuple(sorted(self.op_region(ir.tensors[tensor].producer), key=lambda n: ir.op(n).index))
+
+
 def _clone_region(ir: GraphIR, tensor: str, targets: Set[str], through) -> Tuple[str, ...]:
     """Forward ops to clone to produce ``tensor`` again from its nearest checkpoints."""
-    region: Set[str] = set()
-    stack = [ir.tensors[tensor].producer]
-    while stack:
-        name = stack.pop()
-        if name in region:
-            continue
-        region.add(name)
-        for t in ir.op(name).inputs:
-            info = ir.tensors[t]
-            producer = ir.op(info.producer)
-            if t in targets:
-                stack.append(producer.name)
-            elif (producer.phase is Phase.FORWARD and producer.name in ir.data_dependent
-                  and clonable(producer) and producer.name not in ir.function_inputs
-                  and producer.type not in CONTROL_FLOW_OP_TYPES and producer.type not in _VARIABLE_READ_TYPES
-                  and info.dtype not in ("resource", "variant")
-                  and not any(ir.op(c).phase is Phase.BACKWARD for c in info.consumers)
-                  and through(producer)):
-                stack.append(producer.name)  # a pure intermediate: recompute it too
-    return tuple(sorted(region, key=lambda n: ir.op(n).index))
+    return _RegionFinder(ir, targets, through).region(tensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,7 +485,8 @@ def collect_candidates(ir: GraphIR, options: LMSOptions, *, device: str,
 
 
 def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
-              scope_aliases: Optional[Mapping[str, str]] = None) -> Plan:
+              scope_aliases: Optional[Mapping[str, str]] = None, sqrt_segments: Optional[int] = None,
+              candidates: Optional["Candidates"] = None) -> Plan:
     """Makes the default plan for a traced step: swaps (TFLMS rule) and the recompute policy.
 
     Args:
@@ -453,6 +494,9 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
         options: Validated options.
         device: Full name of the managed accelerator (``options.device`` or the detected GPU).
         scope_aliases: Keras layer name -> its name scope in this trace, for ``exclude``.
+        sqrt_segments: With ``recompute="sqrt"``, the number of segments (default: about the
+            square root of the number of articulation tensors). The budget planner tries several.
+        candidates: The step's :func:`collect_candidates` for these options, if already known.
 
     Returns:
         The plan, with one decision per forward tensor that a backward op reads.
@@ -467,7 +511,7 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
         ()
     """
     aliases = scope_aliases or {}
-    found = collect_candidates(ir, options, device=device, scope_aliases=aliases)
+    found = candidates or collect_candidates(ir, options, device=device, scope_aliases=aliases)
     gates, gate_positions, backward_of, eligible = (found.gates, found.gate_positions, found.backward_of,
                                                     found.eligible)
     order = found.order
@@ -483,8 +527,9 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
                                              Decision.KEEP, "swap=False", distance, ())
 
     if options.recompute:
-        segment_of, through = _recompute_targets(ir, eligible, options, aliases)
+        segment_of, through = _recompute_targets(ir, eligible, options, aliases, sqrt_segments)
         targets = set(segment_of)
+        regions = _RegionFinder(ir, targets, through)
         first_use: Dict[int, int] = {}
         for name, seg in segment_of.items():
             first = min(c.index for c in backward_of[name])
@@ -504,7 +549,7 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
             why = f"recompute ({options.recompute})" if isinstance(options.recompute, str) else "recompute (named)"
             decisions[name] = TensorDecision(
                 name, old.layer, old.shape, old.nbytes, Decision.RECOMPUTE, why, old.distance, (),
-                recompute_ops=_clone_region(ir, name, targets, through), gate=gates[before - 1].name,
+                recompute_ops=regions.region(name), gate=gates[before - 1].name,
                 consumers=tuple(c.name for c in sorted(backward_of[name], key=lambda c: c.index)))
 
     return Plan(decisions=tuple(decisions[n] for n in order), device=device, host=options.host,

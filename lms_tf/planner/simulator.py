@@ -190,8 +190,10 @@ def _workspace(ir: GraphIR, op: OpInfo) -> int:
     return max([ir.tensors[t].nbytes or 0 for t in op.inputs] or [0])
 
 
-def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, workspace: bool = True) -> _Builder:
+def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional[Mapping[str, float]] = None,
+           workspace: bool = True) -> _Builder:
     b = _Builder(ir, cost)
+    op_time = (lambda op: op_times[op.name]) if op_times is not None else (lambda op: cost.op_time(ir, op))  # noqa
     ir_names = {op.name for op in ir.ops if op.type not in ALIAS_TYPES}
     decisions = {d.tensor: d for d in plan.decisions} if plan is not None else {}
     swapped = {t for t, d in decisions.items() if d.decision is Decision.SWAP}
@@ -243,7 +245,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, workspace: bool =
                 else:
                     reads.append(b.source(name, t))
             writes = [(f"recompute/{d.gate}/{t}", ir.tensors[t].nbytes or 0) for t in op.outputs]
-            extra_after[d.gate].append(_Op(f"recompute/{d.gate}/{name}", _COMPUTE, cost.op_time(ir, op), reads,
+            extra_after[d.gate].append(_Op(f"recompute/{d.gate}/{name}", _COMPUTE, op_time(op), reads,
                                            writes, [], forwarding=op.type in FORWARDING_TYPES, trigger=d.gate))
         for consumer in d.consumers:
             extra_deps[consumer].append(f"recompute/{d.gate}/{ir.tensors[d.tensor].producer}")
@@ -257,7 +259,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, workspace: bool =
         reads = [b.source(op.name, t) for t in op.inputs]
         writes = [(t, ir.tensors[t].nbytes or 0) for t in op.outputs]
         updates = op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None
-        index = b.add(_Op(op.name, _COMPUTE, cost.op_time(ir, op), reads, writes, [],
+        index = b.add(_Op(op.name, _COMPUTE, op_time(op), reads, writes, [],
                           forwarding=op.type in FORWARDING_TYPES, updates=updates, order=op.index,
                           workspace=_workspace(ir, op) if workspace else 0))
         b.index_of[op.name] = index
@@ -281,7 +283,8 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, workspace: bool =
 
 
 def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: Optional[int] = 8,
-             priority: Optional[Dict[str, float]] = None, executor: str = "gpu") -> Simulation:
+             priority: Optional[Dict[str, float]] = None, executor: str = "gpu",
+             op_times: Optional[Mapping[str, float]] = None) -> Simulation:
     """Replays the step (rewritten by ``plan``, if given) and reports memory and time.
 
     Args:
@@ -296,7 +299,9 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
             one inter-op thread: cheap ops run inline in ready order, expensive ones go to the
             thread pool, whose worker takes the latest first. ``"single"``: TensorFlow's
             ``SINGLE_THREADED_EXECUTOR``, which runs a depth-first reverse post-order of the
-            graph (used to validate against the real CPU allocator, where it is repeatable).
+            graph.
+        op_times: Op name -> predicted seconds, when already computed with ``cost`` (planners
+            simulate one step many times).
 
     Returns:
         A :class:`Simulation`.
@@ -307,7 +312,7 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         >>> simulate(GraphIR((), {}, frozenset(), {}), cost=CostModel(get_device_spec("a100-40gb-pcie4"))).peak_bytes
         0
     """
-    builder = _build(ir, plan, cost)
+    builder = _build(ir, plan, cost, op_times)
     ops, read_handles, counted = builder.ops, builder.read_handles, builder.counted
     if executor == "single" and priority is None:
         priority = _reverse_post_order(ops)
