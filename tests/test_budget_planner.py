@@ -175,7 +175,7 @@ def test_planned_steps_train_to_the_plain_numbers(builder, cpu_lms):
 def test_cli_plan_json_and_png(tmp_path):
     png = tmp_path / "timeline.png"
     out = subprocess.run([sys.executable, "-m", "lms_tf.cli", "plan", "--model", "UNet", "--input-shape", "32x32",
-                          "--batch", "4", "--budget", "70%", "--device", "h100-80gb-pcie5", "--json",
+                          "--batch", "4", "--budget", "85%", "--device", "h100-80gb-pcie5", "--json",
                           "--plot", str(png)], capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

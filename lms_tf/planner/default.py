@@ -147,32 +147,32 @@ def _exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappi
 FUSABLE_GATE_TYPES = frozenset({"BiasAddGrad"})
 
 
-#: A gate must have a forward ancestor at most this many data edges above the deepest forward op
-#: the backward pass reads (the loss's own ops sit a few levels below the logits).
-_END_OF_FORWARD_LEVELS = 4
-
-
 def _after_the_forward_pass(ir: GraphIR) -> Set[str]:
-    """Ops with a forward ancestor at the end of the forward pass: within
-    :data:`_END_OF_FORWARD_LEVELS` of the deepest forward op the backward pass reads, depth
-    being the longest chain of data edges from the step's inputs. Only these are sure to run
-    after the forward pass: some gradient-scoped ops (shape bookkeeping, label handling) depend
-    on early forward values alone and may run while the forward pass is still going."""
+    """Backward ops that have a forward ancestor at the end of the forward pass.
+
+    Depth is the longest chain of data edges from the step's inputs. The end of the forward
+    pass is the deepest level that at least half of the backward ops descend from: the gradient
+    chain descends from the logits' side (the cross-entropy, the last activations), while the
+    loss's own reductions feed only a few backward ops, and gradient-scoped shape bookkeeping or
+    label handling descends from shallow ops only. Only ops at that level are sure to run after
+    the forward pass; the others may run while it is still going.
+    """
     depth: Dict[str, int] = {}
     reach: Dict[str, int] = {}  # deepest forward ancestor of each op
-    deepest = 0
     for op in ir.ops:
         depth[op.name] = 1 + max((depth.get(ir.tensors[t].producer, 0) for t in op.inputs), default=0)
-        ancestors = []
+        levels = []
         for t in op.inputs:
             producer = ir.op(ir.tensors[t].producer)
             forward = producer.phase is Phase.FORWARD and producer.name in ir.data_dependent
-            ancestors.append(depth[producer.name] if forward else reach.get(producer.name, 0))
-        reach[op.name] = max(ancestors, default=0)
-        if (op.phase is Phase.FORWARD and op.name in ir.data_dependent
-                and any(ir.op(c).phase is Phase.BACKWARD for t in op.outputs for c in ir.tensors[t].consumers)):
-            deepest = max(deepest, depth[op.name])
-    return {name for name, level in reach.items() if level and level >= deepest - _END_OF_FORWARD_LEVELS}
+            levels.append(depth[producer.name] if forward else reach.get(producer.name, 0))
+        reach[op.name] = max(levels, default=0)
+    backward_levels = sorted((reach[op.name] for op in ir.ops
+                              if op.phase is Phase.BACKWARD and reach[op.name] > 0), reverse=True)
+    if not backward_levels:
+        return set()
+    level = backward_levels[(len(backward_levels) - 1) // 2]  # at least half reach this deep
+    return {op.name for op in ir.ops if op.phase is Phase.BACKWARD and reach[op.name] >= level}
 
 
 def _gate_candidates(ir: GraphIR) -> List[OpInfo]:
@@ -528,6 +528,10 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
 
     if options.recompute:
         segment_of, through = _recompute_targets(ir, eligible, options, aliases, sqrt_segments)
+        # A tensor read before any gate can run (label handling at the very start of the backward
+        # pass) cannot be recomputed; it must not drag its segment's shared gate before every gate.
+        segment_of = {name: seg for name, seg in segment_of.items()
+                      if bisect.bisect_left(gate_positions, min(c.index for c in backward_of[name])) > 0}
         targets = set(segment_of)
         regions = _RegionFinder(ir, targets, through)
         first_use: Dict[int, int] = {}

@@ -103,7 +103,7 @@ class Simulation:
     op_intervals: Mapping[str, Tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Op:
     name: str
     stream: int
@@ -144,6 +144,16 @@ class _Builder:
             consumer, tensor = producer.name, producer.inputs[min(position, len(producer.inputs) - 1)]
 
     def counted(self, tensor: str) -> bool:
+        cache = self.ir.__dict__.get("_counted")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self.ir, "_counted", cache)
+        known = cache.get(tensor)
+        if known is None:
+            known = cache[tensor] = self._counted(tensor)
+        return known
+
+    def _counted(self, tensor: str) -> bool:
         info = self.ir.tensors.get(tensor)
         if info is None:
             return True  # a buffer the plan introduced
@@ -180,6 +190,31 @@ class _Builder:
             else:
                 names.append(name)
         return names
+
+
+def ALIAS_OP_NAMES(ir: GraphIR) -> frozenset:  # noqa: N802 - a cached constant of the IR
+    """Names of the IR's alias ops (cached on the IR)."""
+    cached = ir.__dict__.get("_alias_op_names")
+    if cached is None:
+        cached = frozenset(op.name for op in ir.ops if op.type in ALIAS_TYPES)
+        object.__setattr__(ir, "_alias_op_names", cached)
+    return cached
+
+
+def _plain_structure(ir: GraphIR) -> Dict[str, Tuple[Tuple[str, ...], List[Tuple[str, int]], Tuple[str, ...]]]:
+    """Per non-alias op of the plain step: buffers read, buffers written, ops waited for.
+    Cached on the IR: planners replay one step many times and a plan changes few ops."""
+    cached = ir.__dict__.get("_plain_structure")
+    if cached is None:
+        b = _Builder(ir, None)
+        cached = {}
+        for op in ir.ops:
+            if op.type not in ALIAS_TYPES:
+                cached[op.name] = (tuple(b.source(op.name, t) for t in op.inputs),
+                                   [(t, ir.tensors[t].nbytes or 0) for t in op.outputs],
+                                   tuple(b.producer_deps(op)))
+        object.__setattr__(ir, "_plain_structure", cached)
+    return cached
 
 
 def _workspace(ir: GraphIR, op: OpInfo) -> int:
@@ -250,14 +285,18 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optiona
         for consumer in d.consumers:
             extra_deps[consumer].append(f"recompute/{d.gate}/{ir.tensors[d.tensor].producer}")
 
+    plain = _plain_structure(ir)
+    repointed = {consumer for consumer, _ in b.replace}
     for op in ir.ops:
         if op.type in ALIAS_TYPES:
             for extra in extra_after.get(op.name, ()):
                 extra.order = op.index + 0.5
                 b.index_of[extra.name] = b.add(extra)
             continue
-        reads = [b.source(op.name, t) for t in op.inputs]
-        writes = [(t, ir.tensors[t].nbytes or 0) for t in op.outputs]
+        cached_reads, writes, _ = plain[op.name]
+        reads = [b.source(op.name, t) for t in op.inputs] if b.replace and (
+            op.name in repointed or any(ir.tensors[t].producer in ALIAS_OP_NAMES(ir) for t in op.inputs)) \
+            else list(cached_reads)
         updates = op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None
         index = b.add(_Op(op.name, _COMPUTE, op_time(op), reads, writes, [],
                           forwarding=op.type in FORWARDING_TYPES, updates=updates, order=op.index,
@@ -276,7 +315,10 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optiona
             deps.update([b.index_of[sim.trigger]] if sim.trigger in b.index_of else
                         (b.index_of[n] for n in b.producer_deps(ir.op(sim.trigger))))
         if sim.name in ir_names:
-            deps.update(b.index_of[n] for n in b.producer_deps(ir.op(sim.name)))
+            names = b.producer_deps(ir.op(sim.name)) if sim.name in repointed or b.replace and any(
+                ir.tensors[t].producer in ALIAS_OP_NAMES(ir) for t in ir.op(sim.name).inputs) \
+                else plain[sim.name][2]
+            deps.update(b.index_of[n] for n in names)
             deps.update(b.index_of[n] for n in extra_deps.get(sim.name, ()))
         sim.deps = sorted(deps - {index})
     return b
