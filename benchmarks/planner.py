@@ -1,0 +1,207 @@
+"""Benchmark of the budget planner (issue "Planner"), every column measured in one run.
+
+For the zoo (ResNet-50, VGG-16, MobileNetV2, a U-Net, a Transformer encoder) at a fixed
+batch, on the presets v100-16gb-pcie3 and h100-80gb-pcie5:
+
+* peak of the plain step: the real CPU allocator (this machine, the step really runs), the
+  lms-tf simulator, and Grappler's virtual-GPU oracle;
+* lms-tf at a budget of 25% of the plain step's simulated peak: simulated and oracle peaks;
+* Grappler's own memory optimizer (SWAPPING_HEURISTICS, RECOMPUTATION_HEURISTICS), run
+  offline and judged by the same oracle;
+* lms-tf's predicted overhead against the link lower bound;
+
+plus the largest ResNet-50 224x224 batch without and with lms-tf on v100-16gb-pcie3, the time
+to plan the ResNet-152 step, and a memory-timeline PNG.
+
+    .venv/bin/python benchmarks/planner.py      # writes benchmarks/out/planner.{md,json}, docs/planner_timeline.png
+"""
+
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # the CPU allocator reports peaks only as BFC
+
+import tensorflow as tf  # noqa: E402
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras  # noqa: E402
+
+import lms_tf  # noqa: E402
+from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
+from lms_tf.diagnostics import grappler_baseline_peak, virtual_gpu_peak  # noqa: E402
+from lms_tf.graph import build_ir  # noqa: E402
+from lms_tf.options import LMSOptions  # noqa: E402
+from lms_tf.planner import InfeasibleBudgetError, make_budget_plan, simulate  # noqa: E402
+from lms_tf.planning_cli import largest_batch, link_lower_bound, plot_timeline  # noqa: E402
+from lms_tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
+
+log = logging.getLogger("benchmark")
+MiB = 2**20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ZOO = [("ResNet50", 224, 32), ("VGG16", 224, 16), ("MobileNetV2", 224, 32), ("UNet", 256, 8),
+       ("TransformerEncoder", 512, 16)]
+PRESETS = ("v100-16gb-pcie3", "h100-80gb-pcie5")
+BUDGET = "25%"
+
+
+def real_peak(fn, x, y):
+    """Median real CPU-allocator peak of 3 steps (after a warm-up step)."""
+    fn(x, y).numpy()
+    peaks = []
+    for _ in range(3):
+        time.sleep(0.3)  # the previous step's last frees land before the peak is reset
+        with lms_tf.measure_peak_memory("CPU:0") as memory:
+            fn(x, y).numpy()
+        peaks.append(memory.peak_bytes)
+    return statistics.median(peaks)
+
+
+def model_rows(name, size, batch):
+    keras.utils.set_random_seed(0)
+    model = build_model(name, image_size=size, classes=1000 if name != "UNet" else 2)
+    x, y = synthetic_batch(model, batch)
+    step = train_step(model)
+    plain = tf.function(step)
+    concrete = plain.get_concrete_function(x, y)
+    ir = build_ir(concrete.graph)
+    log.info("%s %dx%d b%d: %d ops; measuring the real CPU peak", name, size, size, batch, len(ir.ops))
+    real = real_peak(plain, x, y)
+    rows = []
+    for preset in PRESETS:
+        spec = get_device_spec(preset)
+        cost = CostModel(spec)
+        baseline = simulate(ir, cost=cost)
+        log.info("  %s: oracle and Grappler's heuristics", preset)
+        oracle_plain = virtual_gpu_peak(concrete, gpu_memory_bytes=spec.memory_bytes)
+        # Grappler's memory optimizer acts only when the step does not fit its device: give it a
+        # device of the budget's size (the budget as Grappler measures it), so both aim at one target.
+        grappler_device = max(int(0.25 * oracle_plain), 1)
+        grappler = {mode: grappler_baseline_peak(concrete, mode, gpu_memory_bytes=grappler_device)
+                    for mode in ("SWAPPING_HEURISTICS", "RECOMPUTATION_HEURISTICS")}
+        options = LMSOptions(device="/CPU:0", host="/CPU:1", budget=BUDGET, device_spec=preset)
+        row = {"model": name, "size": size, "batch": batch, "device": preset, "real_plain": real,
+               "sim_plain": baseline.peak_bytes, "oracle_plain": oracle_plain,
+               "grappler_swap": grappler["SWAPPING_HEURISTICS"],
+               "grappler_recompute": grappler["RECOMPUTATION_HEURISTICS"]}
+        try:
+            started = time.perf_counter()
+            plan = make_budget_plan(ir, options, device="/device:CPU:0", cost=cost)
+            row["plan_seconds"] = time.perf_counter() - started
+            planned = simulate(ir, plan, cost=cost)
+            log.info("  %s: tracing the planned step for the oracle", preset)
+            fn = lms_tf.function(step, device="/CPU:0", host="/CPU:1", budget=plan.budget_bytes, device_spec=spec)
+            row.update(feasible=True, budget=plan.budget_bytes, sim_lms=planned.peak_bytes,
+                       oracle_lms=virtual_gpu_peak(fn.get_concrete_function(x, y), gpu_memory_bytes=spec.memory_bytes),
+                       overhead=planned.step_time_s / baseline.step_time_s,
+                       lower_bound=link_lower_bound(baseline.compute_time_s, planned, cost) / baseline.step_time_s,
+                       swapped=plan.swapped_bytes, recomputed=plan.recomputed_bytes)
+            if name == "ResNet50" and preset == PRESETS[0]:
+                plot_timeline(os.path.join(ROOT, "docs", "planner_timeline.png"), baseline, planned,
+                              plan.budget_bytes, title=f"ResNet-50 224x224 batch {batch} on {preset}, budget {BUDGET}")
+        except InfeasibleBudgetError as err:
+            row.update(feasible=False, budget=err.budget_bytes, smallest_feasible=err.smallest_feasible_bytes)
+        rows.append(row)
+        log.info("  %s: %s", preset, {k: v for k, v in row.items() if k not in ("model", "size", "batch")})
+    return rows
+
+
+def max_batch_row():
+    log.info("largest ResNet-50 224x224 batch on v100-16gb-pcie3")
+    keras.utils.set_random_seed(0)
+    model = build_model("ResNet50", image_size=224, classes=1000)
+    graph = tf.function(train_step(model)).get_concrete_function(
+        tf.TensorSpec((None, 224, 224, 3)), tf.TensorSpec((None,), tf.int32)).graph
+    cost = CostModel(get_device_spec("v100-16gb-pcie3"))
+    cache = {}
+
+    def ir_for_batch(batch):
+        if batch not in cache:
+            cache.clear()
+            cache[batch] = build_ir(graph, batch_size=batch)
+        return cache[batch]
+
+    options = LMSOptions(device="/CPU:0", host="/CPU:1", budget="auto", device_spec="v100-16gb-pcie3")
+    started = time.perf_counter()
+    plain, plain_peak = largest_batch(ir_for_batch, options, cost, False, 4096)
+    lms, lms_peak = largest_batch(ir_for_batch, options, cost, True, 4096)
+    return {"plain": plain, "lms": lms, "plain_peak": plain_peak, "lms_peak": lms_peak,
+            "seconds": time.perf_counter() - started}
+
+
+def resnet152_planning_seconds():
+    keras.utils.set_random_seed(0)
+    model = build_model("ResNet152", image_size=224, classes=1000)
+    x, y = synthetic_batch(model, 32)
+    ir = build_ir(tf.function(train_step(model)).get_concrete_function(x, y).graph)
+    options = LMSOptions(device="/CPU:0", host="/CPU:1", budget=BUDGET, device_spec="v100-16gb-pcie3")
+    started = time.perf_counter()
+    try:
+        make_budget_plan(ir, options, device="/device:CPU:0")
+    except InfeasibleBudgetError:
+        pass
+    return time.perf_counter() - started, len(ir.ops)
+
+
+def mib(v):
+    return "–" if v is None else f"{v / MiB:.0f}"
+
+
+def table(rows, batch_row, r152):
+    lines = [
+        f"Budget: {BUDGET} of the plain step's simulated peak. Peaks in MiB; ratios against the plain step "
+        f"by the same judge.", "",
+        "| model | device | real CPU plain | sim plain | sim/real | oracle plain | lms-tf sim (ratio) | lms-tf oracle "
+        "(ratio) | oracle ratio − sim ratio | Grappler swap (ratio) | Grappler recompute (ratio) | predicted overhead | "
+        "link lower bound | overhead / bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        name = f"{r['model']} {r['size']}² b{r['batch']}"
+        head = (f"| {name} | {r['device']} | {mib(r['real_plain'])} | {mib(r['sim_plain'])} | "
+                f"{r['sim_plain'] / r['real_plain']:.2f} | {mib(r['oracle_plain'])} | ")
+        grappler = (f"{mib(r['grappler_swap'])} ({r['grappler_swap'] / r['oracle_plain']:.2f}) | "
+                    f"{mib(r['grappler_recompute'])} ({r['grappler_recompute'] / r['oracle_plain']:.2f}) | ")
+        if r["feasible"]:
+            sim_ratio, oracle_ratio = r["sim_lms"] / r["sim_plain"], r["oracle_lms"] / r["oracle_plain"]
+            lines.append(head + f"{mib(r['sim_lms'])} ({sim_ratio:.2f}) | {mib(r['oracle_lms'])} ({oracle_ratio:.2f}) | "
+                         f"{oracle_ratio - sim_ratio:+.2f} | " + grappler +
+                         f"{r['overhead']:.2f}x | {r['lower_bound']:.2f}x | {r['overhead'] / r['lower_bound']:.2f} |")
+        else:
+            lines.append(head + f"infeasible (smallest feasible {mib(r['smallest_feasible'])}, "
+                         f"{r['smallest_feasible'] / r['sim_plain']:.2f}) | – | – | " + grappler + "– | – | – |")
+    lines += ["", f"Largest ResNet-50 224² batch on v100-16gb-pcie3 (simulated, budget \"auto\"): "
+                  f"**{batch_row['plain']} plain, {batch_row['lms']} with lms-tf "
+                  f"({batch_row['lms'] / max(batch_row['plain'], 1):.1f}x)** (search took {batch_row['seconds']:.0f} s).",
+              f"Planning the ResNet-152 224² b32 step ({r152[1]} ops) at {BUDGET} on v100-16gb-pcie3: "
+              f"**{r152[0]:.1f} s**."]
+    return "\n".join(lines)
+
+
+def main():
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    logging.getLogger("lms_tf").setLevel(logging.WARNING)
+    only = sys.argv[1:]
+    rows = []
+    for name, size, batch in ZOO:
+        if not only or name in only:
+            rows.extend(model_rows(name, size, batch))
+    batch_row = max_batch_row()
+    r152 = resnet152_planning_seconds()
+    text = table(rows, batch_row, r152)
+    out = os.path.join(ROOT, "benchmarks", "out")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "planner.md"), "w") as handle:
+        handle.write(text + "\n")
+    with open(os.path.join(out, "planner.json"), "w") as handle:
+        json.dump({"rows": rows, "max_batch": batch_row, "resnet152_plan_seconds": r152[0]}, handle, indent=1)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
