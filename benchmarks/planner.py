@@ -56,8 +56,7 @@ def real_peak(fn, x, y):
     fn(x, y).numpy()
     peaks = []
     for _ in range(3):
-        time.sleep(0.3)  # the previous step's last frees land before the peak is reset
-        with lms_tf.measure_peak_memory("CPU:0") as memory:
+        with lms_tf.measure_peak_memory("CPU:0", settle_seconds=0.3) as memory:
             fn(x, y).numpy()
         peaks.append(memory.peak_bytes)
     return statistics.median(peaks)

@@ -95,7 +95,7 @@ def prepared(build, decorate, batch, from_logits):
 def peak_of(fn, batch):
     peaks = []
     for _ in range(3):  # TF's inter-op scheduling moves the peak from run to run: take the median
-        with lms_tf.measure_peak_memory("CPU:0") as memory:
+        with lms_tf.measure_peak_memory("CPU:0", settle_seconds=0.3) as memory:
             fn(*batch).numpy()
         peaks.append(memory.peak_bytes)
     return statistics.median(peaks)

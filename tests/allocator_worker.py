@@ -40,8 +40,7 @@ COST = CostModel(get_device_spec("v100-16gb-pcie3"))
 def measured(fn, x, y, graph=None):
     """(real peak bytes, simulator op name -> start rank) of one profiled step."""
     fn(x, y).numpy()
-    time.sleep(0.3)  # the previous step's last frees land before the peak is reset
-    with lms_tf.measure_peak_memory("CPU:0") as memory:
+    with lms_tf.measure_peak_memory("CPU:0", settle_seconds=0.3) as memory:
         events = executed_ops(lambda: fn(x, y).numpy())
     rank = {}
     for event in events:
