@@ -82,7 +82,8 @@ def model_rows(name, size, batch):
         # Grappler's memory optimizer acts only when the step does not fit its device: give it a
         # device of the budget's size (the budget as Grappler measures it), so both aim at one target.
         grappler_device = max(int(0.25 * oracle_plain), 1)
-        grappler = {mode: grappler_baseline_peak(concrete, mode, gpu_memory_bytes=grappler_device)
+        grappler = {mode: grappler_baseline_peak(concrete, mode, gpu_memory_bytes=spec.memory_bytes,
+                                                 target_bytes=grappler_device)
                     for mode in ("SWAPPING_HEURISTICS", "RECOMPUTATION_HEURISTICS")}
         options = LMSOptions(device="/CPU:0", host="/CPU:1", budget=BUDGET, device_spec=preset)
         row = {"model": name, "size": size, "batch": batch, "device": preset, "real_plain": real,

@@ -110,15 +110,16 @@ def virtual_gpu_peak(concrete_function, *, host: str = "/CPU:1", gpu_memory_byte
 
 
 def grappler_baseline_peak(concrete_function, mode: str, *, gpu_memory_bytes: int = 16 * 2**30,
-                           host_memory_bytes: int = 256 * 2**30) -> int:
+                           host_memory_bytes: int = 256 * 2**30, target_bytes: Optional[int] = None) -> int:
     """Virtual-GPU peak of a plain step after Grappler's own memory optimizer rewrote it offline.
 
     Args:
         concrete_function: The plain (un-rewritten) step.
         mode: ``"SWAPPING_HEURISTICS"`` or ``"RECOMPUTATION_HEURISTICS"``.
-        gpu_memory_bytes: Memory of the virtual GPU (Grappler swaps only when it predicts
-            the graph does not fit).
+        gpu_memory_bytes: Memory of the virtual GPU the result is measured on.
         host_memory_bytes: Memory of the virtual host.
+        target_bytes: The GPU memory Grappler's optimizer is told about (default:
+            ``gpu_memory_bytes``); it swaps or recomputes only when the step does not fit it.
 
     Returns:
         The virtual GPU's peak bytes, judged by the same oracle as :func:`virtual_gpu_peak`.
@@ -134,8 +135,9 @@ def grappler_baseline_peak(concrete_function, mode: str, *, gpu_memory_bytes: in
     for node in graph_def.node:
         node.device = _VIRTUAL_GPU
     fetches = sorted({t.op.name for t in graph.outputs} | {op.name for op in graph.control_outputs})
-    peaks = _compat.grappler_memory_optimized_peak(
-        graph_def, fetches, [(_VIRTUAL_GPU, "GPU", gpu_memory_bytes), (_VIRTUAL_CPU, "CPU", host_memory_bytes)], mode)
+    devices = [(_VIRTUAL_GPU, "GPU", gpu_memory_bytes), (_VIRTUAL_CPU, "CPU", host_memory_bytes)]
+    target = [(_VIRTUAL_GPU, "GPU", target_bytes or gpu_memory_bytes), (_VIRTUAL_CPU, "CPU", host_memory_bytes)]
+    peaks = _compat.grappler_memory_optimized_peak(graph_def, fetches, devices, mode, optimizer_devices=target)
     return peaks.get(_VIRTUAL_GPU, 0)
 
 
