@@ -102,9 +102,11 @@ def model_rows(name, size, batch):
                        overhead=planned.step_time_s / baseline.step_time_s,
                        lower_bound=link_lower_bound(baseline.compute_time_s, planned, cost) / baseline.step_time_s,
                        swapped=plan.swapped_bytes, recomputed=plan.recomputed_bytes)
-            if name == "ResNet50" and preset == PRESETS[0]:
-                plot_timeline(os.path.join(ROOT, "docs", "planner_timeline.png"), baseline, planned,
-                              plan.budget_bytes, title=f"ResNet-50 224x224 batch {batch} on {preset}, budget {BUDGET}")
+            timeline = os.path.join(ROOT, "docs", "planner_timeline.png")
+            if preset == PRESETS[0] and not any(r.get("plotted") for r in rows):
+                plot_timeline(timeline, baseline, planned, plan.budget_bytes,
+                              title=f"{name} {size}x{size} batch {batch} on {preset}, budget {BUDGET}")
+                row["plotted"] = True
         except InfeasibleBudgetError as err:
             row.update(feasible=False, budget=err.budget_bytes, smallest_feasible=err.smallest_feasible_bytes)
         rows.append(row)
