@@ -38,7 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from lms_tf.cost.model import CostModel
 from lms_tf.graph.ir import GraphIR, OpInfo
@@ -225,8 +225,8 @@ def _workspace(ir: GraphIR, op: OpInfo) -> int:
     return max([ir.tensors[t].nbytes or 0 for t in op.inputs] or [0])
 
 
-def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional[Mapping[str, float]] = None,
-           workspace: bool = True) -> _Builder:
+def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
+           op_times: Optional[Mapping[str, float]] = None) -> _Builder:
     b = _Builder(ir, cost)
     op_time = (lambda op: op_times[op.name]) if op_times is not None else (lambda op: cost.op_time(ir, op))  # noqa
     ir_names = {op.name for op in ir.ops if op.type not in ALIAS_TYPES}
@@ -300,7 +300,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optiona
         updates = op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None
         index = b.add(_Op(op.name, _COMPUTE, op_time(op), reads, writes, [],
                           forwarding=op.type in FORWARDING_TYPES, updates=updates, order=op.index,
-                          workspace=_workspace(ir, op) if workspace else 0))
+                          workspace=_workspace(ir, op)))
         b.index_of[op.name] = index
         if op.type == "ReadVariableOp" and op.inputs:
             b.read_handles[op.outputs[0]] = op.inputs[0]
@@ -325,7 +325,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optiona
 
 
 def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: Optional[int] = 8,
-             priority: Optional[Dict[str, float]] = None, executor: str = "gpu",
+             priority: Optional[Dict[str, float]] = None,
              op_times: Optional[Mapping[str, float]] = None) -> Simulation:
     """Replays the step (rewritten by ``plan``, if given) and reports memory and time.
 
@@ -336,12 +336,6 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         top: How many of the largest live buffers to report at the peak (None: all).
         priority: Op name -> rank; among ready ops the lowest rank runs first (e.g. the start
             times of a profiled real step, to replay the order TensorFlow really used).
-        executor: ``"gpu"``: every kernel launch runs inline, in the order ops become ready
-            (TensorFlow's executor on a GPU). ``"cpu"``: TensorFlow's executor on a CPU with
-            one inter-op thread: cheap ops run inline in ready order, expensive ones go to the
-            thread pool, whose worker takes the latest first. ``"single"``: TensorFlow's
-            ``SINGLE_THREADED_EXECUTOR``, which runs a depth-first reverse post-order of the
-            graph.
         op_times: Op name -> predicted seconds, when already computed with ``cost`` (planners
             simulate one step many times).
 
@@ -356,8 +350,6 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
     """
     builder = _build(ir, plan, cost, op_times)
     ops, read_handles, counted = builder.ops, builder.read_handles, builder.counted
-    if executor == "single" and priority is None:
-        priority = _reverse_post_order(ops)
     if priority is not None:
         # Ops the ranking does not name (clones, copies) rank right after their trigger, others
         # right after the op before them in graph order.
@@ -408,21 +400,6 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         ready[ops[i].stream].append(i)
     busy = [False, False, False]
     events: List[Tuple[float, int, int]] = []
-
-    pool: List[int] = []  # the CPU executor's inter-op queue: its worker pops the latest first
-
-    def schedule_cpu(newly: List[int]) -> None:
-        inline = ready[_COMPUTE]
-        expensive = None
-        for s in newly:
-            if ops[s].duration <= cheap_seconds:
-                inline.append(s)
-            else:
-                if expensive is not None:
-                    pool.append(expensive)
-                expensive = s
-        if expensive is not None:
-            (inline if not inline else pool).append(expensive)
 
     def start(stream: int, at: float) -> None:
         nonlocal in_use, peak, peak_op, live_at_peak, compute_time, peak_time
@@ -480,26 +457,18 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
             del copy_on_write[key]
             free(key)
         record(at)
-        newly = []
         for s in successors[i]:
             pending[s] -= 1
             if pending[s] == 0:
-                if executor == "cpu" and ops[s].stream == _COMPUTE and priority is None:
-                    newly.append(s)
-                elif priority is None:
+                if priority is None:
                     ready[ops[s].stream].append(s)
                 else:  # keep the ready queue sorted by the given rank
                     queue = ready[ops[s].stream]
                     queue.append(s)
                     if len(queue) > 1 and ops[queue[-2]].order > ops[s].order:
                         ready[ops[s].stream] = collections.deque(sorted(queue, key=lambda j: ops[j].order))
-        if newly:
-            schedule_cpu(newly)
 
-    cheap_seconds = 2 * cost.device.launch_overhead_s * max(cost.scale.values(), default=1.0)
     while True:
-        if executor == "cpu" and not busy[_COMPUTE] and not ready[_COMPUTE] and pool:
-            ready[_COMPUTE].append(pool.pop())
         for stream in (_COMPUTE, _TO_HOST, _TO_DEVICE):
             if not busy[stream] and ready[stream]:
                 start(stream, now)
@@ -516,30 +485,6 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
                       op_intervals=intervals)
 
 
-def _reverse_post_order(ops: List[_Op]) -> Dict[str, float]:
-    """Rank of each op in a depth-first reverse post-order from the sources, children pushed in
-    graph order and taken last-first (TensorFlow's ``GetReversePostOrder``)."""
-    children: List[List[int]] = [[] for _ in ops]
-    for i, op in enumerate(ops):
-        for d in op.deps:
-            children[d].append(i)
-    visited = [False] * len(ops)
-    post: List[int] = []
-    stack = [(i, False) for i, op in enumerate(ops) if not op.deps]
-    stack.reverse()
-    while stack:
-        node, leave = stack.pop()
-        if leave:
-            post.append(node)
-            continue
-        if visited[node]:
-            continue
-        visited[node] = True
-        stack.append((node, True))
-        stack.extend((c, False) for c in children[node] if not visited[c])
-    return {ops[node].name: float(rank) for rank, node in enumerate(reversed(post))}
-
-
 def resident_bytes(ir: GraphIR) -> int:
     """Bytes of the variables the step reads (weights, optimizer slots): resident for the whole step.
 
@@ -553,15 +498,3 @@ def resident_bytes(ir: GraphIR) -> int:
         if op.type == "ReadVariableOp" and op.inputs:
             sizes[op.inputs[0]] = max(sizes.get(op.inputs[0], 0), ir.tensors[op.outputs[0]].nbytes or 0)
     return sum(sizes.values())
-
-
-def simulate_many(ir: GraphIR, plans: Sequence[Optional[Plan]], *, cost: CostModel) -> List[Simulation]:
-    """:func:`simulate` for several plans of one IR.
-
-    Example:
-        >>> from lms_tf.graph.ir import GraphIR
-        >>> from lms_tf.cost import CostModel, get_device_spec
-        >>> len(simulate_many(GraphIR((), {}, frozenset(), {}), [None], cost=CostModel(get_device_spec("a100-40gb-pcie4"))))
-        1
-    """
-    return [simulate(ir, plan, cost=cost) for plan in plans]
