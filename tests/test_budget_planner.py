@@ -171,6 +171,38 @@ def test_planned_steps_train_to_the_plain_numbers(builder, cpu_lms):
     assert_same_numbers(plain, planned, rtol=1e-5)
 
 
+@pytest.mark.timeout(300)
+def test_budget_plan_inserts_exactly_the_planned_ops(cpu_lms):
+    """Structure: the rewritten step holds one swap-out per swapped tensor, at least the planned
+    swap-ins (swapped checkpoints read by clones get their own), one clone per (op, gate) of the
+    plan, and every clone waits for its gate."""
+    from lms_tf.rewrite.common import LMS_ATTR, count_lms_ops
+    from lms_tf.rewrite.recompute import CLONE_GATE_ATTR
+    from lms_tf.workloads import train_step
+    from lms_tf import _compat
+
+    model, (x, y) = zoo.resnet_style()
+    fn = lms_tf.function(train_step(model), budget="75%", device_spec="v100-16gb-pcie3", **cpu_lms)
+    graph = fn.get_concrete_function(tf.constant(x[:8]), tf.constant(y[:8])).graph
+    plan = fn.plan
+    assert plan.feasible and (plan.swapped or plan.recomputed)
+    counts = count_lms_ops(graph)
+    assert counts.get("swap_out", 0) == len(plan.swapped)
+    assert counts.get("swap_in", 0) >= plan.num_swap_ins
+    assert counts.get("recompute", 0) == plan.num_recompute_clones
+    for op in graph.get_operations():
+        if _compat.string_attr(op, LMS_ATTR) == "recompute":
+            gate = _compat.string_attr(op, CLONE_GATE_ATTR)
+            ancestors, stack = set(), list(op.inputs) + list(op.control_inputs)
+            while stack:
+                item = stack.pop()
+                node = item if isinstance(item, tf.Operation) else item.op
+                if node.name not in ancestors:
+                    ancestors.add(node.name)
+                    stack.extend(list(node.inputs) + list(node.control_inputs))
+            assert gate in ancestors, f"clone {op.name} can run before its gate {gate}"
+
+
 @pytest.mark.timeout(600)
 def test_simulator_memory_rules_against_the_real_allocator():
     """Real CPU-allocator peak of a step vs the simulator replaying the order TF executed in that
