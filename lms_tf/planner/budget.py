@@ -62,6 +62,11 @@ SAFETY_MARGIN_FRACTION = 0.10
 SAFETY_MARGIN_MIN_BYTES = 512 * 2**20
 #: Rounds of simulate-and-free before the planner gives up.
 MAX_ROUNDS = 40
+#: With synchronous swap-outs, how many copies out may still be pending when the forward pass
+#: starts the producer of the next swapped tensor (some slack keeps the link and compute overlapped).
+SWAP_OUT_LAG = 2
+#: With synchronous swap-outs (a link-bound step), how many swap-ins may run ahead of the compute.
+SWAP_IN_LAG = 2
 
 
 class InfeasibleBudgetError(LMSOptionError):
@@ -165,7 +170,7 @@ class _Planner:
                          sqrt_segments=segments, candidates=self.found)
         return {d.tensor: d for d in plan.recomputed}
 
-    def assemble(self, swap: Set[str], recomputed: Mapping[str, TensorDecision]) -> Plan:
+    def assemble(self, swap: Set[str], recomputed: Mapping[str, TensorDecision], throttle: bool = False) -> Plan:
         ir, found, options = self.ir, self.found, self.options
         decisions: Dict[str, TensorDecision] = dict(found.kept)
         for name in found.eligible:
@@ -177,8 +182,29 @@ class _Planner:
             decisions[name] = decision or TensorDecision(
                 name, layer_of(info.producer), info.shape, info.nbytes, Decision.KEEP, "fits the budget",
                 found.distance[name], ())
+        if throttle:
+            swapped = [d for d in decisions.values() if d.decision is Decision.SWAP]
+            decisions.update(self.swap_out_waits(swapped))
+            decisions.update(self.lagged_swap_ins([decisions[d.tensor] for d in swapped]))
         return Plan(decisions=tuple(decisions[n] for n in found.order), device=self.device, host=options.host,
                     options=options.to_dict(), phase_counts=ir.phase_counts())
+
+    def swap_out_waits(self, swapped: List[TensorDecision]) -> Dict[str, TensorDecision]:
+        """TFLMS's synchronous swap-out, with some slack: the producer of the swapped tensor
+        :data:`SWAP_OUT_LAG` swaps later waits until this tensor's copy out has ended. The forward
+        pass then runs at the link's pace, and at most that many copies are pending when it ends."""
+        ir = self.ir
+        swapped = sorted(swapped, key=lambda d: ir.op(ir.tensors[d.tensor].producer).index)
+        producers = [ir.op(ir.tensors[d.tensor].producer).index for d in swapped]
+        waits = {}
+        for i, d in enumerate(swapped):
+            later = bisect.bisect_right(producers, producers[i])  # a later op, never the producer itself
+            j = max(i + SWAP_OUT_LAG, later)
+            if j < len(swapped):
+                waits[d.tensor] = dataclasses.replace(
+                    d, swap_out_before=ir.tensors[swapped[j].tensor].producer,
+                    reason=d.reason + "; the forward pass waits for the copy out")
+        return waits
 
     def simulate(self, plan: Plan) -> Simulation:
         self.simulations += 1
@@ -237,12 +263,37 @@ class _Planner:
         over = max(0.0, link_busy + one_way - window) - max(0.0, link_busy - window)
         return max(0.0, self.swap_exposed(tensor)) + over
 
-    def add_swaps(self, budget_bytes: int, recomputed: Mapping[str, TensorDecision]) -> Tuple[Plan, Simulation]:
+    def lagged_swap_ins(self, swapped: List[TensorDecision]) -> Dict[str, TensorDecision]:
+        """When the link is the bottleneck, swap-ins timed by the plain step's clock all start at
+        the top of the backward pass and pile up on the device. Instead, the swap-in feeding the
+        i-th consumer group is triggered just before the (i - :data:`SWAP_IN_LAG`)-th group's
+        consumers run: at most that many copies back are ahead of the compute."""
+        found = self.found
+        groups = sorted(((self.ir.op(s.consumers[0]).index, d.tensor, k)
+                         for d in swapped for k, s in enumerate(d.swap_ins)))
+        triggers: Dict[Tuple[str, int], str] = {}
+        for i, (first, tensor, k) in enumerate(groups):
+            if i < SWAP_IN_LAG:
+                continue
+            position = bisect.bisect_left(found.gate_positions, groups[i - SWAP_IN_LAG][0]) - 1
+            if position >= 0:
+                triggers[(tensor, k)] = found.gates[position].name
+        lagged = {}
+        for d in swapped:
+            swap_ins = tuple(dataclasses.replace(s, trigger=triggers.get((d.tensor, k), s.trigger))
+                             for k, s in enumerate(d.swap_ins))
+            if swap_ins != d.swap_ins:
+                lagged[d.tensor] = dataclasses.replace(d, swap_ins=swap_ins)
+        return lagged
+
+    def add_swaps(self, budget_bytes: int, recomputed: Mapping[str, TensorDecision],
+                  throttle: bool = False) -> Tuple[Plan, Simulation]:
         """Greedy rounds on top of a recompute base: swap the kept tensors idle at the simulated
-        peak, cheapest per byte first, until the bytes over budget are covered; replay; repeat."""
+        peak, cheapest per byte first, until the bytes over budget are covered; replay; repeat.
+        With ``throttle``, the forward pass waits for the copies out (:meth:`swap_out_waits`)."""
         swap: Set[str] = set()
         link_busy = 0.0
-        plan = self.assemble(swap, recomputed)
+        plan = self.assemble(swap, recomputed, throttle)
         sim = self.simulate(plan)
         if not self.options.swap:
             return plan, sim
@@ -262,6 +313,7 @@ class _Planner:
                     continue  # in use at the peak: moving it would not lower this peak
                 idle.append((self.swap_cost(name, link_busy) / nbytes, name, nbytes))
             if not idle:
+                logger.debug("planner round: peak %d at %s, nothing idle to swap", sim.peak_bytes, sim.peak_op)
                 break
             freed = 0
             for _, name, nbytes in sorted(idle):
@@ -270,8 +322,10 @@ class _Planner:
                 freed += nbytes
                 if freed >= 1.05 * excess:
                     break
-            candidate = self.assemble(swap, recomputed)
+            candidate = self.assemble(swap, recomputed, throttle)
             candidate_sim = self.simulate(candidate)
+            logger.debug("planner round: peak %d -> %d swapping %d tensors", sim.peak_bytes,
+                         candidate_sim.peak_bytes, len(swap))
             if candidate_sim.peak_bytes >= sim.peak_bytes and candidate_sim.step_time_s > sim.step_time_s:
                 break  # the link is saturated: more swaps only slow the step down
             plan, sim = candidate, candidate_sim
@@ -296,6 +350,17 @@ class _Planner:
                 best = (plan, sim, label)
             if best is not None and label in ("none", "cheap"):
                 break  # no recompute (or only cheap ops) fits: nothing faster to find
+        if best is None and self.options.swap:
+            # Nothing fits while the forward pass runs ahead of its copies out: hold it back to the
+            # link's pace (slower, but every swapped byte leaves before the backward pass).
+            for label, recomputed in self.recompute_bases():
+                plan, sim = self.add_swaps(budget_bytes, recomputed, throttle=True)
+                label += " + waits for copies out"
+                tried.append((label, sim.peak_bytes))
+                if sim.peak_bytes < lowest[1].peak_bytes:
+                    lowest = (plan, sim, label)
+                if sim.peak_bytes <= budget_bytes and (best is None or sim.step_time_s < best[1].step_time_s):
+                    best = (plan, sim, label)
         plan, sim, label = best or lowest
         return plan, sim, label, tried
 

@@ -141,6 +141,11 @@ def _exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappi
     return match
 
 
+#: Readers of a tensor's shape only. They run as soon as the tensor exists (with an unknown batch
+#: dimension the gradient asks for it early) and do not keep its value alive afterwards, so they
+#: stay on the original tensor and do not count as backward consumers.
+METADATA_READER_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
 #: Backward ops never used as gates or swap-in triggers: oneDNN fuses ``BiasAddGrad`` into the
 #: ``Conv2DBackpropFilter``/``MatMul`` next to it on CPUs; if that partner reads a tensor the gate
 #: releases, the fused node would wait for itself (seen with VGG16: "N nodes in a cycle").
@@ -377,7 +382,8 @@ class _RegionFinder:
                 and clonable(producer) and producer.name not in ir.function_inputs
                 and producer.type not in CONTROL_FLOW_OP_TYPES and producer.type not in _VARIABLE_READ_TYPES
                 and info.dtype not in ("resource", "variant")
-                and not any(ir.op(c).phase is Phase.BACKWARD for c in info.consumers)
+                and not any(ir.op(c).phase is Phase.BACKWARD and ir.op(c).type not in METADATA_READER_TYPES
+                            for c in info.consumers)
                 and self.through(producer))  # a pure intermediate: recompute it too
 
     def op_region(self, name: str) -> frozenset:
@@ -462,7 +468,7 @@ def collect_candidates(ir: GraphIR, options: LMSOptions, *, device: str,
         for name in op.outputs:
             tensor = ir.tensors[name]
             readers = [ir.op(c) for c in tensor.consumers]
-            backward = tuple(c for c in readers if c.phase is Phase.BACKWARD)
+            backward = tuple(c for c in readers if c.phase is Phase.BACKWARD and c.type not in METADATA_READER_TYPES)
             if not backward:
                 continue
             order.append(name)

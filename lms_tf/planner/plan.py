@@ -60,6 +60,10 @@ class TensorDecision:
         gate: For RECOMPUTE, the backward op the clones wait for (the one just before
             the first backward consumer).
         consumers: For RECOMPUTE, the backward ops re-pointed to the clone.
+        swap_out_before: For SWAP, a later forward op that waits until the copy out has ended
+            (TFLMS's synchronous swap-out): it holds the forward pass back to the link's pace so
+            the swapped bytes have left the device before the backward pass starts. None: the
+            forward pass never waits for this copy.
 
     Example:
         >>> d = TensorDecision("c/Relu:0", "c", (8, 8), 256, Decision.KEEP, "smaller than min_swap_bytes", 3, ())
@@ -78,6 +82,7 @@ class TensorDecision:
     recompute_ops: Tuple[str, ...] = ()
     gate: Optional[str] = None
     consumers: Tuple[str, ...] = ()
+    swap_out_before: Optional[str] = None
 
 
 def _mib(nbytes: Optional[int]) -> str:

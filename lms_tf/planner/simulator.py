@@ -16,7 +16,7 @@ TensorFlow's rules:
   variable while one of its reads is still pending copies the variable first
   (TensorFlow's copy-on-write), which is counted;
 * with a plan, a swapped tensor leaves the device when its swap-out copy ends (and its
-  forward readers are done); its swap-in is allocated when the copy back starts, right
+  forward readers are done), and a forward op told to wait for that copy starts after it; its swap-in is allocated when the copy back starts, right
   after its trigger op, and consumers wait for the copy to end; recompute clones run after
   their gate and hold their outputs until their backward readers end.
 
@@ -249,6 +249,8 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
         extra_after[ir.tensors[t].producer].append(_Op(
             f"swap_out/{t}", _TO_HOST, cost.transfer_time(nbytes, "device_to_host"), [b.source("", t)],
             [(f"host/{t}", 0)], []))
+        if d.swap_out_before is not None:
+            extra_deps[d.swap_out_before].append(f"swap_out/{t}")
         for i, s in enumerate(d.swap_ins):
             key = f"swap_in/{t}/{i}"
             extra_after[s.trigger].append(_Op(key, _TO_DEVICE, cost.transfer_time(nbytes, "host_to_device"),

@@ -117,7 +117,8 @@ def check_acyclic(graph: tf.Graph) -> None:
 
 
 def check_postconditions(graph: tf.Graph, plan: Plan, forward_inputs_before) -> None:
-    """Raises RewriteError unless the rewritten graph is acyclic, gated and forward-unchanged."""
+    """Raises RewriteError unless the rewritten graph is acyclic, gated, forward-unchanged (inputs; waits
+    for copies out are control inputs) and every wait the plan asks for is in place."""
     check_acyclic(graph)
     for op_name, inputs in forward_inputs_before.items():
         now = tuple(t.name for t in graph.get_operation_by_name(op_name).inputs)
@@ -130,6 +131,12 @@ def check_postconditions(graph: tf.Graph, plan: Plan, forward_inputs_before) -> 
         if kind == "recompute" and not op.control_inputs and not any(
                 _compat.string_attr(t.op, LMS_ATTR) in ("recompute", "swap_in") for t in op.inputs):
             raise RewriteError(f"postcondition failed: recompute clone {op.name!r} is not gated.")
+    for decision in plan.swapped:
+        if decision.swap_out_before is not None and not any(
+                _compat.string_attr(c, LMS_ATTR) == "swap_out_done"
+                for c in graph.get_operation_by_name(decision.swap_out_before).control_inputs):
+            raise RewriteError(f"postcondition failed: forward op {decision.swap_out_before!r} does not wait for "
+                               f"the copy out of {decision.tensor!r}.")
     for decision in plan.swapped + plan.recomputed:
         consumers = [c for s in decision.swap_ins for c in s.consumers] + list(decision.consumers)
         for consumer_name in consumers:

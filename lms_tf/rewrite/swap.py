@@ -5,10 +5,15 @@ For a tensor ``t`` the plan marks SWAP, on the host device::
     producer -> t -> swap_out (Identity, host) -> swap_in (Identity, host) -> backward consumers
     trigger -> Shape (trigger's device) -> gate (Identity, host) -^ (control edge, host -> host)
 
+When the plan makes the forward pass wait for the copy out (``swap_out_before``, TFLMS's
+synchronous swap-out), the signal travels back the same way::
+
+    swap_out -> Shape (host) -> signal (Identity, waiter's device) -^ waiter (a later forward op)
+
 The gate reaches the host as a data edge: a control edge that crosses devices can
 hang TensorFlow's executor (DESIGN.md), so the only control edge is host -> host.
 Every inserted op carries ``_lms`` (``swap_out``, ``swap_in``, ``swap_gate``,
-``marker``) and ``_grappler_do_not_remove`` (Grappler would delete the identities).
+``swap_out_done``, ``marker``) and ``_grappler_do_not_remove`` (Grappler would delete the identities).
 
 Example:
     >>> from lms_tf.rewrite.swap import insert_swaps
@@ -20,6 +25,7 @@ from typing import Dict, List, Tuple
 
 import tensorflow as tf
 
+from lms_tf import _compat
 from lms_tf.errors import RewriteError
 from lms_tf.planner.plan import Plan
 from lms_tf.rewrite.common import mark, repoint_consumers
@@ -52,6 +58,17 @@ def gated_swap_in(graph: tf.Graph, swap_out: tf.Tensor, trigger: tf.Operation, h
     return swap_in
 
 
+def wait_for_swap_out(graph: tf.Graph, swap_out: tf.Tensor, waiter: tf.Operation, host: str, name: str) -> None:
+    """Makes forward op ``waiter`` start only after the copy ``swap_out`` has reached the host."""
+    with graph.colocate_with(None, ignore_existing=True), graph.device(host):
+        shape = tf.raw_ops.Shape(input=swap_out, name=f"{name}_shape")
+    with graph.colocate_with(waiter):
+        signal = tf.identity(shape, name=name)
+    _compat.add_control_input(waiter, signal.op)
+    mark(shape.op, "swap_out_done")
+    mark(signal.op, "swap_out_done")
+
+
 def insert_swaps(graph: tf.Graph, plan: Plan, inserted: Dict[str, int]) -> Tuple[Dict[str, tf.Tensor], int]:
     """Inserts the plan's swap-outs and gated swap-ins, re-pointing backward consumers.
 
@@ -69,6 +86,10 @@ def insert_swaps(graph: tf.Graph, plan: Plan, inserted: Dict[str, int]) -> Tuple
         mark(swap_out.op, "swap_out")
         inserted["swap_out"] += 1
         swap_outs[decision.tensor] = swap_out
+        if decision.swap_out_before is not None:
+            wait_for_swap_out(graph, swap_out, graph.get_operation_by_name(decision.swap_out_before), plan.host,
+                              f"swap_out_{i}_done")
+            inserted["swap_out_done"] += 2
         for j, swap in enumerate(decision.swap_ins):
             trigger = graph.get_operation_by_name(swap.trigger)
             swap_in = gated_swap_in(graph, swap_out, trigger, plan.host, f"swap_in_{i}_{j}")
