@@ -57,6 +57,18 @@ class RewriteError(LMSError):
     """
 
 
+class PlanCycleError(LMSError):
+    """A plan's added waits (gates, orderings, waits for copies out) make ops wait for each other.
+
+    The simulator raises it when a replay cannot run every op; the planner discards such
+    candidates, so a user sees it only for a hand-made plan.
+
+    Example:
+        >>> issubclass(PlanCycleError, LMSError)
+        True
+    """
+
+
 class LMSWarning(UserWarning):
     """Warning category for cases where lms-tf leaves a step untouched or changes a setting.
 

@@ -7,7 +7,7 @@ Example:
 from lms_tf.planner.budget import InfeasibleBudgetError, make_budget_plan, resolve_budget
 from lms_tf.planner.default import CHEAP_OP_TYPES, make_plan
 from lms_tf.planner.simulator import Simulation, resident_bytes, simulate
-from lms_tf.planner.plan import Decision, Plan, SwapIn, TensorDecision
+from lms_tf.planner.plan import Decision, Ordering, Plan, SwapIn, TensorDecision
 
-__all__ = ["CHEAP_OP_TYPES", "Decision", "InfeasibleBudgetError", "Plan", "Simulation", "SwapIn", "TensorDecision",
+__all__ = ["CHEAP_OP_TYPES", "Decision", "InfeasibleBudgetError", "Ordering", "Plan", "Simulation", "SwapIn", "TensorDecision",
            "make_budget_plan", "make_plan", "resident_bytes", "resolve_budget", "simulate"]

@@ -47,12 +47,12 @@ from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 from lms_tf.cost.devices import DeviceSpec, get_device_spec
 from lms_tf.cost.model import CostModel
-from lms_tf.errors import LMSOptionError
-from lms_tf.graph.ir import GraphIR, layer_of
+from lms_tf.errors import LMSOptionError, PlanCycleError
+from lms_tf.graph.ir import GraphIR, Phase, layer_of
 from lms_tf.options import LMSOptions
 from lms_tf.planner.default import Candidates, articulation_count, collect_candidates, make_plan
-from lms_tf.planner.plan import Decision, Plan, SwapIn, TensorDecision
-from lms_tf.planner.simulator import Simulation, resident_bytes, simulate
+from lms_tf.planner.plan import Decision, Ordering, Plan, SwapIn, TensorDecision
+from lms_tf.planner.simulator import ALIAS_TYPES, Simulation, resident_bytes, simulate
 
 logger = logging.getLogger("lms_tf")
 
@@ -67,6 +67,11 @@ MAX_ROUNDS = 40
 SWAP_OUT_LAG = 2
 #: With synchronous swap-outs (a link-bound step), how many swap-ins may run ahead of the compute.
 SWAP_IN_LAG = 2
+#: How many of the largest backward temporaries alive at the peak are paired up when looking
+#: for two branches to run one after the other.
+ORDERING_CANDIDATES = 8
+#: How many of those pairs (largest first) are tried per round.
+ORDERING_PAIRS = 3
 
 
 class InfeasibleBudgetError(LMSOptionError):
@@ -170,7 +175,8 @@ class _Planner:
                          sqrt_segments=segments, candidates=self.found)
         return {d.tensor: d for d in plan.recomputed}
 
-    def assemble(self, swap: Set[str], recomputed: Mapping[str, TensorDecision], throttle: bool = False) -> Plan:
+    def assemble(self, swap: Set[str], recomputed: Mapping[str, TensorDecision], throttle: bool = False,
+                 orderings: Tuple[Ordering, ...] = ()) -> Plan:
         ir, found, options = self.ir, self.found, self.options
         decisions: Dict[str, TensorDecision] = dict(found.kept)
         for name in found.eligible:
@@ -187,7 +193,7 @@ class _Planner:
             decisions.update(self.swap_out_waits(swapped))
             decisions.update(self.lagged_swap_ins([decisions[d.tensor] for d in swapped]))
         return Plan(decisions=tuple(decisions[n] for n in found.order), device=self.device, host=options.host,
-                    options=options.to_dict(), phase_counts=ir.phase_counts())
+                    options=options.to_dict(), phase_counts=ir.phase_counts(), orderings=orderings)
 
     def swap_out_waits(self, swapped: List[TensorDecision]) -> Dict[str, TensorDecision]:
         """TFLMS's synchronous swap-out, with some slack: the producer of the swapped tensor
@@ -286,50 +292,161 @@ class _Planner:
                 lagged[d.tensor] = dataclasses.replace(d, swap_ins=swap_ins)
         return lagged
 
+    def _backward_graph(self):
+        """Successors (data and control) of every op, and its name path without gradient scopes."""
+        if not hasattr(self, "_successors"):
+            ir = self.ir
+            self._successors: Dict[str, List[str]] = {op.name: [] for op in ir.ops}
+            for op in ir.ops:
+                for t in op.inputs:
+                    self._successors[ir.tensors[t].producer].append(op.name)
+                for c in op.control_inputs:
+                    self._successors[c].append(op.name)
+            self._paths = {op.name: layer_of(op.name).split("/") for op in ir.ops if op.phase is Phase.BACKWARD}
+        return self._successors, self._paths
+
+    def _reaches(self, sources: List[str], targets: Set[str]) -> bool:
+        successors, _ = self._backward_graph()
+        stack, seen = list(sources), set(sources)
+        while stack:
+            name = stack.pop()
+            if name in targets:
+                return True
+            for nxt in successors[name]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return False
+
+    def branch_pairs(self, sim: Simulation) -> List[Tuple[Tuple[str, ...], Tuple[str, ...]]]:
+        """Pairs of backward branches (name scopes) whose temporaries are alive together at the peak,
+        largest first. A branch is the scope where the two producers' name paths part."""
+        ir = self.ir
+        _, paths = self._backward_graph()
+        live = [(nbytes, ir.tensors[name].producer) for name, nbytes in sim.live_at_peak
+                if name in ir.tensors and ir.tensors[name].producer in paths and nbytes]
+        live.sort(reverse=True)
+        pairs, seen = [], set()
+        for i, (_, a) in enumerate(live[:ORDERING_CANDIDATES]):
+            for _, b in live[i + 1:ORDERING_CANDIDATES]:
+                pa, pb = paths[a], paths[b]
+                common = next((k for k, (x, y) in enumerate(zip(pa, pb)) if x != y), None)
+                if common is None:
+                    continue  # one scope inside the other: not two branches
+                key = (tuple(pa[:common + 1]), tuple(pb[:common + 1]))
+                if key not in seen and key[::-1] not in seen:
+                    seen.add(key)
+                    pairs.append(key)
+        return pairs
+
+    def ordering(self, first: Tuple[str, ...], then: Tuple[str, ...]) -> Optional[Ordering]:
+        """``then``'s first backward ops wait for ``first``'s last ones, if that makes no cycle."""
+        ir = self.ir
+        successors, paths = self._backward_graph()
+        in_first = {n for n, p in paths.items() if tuple(p[:len(first)]) == first}
+        in_then = {n for n, p in paths.items() if tuple(p[:len(then)]) == then}
+        if not in_first or not in_then:
+            return None
+        exits = sorted((n for n in in_first if not successors[n] or any(s not in in_first for s in successors[n])),
+                       key=lambda n: ir.op(n).index)
+        # The branch starts where a gradient enters it: ops reading a backward tensor made outside
+        # it. (Its shape and constant ops may run early; holding them back would keep the forward
+        # tensors they read alive.)
+        waiters = sorted((n for n in in_then if ir.op(n).type not in ALIAS_TYPES and any(
+            ir.tensors[t].producer in paths and ir.tensors[t].producer not in in_then for t in ir.op(n).inputs)),
+            key=lambda n: ir.op(n).index)
+        if not waiters or not exits or self._reaches(waiters, set(exits)):
+            return None
+        devices = {ir.op(n).device for n in waiters + exits}
+        if len(devices) > 1:
+            return None  # a control edge across devices can hang TensorFlow's executor (DESIGN.md)
+        return Ordering(tuple(waiters), tuple(exits),
+                        f"backward of {'/'.join(then)} waits for {'/'.join(first)}: their temporaries "
+                        f"were alive together at the simulated peak")
+
+    def order_branches(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
+                       throttle: bool, orderings: Tuple[Ordering, ...]) -> Optional[Tuple[Plan, Simulation]]:
+        """Lowers the peak by running two backward branches alive at it one after the other
+        (either order, whichever simulates lower); None if no ordering lowers it."""
+        best = None
+        for a, b in self.branch_pairs(sim)[:ORDERING_PAIRS]:
+            for first, then in ((a, b), (b, a)):
+                ordering = self.ordering(first, then)
+                if ordering is None:
+                    continue
+                plan = self.assemble(swap, recomputed, throttle, orderings + (ordering,))
+                try:
+                    candidate = self.simulate(plan)
+                except PlanCycleError:
+                    continue  # the order conflicts with a recompute gate or a swap-in trigger
+                if candidate.peak_bytes < (best or (None, sim))[1].peak_bytes:
+                    best = (plan, candidate)
+            if best is not None:
+                return best
+        return None
+
     def add_swaps(self, budget_bytes: int, recomputed: Mapping[str, TensorDecision],
                   throttle: bool = False) -> Tuple[Plan, Simulation]:
         """Greedy rounds on top of a recompute base: swap the kept tensors idle at the simulated
         peak, cheapest per byte first, until the bytes over budget are covered; replay; repeat.
-        With ``throttle``, the forward pass waits for the copies out (:meth:`swap_out_waits`)."""
+        When no swap lowers the peak, run two backward branches alive at it one after the other
+        (:meth:`order_branches`) and go on. With ``throttle``, the forward pass waits for the
+        copies out (:meth:`swap_out_waits`)."""
         swap: Set[str] = set()
+        orderings: Tuple[Ordering, ...] = ()
         link_busy = 0.0
         plan = self.assemble(swap, recomputed, throttle)
         sim = self.simulate(plan)
-        if not self.options.swap:
-            return plan, sim
         for _ in range(MAX_ROUNDS):
             if sim.peak_bytes <= budget_bytes:
                 break
-            excess = sim.peak_bytes - budget_bytes
-            idle = []
-            for name, nbytes in sim.live_at_peak:
-                if (name not in self.eligible or name in swap or name in recomputed or not nbytes
-                        or nbytes < self.options.min_swap_bytes):
+            swapped = self.swap_round(budget_bytes, sim, swap, recomputed, link_busy) if self.options.swap else None
+            if swapped is not None:
+                candidate = self.assemble(swapped[0], recomputed, throttle, orderings)
+                candidate_sim = self.simulate(candidate)
+                logger.debug("planner round: peak %d -> %d swapping %d tensors", sim.peak_bytes,
+                             candidate_sim.peak_bytes, len(swapped[0]))
+                # When the link is saturated, more swaps only slow the step down.
+                if candidate_sim.peak_bytes < sim.peak_bytes or candidate_sim.step_time_s <= sim.step_time_s:
+                    swap, link_busy = swapped
+                    plan, sim = candidate, candidate_sim
                     continue
-                producer = sim.op_intervals.get(self.ir.tensors[name].producer)
-                readers = [sim.op_intervals[c.name][0] for c in self.found.backward_of[name]
-                           if c.name in sim.op_intervals]
-                if producer is None or not readers or not producer[1] <= sim.peak_time_s < min(readers):
-                    continue  # in use at the peak: moving it would not lower this peak
-                idle.append((self.swap_cost(name, link_busy) / nbytes, name, nbytes))
-            if not idle:
-                logger.debug("planner round: peak %d at %s, nothing idle to swap", sim.peak_bytes, sim.peak_op)
+            ordered = self.order_branches(sim, swap, recomputed, throttle, orderings)
+            if ordered is None:
                 break
-            freed = 0
-            for _, name, nbytes in sorted(idle):
-                swap.add(name)
-                link_busy += self.cost.transfer_time(nbytes, "device_to_host")
-                freed += nbytes
-                if freed >= 1.05 * excess:
-                    break
-            candidate = self.assemble(swap, recomputed, throttle)
-            candidate_sim = self.simulate(candidate)
-            logger.debug("planner round: peak %d -> %d swapping %d tensors", sim.peak_bytes,
-                         candidate_sim.peak_bytes, len(swap))
-            if candidate_sim.peak_bytes >= sim.peak_bytes and candidate_sim.step_time_s > sim.step_time_s:
-                break  # the link is saturated: more swaps only slow the step down
-            plan, sim = candidate, candidate_sim
+            logger.debug("planner round: peak %d -> %d ordering backward branches", sim.peak_bytes,
+                         ordered[1].peak_bytes)
+            plan, sim = ordered
+            orderings = plan.orderings
         return plan, sim
+
+    def swap_round(self, budget_bytes: int, sim: Simulation, swap: Set[str],
+                   recomputed: Mapping[str, TensorDecision], link_busy: float) -> Optional[Tuple[Set[str], float]]:
+        """The swap set grown by the tensors idle at the peak, cheapest per byte first, until they
+        cover the bytes over budget (and the link time they add); None if nothing is idle."""
+        excess = sim.peak_bytes - budget_bytes
+        idle = []
+        for name, nbytes in sim.live_at_peak:
+            if (name not in self.eligible or name in swap or name in recomputed or not nbytes
+                    or nbytes < self.options.min_swap_bytes):
+                continue
+            producer = sim.op_intervals.get(self.ir.tensors[name].producer)
+            readers = [sim.op_intervals[c.name][0] for c in self.found.backward_of[name]
+                       if c.name in sim.op_intervals]
+            if producer is None or not readers or not producer[1] <= sim.peak_time_s < min(readers):
+                continue  # in use at the peak: moving it would not lower this peak
+            idle.append((self.swap_cost(name, link_busy) / nbytes, name, nbytes))
+        if not idle:
+            logger.debug("planner round: peak %d at %s, nothing idle to swap", sim.peak_bytes, sim.peak_op)
+            return None
+        grown, freed = set(swap), 0
+        for _, name, nbytes in sorted(idle):
+            grown.add(name)
+            link_busy += self.cost.transfer_time(nbytes, "device_to_host")
+            freed += nbytes
+            if freed >= 1.05 * excess:
+                break
+        return grown, link_busy
 
     def plan(self, budget_bytes: int) -> Tuple[Plan, Simulation, str, List[Tuple[str, int]]]:
         """The fastest plan that fits, trying recompute bases in order; else the lowest peak found."""

@@ -85,6 +85,29 @@ class TensorDecision:
     swap_out_before: Optional[str] = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Ordering:
+    """An order the backward pass must keep: ``waiters`` start only after every op in ``after`` ended.
+
+    The executor runs ready ops first come, first served, so two independent backward branches
+    (a residual block's shortcut and main path) run interleaved and hold both branches'
+    temporaries at once. One branch waiting for the other halves that working set.
+
+    Attributes:
+        waiters: The first ops of the branch that waits.
+        after: The last ops of the branch that runs first.
+        reason: Why, in words.
+
+    Example:
+        >>> Ordering(("gradient_tape/block/shortcut_bn/mul",), ("gradient_tape/block/main_bn/AddN",), "").waiters
+        ('gradient_tape/block/shortcut_bn/mul',)
+    """
+
+    waiters: Tuple[str, ...]
+    after: Tuple[str, ...]
+    reason: str
+
+
 def _mib(nbytes: Optional[int]) -> str:
     return "?" if nbytes is None else f"{nbytes / 2**20:.2f}"
 
@@ -106,6 +129,7 @@ class Plan:
         predicted_step_time_s: Predicted time with this plan (swap stalls, recompute included).
         device_spec: Name of the device the simulation modelled.
         feasible: Whether the simulated peak fits the budget.
+        orderings: Backward branches made to run one after the other (see :class:`Ordering`).
 
     Example:
         >>> plan = Plan((), "/device:GPU:0", "/device:CPU:0", {}, {"forward": 3})
@@ -125,6 +149,7 @@ class Plan:
     predicted_step_time_s: Optional[float] = None
     device_spec: Optional[str] = None
     feasible: Optional[bool] = None
+    orderings: Tuple[Ordering, ...] = ()
 
     @property
     def predicted_overhead(self) -> Optional[float]:
@@ -263,6 +288,11 @@ class Plan:
                              f"{_mib(row['swap_bytes']):>9} {_mib(row['recompute_bytes']):>10}  {row['why']}")
             if len(self.layer_table()) > max_rows:
                 lines.append(f"... {len(self.layer_table()) - max_rows} more layers")
+            waits = sum(1 for d in self.swapped if d.swap_out_before is not None)
+            if waits:
+                lines.append(f"the forward pass waits for {waits} copies out (the link sets its pace)")
+            for ordering in self.orderings[:max_rows]:
+                lines.append(f"order: {ordering.reason}")
             return "\n".join(lines)
         rows = self.swapped
         if rows:
@@ -323,6 +353,7 @@ class Plan:
             "predicted_step_time_s": self.predicted_step_time_s, "predicted_overhead": self.predicted_overhead,
             "device_spec": self.device_spec, "feasible": self.feasible,
             "layers": self.layer_table(),
+            "orderings": [dataclasses.asdict(o) for o in self.orderings],
             "decisions": [
                 {**{k: v for k, v in dataclasses.asdict(d).items() if k != "swap_ins"},
                  "decision": d.decision.value,

@@ -18,7 +18,8 @@ TensorFlow's rules:
 * with a plan, a swapped tensor leaves the device when its swap-out copy ends (and its
   forward readers are done), and a forward op told to wait for that copy starts after it; its swap-in is allocated when the copy back starts, right
   after its trigger op, and consumers wait for the copy to end; recompute clones run after
-  their gate and hold their outputs until their backward readers end.
+  their gate and hold their outputs until their backward readers end; a plan's orderings hold
+  backward ops back until other backward ops ended.
 
 Example:
     >>> import tensorflow as tf
@@ -41,6 +42,7 @@ import heapq
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from lms_tf.cost.model import CostModel
+from lms_tf.errors import PlanCycleError
 from lms_tf.graph.ir import GraphIR, OpInfo
 from lms_tf.planner.plan import Decision, Plan
 
@@ -287,6 +289,10 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
         for consumer in d.consumers:
             extra_deps[consumer].append(f"recompute/{d.gate}/{ir.tensors[d.tensor].producer}")
 
+    for ordering in plan.orderings if plan is not None else ():
+        for waiter in ordering.waiters:
+            extra_deps[waiter].extend(ordering.after)
+
     plain = _plain_structure(ir)
     repointed = {consumer for consumer, _ in b.replace}
     for op in ir.ops:
@@ -321,7 +327,8 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
                 ir.tensors[t].producer in ALIAS_OP_NAMES(ir) for t in ir.op(sim.name).inputs) \
                 else plain[sim.name][2]
             deps.update(b.index_of[n] for n in names)
-            deps.update(b.index_of[n] for n in extra_deps.get(sim.name, ()))
+            for n in extra_deps.get(sim.name, ()):
+                deps.update([b.index_of[n]] if n in b.index_of else (b.index_of[m] for m in b.producer_deps(ir.op(n))))
         sim.deps = sorted(deps - {index})
     return b
 
@@ -481,6 +488,11 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         while events and events[0][0] <= now:
             _, j, _ = heapq.heappop(events)
             finish(j, now)
+    if len(intervals) < len(ops):
+        stuck = [op.name for op in ops if op.name not in intervals][:5]
+        raise PlanCycleError(
+            f"the plan makes {len(ops) - len(intervals)} ops of the step wait for each other, e.g. {stuck}: "
+            f"its gates, orderings or waits for copies out form a cycle. Drop the plan's added waits for these ops.")
     return Simulation(peak_bytes=peak, peak_op=peak_op, live_at_peak=live_at_peak, step_time_s=now,
                       compute_time_s=compute_time, swap_out_bytes=swap_bytes[_TO_HOST],
                       swap_in_bytes=swap_bytes[_TO_DEVICE], timeline=tuple(timeline), peak_time_s=peak_time,

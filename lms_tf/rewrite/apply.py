@@ -1,4 +1,4 @@
-"""Applies a whole Plan: preconditions, the swap step, the recompute step, postconditions.
+"""Applies a whole Plan: preconditions, the swap, recompute and ordering steps, postconditions.
 
 Example:
     >>> from lms_tf.rewrite import apply_plan
@@ -16,6 +16,7 @@ from lms_tf.errors import RewriteError
 from lms_tf.graph.ir import GraphIR, Phase
 from lms_tf.planner.plan import Plan
 from lms_tf.rewrite.common import LMS_ATTR, SCOPE, RewriteReport, check_postconditions, is_rewritten
+from lms_tf.rewrite.order import insert_orderings
 from lms_tf.rewrite.recompute import insert_recomputes
 from lms_tf.rewrite.swap import insert_swaps
 
@@ -72,6 +73,7 @@ def apply_plan(graph: tf.Graph, ir: GraphIR, plan: Plan) -> RewriteReport:
     with graph.as_default(), graph.name_scope(SCOPE), graph.control_dependencies(None):
         swap_outs, rerouted = insert_swaps(graph, plan, inserted)
         rerouted += insert_recomputes(graph, plan, swap_outs, inserted)
+        insert_orderings(graph, plan, inserted)
         marker = tf.raw_ops.NoOp(name="rewritten")
         _compat.set_string_attr(marker, LMS_ATTR, "marker")
         inserted["marker"] += 1

@@ -137,6 +137,13 @@ def check_postconditions(graph: tf.Graph, plan: Plan, forward_inputs_before) -> 
                 for c in graph.get_operation_by_name(decision.swap_out_before).control_inputs):
             raise RewriteError(f"postcondition failed: forward op {decision.swap_out_before!r} does not wait for "
                                f"the copy out of {decision.tensor!r}.")
+    for ordering in plan.orderings:
+        for waiter in ordering.waiters:
+            barriers = [c for c in graph.get_operation_by_name(waiter).control_inputs
+                        if _compat.string_attr(c, LMS_ATTR) == "order"]
+            if not any({a.name for a in b.control_inputs} >= set(ordering.after) for b in barriers):
+                raise RewriteError(f"postcondition failed: backward op {waiter!r} does not wait for "
+                                   f"{list(ordering.after)[:3]}... as the plan's ordering asks.")
     for decision in plan.swapped + plan.recomputed:
         consumers = [c for s in decision.swap_ins for c in s.consumers] + list(decision.consumers)
         for consumer_name in consumers:

@@ -1,0 +1,37 @@
+"""The ordering step: a backward branch waits for another (see :class:`lms_tf.planner.Ordering`).
+
+For each ordering, on the waiters' device::
+
+    after ops -^ order (NoOp) -^ waiters (control edges only)
+
+One NoOp instead of an edge from every ``after`` op to every waiter keeps the graph small.
+
+Example:
+    >>> from lms_tf.rewrite.order import insert_orderings
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import tensorflow as tf
+
+from lms_tf import _compat
+from lms_tf.planner.plan import Plan
+from lms_tf.rewrite.common import mark
+
+
+def insert_orderings(graph: tf.Graph, plan: Plan, inserted: Dict[str, int]) -> None:
+    """Makes every ordering's waiters start after all of its ``after`` ops.
+
+    Must run inside ``graph.as_default()`` under the lms-tf name scope.
+    """
+    for i, ordering in enumerate(plan.orderings):
+        waiters = [graph.get_operation_by_name(n) for n in ordering.waiters]
+        after = [graph.get_operation_by_name(n) for n in ordering.after]
+        with graph.colocate_with(waiters[0]), graph.control_dependencies(after):
+            barrier = tf.raw_ops.NoOp(name=f"order_{i}")
+        mark(barrier, "order")
+        inserted["order"] += 1
+        for waiter in waiters:
+            _compat.add_control_input(waiter, barrier)
