@@ -10,6 +10,14 @@ link is saturated. The fitting plan with the least predicted step time wins. A s
 the copy time the compute between producer and consumer cannot hide, plus copy-out time past
 the end of the forward pass (a copy still running at the peak frees nothing).
 
+When no swap lowers the peak any more and two backward branches' temporaries meet at it (a
+residual block's shortcut and main path, run interleaved by TensorFlow's first-ready executor),
+one branch is made to wait for the other (:class:`~lms_tf.planner.plan.Ordering`). When nothing
+fits while the forward pass runs ahead of its copies out (the link is the bottleneck: the
+largest batches), the bases are tried again with the forward pass waiting for the copies out
+(TFLMS's synchronous swap-out) and swap-ins started a fixed number of groups ahead of their
+consumers instead of by the plain step's clock.
+
 User overrides win: ``exclude`` keeps, a ``recompute`` list of names recomputes exactly those,
 ``swap=False`` / ``recompute=False`` forbid one kind. If even moving every movable tensor
 does not fit, :class:`InfeasibleBudgetError` names the smallest budget that does.
