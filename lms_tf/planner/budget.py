@@ -394,12 +394,12 @@ class _Planner:
         return None
 
     def add_swaps(self, budget_bytes: int, recomputed: Mapping[str, TensorDecision],
-                  throttle: bool = False) -> Tuple[Plan, Simulation]:
+                  throttle: bool = False, order: bool = False) -> Tuple[Plan, Simulation]:
         """Greedy rounds on top of a recompute base: swap the kept tensors idle at the simulated
         peak, cheapest per byte first, until the bytes over budget are covered; replay; repeat.
-        When no swap lowers the peak, run two backward branches alive at it one after the other
-        (:meth:`order_branches`) and go on. With ``throttle``, the forward pass waits for the
-        copies out (:meth:`swap_out_waits`)."""
+        With ``order``, when no swap lowers the peak, run two backward branches alive at it one
+        after the other (:meth:`order_branches`) and go on. With ``throttle``, the forward pass
+        waits for the copies out (:meth:`swap_out_waits`)."""
         swap: Set[str] = set()
         orderings: Tuple[Ordering, ...] = ()
         link_busy = 0.0
@@ -419,7 +419,7 @@ class _Planner:
                     swap, link_busy = swapped
                     plan, sim = candidate, candidate_sim
                     continue
-            ordered = self.order_branches(sim, swap, recomputed, throttle, orderings)
+            ordered = self.order_branches(sim, swap, recomputed, throttle, orderings) if order else None
             if ordered is None:
                 break
             logger.debug("planner round: peak %d -> %d ordering backward branches", sim.peak_bytes,
@@ -461,31 +461,29 @@ class _Planner:
         best: Optional[Tuple[Plan, Simulation, str]] = None
         lowest: Optional[Tuple[Plan, Simulation, str]] = None
         tried: List[Tuple[str, int]] = []
-        bases = self.recompute_bases()
-        # Swapping alone frees at most what the link can copy out during the forward pass.
+        every_base = bases = self.recompute_bases()
+        # Swapping alone frees at most what the link can copy out during the forward pass
+        # (unless the forward pass waits for the copies).
         link_capacity = self.forward_seconds * self.cost.device.device_to_host_bytes_per_s
         if len(bases) > 1 and self.baseline.peak_bytes - budget_bytes > link_capacity:
             bases = [b for b in bases if b[0] != "none"]
-        for label, recomputed in bases:
-            plan, sim = self.add_swaps(budget_bytes, recomputed)
-            tried.append((label, sim.peak_bytes))
-            if lowest is None or sim.peak_bytes < lowest[1].peak_bytes:
-                lowest = (plan, sim, label)
-            if sim.peak_bytes <= budget_bytes and (best is None or sim.step_time_s < best[1].step_time_s):
-                best = (plan, sim, label)
-            if best is not None and label in ("none", "cheap"):
-                break  # no recompute (or only cheap ops) fits: nothing faster to find
-        if best is None and self.options.swap:
-            # Nothing fits while the forward pass runs ahead of its copies out: hold it back to the
-            # link's pace (slower, but every swapped byte leaves before the backward pass).
-            for label, recomputed in self.recompute_bases():
-                plan, sim = self.add_swaps(budget_bytes, recomputed, throttle=True)
-                label += " + waits for copies out"
-                tried.append((label, sim.peak_bytes))
-                if sim.peak_bytes < lowest[1].peak_bytes:
-                    lowest = (plan, sim, label)
+        # Cheapest tools first; orderings, then waits for copies out, only when nothing fits
+        # without them (each simulates the step again many times).
+        passes = [(bases, False, False, ""), (bases, False, True, " + orderings")]
+        if self.options.swap:
+            passes.append((every_base, True, True, " + orderings + waits for copies out"))
+        for candidates, throttle, order, suffix in passes:
+            for label, recomputed in candidates:
+                plan, sim = self.add_swaps(budget_bytes, recomputed, throttle=throttle, order=order)
+                tried.append((label + suffix, sim.peak_bytes))
+                if lowest is None or sim.peak_bytes < lowest[1].peak_bytes:
+                    lowest = (plan, sim, label + suffix)
                 if sim.peak_bytes <= budget_bytes and (best is None or sim.step_time_s < best[1].step_time_s):
-                    best = (plan, sim, label)
+                    best = (plan, sim, label + suffix)
+                if best is not None and label in ("none", "cheap"):
+                    break  # no recompute (or only cheap ops) fits: nothing faster to find
+            if best is not None:
+                break
         plan, sim, label = best or lowest
         return plan, sim, label, tried
 

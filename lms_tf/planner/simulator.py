@@ -203,6 +203,16 @@ def ALIAS_OP_NAMES(ir: GraphIR) -> frozenset:  # noqa: N802 - a cached constant 
     return cached
 
 
+def READS_ALIAS(ir: GraphIR) -> frozenset:  # noqa: N802 - a cached constant of the IR
+    """Names of the IR's ops that read an alias op's output (cached on the IR)."""
+    cached = ir.__dict__.get("_reads_alias")
+    if cached is None:
+        aliases = ALIAS_OP_NAMES(ir)
+        cached = frozenset(op.name for op in ir.ops if any(ir.tensors[t].producer in aliases for t in op.inputs))
+        object.__setattr__(ir, "_reads_alias", cached)
+    return cached
+
+
 def _plain_structure(ir: GraphIR) -> Dict[str, Tuple[Tuple[str, ...], List[Tuple[str, int]], Tuple[str, ...]]]:
     """Per non-alias op of the plain step: buffers read, buffers written, ops waited for.
     Cached on the IR: planners replay one step many times and a plan changes few ops."""
@@ -294,6 +304,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
             extra_deps[waiter].extend(ordering.after)
 
     plain = _plain_structure(ir)
+    reads_alias = READS_ALIAS(ir)
     repointed = {consumer for consumer, _ in b.replace}
     for op in ir.ops:
         if op.type in ALIAS_TYPES:
@@ -303,8 +314,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
             continue
         cached_reads, writes, _ = plain[op.name]
         reads = [b.source(op.name, t) for t in op.inputs] if b.replace and (
-            op.name in repointed or any(ir.tensors[t].producer in ALIAS_OP_NAMES(ir) for t in op.inputs)) \
-            else list(cached_reads)
+            op.name in repointed or op.name in reads_alias) else list(cached_reads)
         updates = op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None
         index = b.add(_Op(op.name, _COMPUTE, op_time(op), reads, writes, [],
                           forwarding=op.type in FORWARDING_TYPES, updates=updates, order=op.index,
@@ -323,9 +333,8 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
             deps.update([b.index_of[sim.trigger]] if sim.trigger in b.index_of else
                         (b.index_of[n] for n in b.producer_deps(ir.op(sim.trigger))))
         if sim.name in ir_names:
-            names = b.producer_deps(ir.op(sim.name)) if sim.name in repointed or b.replace and any(
-                ir.tensors[t].producer in ALIAS_OP_NAMES(ir) for t in ir.op(sim.name).inputs) \
-                else plain[sim.name][2]
+            names = b.producer_deps(ir.op(sim.name)) if sim.name in repointed or b.replace and \
+                sim.name in reads_alias else plain[sim.name][2]
             deps.update(b.index_of[n] for n in names)
             for n in extra_deps.get(sim.name, ()):
                 deps.update([b.index_of[n]] if n in b.index_of else (b.index_of[m] for m in b.producer_deps(ir.op(n))))
