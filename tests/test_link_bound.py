@@ -23,7 +23,7 @@ from lms_tf.errors import PlanCycleError
 from lms_tf.graph.ir import GraphIR, OpInfo, Phase, TensorInfo
 from lms_tf.options import LMSOptions
 from lms_tf.planner import Decision, Ordering, make_budget_plan, simulate
-from lms_tf.planner.budget import _Planner
+from lms_tf.planner.budget import _Planner, _Tools
 from lms_tf.planner.plan import Plan, SwapIn, TensorDecision
 from tests import zoo
 from tests.helpers import assert_same_numbers, custom_loop
@@ -109,7 +109,7 @@ def _link_bound_plan(recorded):
     pass waiting for its copies out, and one backward ordering at the simulated peak."""
     def plan(ir, options, *, device, scope_aliases=None, cost=None):
         planner = _Planner(ir, options, device, CostModel(get_device_spec(options.device_spec)), scope_aliases or {})
-        swapped = planner.assemble(set(planner.eligible), {}, throttle=True)
+        swapped = planner.assemble(set(planner.eligible), {}, _Tools(throttle=True))
         sim = planner.simulate(swapped)
         orderings = []
         for a, b in planner.branch_pairs(sim):

@@ -142,6 +142,23 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.3f} GiB ({nbytes} bytes)"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tools:
+    """What a planning pass may use beyond swaps on a recompute base.
+
+    Attributes:
+        late_swap_ins: Trigger each swap-in by the backward op just before its consumers instead
+            of early enough to hide the copy (slower, but the swapped bytes return later).
+        order: Make backward branches alive together at the peak run one after the other.
+        throttle: Make the forward pass wait for the copies out; swap-ins run a fixed number of
+            groups ahead of their consumers.
+    """
+
+    late_swap_ins: bool = False
+    order: bool = False
+    throttle: bool = False
+
+
 class _Planner:
     def __init__(self, ir: GraphIR, options: LMSOptions, device: str, cost: CostModel,
                  scope_aliases: Mapping[str, str]):
@@ -183,7 +200,7 @@ class _Planner:
                          sqrt_segments=segments, candidates=self.found)
         return {d.tensor: d for d in plan.recomputed}
 
-    def assemble(self, swap: Set[str], recomputed: Mapping[str, TensorDecision], throttle: bool = False,
+    def assemble(self, swap: Set[str], recomputed: Mapping[str, TensorDecision], tools: _Tools = _Tools(),
                  orderings: Tuple[Ordering, ...] = ()) -> Plan:
         ir, found, options = self.ir, self.found, self.options
         decisions: Dict[str, TensorDecision] = dict(found.kept)
@@ -192,11 +209,11 @@ class _Planner:
                 decisions[name] = recomputed[name]
                 continue
             info = ir.tensors[name]
-            decision = self.timed_swap(name, found.distance[name]) if name in swap else None
+            decision = self.timed_swap(name, found.distance[name], tools.late_swap_ins) if name in swap else None
             decisions[name] = decision or TensorDecision(
                 name, layer_of(info.producer), info.shape, info.nbytes, Decision.KEEP, "fits the budget",
                 found.distance[name], ())
-        if throttle:
+        if tools.throttle:
             swapped = [d for d in decisions.values() if d.decision is Decision.SWAP]
             decisions.update(self.swap_out_waits(swapped))
             decisions.update(self.lagged_swap_ins([decisions[d.tensor] for d in swapped]))
@@ -224,10 +241,10 @@ class _Planner:
         self.simulations += 1
         return simulate(self.ir, plan, cost=self.cost, top=None, op_times=self.op_times)
 
-    def timed_swap(self, tensor: str, distance: int) -> Optional[TensorDecision]:
+    def timed_swap(self, tensor: str, distance: int, late: bool = False) -> Optional[TensorDecision]:
         """A SWAP decision whose swap-ins start just early enough for the copy back to end
-        before their consumers (by the baseline's predicted times), or None if no backward op
-        runs early enough to trigger one."""
+        before their consumers (by the baseline's predicted times), or, ``late``, right before
+        them; None if no backward op runs early enough to trigger one."""
         ir, found = self.ir, self.found
         info = ir.tensors[tensor]
         copy_back = self.cost.transfer_time(info.nbytes or 0, "host_to_device")
@@ -244,7 +261,9 @@ class _Planner:
             if position < 0:
                 return None
             deadline = intervals.get(group[0].name, (0.0, 0.0))[0] - copy_back
-            while position > 0 and intervals.get(found.gates[position].name, (0.0, 0.0))[1] > deadline:
+            # Alias ops (Reshape, Identity) take no time of their own and have no interval: walk past them.
+            while not late and position > 0 and \
+                    intervals.get(found.gates[position].name, (0.0, float("inf")))[1] > deadline:
                 position -= 1
             swap_ins.append(SwapIn(found.gates[position].name, tuple(c.name for c in group)))
         reason = ("swap (copy hidden behind compute)" if self.swap_exposed(tensor) <= 0 else
@@ -373,7 +392,7 @@ class _Planner:
                         f"were alive together at the simulated peak")
 
     def order_branches(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
-                       throttle: bool, orderings: Tuple[Ordering, ...]) -> Optional[Tuple[Plan, Simulation]]:
+                       tools: _Tools, orderings: Tuple[Ordering, ...]) -> Optional[Tuple[Plan, Simulation]]:
         """Lowers the peak by running two backward branches alive at it one after the other
         (either order, whichever simulates lower); None if no ordering lowers it."""
         best = None
@@ -382,7 +401,7 @@ class _Planner:
                 ordering = self.ordering(first, then)
                 if ordering is None:
                     continue
-                plan = self.assemble(swap, recomputed, throttle, orderings + (ordering,))
+                plan = self.assemble(swap, recomputed, tools, orderings + (ordering,))
                 try:
                     candidate = self.simulate(plan)
                 except PlanCycleError:
@@ -394,23 +413,22 @@ class _Planner:
         return None
 
     def add_swaps(self, budget_bytes: int, recomputed: Mapping[str, TensorDecision],
-                  throttle: bool = False, order: bool = False) -> Tuple[Plan, Simulation]:
+                  tools: _Tools = _Tools()) -> Tuple[Plan, Simulation]:
         """Greedy rounds on top of a recompute base: swap the kept tensors idle at the simulated
         peak, cheapest per byte first, until the bytes over budget are covered; replay; repeat.
-        With ``order``, when no swap lowers the peak, run two backward branches alive at it one
-        after the other (:meth:`order_branches`) and go on. With ``throttle``, the forward pass
-        waits for the copies out (:meth:`swap_out_waits`)."""
+        With ``tools.order``, when no swap lowers the peak, run two backward branches alive at it
+        one after the other (:meth:`order_branches`) and go on (see :class:`_Tools`)."""
         swap: Set[str] = set()
         orderings: Tuple[Ordering, ...] = ()
         link_busy = 0.0
-        plan = self.assemble(swap, recomputed, throttle)
+        plan = self.assemble(swap, recomputed, tools)
         sim = self.simulate(plan)
         for _ in range(MAX_ROUNDS):
             if sim.peak_bytes <= budget_bytes:
                 break
             swapped = self.swap_round(budget_bytes, sim, swap, recomputed, link_busy) if self.options.swap else None
             if swapped is not None:
-                candidate = self.assemble(swapped[0], recomputed, throttle, orderings)
+                candidate = self.assemble(swapped[0], recomputed, tools, orderings)
                 candidate_sim = self.simulate(candidate)
                 logger.debug("planner round: peak %d -> %d swapping %d tensors", sim.peak_bytes,
                              candidate_sim.peak_bytes, len(swapped[0]))
@@ -419,7 +437,7 @@ class _Planner:
                     swap, link_busy = swapped
                     plan, sim = candidate, candidate_sim
                     continue
-            ordered = self.order_branches(sim, swap, recomputed, throttle, orderings) if order else None
+            ordered = self.order_branches(sim, swap, recomputed, tools, orderings) if tools.order else None
             if ordered is None:
                 break
             logger.debug("planner round: peak %d -> %d ordering backward branches", sim.peak_bytes,
@@ -467,14 +485,15 @@ class _Planner:
         link_capacity = self.forward_seconds * self.cost.device.device_to_host_bytes_per_s
         if len(bases) > 1 and self.baseline.peak_bytes - budget_bytes > link_capacity:
             bases = [b for b in bases if b[0] != "none"]
-        # Cheapest tools first; orderings, then waits for copies out, only when nothing fits
-        # without them (each simulates the step again many times).
-        passes = [(bases, False, False, ""), (bases, False, True, " + orderings")]
+        # Cheapest tools first; the others only when nothing fits without them (each pass
+        # simulates the step again many times).
+        passes = [(bases, _Tools(), ""), (bases, _Tools(late_swap_ins=True), " + late swap-ins"),
+                  (bases, _Tools(late_swap_ins=True, order=True), " + late swap-ins + orderings")]
         if self.options.swap:
-            passes.append((every_base, True, True, " + orderings + waits for copies out"))
-        for candidates, throttle, order, suffix in passes:
+            passes.append((every_base, _Tools(order=True, throttle=True), " + orderings + waits for copies out"))
+        for candidates, tools, suffix in passes:
             for label, recomputed in candidates:
-                plan, sim = self.add_swaps(budget_bytes, recomputed, throttle=throttle, order=order)
+                plan, sim = self.add_swaps(budget_bytes, recomputed, tools)
                 tried.append((label + suffix, sim.peak_bytes))
                 if lowest is None or sim.peak_bytes < lowest[1].peak_bytes:
                     lowest = (plan, sim, label + suffix)
