@@ -12,6 +12,7 @@ branches trains to the plain step's numbers with both, holds the inserted ops th
 and TensorFlow really executes the ops in the order the plan asks for.
 """
 
+import collections
 import dataclasses
 
 import pytest
@@ -178,3 +179,31 @@ def test_waits_and_orderings_train_to_the_plain_numbers_in_the_planned_order(cpu
             assert waiter.start_ps >= min(e.end_ps for e in signal), (d.tensor, d.swap_out_before)
             checked += 1
     assert checked >= len(waits) // 2, (checked, len(waits))
+
+
+def test_an_unknown_batch_trace_offers_the_same_tensors_as_a_concrete_one():
+    """With an unknown batch dimension the gradient reads activations' shapes through Shape ops
+    that run during the forward pass. They only read metadata: they must neither make a tensor a
+    candidate nor stop it from being swapped (the largest-batch search plans such traces)."""
+    from lms_tf.graph import build_ir
+    from lms_tf.planner.default import METADATA_READER_TYPES, collect_candidates
+    from lms_tf.workloads import train_step
+
+    model, (x, _) = zoo.inception_style()
+    step = tf.function(train_step(model))
+    concrete = build_ir(step.get_concrete_function(tf.TensorSpec((8,) + x.shape[1:]),
+                                                   tf.TensorSpec((8,), tf.int32)).graph)
+    unknown = build_ir(step.get_concrete_function(tf.TensorSpec((None,) + x.shape[1:]),
+                                                  tf.TensorSpec((None,), tf.int32)).graph, batch_size=8)
+    assert any(op.type in METADATA_READER_TYPES and op.phase is Phase.BACKWARD for op in unknown.ops)
+    options = LMSOptions(device="/CPU:0", host="/CPU:1", min_swap_bytes=1)
+    found = {name: collect_candidates(ir, options, device="/device:CPU:0") for name, ir in
+             (("concrete", concrete), ("unknown", unknown))}
+    for candidates in found.values():
+        assert not any(c.type in METADATA_READER_TYPES for readers in candidates.backward_of.values()
+                       for c in readers)
+    # every activation the concrete trace may move, the unknown-batch one may move too
+    sizes = {name: collections.Counter(ir.tensors[t].nbytes for t in found[name].eligible
+                                       if ir.tensors[t].nbytes >= 64 * 2**10)
+             for name, ir in (("concrete", concrete), ("unknown", unknown))}
+    assert sizes["concrete"] and not sizes["concrete"] - sizes["unknown"]
