@@ -78,6 +78,8 @@ SWAP_IN_LAG = 2
 #: How many of the largest backward temporaries alive at the peak are paired up when looking
 #: for two branches to run one after the other.
 ORDERING_CANDIDATES = 8
+#: Head starts tried when re-timing late swap-ins (fractions of the copy's time).
+RETIME_LEADS = (1.0, 0.5)
 #: How many of those pairs (largest first) are tried per round.
 ORDERING_PAIRS = 3
 
@@ -201,7 +203,7 @@ class _Planner:
         return {d.tensor: d for d in plan.recomputed}
 
     def assemble(self, swap: Set[str], recomputed: Mapping[str, TensorDecision], tools: _Tools = _Tools(),
-                 orderings: Tuple[Ordering, ...] = (), timed: frozenset = frozenset()) -> Plan:
+                 orderings: Tuple[Ordering, ...] = (), leads: Optional[Mapping[str, float]] = None) -> Plan:
         ir, found, options = self.ir, self.found, self.options
         decisions: Dict[str, TensorDecision] = dict(found.kept)
         for name in found.eligible:
@@ -209,8 +211,8 @@ class _Planner:
                 decisions[name] = recomputed[name]
                 continue
             info = ir.tensors[name]
-            late = tools.late_swap_ins and name not in timed
-            decision = self.timed_swap(name, found.distance[name], late) if name in swap else None
+            lead = (leads or {}).get(name, 0.0 if tools.late_swap_ins else 1.0)
+            decision = self.timed_swap(name, found.distance[name], lead) if name in swap else None
             decisions[name] = decision or TensorDecision(
                 name, layer_of(info.producer), info.shape, info.nbytes, Decision.KEEP, "fits the budget",
                 found.distance[name], ())
@@ -242,10 +244,10 @@ class _Planner:
         self.simulations += 1
         return simulate(self.ir, plan, cost=self.cost, top=None, op_times=self.op_times)
 
-    def timed_swap(self, tensor: str, distance: int, late: bool = False) -> Optional[TensorDecision]:
+    def timed_swap(self, tensor: str, distance: int, lead: float = 1.0) -> Optional[TensorDecision]:
         """A SWAP decision whose swap-ins start just early enough for the copy back to end
-        before their consumers (by the baseline's predicted times), or, ``late``, right before
-        them; None if no backward op runs early enough to trigger one."""
+        before their consumers (by the baseline's predicted times; ``lead`` scales that head
+        start, 0 = right before them); None if no backward op runs early enough to trigger one."""
         ir, found = self.ir, self.found
         info = ir.tensors[tensor]
         copy_back = self.cost.transfer_time(info.nbytes or 0, "host_to_device")
@@ -261,9 +263,9 @@ class _Planner:
             position = bisect.bisect_left(found.gate_positions, group[0].index) - 1
             if position < 0:
                 return None
-            deadline = intervals.get(group[0].name, (0.0, 0.0))[0] - copy_back
+            deadline = intervals.get(group[0].name, (0.0, 0.0))[0] - lead * copy_back
             # Alias ops (Reshape, Identity) take no time of their own and have no interval: walk past them.
-            while not late and position > 0 and \
+            while lead > 0 and position > 0 and \
                     intervals.get(found.gates[position].name, (0.0, float("inf")))[1] > deadline:
                 position -= 1
             swap_ins.append(SwapIn(found.gates[position].name, tuple(c.name for c in group)))
@@ -478,19 +480,22 @@ class _Planner:
     def retime_swap_ins(self, budget_bytes: int, plan: Plan, sim: Simulation, label: str,
                         tools: _Tools) -> Tuple[Plan, Simulation, str]:
         """A fitting plan with late swap-ins, made faster: one swapped tensor at a time (largest
-        first), its swap-ins are timed to hide the copy, kept where the peak still fits."""
+        first), its swap-ins get the whole head start the copy needs, or half of it, whichever
+        is the first to keep the peak within budget and shorten the step."""
         swap = {d.tensor for d in plan.swapped}
         recomputed = {d.tensor: d for d in plan.recomputed}
-        timed: frozenset = frozenset()
+        leads: Dict[str, float] = {}
         for decision in sorted(plan.swapped, key=lambda d: -(d.nbytes or 0)):
-            candidate = self.assemble(swap, recomputed, tools, plan.orderings, timed | {decision.tensor})
-            try:
-                candidate_sim = self.simulate(candidate)
-            except PlanCycleError:
-                continue
-            if candidate_sim.peak_bytes <= budget_bytes and candidate_sim.step_time_s < sim.step_time_s:
-                plan, sim, timed = candidate, candidate_sim, timed | {decision.tensor}
-        return plan, sim, label + (f" ({len(timed)} retimed)" if timed else "")
+            for lead in RETIME_LEADS:
+                candidate = self.assemble(swap, recomputed, tools, plan.orderings, {**leads, decision.tensor: lead})
+                try:
+                    candidate_sim = self.simulate(candidate)
+                except PlanCycleError:
+                    continue
+                if candidate_sim.peak_bytes <= budget_bytes and candidate_sim.step_time_s < sim.step_time_s:
+                    plan, sim, leads = candidate, candidate_sim, {**leads, decision.tensor: lead}
+                    break
+        return plan, sim, label + (f" ({len(leads)} swap-ins re-timed)" if leads else "")
 
     def plan(self, budget_bytes: int) -> Tuple[Plan, Simulation, str, List[Tuple[str, int]]]:
         """The fastest plan that fits, trying recompute bases in order; else the lowest peak found."""
