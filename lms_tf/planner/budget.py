@@ -174,6 +174,8 @@ class _Planner:
                            if g.name in self.baseline.op_intervals]
         self.forward_seconds = min(backward_starts, default=self.baseline.compute_time_s)
         self.simulations = 1
+        self._successors: Optional[Dict[str, List[str]]] = None
+        self._paths: Dict[str, List[str]] = {}
 
     def recompute_bases(self) -> List[Tuple[str, Dict[str, TensorDecision]]]:
         """Recompute-only starting points, cheapest first: none, "cheap", "sqrt" with several
@@ -322,11 +324,12 @@ class _Planner:
                 lagged[d.tensor] = dataclasses.replace(d, swap_ins=swap_ins)
         return lagged
 
-    def _backward_graph(self):
-        """Successors (data and control) of every op, and its name path without gradient scopes."""
-        if not hasattr(self, "_successors"):
+    def _backward_graph(self) -> Tuple[Dict[str, List[str]], Dict[str, List[str]]]:
+        """Successors (data and control) of every op, and each backward op's name path without
+        gradient scopes; built on first use (only plans that need orderings pay for it)."""
+        if self._successors is None:
             ir = self.ir
-            self._successors: Dict[str, List[str]] = {op.name: [] for op in ir.ops}
+            self._successors = {op.name: [] for op in ir.ops}
             for op in ir.ops:
                 for t in op.inputs:
                     self._successors[ir.tensors[t].producer].append(op.name)
@@ -336,6 +339,7 @@ class _Planner:
         return self._successors, self._paths
 
     def _reaches(self, sources: List[str], targets: Set[str]) -> bool:
+        """Whether a path of data or control edges leads from one of ``sources`` to a target."""
         successors, _ = self._backward_graph()
         stack, seen = list(sources), set(sources)
         while stack:
