@@ -262,7 +262,7 @@ class _Planner:
                 groups.append([consumer])
         swap_ins = []
         for group in groups:
-            position = bisect.bisect_left(found.gate_positions, group[0].index) - 1
+            position = found.gates_before(group[0].index) - 1
             if position < 0:
                 return None
             deadline = intervals.get(group[0].name, (0.0, 0.0))[0] - lead * copy_back
@@ -313,7 +313,7 @@ class _Planner:
         for i, (first, tensor, k) in enumerate(groups):
             if i < SWAP_IN_LAG:
                 continue
-            position = bisect.bisect_left(found.gate_positions, groups[i - SWAP_IN_LAG][0]) - 1
+            position = found.gates_before(groups[i - SWAP_IN_LAG][0]) - 1
             if position >= 0:
                 triggers[(tensor, k)] = found.gates[position].name
         lagged = {}

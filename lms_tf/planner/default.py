@@ -146,6 +146,11 @@ def _exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappi
 #: stay on the original tensor and do not count as backward consumers.
 METADATA_READER_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
+
+def _reads_value_in_backward(op: OpInfo) -> bool:
+    """Whether ``op`` is a backward op that needs the values it reads (not only their shape)."""
+    return op.phase is Phase.BACKWARD and op.type not in METADATA_READER_TYPES
+
 #: Backward ops never used as gates or swap-in triggers: oneDNN fuses ``BiasAddGrad`` into the
 #: ``Conv2DBackpropFilter``/``MatMul`` next to it on CPUs; if that partner reads a tensor the gate
 #: releases, the fused node would wait for itself (seen with VGG16: "N nodes in a cycle").
@@ -382,8 +387,7 @@ class _RegionFinder:
                 and clonable(producer) and producer.name not in ir.function_inputs
                 and producer.type not in CONTROL_FLOW_OP_TYPES and producer.type not in _VARIABLE_READ_TYPES
                 and info.dtype not in ("resource", "variant")
-                and not any(ir.op(c).phase is Phase.BACKWARD and ir.op(c).type not in METADATA_READER_TYPES
-                            for c in info.consumers)
+                and not any(_reads_value_in_backward(ir.op(c)) for c in info.consumers)
                 and self.through(producer))  # a pure intermediate: recompute it too
 
     def op_region(self, name: str) -> frozenset:
@@ -407,11 +411,6 @@ class _RegionFinder:
     def region(self, tensor: str) -> Tuple[str, ...]:
         ir = self.ir
         return tuple(sorted(self.op_region(ir.tensors[tensor].producer), key=lambda n: ir.op(n).index))
-
-
-def _clone_region(ir: GraphIR, tensor: str, targets: Set[str], through) -> Tuple[str, ...]:
-    """Forward ops to clone to produce ``tensor`` again from its nearest checkpoints."""
-    return _RegionFinder(ir, targets, through).region(tensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,6 +440,16 @@ class Candidates:
     gates: Tuple[OpInfo, ...]
     gate_positions: Tuple[int, ...]
 
+    def gates_before(self, index: int) -> int:
+        """How many gates run before the op at execution index ``index`` (``gates[n - 1]`` is the last).
+
+        Example:
+            >>> from lms_tf.graph.ir import GraphIR
+            >>> collect_candidates(GraphIR((), {}, frozenset(), {}), LMSOptions(), device="/device:GPU:0").gates_before(5)
+            0
+        """
+        return bisect.bisect_left(self.gate_positions, index)
+
 
 def collect_candidates(ir: GraphIR, options: LMSOptions, *, device: str,
                        scope_aliases: Optional[Mapping[str, str]] = None) -> Candidates:
@@ -468,7 +477,7 @@ def collect_candidates(ir: GraphIR, options: LMSOptions, *, device: str,
         for name in op.outputs:
             tensor = ir.tensors[name]
             readers = [ir.op(c) for c in tensor.consumers]
-            backward = tuple(c for c in readers if c.phase is Phase.BACKWARD and c.type not in METADATA_READER_TYPES)
+            backward = tuple(c for c in readers if _reads_value_in_backward(c))
             if not backward:
                 continue
             order.append(name)
@@ -537,7 +546,7 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
         # A tensor read before any gate can run (label handling at the very start of the backward
         # pass) cannot be recomputed; it must not drag its segment's shared gate before every gate.
         segment_of = {name: seg for name, seg in segment_of.items()
-                      if bisect.bisect_left(gate_positions, min(c.index for c in backward_of[name])) > 0}
+                      if found.gates_before(min(c.index for c in backward_of[name])) > 0}
         targets = set(segment_of)
         regions = _RegionFinder(ir, targets, through)
         first_use: Dict[int, int] = {}
@@ -552,7 +561,7 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
                         decisions[name], reason="stateful op: never recomputed" if producer.stateful else
                         f"{producer.type}: never recomputed (oneDNN pairs its gradient with its workspace)")
                 continue
-            before = bisect.bisect_left(gate_positions, first_use[segment_of[name]])
+            before = found.gates_before(first_use[segment_of[name]])
             if before == 0:
                 continue
             old = decisions[name]

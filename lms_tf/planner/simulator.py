@@ -16,10 +16,11 @@ TensorFlow's rules:
   variable while one of its reads is still pending copies the variable first
   (TensorFlow's copy-on-write), which is counted;
 * with a plan, a swapped tensor leaves the device when its swap-out copy ends (and its
-  forward readers are done), and a forward op told to wait for that copy starts after it; its swap-in is allocated when the copy back starts, right
-  after its trigger op, and consumers wait for the copy to end; recompute clones run after
-  their gate and hold their outputs until their backward readers end; a plan's orderings hold
-  backward ops back until other backward ops ended.
+  forward readers are done), and a forward op told to wait for that copy starts after it;
+  its swap-in is allocated when the copy back starts, right after its trigger op, and
+  consumers wait for the copy to end; recompute clones run after their gate and hold their
+  outputs until their backward readers end; a plan's orderings hold backward ops back until
+  other backward ops ended.
 
 Example:
     >>> import tensorflow as tf
@@ -170,6 +171,13 @@ class _Builder:
             self.buffer_producer[key] = index
         return index
 
+    def indices_of(self, name: str) -> List[int]:
+        """The simulator ops an IR op's name stands for: itself, or for an alias op (which the
+        simulator does not run) the ops it waits for."""
+        if name in self.index_of:
+            return [self.index_of[name]]
+        return [self.index_of[n] for n in self.producer_deps(self.ir.op(name))]
+
     def producer_deps(self, op: OpInfo) -> List[str]:
         """Names of the non-alias ops an IR op waits for: producers of the buffers it reads (through
         aliases, output by output) and its control inputs (an alias op as a control input waits for
@@ -305,7 +313,9 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
 
     plain = _plain_structure(ir)
     reads_alias = READS_ALIAS(ir)
-    repointed = {consumer for consumer, _ in b.replace}
+    # Ops whose reads and waits differ from the plain step's: re-pointed consumers, and readers of
+    # an alias (whose source may now be a swap-in or a clone). The others reuse the cached structure.
+    rebuilt = {consumer for consumer, _ in b.replace} | reads_alias if b.replace else set()
     for op in ir.ops:
         if op.type in ALIAS_TYPES:
             for extra in extra_after.get(op.name, ()):
@@ -313,8 +323,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
                 b.index_of[extra.name] = b.add(extra)
             continue
         cached_reads, writes, _ = plain[op.name]
-        reads = [b.source(op.name, t) for t in op.inputs] if b.replace and (
-            op.name in repointed or op.name in reads_alias) else list(cached_reads)
+        reads = [b.source(op.name, t) for t in op.inputs] if op.name in rebuilt else list(cached_reads)
         updates = op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None
         index = b.add(_Op(op.name, _COMPUTE, op_time(op), reads, writes, [],
                           forwarding=op.type in FORWARDING_TYPES, updates=updates, order=op.index,
@@ -330,14 +339,12 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
     for index, sim in enumerate(b.ops):
         deps = {b.buffer_producer[k] for k in sim.reads if k in b.buffer_producer}
         if sim.trigger is not None:
-            deps.update([b.index_of[sim.trigger]] if sim.trigger in b.index_of else
-                        (b.index_of[n] for n in b.producer_deps(ir.op(sim.trigger))))
+            deps.update(b.indices_of(sim.trigger))
         if sim.name in ir_names:
-            names = b.producer_deps(ir.op(sim.name)) if sim.name in repointed or b.replace and \
-                sim.name in reads_alias else plain[sim.name][2]
+            names = b.producer_deps(ir.op(sim.name)) if sim.name in rebuilt else plain[sim.name][2]
             deps.update(b.index_of[n] for n in names)
             for n in extra_deps.get(sim.name, ()):
-                deps.update([b.index_of[n]] if n in b.index_of else (b.index_of[m] for m in b.producer_deps(ir.op(n))))
+                deps.update(b.indices_of(n))
         sim.deps = sorted(deps - {index})
     return b
 

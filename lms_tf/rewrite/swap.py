@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Tuple, Union
 
 import tensorflow as tf
 
@@ -39,34 +39,41 @@ def _gate_source(trigger: tf.Operation) -> tf.Tensor:
                        f"the planner must only choose ops with a numeric output.")
 
 
+def _signal(graph: tf.Graph, source: tf.Tensor, receiver: Union[str, tf.Operation], name: str,
+            kind: str) -> tf.Operation:
+    """An op on ``receiver``'s side (a device, or next to an op) that runs only after ``source``
+    exists: ``Shape(source)`` next to the source, received by an ``Identity``. A data edge, because a
+    control edge that crosses devices can hang TensorFlow's executor (DESIGN.md)."""
+    with graph.colocate_with(source.op):
+        # raw Shape op: tf.shape() would fold a static shape into a constant at trace time.
+        shape = tf.raw_ops.Shape(input=source, name=f"{name}_shape")
+    if isinstance(receiver, tf.Operation):
+        with graph.colocate_with(receiver):
+            signal = tf.identity(shape, name=name)
+    else:
+        with graph.colocate_with(None, ignore_existing=True), graph.device(receiver):
+            signal = tf.identity(shape, name=name)
+    mark(shape.op, kind)
+    mark(signal.op, kind)
+    return signal.op
+
+
 def gated_swap_in(graph: tf.Graph, swap_out: tf.Tensor, trigger: tf.Operation, host: str, name: str) -> tf.Tensor:
     """A host Identity of ``swap_out`` that cannot run before ``trigger``.
 
     The gate reaches the host as a data edge: ``Shape(trigger output)`` on the trigger's
     device, received by a host ``Identity``, which is the swap-in's (host -> host) control input.
     """
-    with graph.colocate_with(trigger):
-        # raw Shape op: tf.shape() would fold a static shape into a constant at trace time.
-        shape = tf.raw_ops.Shape(input=_gate_source(trigger), name=f"{name}_gate_shape")
-    with graph.colocate_with(None, ignore_existing=True), graph.device(host):
-        gate = tf.identity(shape, name=f"{name}_gate")
-        with graph.control_dependencies([gate.op]):
-            swap_in = tf.identity(swap_out, name=name)
-    mark(shape.op, "swap_gate")
-    mark(gate.op, "swap_gate")
+    gate = _signal(graph, _gate_source(trigger), host, f"{name}_gate", "swap_gate")
+    with graph.colocate_with(None, ignore_existing=True), graph.device(host), graph.control_dependencies([gate]):
+        swap_in = tf.identity(swap_out, name=name)
     mark(swap_in.op, "swap_in")
     return swap_in
 
 
-def wait_for_swap_out(graph: tf.Graph, swap_out: tf.Tensor, waiter: tf.Operation, host: str, name: str) -> None:
+def wait_for_swap_out(graph: tf.Graph, swap_out: tf.Tensor, waiter: tf.Operation, name: str) -> None:
     """Makes forward op ``waiter`` start only after the copy ``swap_out`` has reached the host."""
-    with graph.colocate_with(None, ignore_existing=True), graph.device(host):
-        shape = tf.raw_ops.Shape(input=swap_out, name=f"{name}_shape")
-    with graph.colocate_with(waiter):
-        signal = tf.identity(shape, name=name)
-    _compat.add_control_input(waiter, signal.op)
-    mark(shape.op, "swap_out_done")
-    mark(signal.op, "swap_out_done")
+    _compat.add_control_input(waiter, _signal(graph, swap_out, waiter, name, "swap_out_done"))
 
 
 def insert_swaps(graph: tf.Graph, plan: Plan, inserted: Dict[str, int]) -> Tuple[Dict[str, tf.Tensor], int]:
@@ -87,7 +94,7 @@ def insert_swaps(graph: tf.Graph, plan: Plan, inserted: Dict[str, int]) -> Tuple
         inserted["swap_out"] += 1
         swap_outs[decision.tensor] = swap_out
         if decision.swap_out_before is not None:
-            wait_for_swap_out(graph, swap_out, graph.get_operation_by_name(decision.swap_out_before), plan.host,
+            wait_for_swap_out(graph, swap_out, graph.get_operation_by_name(decision.swap_out_before),
                               f"swap_out_{i}_done")
             inserted["swap_out_done"] += 2
         for j, swap in enumerate(decision.swap_ins):
