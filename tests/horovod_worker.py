@@ -8,8 +8,9 @@ Scenarios:
         rank 0 also writes the single-process references it computes on the two ranks'
         batches concatenated. LMS_TF_SCENARIOS=a,b limits the job to some of them:
         fit_lms_first, fit_dist_first (LMSCallback with optimizer_on_host), custom
-        (lms_tf.function(horovod=True)), pipelined (executed-op order of one step with one
-        bucket per gradient), one_bucket (the same with a single allreduce).
+        (lms_tf.function(horovod=True)), pipelined (executed-op order of PROFILED_STEPS steps,
+        each profiled alone, with one bucket per gradient), one_bucket (the same with a single
+        allreduce).
     raise: rank 1 raises in its third training batch; rank 0 keeps training. The job must stop.
 
 Each rank initialises its model from a different seed, so equal weights prove the broadcast.
@@ -45,6 +46,7 @@ hvd = horovod_tensorflow()
 RANK, SIZE = hvd.rank(), hvd.size()
 CPU_LMS = dict(device="/CPU:0", host="/CPU:1", min_swap_bytes=0)
 LOCAL_BATCH, STEPS = 4, 3
+PROFILED_STEPS = 5
 
 
 def progress(message: str) -> None:
@@ -155,7 +157,7 @@ def pipelined_scenario(results: dict, bucket_bytes, key: str) -> None:
     images = np.random.RandomState(RANK).rand(16, 32, 32, 3).astype("float32")
     labels = np.arange(16, dtype="int32") % 10
     iterator = iter(tf.data.Dataset.from_tensor_slices((images, labels)).batch(16).repeat())
-    # Drive the callback by hand to profile exactly one step of fit's own train function.
+    # Drive the callback by hand to profile single steps of fit's own train function.
     dist = DistributedCallback(bucket_bytes=bucket_bytes)
     dist.set_model(model)
     facts: dict = {}
@@ -163,12 +165,22 @@ def pipelined_scenario(results: dict, bucket_bytes, key: str) -> None:
     dist.on_train_begin()
     for _ in range(2):  # trace, then warm up
         model.train_function(iterator)
-    events = executed_ops(lambda: model.train_function(iterator))
+    # Overlap is a race between two processes on two cores: one profiled step can miss it when
+    # the other rank lags by a whole backward pass, so several steps are profiled separately.
+    steps = [executed_ops(lambda: model.train_function(iterator)) for _ in range(PROFILED_STEPS)]
     dist.on_train_end()
-    # The profiler records no event for Horovod's asynchronous kernels, so each bucket's
-    # allreduce is observed through its consumers (the optimizer update): a consumer that
-    # started before the backward pass ended proves the bucket was averaged during backward.
     allreduce_ops = [op for op in facts["graph"].get_operations() if op.type.startswith("HorovodGroupedAllreduce")]
+    per_step = [_overlap(events, allreduce_ops) for events in steps]
+    results[key] = dict(allreduce_ops=len(allreduce_ops), steps=per_step)
+
+
+def _overlap(events, allreduce_ops) -> dict:
+    """How many buckets' consumers started before the last backward op of one step ended.
+
+    The profiler records no event for Horovod's asynchronous kernels, so each bucket's
+    allreduce is observed through its consumers (the optimizer update): a consumer that
+    started before the backward pass ended proves the bucket was averaged during backward.
+    """
     backward = [e for e in events if "gradient_tape" in e.node]
     last_backward_end = max(e.end_ps for e in backward)
     consumer_starts = []
@@ -176,10 +188,10 @@ def pipelined_scenario(results: dict, bucket_bytes, key: str) -> None:
         starts = [e.start_ps for name in first_consumers(op) for e in events
                   if e.node == name or e.node.endswith("/" + name)]
         consumer_starts.append(min(starts) if starts else None)
-    results[key] = dict(
-        allreduce_ops=len(allreduce_ops), backward_ops=len(backward), last_backward_end=last_backward_end,
-        first_backward_start=min(e.start_ps for e in backward), consumer_starts=consumer_starts,
-        buckets_consumed_before_backward_end=sum(t is not None and t < last_backward_end for t in consumer_starts))
+    return dict(backward_ops=len(backward), last_backward_end=last_backward_end,
+                first_backward_start=min(e.start_ps for e in backward), consumer_starts=consumer_starts,
+                buckets_consumed_before_backward_end=sum(t is not None and t < last_backward_end
+                                                         for t in consumer_starts))
 
 
 def main() -> None:

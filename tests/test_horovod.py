@@ -109,14 +109,22 @@ def test_custom_loop_averages_in_one_bucket_by_default(job):
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 def test_gradients_are_averaged_while_the_backward_pass_runs(job):
     """Executed order: with one bucket per gradient, the optimizer consumed averaged buckets
-    before the last backward op ended; with a single bucket it never can (the control case)."""
+    before the last backward op ended; with a single bucket it never can (the control case).
+
+    Overlap needs the other rank to be no more than a backward pass behind, which two
+    processes sharing two cores do not guarantee in every step: the pipelined claim is that
+    it happened in at least one of the profiled steps, the control that it never did.
+    """
     for rank in job:
         pipelined, single = rank["pipelined"], rank["one_bucket"]
         assert pipelined["allreduce_ops"] == 18 and single["allreduce_ops"] == 1
-        assert pipelined["backward_ops"] > 20
-        assert None not in pipelined["consumer_starts"], "a bucket's consumer was not seen executing"
-        assert pipelined["buckets_consumed_before_backward_end"] >= 1, pipelined
-        assert single["buckets_consumed_before_backward_end"] == 0, single
+        assert len(pipelined["steps"]) == len(single["steps"]) >= 3
+        for step in pipelined["steps"]:
+            assert step["backward_ops"] > 20
+            assert None not in step["consumer_starts"], "a bucket's consumer was not seen executing"
+        overlapped = [step["buckets_consumed_before_backward_end"] for step in pipelined["steps"]]
+        assert max(overlapped) >= 1, pipelined
+        assert all(step["buckets_consumed_before_backward_end"] == 0 for step in single["steps"]), single
 
 
 @pytest.mark.timeout(300)
