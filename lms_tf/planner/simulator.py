@@ -88,6 +88,11 @@ class Simulation:
             after every allocation or free.
         peak_time_s: When the peak was reached.
         op_intervals: Op name -> (start, end) seconds, for every op the simulation ran.
+        allocations: With ``log_allocations=True``, every device allocation, free and in-place
+            hand-over in the order the step ran them (``("alloc", key, bytes)``,
+            ``("free", key, 0)``, ``("rename", old key, new key)``), kernel scratch included:
+            what :func:`lms_tf.planner.allocator.replay_allocations` feeds to a model of
+            TensorFlow's allocator.
 
     Example:
         >>> Simulation(10, "a", (), 1.0, 1.0, 0, 0, ()).peak_bytes
@@ -104,6 +109,7 @@ class Simulation:
     timeline: Tuple[Tuple[float, int, int, int], ...]
     peak_time_s: float = 0.0
     op_intervals: Mapping[str, Tuple[float, float]] = dataclasses.field(default_factory=dict)
+    allocations: Tuple[Tuple[str, str, object], ...] = ()
 
 
 @dataclasses.dataclass(slots=True)
@@ -351,7 +357,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
 
 def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: Optional[int] = 8,
              priority: Optional[Dict[str, float]] = None,
-             op_times: Optional[Mapping[str, float]] = None) -> Simulation:
+             op_times: Optional[Mapping[str, float]] = None, log_allocations: bool = False) -> Simulation:
     """Replays the step (rewritten by ``plan``, if given) and reports memory and time.
 
     Args:
@@ -363,6 +369,7 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
             times of a profiled real step, to replay the order TensorFlow really used).
         op_times: Op name -> predicted seconds, when already computed with ``cost`` (planners
             simulate one step many times).
+        log_allocations: Record :attr:`Simulation.allocations`.
 
     Returns:
         A :class:`Simulation`.
@@ -413,11 +420,22 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
     def record(t: float) -> None:
         timeline.append((t, in_use, in_flight[_TO_HOST], in_flight[_TO_DEVICE]))
 
+    allocations: Optional[List[Tuple[str, str, object]]] = [] if log_allocations else None
+
+    def allocate(key: str, nbytes: int) -> None:
+        nonlocal in_use
+        alive[key] = nbytes
+        in_use += nbytes
+        if allocations is not None:
+            allocations.append(("alloc", key, nbytes))
+
     def free(key: str) -> None:
         nonlocal in_use
         size = alive.pop(key, None)
         if size is not None:
             in_use -= size
+            if allocations is not None:
+                allocations.append(("free", key, 0))
 
     ready: List[collections.deque] = [collections.deque(), collections.deque(), collections.deque()]
     initial = sorted((i for i, n in enumerate(pending) if n == 0), key=lambda i: ops[i].order)
@@ -440,16 +458,18 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
             if reuse is not None:
                 alive[key] = alive.pop(reuse)
                 uses[reuse] = 0
+                if allocations is not None:
+                    allocations.append(("rename", reuse, key))
                 continue
-            alive[key] = nbytes
-            in_use += nbytes
+            allocate(key, nbytes)
         if op.updates is not None:
             pending_reads = [r for r in handle_reads.get(op.updates, ()) if uses[r] > 0]
             if pending_reads:
                 key = f"copy_on_write/{op.name}"
-                alive[key] = builder.ir.tensors[pending_reads[0]].nbytes or 0
-                in_use += alive[key]
+                allocate(key, builder.ir.tensors[pending_reads[0]].nbytes or 0)
                 copy_on_write[key] = pending_reads
+        if allocations is not None and op.workspace:
+            allocations.append(("alloc", f"workspace/{op.name}", op.workspace))
         if stream == _COMPUTE:
             compute_time += op.duration
         else:
@@ -467,6 +487,8 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
     def finish(i: int, at: float) -> None:
         op = ops[i]
         busy[op.stream] = False
+        if allocations is not None and op.workspace:
+            allocations.append(("free", f"workspace/{op.name}", 0))
         if op.stream != _COMPUTE:
             in_flight[op.stream] -= sum(builder.ir.tensors[r[len("host/"):]].nbytes or 0 for r in op.reads
                                         if r.startswith("host/")) if op.stream == _TO_DEVICE else \
@@ -512,7 +534,23 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
     return Simulation(peak_bytes=peak, peak_op=peak_op, live_at_peak=live_at_peak, step_time_s=now,
                       compute_time_s=compute_time, swap_out_bytes=swap_bytes[_TO_HOST],
                       swap_in_bytes=swap_bytes[_TO_DEVICE], timeline=tuple(timeline), peak_time_s=peak_time,
-                      op_intervals=intervals)
+                      op_intervals=intervals, allocations=tuple(allocations or ()))
+
+
+def resident_buffers(ir: GraphIR) -> List[Tuple[str, int]]:
+    """The variables the step reads (weights, optimizer slots), ``(handle, bytes)`` in graph
+    order: resident for the whole step.
+
+    Example:
+        >>> from lms_tf.graph.ir import GraphIR
+        >>> resident_buffers(GraphIR((), {}, frozenset(), {}))
+        []
+    """
+    sizes: Dict[str, int] = {}
+    for op in ir.ops:
+        if op.type == "ReadVariableOp" and op.inputs:
+            sizes[op.inputs[0]] = max(sizes.get(op.inputs[0], 0), ir.tensors[op.outputs[0]].nbytes or 0)
+    return list(sizes.items())
 
 
 def resident_bytes(ir: GraphIR) -> int:
@@ -523,8 +561,4 @@ def resident_bytes(ir: GraphIR) -> int:
         >>> resident_bytes(GraphIR((), {}, frozenset(), {}))
         0
     """
-    sizes: Dict[str, int] = {}
-    for op in ir.ops:
-        if op.type == "ReadVariableOp" and op.inputs:
-            sizes[op.inputs[0]] = max(sizes.get(op.inputs[0], 0), ir.tensors[op.outputs[0]].nbytes or 0)
-    return sum(sizes.values())
+    return sum(nbytes for _, nbytes in resident_buffers(ir))
