@@ -30,7 +30,7 @@ import lms_tf  # noqa: E402
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
 from lms_tf.diagnostics import executed_ops  # noqa: E402
 from lms_tf.graph import build_ir  # noqa: E402
-from lms_tf.planner import simulate  # noqa: E402
+from lms_tf.planner import simulate, tensorflow_cpu_allocator  # noqa: E402
 from lms_tf.rewrite.recompute import simulator_name  # noqa: E402
 from lms_tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
 
@@ -54,10 +54,15 @@ def measured(fn, x, y, graph=None):
     return memory.peak_bytes, rank
 
 
-def compare(ir, plan, fn, x, y):
-    real, rank = measured(fn, x, y, graph=fn.get_concrete_function(x, y).graph)
-    return {"real": real, "replay": simulate(ir, plan, cost=COST, priority=rank).peak_bytes,
-            "blind": simulate(ir, plan, cost=COST).peak_bytes}
+def compare(ir, plan, fn, x, y, runs=3):
+    """The median of ``runs`` real peaks, and the simulator's: blind and replaying that run's
+    order, each as summed tensor bytes and as TensorFlow's allocator counts them (whole chunks)."""
+    graph = fn.get_concrete_function(x, y).graph
+    real, rank = sorted((measured(fn, x, y, graph=graph) for _ in range(runs)), key=lambda run: run[0])[runs // 2]
+    replay = simulate(ir, plan, cost=COST, priority=rank, allocator=tensorflow_cpu_allocator())
+    blind = simulate(ir, plan, cost=COST, allocator=tensorflow_cpu_allocator())
+    return {"real": real, "replay": replay.peak_bytes, "blind": blind.peak_bytes,
+            "replay_allocator": replay.allocator_peak_bytes, "blind_allocator": blind.allocator_peak_bytes}
 
 
 def main(specs):

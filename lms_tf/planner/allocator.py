@@ -93,9 +93,9 @@ class BFCAllocatorModel:
 
     Example:
         >>> bfc = BFCAllocatorModel(memory_limit_bytes=2**30, allow_growth=True)
-        >>> bfc.allocate("x", 3 * 2**20)   # more than the first 2 MiB region: a 4 MiB one is added
-        >>> bfc.pool_bytes // 2**20, bfc.in_use_bytes // 2**20
-        (4, 3)
+        >>> bfc.allocate("x", 3 * 2**20)   # more than the first 2 MiB region: a 4 MiB one is added,
+        >>> bfc.pool_bytes // 2**20, bfc.in_use_bytes // 2**20   # and served whole (4 < 2 x 3)
+        (4, 4)
     """
 
     def __init__(self, *, memory_limit_bytes: int, allow_growth: bool = False):
@@ -217,6 +217,26 @@ class BFCAllocatorModel:
         self._bin(_Chunk(ptr=self._regions * _REGION_GAP, size=region_bytes, region=self._regions))
 
 
+def tensorflow_cpu_allocator() -> BFCAllocatorModel:
+    """TensorFlow's CPU allocator with ``TF_CPU_ALLOCATOR_USE_BFC=true``: 64 GiB, grows by regions.
+
+    Example:
+        >>> tensorflow_cpu_allocator().allow_growth
+        True
+    """
+    return BFCAllocatorModel(memory_limit_bytes=CPU_MEMORY_LIMIT_BYTES, allow_growth=True)
+
+
+def tensorflow_gpu_allocator(memory_bytes: int) -> BFCAllocatorModel:
+    """TensorFlow's GPU allocator by default: one region of the device's memory, reserved up front.
+
+    Example:
+        >>> tensorflow_gpu_allocator(16 * 2**30).allow_growth
+        False
+    """
+    return BFCAllocatorModel(memory_limit_bytes=memory_bytes, allow_growth=False)
+
+
 def replay_allocations(log: Sequence[Tuple[str, str, object]], model: BFCAllocatorModel, *,
                        resident: Sequence[Tuple[str, int]] = (), warm_steps: int = 1) -> int:
     """Peak bytes in use above the step's start when ``log`` runs through ``model``.
@@ -239,7 +259,7 @@ def replay_allocations(log: Sequence[Tuple[str, str, object]], model: BFCAllocat
     Example:
         >>> log = [("alloc", "a", 3 << 20), ("alloc", "b", 1 << 20), ("free", "a", 0), ("free", "b", 0)]
         >>> replay_allocations(log, BFCAllocatorModel(memory_limit_bytes=1 << 30, allow_growth=True)) // 2**20
-        4
+        5
     """
     for key, nbytes in resident:
         model.allocate(key, nbytes)

@@ -45,6 +45,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from lms_tf.cost.model import CostModel
 from lms_tf.errors import PlanCycleError
 from lms_tf.graph.ir import GraphIR, OpInfo
+from lms_tf.planner.allocator import BFCAllocatorModel, replay_allocations
 from lms_tf.planner.plan import Decision, Plan
 
 #: Ops whose outputs share their input's buffer.
@@ -93,6 +94,9 @@ class Simulation:
             ``("free", key, 0)``, ``("rename", old key, new key)``), kernel scratch included:
             what :func:`lms_tf.planner.allocator.replay_allocations` feeds to a model of
             TensorFlow's allocator.
+        allocator_peak_bytes: With ``allocator=``, the step's peak as TensorFlow's allocator
+            counts it (whole chunks, after a warm-up step): the figure to compare with
+            ``lms_tf.measure_peak_memory`` on a real run.
 
     Example:
         >>> Simulation(10, "a", (), 1.0, 1.0, 0, 0, ()).peak_bytes
@@ -110,6 +114,7 @@ class Simulation:
     peak_time_s: float = 0.0
     op_intervals: Mapping[str, Tuple[float, float]] = dataclasses.field(default_factory=dict)
     allocations: Tuple[Tuple[str, str, object], ...] = ()
+    allocator_peak_bytes: Optional[int] = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -357,7 +362,8 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
 
 def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: Optional[int] = 8,
              priority: Optional[Dict[str, float]] = None,
-             op_times: Optional[Mapping[str, float]] = None, log_allocations: bool = False) -> Simulation:
+             op_times: Optional[Mapping[str, float]] = None, log_allocations: bool = False,
+             allocator: Optional[BFCAllocatorModel] = None) -> Simulation:
     """Replays the step (rewritten by ``plan``, if given) and reports memory and time.
 
     Args:
@@ -370,6 +376,8 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         op_times: Op name -> predicted seconds, when already computed with ``cost`` (planners
             simulate one step many times).
         log_allocations: Record :attr:`Simulation.allocations`.
+        allocator: A fresh model of TensorFlow's allocator (e.g. :func:`tensorflow_cpu_allocator`)
+            to replay the step's allocations through: fills :attr:`Simulation.allocator_peak_bytes`.
 
     Returns:
         A :class:`Simulation`.
@@ -420,7 +428,7 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
     def record(t: float) -> None:
         timeline.append((t, in_use, in_flight[_TO_HOST], in_flight[_TO_DEVICE]))
 
-    allocations: Optional[List[Tuple[str, str, object]]] = [] if log_allocations else None
+    allocations: Optional[List[Tuple[str, str, object]]] = [] if log_allocations or allocator else None
 
     def allocate(key: str, nbytes: int) -> None:
         nonlocal in_use
@@ -534,7 +542,9 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
     return Simulation(peak_bytes=peak, peak_op=peak_op, live_at_peak=live_at_peak, step_time_s=now,
                       compute_time_s=compute_time, swap_out_bytes=swap_bytes[_TO_HOST],
                       swap_in_bytes=swap_bytes[_TO_DEVICE], timeline=tuple(timeline), peak_time_s=peak_time,
-                      op_intervals=intervals, allocations=tuple(allocations or ()))
+                      op_intervals=intervals, allocations=tuple(allocations or ()) if log_allocations else (),
+                      allocator_peak_bytes=None if allocator is None else replay_allocations(
+                          allocations, allocator, resident=resident_buffers(builder.ir)))
 
 
 def resident_buffers(ir: GraphIR) -> List[Tuple[str, int]]:
