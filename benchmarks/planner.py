@@ -5,6 +5,9 @@ batch, on the presets v100-16gb-pcie3 and h100-80gb-pcie5:
 
 * peak of the plain step: the real CPU allocator (this machine, the step really runs), the
   lms-tf simulator, and Grappler's virtual-GPU oracle;
+* the simulator against the real CPU allocator, for the plain step and a recompute-only
+  (``recompute="sqrt"``) step: summed tensor bytes, and the same allocations replayed through
+  the model of TensorFlow's BFC allocator (whole chunks, as ``get_memory_info`` counts them);
 * lms-tf at a budget of 25% of the plain step's simulated peak: simulated and oracle peaks;
 * Grappler's own memory optimizer (SWAPPING_HEURISTICS, RECOMPUTATION_HEURISTICS), run
   offline and judged by the same oracle;
@@ -38,7 +41,7 @@ from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
 from lms_tf.diagnostics import grappler_baseline_peak, virtual_gpu_peak  # noqa: E402
 from lms_tf.graph import build_ir  # noqa: E402
 from lms_tf.options import LMSOptions  # noqa: E402
-from lms_tf.planner import InfeasibleBudgetError, make_budget_plan, simulate  # noqa: E402
+from lms_tf.planner import InfeasibleBudgetError, make_budget_plan, simulate, tensorflow_cpu_allocator  # noqa: E402
 from lms_tf.planning_cli import largest_batch, link_lower_bound, plot_timeline  # noqa: E402
 from lms_tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
 
@@ -72,6 +75,15 @@ def model_rows(name, size, batch):
     ir = build_ir(concrete.graph)
     log.info("%s %dx%d b%d: %d ops; measuring the real CPU peak", name, size, size, batch, len(ir.ops))
     real = real_peak(plain, x, y)
+    validation_cost = CostModel(get_device_spec(PRESETS[0]))
+    plain_sim = simulate(ir, cost=validation_cost, allocator=tensorflow_cpu_allocator())
+    log.info("  recompute-only step: real CPU peak and simulation")
+    sqrt = lms_tf.function(step, device="/CPU:0", swap=False, recompute="sqrt")
+    sqrt.get_concrete_function(x, y)
+    sqrt_real = real_peak(sqrt, x, y)
+    sqrt_sim = simulate(sqrt.plain_irs[-1], sqrt.plan, cost=validation_cost, allocator=tensorflow_cpu_allocator())
+    validation = {"real_plain": real, "sum_plain": plain_sim.peak_bytes, "allocator_plain": plain_sim.allocator_peak_bytes,
+                  "real_sqrt": sqrt_real, "sum_sqrt": sqrt_sim.peak_bytes, "allocator_sqrt": sqrt_sim.allocator_peak_bytes}
     rows = []
     for preset in PRESETS:
         spec = get_device_spec(preset)
@@ -87,6 +99,7 @@ def model_rows(name, size, batch):
                     for mode in ("SWAPPING_HEURISTICS", "RECOMPUTATION_HEURISTICS")}
         options = LMSOptions(device="/CPU:0", host="/CPU:1", budget=BUDGET, device_spec=preset)
         row = {"model": name, "size": size, "batch": batch, "device": preset, "real_plain": real,
+               "validation": validation,
                "sim_plain": baseline.peak_bytes, "oracle_plain": oracle_plain,
                "grappler_swap": grappler["SWAPPING_HEURISTICS"],
                "grappler_recompute": grappler["RECOMPUTATION_HEURISTICS"]}
@@ -155,8 +168,27 @@ def mib(v):
     return "–" if v is None else f"{v / MiB:.0f}"
 
 
+def validation_table(rows):
+    lines = ["Simulator against the real CPU allocator (median of 3 real steps; the simulator predicts the order, "
+             "it is not given the real one). \"sum\": bytes of the live tensors; \"allocator\": the same "
+             "allocations through the model of TensorFlow's BFC allocator.", "",
+             "| model | plain: real | sum (ratio) | allocator (ratio) | recompute sqrt: real | sum (ratio) | "
+             "allocator (ratio) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["device"] != PRESETS[0]:
+            continue
+        v = r["validation"]
+        cells = []
+        for kind in ("plain", "sqrt"):
+            real = v[f"real_{kind}"]
+            cells.append(f"{mib(real)} | {mib(v[f'sum_{kind}'])} ({v[f'sum_{kind}'] / real:.2f}) | "
+                         f"{mib(v[f'allocator_{kind}'])} (**{v[f'allocator_{kind}'] / real:.2f}**)")
+        lines.append(f"| {r['model']} {r['size']}² b{r['batch']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(rows, batch_row, r152):
-    lines = [
+    lines = [validation_table(rows), "",
         f"Budget: {BUDGET} of the plain step's simulated peak. Peaks in MiB; ratios against the plain step "
         f"by the same judge.", "",
         "| model | device | real CPU plain | sim plain | sim/real | oracle plain | lms-tf sim (ratio) | lms-tf oracle "
