@@ -131,6 +131,7 @@ def run_plan(args) -> int:
         "budget_bytes": plan.budget_bytes if plan else error.budget_bytes,
         "baseline_peak_bytes": baseline.peak_bytes,
         "planned_peak_bytes": planned.peak_bytes if planned else None,
+        "planned_allocator_peak_bytes": plan.planned_allocator_peak_bytes if plan else None,
         "oracle_baseline_peak_bytes": oracle_plain, "oracle_planned_peak_bytes": oracle_planned,
         "resident_bytes": resident_bytes(ir),
         "swapped_bytes": swapped, "recomputed_bytes": plan.recomputed_bytes if plan else 0,
@@ -155,7 +156,8 @@ def run_plan(args) -> int:
         else:
             print(f"infeasible: {error}")
         print(f"\nsimulated peak: {baseline.peak_bytes / MiB:.1f} MiB plain -> "
-              f"{(planned.peak_bytes / MiB) if planned else float('nan'):.1f} MiB planned "
+              f"{(planned.peak_bytes / MiB) if planned else float('nan'):.1f} MiB planned, "
+              f"{(plan.planned_allocator_peak_bytes / MiB) if plan else float('nan'):.1f} MiB in the GPU allocator's chunks "
               f"(budget {result['budget_bytes'] / MiB:.1f} MiB, resident variables {result['resident_bytes'] / MiB:.1f} MiB)")
         if oracle_plain is not None:
             print(f"Grappler virtual GPU: {oracle_plain / MiB:.1f} MiB plain -> "

@@ -151,6 +151,8 @@ def test_planned_peak_fits_and_the_plan_is_printable(preset):
     opts = LMSOptions(device="/CPU:0", host="/CPU:1", budget="60%", device_spec=preset)
     plan = make_budget_plan(ir, opts, device="/device:CPU:0")
     assert plan.planned_peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
+    # ...also as TensorFlow's allocator would hold it (whole chunks), never less than the tensors
+    assert plan.planned_peak_bytes <= plan.planned_allocator_peak_bytes <= plan.budget_bytes
     assert plan.swapped or plan.recomputed
     assert simulate(ir, plan, cost=CostModel(get_device_spec(preset))).peak_bytes == plan.planned_peak_bytes
     assert plan.predicted_overhead >= 1.0
@@ -158,6 +160,27 @@ def test_planned_peak_fits_and_the_plan_is_printable(preset):
     assert "budget" in text and "decision" in text
     data = json.loads(plan.to_json())
     assert data["feasible"] and data["layers"] and data["planned_peak_bytes"] == plan.planned_peak_bytes
+    assert data["planned_allocator_peak_bytes"] == plan.planned_allocator_peak_bytes
+
+
+@pytest.mark.timeout(300)
+def test_a_plan_whose_tensors_fit_but_whose_allocator_chunks_do_not_is_replanned(caplog):
+    """ResNet-50 224² b32 at 25% on a V100: the first plan's tensors fit (640.5 of 645.9 MiB) but
+    TensorFlow's GPU allocator would hold 656 MiB in whole chunks; the planner plans again for the
+    budget minus that excess, and the plan it returns fits as the allocator counts it."""
+    import logging
+
+    from lms_tf.workloads import build_model, synthetic_batch, train_step
+
+    tf.keras.utils.set_random_seed(0)
+    model = build_model("ResNet50", image_size=224, classes=1000)
+    x, y = synthetic_batch(model, 32)
+    ir = build_ir(tf.function(train_step(model)).get_concrete_function(x, y).graph)
+    opts = LMSOptions(device="/CPU:0", host="/CPU:1", budget="25%", device_spec="v100-16gb-pcie3")
+    with caplog.at_level(logging.INFO, logger="lms_tf"):
+        plan = make_budget_plan(ir, opts, device="/device:CPU:0")
+    assert any("TensorFlow's allocator would hold" in r.getMessage() for r in caplog.records)
+    assert plan.planned_peak_bytes < plan.planned_allocator_peak_bytes <= plan.budget_bytes
 
 
 @pytest.mark.timeout(300)
@@ -224,6 +247,8 @@ def test_simulator_memory_rules_against_the_real_allocator():
     for row in rows:
         ratio = row["plain"]["replay"] / row["plain"]["real"]
         assert 0.85 <= ratio <= 1.10, (row["model"], ratio, row)
+        allocator_ratio = row["plain"]["replay_allocator"] / row["plain"]["real"]
+        assert ratio <= allocator_ratio <= 1.10, (row["model"], allocator_ratio, row)  # whole chunks >= tensors
         assert row["sqrt"]["real"] < row["plain"]["real"], row
         assert row["sqrt"]["replay"] < row["plain"]["replay"] and row["sqrt"]["blind"] < row["plain"]["blind"], row
 

@@ -60,7 +60,8 @@ from lms_tf.graph.ir import GraphIR, Phase, layer_of
 from lms_tf.options import LMSOptions
 from lms_tf.planner.default import Candidates, articulation_count, collect_candidates, make_plan
 from lms_tf.planner.plan import Decision, Ordering, Plan, SwapIn, TensorDecision
-from lms_tf.planner.simulator import ALIAS_TYPES, Simulation, resident_bytes, simulate
+from lms_tf.planner.allocator import replay_allocations, tensorflow_gpu_allocator
+from lms_tf.planner.simulator import ALIAS_TYPES, Simulation, resident_buffers, resident_bytes, simulate
 
 logger = logging.getLogger("lms_tf")
 
@@ -244,7 +245,12 @@ class _Planner:
 
     def simulate(self, plan: Plan) -> Simulation:
         self.simulations += 1
-        return simulate(self.ir, plan, cost=self.cost, top=None, op_times=self.op_times)
+        return simulate(self.ir, plan, cost=self.cost, top=None, op_times=self.op_times, log_allocations=True)
+
+    def allocator_peak(self, sim: Simulation, budget_bytes: int) -> int:
+        """A simulated step's peak through the model of TensorFlow's GPU allocator (one region)."""
+        region = max(self.cost.device.memory_bytes, resident_bytes(self.ir) + 4 * budget_bytes)
+        return replay_allocations(sim.allocations, tensorflow_gpu_allocator(region), resident=resident_buffers(self.ir))
 
     def timed_swap(self, tensor: str, distance: int, lead: float = 1.0) -> Optional[TensorDecision]:
         """A SWAP decision whose swap-ins start just early enough for the copy back to end
@@ -569,6 +575,23 @@ def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,
     budget_bytes = resolve_budget(options.budget, baseline_peak_bytes=baseline.peak_bytes, device=spec,
                                   resident=resident_bytes(ir))
     plan, sim, label, tried = planner.plan(budget_bytes)
+    allocator_peak, counted = None, "simulated"
+    if sim.peak_bytes <= budget_bytes:
+        # The tensors fit; TensorFlow's allocator serves them in whole chunks, which can need more.
+        # Plan once more for the budget minus that excess.
+        allocator_peak = planner.allocator_peak(sim, budget_bytes)
+        if allocator_peak > budget_bytes:
+            tighter = budget_bytes - (allocator_peak - budget_bytes)
+            logger.info("lms-tf planner: the plan's tensors fit (%.1f MiB) but TensorFlow's allocator would hold "
+                        "%.1f MiB; planning for %.1f MiB", sim.peak_bytes / 2**20, allocator_peak / 2**20,
+                        tighter / 2**20)
+            retry = planner.plan(tighter)
+            retry_peak = planner.allocator_peak(retry[1], budget_bytes) if retry[1].peak_bytes <= tighter else None
+            if retry_peak is not None and retry_peak <= budget_bytes:
+                (plan, sim, label, tried), allocator_peak = retry, retry_peak
+            else:
+                sim = dataclasses.replace(sim, peak_bytes=allocator_peak)  # what the budget must hold
+                counted = "in TensorFlow's allocator's whole chunks"
     if sim.peak_bytes > budget_bytes:
         floor = sim.peak_bytes
         kinds = " and ".join(k for k, on in (("swapping", options.swap), ("recomputing", options.recompute)) if on)
@@ -577,7 +600,7 @@ def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,
         raise _infeasible(
             f"budget {_gib(budget_bytes)} is infeasible on {spec.name}: the plain step peaks at "
             f"{_gib(baseline.peak_bytes)} (simulated) and {kinds or 'moving'} every movable tensor still needs "
-            f"{_gib(floor)}. The smallest feasible budget is about {_gib(floor)}; pass budget >= that, "
+            f"{_gib(floor)} ({counted}). The smallest feasible budget is about {_gib(floor)}; pass budget >= that, "
             f"a smaller batch{hint}.",
             budget_bytes, floor)
     logger.info("lms-tf planner: %s peak %.1f -> %.1f MiB (budget %.1f MiB; recompute %s; %d simulations) "
@@ -585,5 +608,6 @@ def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,
                 label, planner.simulations, time.perf_counter() - started)
     return dataclasses.replace(
         plan, budget_bytes=budget_bytes, baseline_peak_bytes=baseline.peak_bytes, planned_peak_bytes=sim.peak_bytes,
+        planned_allocator_peak_bytes=allocator_peak,
         baseline_step_time_s=baseline.step_time_s, predicted_step_time_s=sim.step_time_s, device_spec=spec.name,
         feasible=True)

@@ -125,6 +125,9 @@ class Plan:
         budget_bytes: The memory budget the planner fitted (None: the default plan, no budget).
         baseline_peak_bytes: Simulated peak of the plain step.
         planned_peak_bytes: Simulated peak with this plan.
+        planned_allocator_peak_bytes: The planned step's peak as TensorFlow's GPU allocator
+            counts it (whole chunks: :mod:`lms_tf.planner.allocator`); the budget planner makes
+            this fit the budget too.
         baseline_step_time_s: Predicted time of the plain step with unlimited memory.
         predicted_step_time_s: Predicted time with this plan (swap stalls, recompute included).
         device_spec: Name of the device the simulation modelled.
@@ -145,6 +148,7 @@ class Plan:
     budget_bytes: Optional[int] = None
     baseline_peak_bytes: Optional[int] = None
     planned_peak_bytes: Optional[int] = None
+    planned_allocator_peak_bytes: Optional[int] = None
     baseline_step_time_s: Optional[float] = None
     predicted_step_time_s: Optional[float] = None
     device_spec: Optional[str] = None
@@ -328,7 +332,9 @@ class Plan:
         """
         fits = "fits" if self.feasible else "DOES NOT FIT"
         return (f"budget {_mib(self.budget_bytes)} MiB on {self.device_spec}: simulated peak "
-                f"{_mib(self.baseline_peak_bytes)} MiB plain -> {_mib(self.planned_peak_bytes)} MiB planned ({fits}); "
+                f"{_mib(self.baseline_peak_bytes)} MiB plain -> {_mib(self.planned_peak_bytes)} MiB planned"
+                f"{'' if self.planned_allocator_peak_bytes is None else f', {_mib(self.planned_allocator_peak_bytes)} MiB in allocator chunks'}"
+                f" ({fits}); "
                 f"predicted step {1e3 * (self.baseline_step_time_s or 0):.1f} ms -> "
                 f"{1e3 * (self.predicted_step_time_s or 0):.1f} ms ({self.predicted_overhead or 0:.2f}x)")
 
@@ -349,7 +355,8 @@ class Plan:
             "recomputed_bytes": self.recomputed_bytes, "num_recomputed": len(self.recomputed),
             "num_recompute_clones": self.num_recompute_clones,
             "budget_bytes": self.budget_bytes, "baseline_peak_bytes": self.baseline_peak_bytes,
-            "planned_peak_bytes": self.planned_peak_bytes, "baseline_step_time_s": self.baseline_step_time_s,
+            "planned_peak_bytes": self.planned_peak_bytes,
+            "planned_allocator_peak_bytes": self.planned_allocator_peak_bytes, "baseline_step_time_s": self.baseline_step_time_s,
             "predicted_step_time_s": self.predicted_step_time_s, "predicted_overhead": self.predicted_overhead,
             "device_spec": self.device_spec, "feasible": self.feasible,
             "layers": self.layer_table(),
