@@ -175,6 +175,9 @@ class _Planner:
                            if g.name in self.baseline.op_intervals]
         self.forward_seconds = min(backward_starts, default=self.baseline.compute_time_s)
         self.simulations = 1
+        self.budget_bytes: Optional[int] = None  # set by plan(): replays fitting plans through the allocator model
+        self.resident_buffers = resident_buffers(ir)
+        self.resident = sum(nbytes for _, nbytes in self.resident_buffers)
         self._successors: Optional[Dict[str, List[str]]] = None
         self._paths: Dict[str, List[str]] = {}
 
@@ -244,13 +247,25 @@ class _Planner:
         return waits
 
     def simulate(self, plan: Plan) -> Simulation:
+        """Replays the step with ``plan``. When its tensors fit the budget, their allocations are
+        also replayed through the model of TensorFlow's GPU allocator (one region): whole chunks
+        can need more than the tensors, and the plan must fit as the allocator holds it."""
         self.simulations += 1
-        return simulate(self.ir, plan, cost=self.cost, top=None, op_times=self.op_times, log_allocations=True)
+        sim = simulate(self.ir, plan, cost=self.cost, top=None, op_times=self.op_times,
+                       log_allocations=self.budget_bytes is not None)
+        if self.budget_bytes is not None and sim.peak_bytes <= self.budget_bytes:
+            region = max(self.cost.device.memory_bytes, self.resident + 4 * self.budget_bytes)
+            held = replay_allocations(sim.allocations, tensorflow_gpu_allocator(region), resident=self.resident_buffers)
+            sim = dataclasses.replace(sim, allocator_peak_bytes=held, allocations=())
+            if held > self.budget_bytes:
+                logger.debug("planner: the tensors fit (%d bytes) but TensorFlow's allocator would hold %d bytes "
+                             "in whole chunks", sim.peak_bytes, held)
+        return sim
 
-    def allocator_peak(self, sim: Simulation, budget_bytes: int) -> int:
-        """A simulated step's peak through the model of TensorFlow's GPU allocator (one region)."""
-        region = max(self.cost.device.memory_bytes, resident_bytes(self.ir) + 4 * budget_bytes)
-        return replay_allocations(sim.allocations, tensorflow_gpu_allocator(region), resident=resident_buffers(self.ir))
+    @staticmethod
+    def held(sim: Simulation) -> int:
+        """What the budget must hold: the tensors, or the allocator's chunks when those were replayed."""
+        return max(sim.peak_bytes, sim.allocator_peak_bytes or 0)
 
     def timed_swap(self, tensor: str, distance: int, lead: float = 1.0) -> Optional[TensorDecision]:
         """A SWAP decision whose swap-ins start just early enough for the copy back to end
@@ -437,7 +452,7 @@ class _Planner:
         plan = self.assemble(swap, recomputed, tools)
         sim = self.simulate(plan)
         for _ in range(MAX_ROUNDS):
-            if sim.peak_bytes <= budget_bytes:
+            if self.held(sim) <= budget_bytes:
                 break
             swapped = self.swap_round(budget_bytes, sim, swap, recomputed, link_busy) if self.options.swap else None
             if swapped is not None:
@@ -446,7 +461,7 @@ class _Planner:
                 logger.debug("planner round: peak %d -> %d swapping %d tensors", sim.peak_bytes,
                              candidate_sim.peak_bytes, len(swapped[0]))
                 # When the link is saturated, more swaps only slow the step down.
-                if candidate_sim.peak_bytes < sim.peak_bytes or candidate_sim.step_time_s <= sim.step_time_s:
+                if self.held(candidate_sim) < self.held(sim) or candidate_sim.step_time_s <= sim.step_time_s:
                     swap, link_busy = swapped
                     plan, sim = candidate, candidate_sim
                     continue
@@ -463,7 +478,7 @@ class _Planner:
                    recomputed: Mapping[str, TensorDecision], link_busy: float) -> Optional[Tuple[Set[str], float]]:
         """The swap set grown by the tensors idle at the peak, cheapest per byte first, until they
         cover the bytes over budget (and the link time they add); None if nothing is idle."""
-        excess = sim.peak_bytes - budget_bytes
+        excess = self.held(sim) - budget_bytes
         idle = []
         for name, nbytes in sim.live_at_peak:
             if (name not in self.eligible or name in swap or name in recomputed or not nbytes
@@ -502,13 +517,14 @@ class _Planner:
                     candidate_sim = self.simulate(candidate)
                 except PlanCycleError:
                     continue
-                if candidate_sim.peak_bytes <= budget_bytes and candidate_sim.step_time_s < sim.step_time_s:
+                if self.held(candidate_sim) <= budget_bytes and candidate_sim.step_time_s < sim.step_time_s:
                     plan, sim, leads = candidate, candidate_sim, {**leads, decision.tensor: lead}
                     break
         return plan, sim, label + (f" ({len(leads)} swap-ins re-timed)" if leads else "")
 
     def plan(self, budget_bytes: int) -> Tuple[Plan, Simulation, str, List[Tuple[str, int]]]:
         """The fastest plan that fits, trying recompute bases in order; else the lowest peak found."""
+        self.budget_bytes = budget_bytes
         best: Optional[Tuple[Plan, Simulation, str]] = None
         lowest: Optional[Tuple[Plan, Simulation, str]] = None
         tried: List[Tuple[str, int]] = []
@@ -527,10 +543,10 @@ class _Planner:
         for candidates, tools, suffix in passes:
             for label, recomputed in candidates:
                 plan, sim = self.add_swaps(budget_bytes, recomputed, tools)
-                tried.append((label + suffix, sim.peak_bytes))
-                if lowest is None or sim.peak_bytes < lowest[1].peak_bytes:
+                tried.append((label + suffix, self.held(sim)))
+                if lowest is None or self.held(sim) < self.held(lowest[1]):
                     lowest = (plan, sim, label + suffix)
-                if sim.peak_bytes <= budget_bytes and (best is None or sim.step_time_s < best[1].step_time_s):
+                if self.held(sim) <= budget_bytes and (best is None or sim.step_time_s < best[1].step_time_s):
                     best = (plan, sim, label + suffix)
                 if best is not None and label in ("none", "cheap"):
                     break  # no recompute (or only cheap ops) fits: nothing faster to find
@@ -575,25 +591,10 @@ def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,
     budget_bytes = resolve_budget(options.budget, baseline_peak_bytes=baseline.peak_bytes, device=spec,
                                   resident=resident_bytes(ir))
     plan, sim, label, tried = planner.plan(budget_bytes)
-    allocator_peak, counted = None, "simulated"
-    if sim.peak_bytes <= budget_bytes:
-        # The tensors fit; TensorFlow's allocator serves them in whole chunks, which can need more.
-        # Plan once more for the budget minus that excess.
-        allocator_peak = planner.allocator_peak(sim, budget_bytes)
-        if allocator_peak > budget_bytes:
-            tighter = budget_bytes - (allocator_peak - budget_bytes)
-            logger.info("lms-tf planner: the plan's tensors fit (%.1f MiB) but TensorFlow's allocator would hold "
-                        "%.1f MiB; planning for %.1f MiB", sim.peak_bytes / 2**20, allocator_peak / 2**20,
-                        tighter / 2**20)
-            retry = planner.plan(tighter)
-            retry_peak = planner.allocator_peak(retry[1], budget_bytes) if retry[1].peak_bytes <= tighter else None
-            if retry_peak is not None and retry_peak <= budget_bytes:
-                (plan, sim, label, tried), allocator_peak = retry, retry_peak
-            else:
-                sim = dataclasses.replace(sim, peak_bytes=allocator_peak)  # what the budget must hold
-                counted = "in TensorFlow's allocator's whole chunks"
-    if sim.peak_bytes > budget_bytes:
-        floor = sim.peak_bytes
+    held = planner.held(sim)
+    counted = "in TensorFlow's allocator's whole chunks" if held > sim.peak_bytes else "simulated"
+    if held > budget_bytes:
+        floor = held
         kinds = " and ".join(k for k, on in (("swapping", options.swap), ("recomputing", options.recompute)) if on)
         hint = ("" if options.swap and options.recompute else
                 f", or allow {'recompute' if not options.recompute else 'swap'} too")
@@ -608,6 +609,6 @@ def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,
                 label, planner.simulations, time.perf_counter() - started)
     return dataclasses.replace(
         plan, budget_bytes=budget_bytes, baseline_peak_bytes=baseline.peak_bytes, planned_peak_bytes=sim.peak_bytes,
-        planned_allocator_peak_bytes=allocator_peak,
+        planned_allocator_peak_bytes=sim.allocator_peak_bytes,
         baseline_step_time_s=baseline.step_time_s, predicted_step_time_s=sim.step_time_s, device_spec=spec.name,
         feasible=True)

@@ -22,6 +22,10 @@ TensorFlow's rules:
   outputs until their backward readers end; a plan's orderings hold backward ops back until
   other backward ops ended.
 
+``peak_bytes`` sums the live tensors. TensorFlow's allocator holds whole chunks, which can be
+larger: ``simulate(..., allocator=tensorflow_gpu_allocator(...))`` replays the same allocations
+through a model of it (:mod:`lms_tf.planner.allocator`) into ``allocator_peak_bytes``.
+
 Example:
     >>> import tensorflow as tf
     >>> from lms_tf.graph import build_ir
