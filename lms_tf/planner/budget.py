@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import gc
 import logging
 import time
 from typing import Dict, List, Mapping, Optional, Set, Tuple
@@ -583,6 +584,20 @@ def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,
         >>> make_budget_plan(GraphIR((), {}, frozenset(), {}), opts, device="/device:GPU:0").feasible
         True
     """
+    # The simulations create millions of short-lived, acyclic objects; the cyclic garbage
+    # collector, triggered by that allocation count, re-walks the IR's large object graph each
+    # time (ResNet-152: about 40% of planning time). Reference counting frees them all.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _make_budget_plan(ir, options, device=device, scope_aliases=scope_aliases, cost=cost)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str, scope_aliases: Optional[Mapping[str, str]],
+                      cost: Optional[CostModel]) -> Plan:
     started = time.perf_counter()
     spec = get_device_spec(options.device_spec or "auto")
     cost = cost or CostModel(spec)
