@@ -67,7 +67,6 @@ def bin_index(nbytes: int) -> int:
 class _Chunk:
     ptr: int
     size: int
-    region: int
     in_use: bool = False
     prev: Optional["_Chunk"] = None
     next: Optional["_Chunk"] = None
@@ -184,7 +183,7 @@ class BFCAllocatorModel:
         return None
 
     def _split(self, chunk: _Chunk, size: int) -> None:
-        rest = _Chunk(ptr=chunk.ptr + size, size=chunk.size - size, region=chunk.region, prev=chunk, next=chunk.next)
+        rest = _Chunk(ptr=chunk.ptr + size, size=chunk.size - size, prev=chunk, next=chunk.next)
         if chunk.next is not None:
             chunk.next.prev = rest
         chunk.next, chunk.size = rest, size
@@ -214,7 +213,7 @@ class BFCAllocatorModel:
             self._next_region_bytes *= 2
         self._regions += 1
         self.pool_bytes += region_bytes
-        self._bin(_Chunk(ptr=self._regions * _REGION_GAP, size=region_bytes, region=self._regions))
+        self._bin(_Chunk(ptr=self._regions * _REGION_GAP, size=region_bytes))
 
 
 def tensorflow_cpu_allocator() -> BFCAllocatorModel:
