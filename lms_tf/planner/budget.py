@@ -62,7 +62,7 @@ from lms_tf.options import LMSOptions
 from lms_tf.planner.default import Candidates, articulation_count, collect_candidates, make_plan
 from lms_tf.planner.plan import Decision, Ordering, Plan, SwapIn, TensorDecision
 from lms_tf.planner.allocator import replay_allocations, tensorflow_gpu_allocator
-from lms_tf.planner.simulator import ALIAS_TYPES, Simulation, resident_buffers, resident_bytes, simulate
+from lms_tf.planner.simulator import ALIAS_TYPES, Simulation, resident_buffers, simulate
 
 logger = logging.getLogger("lms_tf")
 
@@ -263,11 +263,6 @@ class _Planner:
                              "in whole chunks", sim.peak_bytes, held)
         return sim
 
-    @staticmethod
-    def held(sim: Simulation) -> int:
-        """What the budget must hold: the tensors, or the allocator's chunks when those were replayed."""
-        return max(sim.peak_bytes, sim.allocator_peak_bytes or 0)
-
     def timed_swap(self, tensor: str, distance: int, lead: float = 1.0) -> Optional[TensorDecision]:
         """A SWAP decision whose swap-ins start just early enough for the copy back to end
         before their consumers (by the baseline's predicted times; ``lead`` scales that head
@@ -453,7 +448,7 @@ class _Planner:
         plan = self.assemble(swap, recomputed, tools)
         sim = self.simulate(plan)
         for _ in range(MAX_ROUNDS):
-            if self.held(sim) <= budget_bytes:
+            if sim.held_bytes <= budget_bytes:
                 break
             swapped = self.swap_round(budget_bytes, sim, swap, recomputed, link_busy) if self.options.swap else None
             if swapped is not None:
@@ -462,7 +457,7 @@ class _Planner:
                 logger.debug("planner round: peak %d -> %d swapping %d tensors", sim.peak_bytes,
                              candidate_sim.peak_bytes, len(swapped[0]))
                 # When the link is saturated, more swaps only slow the step down.
-                if self.held(candidate_sim) < self.held(sim) or candidate_sim.step_time_s <= sim.step_time_s:
+                if candidate_sim.held_bytes < sim.held_bytes or candidate_sim.step_time_s <= sim.step_time_s:
                     swap, link_busy = swapped
                     plan, sim = candidate, candidate_sim
                     continue
@@ -479,7 +474,7 @@ class _Planner:
                    recomputed: Mapping[str, TensorDecision], link_busy: float) -> Optional[Tuple[Set[str], float]]:
         """The swap set grown by the tensors idle at the peak, cheapest per byte first, until they
         cover the bytes over budget (and the link time they add); None if nothing is idle."""
-        excess = self.held(sim) - budget_bytes
+        excess = sim.held_bytes - budget_bytes
         idle = []
         for name, nbytes in sim.live_at_peak:
             if (name not in self.eligible or name in swap or name in recomputed or not nbytes
@@ -518,7 +513,7 @@ class _Planner:
                     candidate_sim = self.simulate(candidate)
                 except PlanCycleError:
                     continue
-                if self.held(candidate_sim) <= budget_bytes and candidate_sim.step_time_s < sim.step_time_s:
+                if candidate_sim.held_bytes <= budget_bytes and candidate_sim.step_time_s < sim.step_time_s:
                     plan, sim, leads = candidate, candidate_sim, {**leads, decision.tensor: lead}
                     break
         return plan, sim, label + (f" ({len(leads)} swap-ins re-timed)" if leads else "")
@@ -544,10 +539,10 @@ class _Planner:
         for candidates, tools, suffix in passes:
             for label, recomputed in candidates:
                 plan, sim = self.add_swaps(budget_bytes, recomputed, tools)
-                tried.append((label + suffix, self.held(sim)))
-                if lowest is None or self.held(sim) < self.held(lowest[1]):
+                tried.append((label + suffix, sim.held_bytes))
+                if lowest is None or sim.held_bytes < lowest[1].held_bytes:
                     lowest = (plan, sim, label + suffix)
-                if self.held(sim) <= budget_bytes and (best is None or sim.step_time_s < best[1].step_time_s):
+                if sim.held_bytes <= budget_bytes and (best is None or sim.step_time_s < best[1].step_time_s):
                     best = (plan, sim, label + suffix)
                 if best is not None and label in ("none", "cheap"):
                     break  # no recompute (or only cheap ops) fits: nothing faster to find
@@ -604,9 +599,9 @@ def _make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str, scope_al
     planner = _Planner(ir, options, device, cost, scope_aliases or {})
     baseline = planner.baseline
     budget_bytes = resolve_budget(options.budget, baseline_peak_bytes=baseline.peak_bytes, device=spec,
-                                  resident=resident_bytes(ir))
+                                  resident=planner.resident)
     plan, sim, label, tried = planner.plan(budget_bytes)
-    held = planner.held(sim)
+    held = sim.held_bytes
     counted = "in TensorFlow's allocator's whole chunks" if held > sim.peak_bytes else "simulated"
     if held > budget_bytes:
         floor = held

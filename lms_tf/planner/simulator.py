@@ -120,6 +120,17 @@ class Simulation:
     allocations: Tuple[Tuple[str, str, object], ...] = ()
     allocator_peak_bytes: Optional[int] = None
 
+    @property
+    def held_bytes(self) -> int:
+        """What device memory must hold at the peak: the tensors, or the allocator's whole
+        chunks when the allocations were replayed through a model of it (whichever is larger).
+
+        Example:
+            >>> Simulation(10, "a", (), 1.0, 1.0, 0, 0, (), allocator_peak_bytes=12).held_bytes
+            12
+        """
+        return max(self.peak_bytes, self.allocator_peak_bytes or 0)
+
 
 @dataclasses.dataclass(slots=True)
 class _Op:
