@@ -61,24 +61,8 @@ def compare(ir, plan, fn, x, y, runs=3):
     real, rank = sorted((measured(fn, x, y, graph=graph) for _ in range(runs)), key=lambda run: run[0])[runs // 2]
     replay = simulate(ir, plan, cost=COST, priority=rank, allocator=tensorflow_cpu_allocator())
     blind = simulate(ir, plan, cost=COST, allocator=tensorflow_cpu_allocator())
-    cpu = simulate(ir, plan, cost=COST, allocator=tensorflow_cpu_allocator(), executor="cpu")
-    return {"real": real, "replay": replay.peak_bytes, "blind": blind.peak_bytes, "cpu": cpu.peak_bytes,
-            "replay_allocator": replay.allocator_peak_bytes, "blind_allocator": blind.allocator_peak_bytes,
-            "cpu_allocator": cpu.allocator_peak_bytes, "order_agreement": order_agreement(rank, cpu)}
-
-
-def order_agreement(rank, simulation):
-    """Kendall-style agreement of the simulated start order with the real one: the fraction of
-    op pairs (among ops both name) that run in the same relative order."""
-    names = [n for n in sorted(simulation.op_intervals, key=lambda n: simulation.op_intervals[n][0]) if n in rank]
-    real = [rank[n] for n in names]
-    import bisect
-    seen, concordant = [], 0
-    for r in real:
-        concordant += bisect.bisect_left(seen, r)
-        bisect.insort(seen, r)
-    pairs = len(real) * (len(real) - 1) // 2
-    return concordant / pairs if pairs else 1.0
+    return {"real": real, "replay": replay.peak_bytes, "blind": blind.peak_bytes,
+            "replay_allocator": replay.allocator_peak_bytes, "blind_allocator": blind.allocator_peak_bytes}
 
 
 def main(specs):

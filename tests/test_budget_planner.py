@@ -109,63 +109,6 @@ def test_simulator_recompute_clone_runs_after_its_gate():
     assert sim.peak_op == "recompute/g3/b" and "b:0" not in dict(sim.live_at_peak)
 
 
-def _variable_ir():
-    """y = x @ w forward; backward dy = exp(y), then the input gradient dy @ w^T and the weight
-    gradient x^T @ dy (in that graph order, as TensorFlow's MatMul gradient creates them), and an
-    update of w from the weight gradient."""
-    t = lambda name, consumers, n=4 * MiB, dtype="float32": TensorInfo(name + ":0", dtype, (n // 4,), n, name,  # noqa
-                                                                       consumers)
-    ops = [OpInfo("x", "Placeholder", 0, Phase.FORWARD, "", (), (), ("x:0",)),
-           OpInfo("w", "VarHandleOp", 1, Phase.FORWARD, "", (), (), ("w:0",)),
-           OpInfo("r", "ReadVariableOp", 2, Phase.FORWARD, "", ("w:0",), (), ("r:0",)),
-           OpInfo("y", "MatMul", 3, Phase.FORWARD, "", ("x:0", "r:0"), (), ("y:0",)),
-           OpInfo("dy", "Exp", 4, Phase.BACKWARD, "", ("y:0",), (), ("dy:0",)),
-           OpInfo("dx", "MatMul", 5, Phase.BACKWARD, "", ("dy:0", "r:0"), (), ("dx:0",)),
-           OpInfo("gw", "MatMul", 6, Phase.BACKWARD, "", ("x:0", "dy:0"), (), ("gw:0",)),
-           OpInfo("update", "ResourceApplyGradientDescent", 7, Phase.UPDATE, "", ("w:0", "gw:0"), (), ())]
-    tensors = {"x:0": t("x", ("y", "gw")), "w:0": TensorInfo("w:0", "resource", (), None, "w", ("r", "update")),
-               "r:0": t("r", ("y", "dx"), 16 * MiB), "y:0": t("y", ("dy",)), "dy:0": t("dy", ("dx", "gw")),
-               "dx:0": t("dx", ()), "gw:0": t("gw", ("update",), 16 * MiB)}
-    return GraphIR(tuple(ops), tensors, frozenset({"x"}), {}, frozenset(o.name for o in ops))
-
-
-def test_cpu_executor_order_defers_pooled_ops_and_predicts_the_weight_copy():
-    """TensorFlow's CPU executor (one inter-op thread) runs the last expensive ready op inline and
-    queues the others in the pool, latest first. After dy both gradients are ready: the weight
-    gradient runs inline, then its update, while the input gradient still waits in the pool to
-    read w, so the update copies w first (what VGG16's fc1 kernel costs on a real CPU run). The
-    GPU order runs the input gradient first and copies nothing."""
-    ir = _variable_ir()
-    order = lambda sim: sorted(sim.op_intervals, key=lambda n: sim.op_intervals[n][0])  # noqa: E731
-    gpu = simulate(ir, cost=V100)
-    cpu = simulate(ir, cost=V100, executor="cpu")
-    assert order(gpu)[-3:] == ["dx", "gw", "update"]
-    assert order(cpu)[-3:] == ["gw", "update", "dx"]
-    assert cpu.peak_op == "update" and dict(cpu.live_at_peak)["copy_on_write/update"] == 16 * MiB
-    assert cpu.peak_bytes == gpu.peak_bytes + 16 * MiB
-    with pytest.raises(ValueError, match="executor must be one of"):
-        simulate(ir, cost=V100, executor="tpu")
-
-
-def test_cpu_executor_runs_cheap_ops_inline_before_pooled_ones():
-    """Inexpensive kernels (Shape, Identity, ...) run inline in ready order; of several expensive
-    ready ops all but the last go to the pool when something is already queued inline."""
-    t = lambda name, consumers, n=4 * MiB: TensorInfo(name + ":0", "float32", (n // 4,), n, name, consumers)  # noqa
-    ops = [OpInfo("x", "Placeholder", 0, Phase.FORWARD, "", (), (), ("x:0",)),
-           OpInfo("a", "Exp", 1, Phase.FORWARD, "", ("x:0",), (), ("a:0",)),
-           OpInfo("p", "Exp", 2, Phase.FORWARD, "", ("a:0",), (), ("p:0",)),
-           OpInfo("q", "Exp", 3, Phase.FORWARD, "", ("a:0",), (), ("q:0",)),
-           OpInfo("s", "Shape", 4, Phase.FORWARD, "", ("a:0",), (), ("s:0",)),
-           OpInfo("q2", "Exp", 5, Phase.FORWARD, "", ("q:0",), (), ("q2:0",))]
-    tensors = {"x:0": t("x", ("a",)), "a:0": t("a", ("p", "q", "s")), "p:0": t("p", ()), "q:0": t("q", ("q2",)),
-               "s:0": t("s", (), 16), "q2:0": t("q2", ())}
-    ir = GraphIR(tuple(ops), tensors, frozenset({"x"}), {}, frozenset(o.name for o in ops))
-    cpu = simulate(ir, cost=V100, executor="cpu")
-    gpu = simulate(ir, cost=V100)
-    assert sorted(cpu.op_intervals, key=lambda n: cpu.op_intervals[n][0]) == ["x", "a", "s", "q", "q2", "p"]
-    assert sorted(gpu.op_intervals, key=lambda n: gpu.op_intervals[n][0]) == ["x", "a", "p", "q", "s", "q2"]
-
-
 @pytest.mark.parametrize("text,expected", [("12GiB", 12 * 2**30), ("500MB", 500 * 10**6), ("25%", 0.25),
                                            (4096, 4096), ("auto", "auto")])
 def test_budget_syntax(text, expected):

@@ -2,10 +2,8 @@
 
 The step is replayed as TensorFlow's executor runs it on an accelerator: one compute
 stream that runs ops in the order they become ready (first ready, first run; ties in
-graph order), and one copy stream per direction for swap-outs and swap-ins. With
-``executor="cpu"`` the compute stream follows TensorFlow's executor on a CPU with one
-inter-op thread instead (see :data:`CPU_INEXPENSIVE_TYPES`): the order to validate the
-simulator against a real CPU run. Memory follows TensorFlow's rules:
+graph order), and one copy stream per direction for swap-outs and swap-ins. Memory follows
+TensorFlow's rules:
 
 * an op's outputs are allocated when it starts; a buffer is freed when its last reader
   ends (Identity, IdentityN, StopGradient, Reshape, Squeeze and ExpandDims alias their
@@ -74,17 +72,6 @@ VARIABLE_UPDATE_PREFIXES = ("Assign", "ResourceApply", "ResourceScatter", "Resou
 WORKSPACE_TYPES = frozenset({"Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D",
                              "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "DepthwiseConv2dNative",
                              "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter"})
-
-#: Kernels whose ``OpKernel::IsExpensive()`` is false on a CPU. TensorFlow's executor runs these
-#: inline, in the order they become ready; every other CPU kernel starts out "expensive" (an
-#: estimate of 1e8 cycles that decays by a tenth per run, so for about 90 steps) and goes to the
-#: inter-op pool, whose worker takes the latest task first, unless nothing else is queued inline
-#: (``ExecutorState::ScheduleReady``).
-CPU_INEXPENSIVE_TYPES = frozenset({
-    "Identity", "IdentityN", "StopGradient", "PreventGradient", "_Arg", "_Retval", "Const", "HostConst",
-    "NoOp", "ControlTrigger", "Shape", "ShapeN", "Size", "Rank", "Reshape", "Squeeze", "ExpandDims",
-    "StridedSliceGrad", "Switch", "Merge", "Enter", "Exit", "NextIteration", "ReadVariablesOp"})
-EXECUTORS = ("gpu", "cpu")
 
 _COMPUTE, _TO_HOST, _TO_DEVICE = 0, 1, 2
 
@@ -158,7 +145,6 @@ class _Op:
     order: float = 0.0
     trigger: Optional[str] = None  # IR op after which a copy may start
     workspace: int = 0  # scratch bytes the kernel holds while it runs
-    expensive: bool = True  # goes to the inter-op pool under TensorFlow's CPU executor
 
 
 class _Builder:
@@ -343,8 +329,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
                     reads.append(b.source(name, t))
             writes = [(f"recompute/{d.gate}/{t}", ir.tensors[t].nbytes or 0) for t in op.outputs]
             extra_after[d.gate].append(_Op(f"recompute/{d.gate}/{name}", _COMPUTE, op_time(op), reads,
-                                           writes, [], forwarding=op.type in FORWARDING_TYPES, trigger=d.gate,
-                                           expensive=op.type not in CPU_INEXPENSIVE_TYPES))
+                                           writes, [], forwarding=op.type in FORWARDING_TYPES, trigger=d.gate))
         for consumer in d.consumers:
             extra_deps[consumer].append(f"recompute/{d.gate}/{ir.tensors[d.tensor].producer}")
 
@@ -368,7 +353,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
         updates = op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None
         index = b.add(_Op(op.name, _COMPUTE, op_time(op), reads, writes, [],
                           forwarding=op.type in FORWARDING_TYPES, updates=updates, order=op.index,
-                          workspace=_workspace(ir, op), expensive=op.type not in CPU_INEXPENSIVE_TYPES))
+                          workspace=_workspace(ir, op)))
         b.index_of[op.name] = index
         if op.type == "ReadVariableOp" and op.inputs:
             b.read_handles[op.outputs[0]] = op.inputs[0]
@@ -393,7 +378,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
 def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: Optional[int] = 8,
              priority: Optional[Dict[str, float]] = None,
              op_times: Optional[Mapping[str, float]] = None, log_allocations: bool = False,
-             allocator: Optional[BFCAllocatorModel] = None, executor: str = "gpu") -> Simulation:
+             allocator: Optional[BFCAllocatorModel] = None) -> Simulation:
     """Replays the step (rewritten by ``plan``, if given) and reports memory and time.
 
     Args:
@@ -408,11 +393,6 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         log_allocations: Record :attr:`Simulation.allocations`.
         allocator: A fresh model of TensorFlow's allocator (e.g. :func:`tensorflow_cpu_allocator`)
             to replay the step's allocations through: fills :attr:`Simulation.allocator_peak_bytes`.
-        executor: The order of the compute stream when ``priority`` is not given. ``"gpu"``:
-            first ready, first run (TensorFlow's executor where every kernel is a cheap launch,
-            as on a GPU). ``"cpu"``: TensorFlow's executor on a CPU with one inter-op thread
-            (kernels not in :data:`CPU_INEXPENSIVE_TYPES` queue in the pool, the latest first),
-            to compare with a real CPU run.
 
     Returns:
         A :class:`Simulation`.
@@ -423,11 +403,8 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         >>> simulate(GraphIR((), {}, frozenset(), {}), cost=CostModel(get_device_spec("a100-40gb-pcie4"))).peak_bytes
         0
     """
-    if executor not in EXECUTORS:
-        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
     builder = _build(ir, plan, cost, op_times)
     ops, read_handles, counted = builder.ops, builder.read_handles, builder.counted
-    cpu_order = executor == "cpu" and priority is None
     if priority is not None:
         # Ops the ranking does not name (clones, copies) rank right after their trigger, others
         # right after the op before them in graph order.
@@ -484,34 +461,9 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
                 allocations.append(("free", key, 0))
 
     ready: List[collections.deque] = [collections.deque(), collections.deque(), collections.deque()]
-    pool: List[int] = []  # the CPU executor's inter-op queue; its one worker takes the latest first
-
-    def schedule_cpu(newly: List[int]) -> None:
-        """``ExecutorState::ScheduleReady``: cheap ops run inline in ready order; of the expensive
-        ones the last runs inline if nothing else is queued, the others go to the pool."""
-        inline, to_pool, last_expensive = ready[_COMPUTE], [], None
-        for s in sorted(newly, key=created.__getitem__):
-            if ops[s].stream != _COMPUTE:
-                ready[ops[s].stream].append(s)
-            elif not ops[s].expensive:
-                inline.append(s)
-            else:
-                if last_expensive is not None:
-                    to_pool.append(last_expensive)
-                last_expensive = s
-        if last_expensive is not None:
-            (to_pool if inline else inline).append(last_expensive)
-        pool.extend(to_pool)
-
-    # A node's ready successors come in the order their edges were made: the step's own ops in
-    # graph order, then the ops a plan added (clones, copies), which the rewrite creates last.
-    created = [op.order if op.trigger is None else len(ops) + i for i, op in enumerate(ops)]
     initial = sorted((i for i, n in enumerate(pending) if n == 0), key=lambda i: ops[i].order)
-    if cpu_order:
-        schedule_cpu(initial)
-    else:
-        for i in initial:
-            ready[ops[i].stream].append(i)
+    for i in initial:
+        ready[ops[i].stream].append(i)
     busy = [False, False, False]
     events: List[Tuple[float, int, int]] = []
 
@@ -575,14 +527,6 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
             del copy_on_write[key]
             free(key)
         record(at)
-        if cpu_order:
-            newly = []
-            for s in successors[i]:
-                pending[s] -= 1
-                if pending[s] == 0:
-                    newly.append(s)
-            schedule_cpu(newly)
-            return
         for s in successors[i]:
             pending[s] -= 1
             if pending[s] == 0:
@@ -595,8 +539,6 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
                         ready[ops[s].stream] = collections.deque(sorted(queue, key=lambda j: ops[j].order))
 
     while True:
-        if pool and not busy[_COMPUTE] and not ready[_COMPUTE]:
-            ready[_COMPUTE].append(pool.pop())
         for stream in (_COMPUTE, _TO_HOST, _TO_DEVICE):
             if not busy[stream] and ready[stream]:
                 start(stream, now)
