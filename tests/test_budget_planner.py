@@ -109,6 +109,29 @@ def test_simulator_recompute_clone_runs_after_its_gate():
     assert sim.peak_op == "recompute/g3/b" and "b:0" not in dict(sim.live_at_peak)
 
 
+def test_tie_order_of_ops_made_ready_together_can_change_the_peak():
+    """An op's end can make several ops ready at once; TensorFlow queues them in its edge-set
+    order, which varies between processes. Here ``a`` (4 MiB) is read by ``p`` (a sum) and ``q``
+    (an elementwise op): after ``p``, ``q`` writes into ``a``'s buffer in place; run first, it
+    needs a buffer of its own. ``tie_seed`` draws the queueing order, so a few seeds show both."""
+    t = lambda name, consumers, n=4 * MiB: TensorInfo(name + ":0", "float32", (n // 4,), n, name, consumers)  # noqa
+    ops = [OpInfo("x", "Placeholder", 0, Phase.FORWARD, "", (), (), ("x:0",)),
+           OpInfo("a", "Exp", 1, Phase.FORWARD, "", ("x:0",), (), ("a:0",)),
+           OpInfo("p", "Sum", 2, Phase.FORWARD, "", ("a:0",), (), ("p:0",)),
+           OpInfo("q", "Exp", 3, Phase.FORWARD, "", ("a:0",), (), ("q:0",))]
+    tensors = {"x:0": t("x", ("a",)), "a:0": t("a", ("p", "q")), "p:0": t("p", (), 4), "q:0": t("q", ())}
+    ir = GraphIR(tuple(ops), tensors, frozenset({"x"}), {}, frozenset(o.name for o in ops))
+    in_graph_order = simulate(ir, cost=V100)
+    assert in_graph_order.peak_bytes == 4 * MiB + 4
+    outcomes = {}
+    for seed in range(8):
+        sim = simulate(ir, cost=V100, tie_seed=seed)
+        order = tuple(sorted(sim.op_intervals, key=lambda n: sim.op_intervals[n][0]))
+        assert order[:2] == ("x", "a")
+        outcomes[order] = sim.peak_bytes
+    assert outcomes == {("x", "a", "p", "q"): 4 * MiB + 4, ("x", "a", "q", "p"): 2 * 4 * MiB}
+
+
 @pytest.mark.parametrize("text,expected", [("12GiB", 12 * 2**30), ("500MB", 500 * 10**6), ("25%", 0.25),
                                            (4096, 4096), ("auto", "auto")])
 def test_budget_syntax(text, expected):

@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+import random
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from lms_tf.cost.model import CostModel
@@ -378,7 +379,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
 def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: Optional[int] = 8,
              priority: Optional[Dict[str, float]] = None,
              op_times: Optional[Mapping[str, float]] = None, log_allocations: bool = False,
-             allocator: Optional[BFCAllocatorModel] = None) -> Simulation:
+             allocator: Optional[BFCAllocatorModel] = None, tie_seed: Optional[int] = None) -> Simulation:
     """Replays the step (rewritten by ``plan``, if given) and reports memory and time.
 
     Args:
@@ -393,6 +394,10 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         log_allocations: Record :attr:`Simulation.allocations`.
         allocator: A fresh model of TensorFlow's allocator (e.g. :func:`tensorflow_cpu_allocator`)
             to replay the step's allocations through: fills :attr:`Simulation.allocator_peak_bytes`.
+        tie_seed: Queue the ops an op's end makes ready in a random order drawn from this seed,
+            instead of graph order. TensorFlow's executor takes them in the order of its edge
+            sets, which is not the same from one process to the next: the spread of the peak
+            over a few seeds is how much the prediction depends on it.
 
     Returns:
         A :class:`Simulation`.
@@ -428,6 +433,10 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
     for i, op in enumerate(ops):
         for d in op.deps:
             successors[d].append(i)
+    if tie_seed is not None:
+        rng = random.Random(tie_seed)
+        for ready_together in successors:
+            rng.shuffle(ready_together)
 
     alive: Dict[str, int] = {}
     copy_on_write: Dict[str, List[str]] = {}  # cow buffer -> reads it waits for
