@@ -74,6 +74,11 @@ WORKSPACE_TYPES = frozenset({"Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFil
                              "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "DepthwiseConv2dNative",
                              "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter"})
 
+#: How many out-edges TensorFlow keeps in insertion order (``EdgeSet``'s inline array: 64 bytes
+#: of pointers); a node with more keeps them in a hash set of pointers, whose order changes from
+#: one process to the next, and the executor queues the ops it makes ready in that order.
+EDGE_SET_INLINE = 8
+
 _COMPUTE, _TO_HOST, _TO_DEVICE = 0, 1, 2
 
 
@@ -394,10 +399,11 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         log_allocations: Record :attr:`Simulation.allocations`.
         allocator: A fresh model of TensorFlow's allocator (e.g. :func:`tensorflow_cpu_allocator`)
             to replay the step's allocations through: fills :attr:`Simulation.allocator_peak_bytes`.
-        tie_seed: Queue the ops an op's end makes ready in a random order drawn from this seed,
-            instead of graph order. TensorFlow's executor takes them in the order of its edge
-            sets, which is not the same from one process to the next: the spread of the peak
-            over a few seeds is how much the prediction depends on it.
+        tie_seed: For ops with more than :data:`EDGE_SET_INLINE` successors, queue the ops
+            their end makes ready in a random order drawn from this seed instead of graph
+            order, as TensorFlow's executor does in another process (its order for those comes
+            from a hash set of pointers): the spread of the peak over a few seeds is how much
+            the prediction depends on it.
 
     Returns:
         A :class:`Simulation`.
@@ -436,7 +442,8 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
     if tie_seed is not None:
         rng = random.Random(tie_seed)
         for ready_together in successors:
-            rng.shuffle(ready_together)
+            if len(ready_together) > EDGE_SET_INLINE:
+                rng.shuffle(ready_together)
 
     alive: Dict[str, int] = {}
     copy_on_write: Dict[str, List[str]] = {}  # cow buffer -> reads it waits for
