@@ -109,6 +109,20 @@ def test_simulator_recompute_clone_runs_after_its_gate():
     assert sim.peak_op == "recompute/g3/b" and "b:0" not in dict(sim.live_at_peak)
 
 
+def _fan_out_ir(readers=8):
+    """``a`` (4 MiB) read by ``readers`` sums and then ``q``, an elementwise op that can write
+    into ``a``'s buffer once nobody else will read it."""
+    t = lambda name, consumers, n=4 * MiB: TensorInfo(name + ":0", "float32", (n // 4,), n, name, consumers)  # noqa
+    sums = [f"s{i}" for i in range(readers)]
+    ops = [OpInfo("x", "Placeholder", 0, Phase.FORWARD, "", (), (), ("x:0",)),
+           OpInfo("a", "Exp", 1, Phase.FORWARD, "", ("x:0",), (), ("a:0",))]
+    ops += [OpInfo(name, "Sum", 2 + i, Phase.FORWARD, "", ("a:0",), (), (name + ":0",)) for i, name in enumerate(sums)]
+    ops.append(OpInfo("q", "Exp", 2 + readers, Phase.FORWARD, "", ("a:0",), (), ("q:0",)))
+    tensors = {"x:0": t("x", ("a",)), "a:0": t("a", (*sums, "q")), "q:0": t("q", ()),
+               **{name + ":0": t(name, (), 4) for name in sums}}
+    return GraphIR(tuple(ops), tensors, frozenset({"x"}), {}, frozenset(o.name for o in ops))
+
+
 def test_tie_order_of_ops_made_ready_together_can_change_the_peak():
     """TensorFlow keeps up to 8 out-edges of a node in insertion order and more in a hash set of
     pointers, so the order in which the end of a node with 9 readers queues them changes from
@@ -116,15 +130,8 @@ def test_tie_order_of_ops_made_ready_together_can_change_the_peak():
     elementwise op: run last, ``q`` writes into ``a``'s buffer in place; run earlier, it needs a
     buffer of its own. ``tie_seed`` draws that order; a node with 8 readers or fewer keeps
     graph order."""
-    t = lambda name, consumers, n=4 * MiB: TensorInfo(name + ":0", "float32", (n // 4,), n, name, consumers)  # noqa
+    ir = _fan_out_ir()
     sums = [f"s{i}" for i in range(8)]
-    ops = [OpInfo("x", "Placeholder", 0, Phase.FORWARD, "", (), (), ("x:0",)),
-           OpInfo("a", "Exp", 1, Phase.FORWARD, "", ("x:0",), (), ("a:0",))]
-    ops += [OpInfo(name, "Sum", 2 + i, Phase.FORWARD, "", ("a:0",), (), (name + ":0",)) for i, name in enumerate(sums)]
-    ops.append(OpInfo("q", "Exp", 10, Phase.FORWARD, "", ("a:0",), (), ("q:0",)))
-    tensors = {"x:0": t("x", ("a",)), "a:0": t("a", (*sums, "q")), "q:0": t("q", ()),
-               **{name + ":0": t(name, (), 4) for name in sums}}
-    ir = GraphIR(tuple(ops), tensors, frozenset({"x"}), {}, frozenset(o.name for o in ops))
     assert simulate(ir, cost=V100).peak_bytes == 4 * MiB + 4  # graph order: q last, in place
     peaks = set()
     for seed in range(30):
@@ -133,10 +140,26 @@ def test_tie_order_of_ops_made_ready_together_can_change_the_peak():
         assert order[:2] == ["x", "a"] and sorted(order[2:]) == sorted(sums + ["q"])
         peaks.add((order[-1] == "q", sim.peak_bytes))
     assert peaks == {(True, 4 * MiB + 4), (False, 2 * 4 * MiB)}
-    few_readers = GraphIR(tuple(o for o in ops if o.name not in sums[1:]),
-                          {**tensors, "a:0": t("a", ("s0", "q"))}, frozenset({"x"}), {},
-                          frozenset(o.name for o in ops if o.name not in sums[1:]))
+    few_readers = _fan_out_ir(readers=1)
     assert {simulate(few_readers, cost=V100, tie_seed=seed).peak_bytes for seed in range(30)} == {4 * MiB + 4}
+
+
+def test_planner_refuses_a_step_that_fits_only_in_graph_order():
+    """The planner's fit check replays a step that fits in graph order in random tie orders too:
+    the fan-out graph (9 readers) fits 4 MiB and one 256-byte chunk in graph order, but ``q``
+    before the sums needs 8 MiB, so at that budget the check reports the larger figure."""
+    from lms_tf.planner.budget import TIE_ORDERS_CHECKED, _Planner
+    ir = _fan_out_ir()
+    planner = _Planner(ir, LMSOptions(device="/CPU:0", host="/CPU:1", device_spec="v100-16gb-pcie3"),
+                       "/device:CPU:0", V100, {})
+    plain = Plan((), "/device:CPU:0", "/device:CPU:1", {}, {})
+    outcomes = {simulate(ir, cost=V100, tie_seed=seed).peak_bytes for seed in range(TIE_ORDERS_CHECKED)}
+    assert 2 * 4 * MiB in outcomes  # the seeds it checks include an order that does not fit
+    planner.budget_bytes = 4 * MiB + 256  # graph order: a and one sum's 4 bytes (a 256-byte chunk)
+    checked = planner.simulate(plain)
+    assert checked.peak_bytes == 4 * MiB + 4 and checked.held_bytes >= 2 * 4 * MiB
+    planner.budget_bytes = 4 * MiB  # the tensors do not fit in graph order: nothing is replayed
+    assert planner.simulate(plain).held_bytes == 4 * MiB + 4
 
 
 @pytest.mark.parametrize("text,expected", [("12GiB", 12 * 2**30), ("500MB", 500 * 10**6), ("25%", 0.25),
