@@ -45,7 +45,7 @@ import collections
 import dataclasses
 import heapq
 import random
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 from lms_tf.cost.model import CostModel
 from lms_tf.errors import PlanCycleError
@@ -414,7 +414,32 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         >>> simulate(GraphIR((), {}, frozenset(), {}), cost=CostModel(get_device_spec("a100-40gb-pcie4"))).peak_bytes
         0
     """
+    return _replay(_build(ir, plan, cost, op_times), top=top, priority=priority, log_allocations=log_allocations,
+                   allocator=allocator, tie_seed=tie_seed)
+
+
+def simulate_tie_orders(ir: GraphIR, plan: Optional[Plan], seeds, *, cost: CostModel,
+                        op_times: Optional[Mapping[str, float]] = None) -> Iterator[Simulation]:
+    """:func:`simulate` with ``tie_seed`` set to each of ``seeds`` in turn, allocations logged
+    (the step is built once: planners check one plan in several tie orders).
+
+    Example:
+        >>> from lms_tf.graph.ir import GraphIR
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> [s.peak_bytes for s in simulate_tie_orders(GraphIR((), {}, frozenset(), {}), None, [0, 1],
+        ...                                            cost=CostModel(get_device_spec("a100-40gb-pcie4")))]
+        [0, 0]
+    """
     builder = _build(ir, plan, cost, op_times)
+    for seed in seeds:
+        yield _replay(builder, top=1, priority=None, log_allocations=True, allocator=None, tie_seed=seed)
+
+
+def _replay(builder: _Builder, *, top: Optional[int], priority: Optional[Dict[str, float]],
+            log_allocations: bool, allocator: Optional[BFCAllocatorModel], tie_seed: Optional[int]) -> Simulation:
+    """Runs the built step on the compute and copy streams (see :func:`simulate`). Leaves
+    ``builder`` as it found it unless ``priority`` is given, so a step built once can be replayed
+    in several tie orders."""
     ops, read_handles, counted = builder.ops, builder.read_handles, builder.counted
     if priority is not None:
         # Ops the ranking does not name (clones, copies) rank right after their trigger, others
