@@ -80,6 +80,8 @@ SWAP_IN_LAG = 2
 #: How many of the largest backward temporaries alive at the peak are paired up when looking
 #: for two branches to run one after the other.
 ORDERING_CANDIDATES = 8
+#: How many of those pairs (largest first) are tried per round.
+ORDERING_PAIRS = 3
 #: Head starts tried when re-timing late swap-ins (fractions of the copy's time).
 RETIME_LEADS = (1.0, 0.5)
 #: Random tie orders (``simulate(..., tie_seed=)``: the hash-ordered successors of nodes with more
@@ -87,8 +89,6 @@ RETIME_LEADS = (1.0, 0.5)
 #: Whole chunks depend on the exact allocation order: when every tie is shuffled, one ResNet-50
 #: 224² b32 plan at 25% on a V100 held 641-735 MiB over 13 orders with tensors at 641 in all.
 TIE_ORDERS_CHECKED = 4
-#: How many of those pairs (largest first) are tried per round.
-ORDERING_PAIRS = 3
 
 
 class InfeasibleBudgetError(LMSOptionError):
