@@ -18,7 +18,7 @@ from lms_tf.cost import PRESETS, CostModel, get_device_spec, op_cost
 from lms_tf.graph import build_ir
 from lms_tf.graph.ir import GraphIR, OpInfo, Phase, TensorInfo
 from lms_tf.options import LMSOptions, parse_budget
-from lms_tf.planner import Decision, InfeasibleBudgetError, make_budget_plan, simulate
+from lms_tf.planner import Decision, InfeasibleBudgetError, make_budget_plan, simulate, tensorflow_gpu_allocator
 from lms_tf.planner.plan import Plan, SwapIn, TensorDecision
 from tests import zoo
 from tests.helpers import assert_same_numbers, custom_loop
@@ -214,6 +214,11 @@ def test_planned_peak_fits_and_the_plan_is_printable(preset):
     data = json.loads(plan.to_json())
     assert data["feasible"] and data["layers"] and data["planned_peak_bytes"] == plan.planned_peak_bytes
     assert data["planned_allocator_peak_bytes"] == plan.planned_allocator_peak_bytes
+    # ...and in tie orders the planner did not check (its own are seeds 0-3)
+    spec = get_device_spec(preset)
+    for seed in range(100, 104):
+        other = simulate(ir, plan, cost=CostModel(spec), tie_seed=seed, allocator=tensorflow_gpu_allocator(spec.memory_bytes))
+        assert other.peak_bytes <= other.allocator_peak_bytes <= plan.budget_bytes
 
 
 @pytest.mark.timeout(300)
