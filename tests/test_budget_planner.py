@@ -217,7 +217,8 @@ def test_planned_peak_fits_and_the_plan_is_printable(preset):
     # ...and in tie orders the planner did not check (its own are seeds 0-3)
     spec = get_device_spec(preset)
     for seed in range(100, 104):
-        other = simulate(ir, plan, cost=CostModel(spec), tie_seed=seed, allocator=tensorflow_gpu_allocator(spec.memory_bytes))
+        other = simulate(ir, plan, cost=CostModel(spec), tie_seed=seed,
+                         allocator=tensorflow_gpu_allocator(spec.memory_bytes))
         assert other.peak_bytes <= other.allocator_peak_bytes <= plan.budget_bytes
 
 

@@ -45,7 +45,7 @@ import collections
 import dataclasses
 import heapq
 import random
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from lms_tf.cost.model import CostModel
 from lms_tf.errors import PlanCycleError
@@ -418,7 +418,7 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
                    allocator=allocator, tie_seed=tie_seed)
 
 
-def simulate_tie_orders(ir: GraphIR, plan: Optional[Plan], seeds, *, cost: CostModel,
+def simulate_tie_orders(ir: GraphIR, plan: Optional[Plan], seeds: Iterable[int], *, cost: CostModel,
                         op_times: Optional[Mapping[str, float]] = None) -> Iterator[Simulation]:
     """:func:`simulate` with ``tie_seed`` set to each of ``seeds`` in turn, allocations logged
     (the step is built once: planners check one plan in several tie orders).
