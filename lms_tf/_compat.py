@@ -51,6 +51,18 @@ def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
     op._update_input(index, tensor)  # pylint: disable=protected-access
 
 
+@contextlib.contextmanager
+def automatic_control_dependencies():
+    """Adds ``tf.function``'s automatic control edges between the stateful ops created in the
+    block when it ends, instead of when the trace ends. Yields ``mark_as_return``, which must
+    wrap the block's results."""
+    from tensorflow.python.framework import auto_control_deps
+
+    with auto_control_deps.AutomaticControlDependencies() as deps:
+        yield lambda structure: tf.nest.map_structure(
+            lambda t: deps.mark_as_return(t) if isinstance(t, tf.Tensor) else t, structure)
+
+
 def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
     """Adds the control edge ``control -> op``."""
     op._add_control_input(control)  # pylint: disable=protected-access

@@ -81,7 +81,13 @@ class LMSFunction:
         def traced(*args, **kwargs):
             updates = [0]
             with self._optimizer_hooks(updates):
-                result = python_function(*args, **kwargs)
+                if self.options.serialize:
+                    # The order imposed must respect the edges TF adds between stateful ops when the
+                    # trace ends, so they are added now.
+                    with _compat.automatic_control_dependencies() as mark_as_return:
+                        result = mark_as_return(python_function(*args, **kwargs))
+                else:
+                    result = python_function(*args, **kwargs)
             if self.options.horovod and updates[0] == 0:
                 raise LMSOptionError(
                     f"lms_tf.function(horovod=True): {getattr(python_function, '__name__', 'the step')} updated no "
@@ -133,7 +139,7 @@ class LMSFunction:
                     input_shapes[sym.op.name] = shape
         started = time.perf_counter()
         self.plans.append(rewrite_traced_step(self.options, api="lms_tf.function", input_shapes=input_shapes,
-                                              irs=self.plain_irs))
+                                              irs=self.plain_irs, serialize=self.options.serialize))
         self.pass_seconds.append(time.perf_counter() - started)
 
     @property
@@ -214,7 +220,8 @@ def function(func: Optional[Callable] = None, *, input_signature=None, autograph
             ``swapout_threshold``, ``swapin_ahead``, ``swapin_groupby``, ``min_swap_bytes``,
             ``exclude``, ``batch_size``, ``swap``, ``recompute``, ``optimizer_on_host``,
             ``horovod`` (data-parallel: average the gradients across Horovod ranks before
-            the optimizer update, broadcast the variables from rank 0 before a trace first runs).
+            the optimizer update, broadcast the variables from rank 0 before a trace first runs),
+            ``serialize`` (run the compute ops one at a time in the simulator's order).
 
     Returns:
         An :class:`LMSFunction`, or a decorator when ``func`` is None.

@@ -164,6 +164,10 @@ class LMSOptions:
         device_spec: The device the planner models: a preset name (``lms_tf.cost.PRESETS``,
             e.g. ``"v100-16gb-pcie3"``), ``"auto"`` (the visible GPU; the default) or an
             :class:`lms_tf.cost.DeviceSpec`.
+        serialize: Only for :func:`lms_tf.function`: run the step's compute ops one at a time
+            in the simulator's order (control edges; TFLMS's "serialization"), so the real
+            peak follows the simulated one. It costs inter-op parallelism. lms-tf uses it to
+            check its simulator on a CPU (:mod:`lms_tf.rewrite.serialize`).
 
     With a ``budget``, ``recompute`` left unset means ``"auto"`` (the planner may recompute),
     ``recompute=False`` means swap only, and a list of names forces those layers to be
@@ -189,10 +193,12 @@ class LMSOptions:
     horovod: bool = False
     budget: Union[None, int, float, str] = None
     device_spec: Any = None
+    serialize: bool = False
 
     def __init__(self, *, device=None, host="/CPU:0", swapout_threshold=32, swapin_ahead=8,
                  swapin_groupby=4, min_swap_bytes=64 * 1024, exclude=(), batch_size=None, swap=True,
-                 recompute=None, optimizer_on_host=False, horovod=False, budget=None, device_spec=None):
+                 recompute=None, optimizer_on_host=False, horovod=False, budget=None, device_spec=None,
+                 serialize=False):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass init
         set_("device", None if device is None else _check_device("device", device))
         set_("host", _check_device("host", host))
@@ -227,14 +233,16 @@ class LMSOptions:
             device_spec = get_device_spec(device_spec)
             device_spec = device_spec.name if device_spec.name in _preset_names() else device_spec
         set_("device_spec", device_spec)
-        for name, value in (("optimizer_on_host", optimizer_on_host), ("horovod", horovod)):
+        for name, value in (("optimizer_on_host", optimizer_on_host), ("horovod", horovod),
+                            ("serialize", serialize)):
             if not isinstance(value, bool):
                 raise LMSOptionError(f"{name} must be True or False; received {_describe(value)}.")
             set_(name, value)
-        if not swap and not self.recompute and not optimizer_on_host and not horovod:
+        if not swap and not self.recompute and not optimizer_on_host and not horovod and not serialize:
             raise LMSOptionError(
                 "swap=False and recompute=False leave nothing to do; pass recompute='sqrt' or 'cheap' "
-                "(or a list of layer names) to recompute, optimizer_on_host=True, or leave swap=True.")
+                "(or a list of layer names) to recompute, optimizer_on_host=True, serialize=True, or "
+                "leave swap=True.")
         if (self.swap or optimizer_on_host) and self.device is not None and self.device == self.host:
             raise LMSOptionError(
                 f"device and host are the same device ({self.device}); swapping to the device "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Mapping, Optional, Sequence
+from typing import Dict, Mapping, Optional, Sequence
 
 import tensorflow as tf
 
@@ -20,7 +20,11 @@ from lms_tf.errors import LMSError, LMSWarning
 from lms_tf.graph import build_ir
 from lms_tf.options import LMSOptions
 from lms_tf.planner import Plan, make_budget_plan, make_plan
+from lms_tf.cost import CostModel, get_device_spec
+from lms_tf.planner import simulate
 from lms_tf.rewrite import apply_plan
+from lms_tf.rewrite.recompute import simulator_name
+from lms_tf.rewrite.serialize import impose_order
 
 logger = logging.getLogger("lms_tf")
 _warned = set()
@@ -73,7 +77,7 @@ def rewrite_traced_step(options: LMSOptions, *, api: str,
                         input_shapes: Optional[Mapping[str, Sequence[Optional[int]]]] = None,
                         batch_size: Optional[int] = None,
                         scope_aliases: Optional[Mapping[str, str]] = None,
-                        irs: Optional[list] = None) -> Optional[Plan]:
+                        irs: Optional[list] = None, serialize: bool = False) -> Optional[Plan]:
     """Plans and applies the swap pass to the ``tf.function`` graph being traced right now.
 
     Call it inside the traced body, after the gradients and the update were built.
@@ -85,6 +89,7 @@ def rewrite_traced_step(options: LMSOptions, *, api: str,
         batch_size: Batch size to resolve unknown leading input dimensions with.
         scope_aliases: Keras layer name -> its name scope in this trace (for ``exclude``).
         irs: If given, the IR of the step before the rewrite is appended to it (to simulate the plan).
+        serialize: Also chain the step's ops in the simulator's order (:mod:`lms_tf.rewrite.serialize`).
 
     Returns:
         The plan applied, or None when the step was left untouched (no accelerator).
@@ -117,4 +122,28 @@ def rewrite_traced_step(options: LMSOptions, *, api: str,
         plan = make_plan(ir, options, device=device, scope_aliases=scope_aliases)
     report = apply_plan(graph, ir, plan)
     logger.info("%s (graph %s; inserted %s)", plan.one_line(), graph.name, report.inserted)
+    if serialize:
+        edges = impose_order(graph, simulated_ranks(graph, ir, plan, options))
+        logger.info("serialized graph %s in the simulated order (%d control edges)", graph.name, edges)
     return plan
+
+
+def simulated_ranks(graph: tf.Graph, ir, plan: Plan, options: LMSOptions) -> Dict[str, float]:
+    """Graph op name -> its start rank in the simulation of ``plan`` (compute ops only).
+
+    Swap copies run on their own streams and are left out, so they still overlap compute.
+
+    Example:
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.constant(2.0, name="x")
+        ...     y = tf.square(x, name="y")
+        >>> plan = Plan((), "/device:CPU:0", "/device:CPU:1", {}, {"forward": 1})
+        >>> simulated_ranks(g, build_ir(g), plan, LMSOptions(device="/CPU:0", host="/CPU:1",
+        ...                                                   device_spec="a100-40gb-pcie4"))
+        {'x': 0.0, 'y': 1.0}
+    """
+    sim = simulate(ir, plan, cost=CostModel(get_device_spec(options.device_spec or "auto")), top=1)
+    graph_name = {simulator_name(graph, op.name): op.name for op in graph.get_operations()}
+    names = (graph_name.get(name) for name in sim.op_intervals)
+    return {name: float(i) for i, name in enumerate(n for n in names if n is not None)}

@@ -83,6 +83,11 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
                 f"{_API}(horovod=True): for model.fit, add lms_tf.horovod.DistributedCallback() to the callbacks "
                 f"beside LMSCallback (it also broadcasts the variables and averages the metrics); horovod=True "
                 f"is the option of lms_tf.function for custom loops.")
+        if self.options.serialize:
+            raise LMSOptionError(
+                f"{_API}(serialize=True): Keras adds control edges to model.fit's step after the pass has run, "
+                f"and they can conflict with the serialized order. serialize=True is an option of "
+                f"lms_tf.function (custom loops) only; drop it here.")
         device = resolve_device(self.options)
         if device is None:
             warn_once(f"no-accelerator:{_API}", no_accelerator_message(_API))
