@@ -78,6 +78,11 @@ def set_bool_attr(op: tf.Operation, name: str, value: bool) -> None:
     op._set_attr(name, attr_value_pb2.AttrValue(b=value))  # pylint: disable=protected-access
 
 
+def set_int_attr(op: tf.Operation, name: str, value: int) -> None:
+    """Sets an integer attribute such as ``_lms_serial`` on ``op``."""
+    op._set_attr(name, attr_value_pb2.AttrValue(i=value))  # pylint: disable=protected-access
+
+
 def string_attr(op: tf.Operation, name: str) -> Optional[str]:
     """Returns the string attribute ``name`` of ``op``, or None when absent."""
     try:

@@ -1,13 +1,20 @@
 """Real CPU-allocator peaks of plain and recompute-only training steps beside the simulator's.
 
 For each model one step runs under TensorFlow's profiler inside ``measure_peak_memory``: the
-real peak and the order TensorFlow executed the ops in come from the same step. The
-simulator then replays that order (``replay``: checks the memory rules, since TF's CPU
-executor order changes from process to process) and predicts on its own (``blind``: the
-GPU executor's ready order). Prints one ``RESULT <json>`` line. Run it in its own process:
-TensorFlow must start with the BFC CPU allocator.
+real peak and the order TensorFlow executed the ops in come from the same step. Two orders:
 
-    python tests/allocator_worker.py ResNet50,64,8 UNet,64,4 ...
+- ``free`` (keys ``plain``, ``sqrt``): TensorFlow's CPU executor picks the order, which changes
+  from process to process. The simulator replays that order (``replay``: checks the memory
+  rules) and predicts on its own (``blind``: the GPU executor's ready order).
+- ``serialized`` (keys ``plain_serialized``, ``sqrt_serialized``): the step is built with
+  ``serialize=True``, so its compute ops run one at a time in the simulator's own order. The
+  blind prediction is then a prediction of this very run; ``inversions`` counts executed ops
+  out of that order (0 when the order held).
+
+Prints one ``RESULT <json>`` line. Run it in its own process: TensorFlow must start with the
+BFC CPU allocator.
+
+    python tests/allocator_worker.py [--order free|serialized|both] ResNet50,64,8 UNet,64,4 ...
 """
 
 import json
@@ -65,23 +72,47 @@ def compare(ir, plan, fn, x, y, runs=3):
             "replay_allocator": replay.allocator_peak_bytes, "blind_allocator": blind.allocator_peak_bytes}
 
 
-def main(specs):
+def serialized(model, x, y, **recompute):
+    """The step built with ``serialize=True``: its real peak beside the blind prediction."""
+    fn = lms_tf.function(train_step(model), device="/CPU:0", swap=False, serialize=True,
+                         device_spec=COST.device.name, **recompute)
+    graph = fn.get_concrete_function(x, y).graph
+    real, rank = sorted((measured(fn, x, y, graph=graph) for _ in range(3)), key=lambda run: run[0])[1]
+    blind = simulate(fn.plain_irs[-1], fn.plan, cost=COST, allocator=tensorflow_cpu_allocator())
+    simulated = [name for name in blind.op_intervals if name in rank]
+    position = {name: i for i, name in enumerate(simulated)}
+    executed = sorted(simulated, key=rank.__getitem__)
+    return {"real": real, "blind": blind.peak_bytes, "blind_allocator": blind.allocator_peak_bytes,
+            "executed_ops": len(executed),
+            "inversions": sum(position[a] > position[b] for a, b in zip(executed, executed[1:]))}
+
+
+def main(specs, order="free"):
     rows = []
     for spec in specs:
         name, size, batch = spec.split(",")
         keras.utils.set_random_seed(0)
         model = build_model(name, image_size=int(size), classes=100)
         x, y = synthetic_batch(model, int(batch))
-        plain = tf.function(train_step(model))
-        ir = build_ir(plain.get_concrete_function(x, y).graph)
-        row = {"model": name, "size": int(size), "batch": int(batch), "plain": compare(ir, None, plain, x, y)}
-        recompute = lms_tf.function(train_step(model), device="/CPU:0", swap=False, recompute="sqrt")
-        recompute.get_concrete_function(x, y)
-        row["sqrt"] = compare(recompute.plain_irs[-1], recompute.plan, recompute, x, y)
+        row = {"model": name, "size": int(size), "batch": int(batch)}
+        if order in ("free", "both"):
+            plain = tf.function(train_step(model))
+            ir = build_ir(plain.get_concrete_function(x, y).graph)
+            row["plain"] = compare(ir, None, plain, x, y)
+            recompute = lms_tf.function(train_step(model), device="/CPU:0", swap=False, recompute="sqrt")
+            recompute.get_concrete_function(x, y)
+            row["sqrt"] = compare(recompute.plain_irs[-1], recompute.plan, recompute, x, y)
+        if order in ("serialized", "both"):
+            row["plain_serialized"] = serialized(model, x, y)
+            row["sqrt_serialized"] = serialized(model, x, y, recompute="sqrt")
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     print("RESULT " + json.dumps(rows))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    if args and args[0] == "--order":
+        main(args[2:], order=args[1])
+    else:
+        main(args)

@@ -9,8 +9,14 @@ runs in the order its memory was predicted for. This does two things:
 - On a GPU, it makes the simulated peak hold.
 
 What it inserts: a control edge between consecutive ranked ops, in a topological order of the
-graph that follows the ranks where the graph allows it. Unranked ops (constants, alias ops,
-swap copies) keep their own edges only, so copies still overlap compute.
+graph that follows the ranks where the graph allows it. Unranked ops (alias ops, swap copies)
+keep their own edges only, so copies still overlap compute.
+
+Only ops that read the step's inputs are chained, directly or through other ops. The step's
+inputs are its non-resource placeholders. The ops left free are constants, variable reads,
+and what is computed from them alone. Variables created in the first trace (optimizer slots)
+have their initializers lifted out of the graph after the trace, and a control input from
+the step would make that impossible.
 
 An ``IdentityN`` waits for all of its inputs, and Grappler prunes it. Before the chain is
 added, its readers are re-pointed to its inputs, so that a rank order that never waited for
@@ -20,7 +26,7 @@ Example:
     >>> import tensorflow as tf
     >>> g = tf.Graph()
     >>> with g.as_default():
-    ...     a = tf.constant(1.0, name="a")
+    ...     a = tf.compat.v1.placeholder(tf.float32, name="a")
     ...     b = tf.negative(a, name="b")
     ...     c = tf.sqrt(a, name="c")
     >>> impose_order(g, {"c": 0, "b": 1})
@@ -38,6 +44,8 @@ import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.errors import RewriteError
+
+SERIAL_ATTR = "_lms_serial"  # an op's position in the chain
 
 
 def bypass_identity_n(graph: tf.Graph) -> int:
@@ -121,19 +129,28 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float]) -> int:
         rank: Op name -> rank; lower runs first.
 
     Returns:
-        The number of control edges added.
+        The number of control edges added. Each chained op carries its position in the
+        ``_lms_serial`` attribute.
 
     Example:
         >>> g = tf.Graph()
         >>> with g.as_default():
-        ...     x = tf.constant(2.0, name="x")
+        ...     x = tf.compat.v1.placeholder(tf.float32, name="x")
         ...     y, z = tf.square(x, name="y"), tf.exp(x, name="z")
         >>> impose_order(g, {"y": 1, "z": 0}), [op.name for op in g.get_operation_by_name("y").control_inputs]
         (1, ['z'])
     """
     bypass_identity_n(graph)
-    chain = [graph.get_operation_by_name(name)
-             for name in ranked_topological_order(graph, rank) if name in rank]
+    order = ranked_topological_order(graph, rank)
+    reads_inputs = set()
+    for name in order:
+        op = graph.get_operation_by_name(name)
+        if (op.type == "Placeholder" and op.outputs[0].dtype != tf.resource
+                or any(t.op.name in reads_inputs for t in op.inputs)):
+            reads_inputs.add(name)
+    chain = [graph.get_operation_by_name(name) for name in order if name in rank and name in reads_inputs]
+    for position, op in enumerate(chain):
+        _compat.set_int_attr(op, SERIAL_ATTR, position)
     added = 0
     for before, after in zip(chain, chain[1:]):
         if before not in after.control_inputs:

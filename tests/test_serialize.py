@@ -1,0 +1,153 @@
+"""serialize=True: the step's compute ops run one at a time in the simulator's order.
+
+Proven three ways: the numbers equal the plain step's; the graph carries a chain of control
+edges in the order the simulator ran the ops; TensorFlow executes the ops in exactly that order,
+with two inter-op threads that would otherwise run branches in parallel.
+"""
+
+import keras
+import pytest
+import tensorflow as tf
+
+import lms_tf
+from lms_tf.cost import CostModel, get_device_spec
+from lms_tf.diagnostics import executed_ops
+from lms_tf.errors import LMSOptionError, RewriteError
+from lms_tf.planner import simulate
+from lms_tf.rewrite.recompute import simulator_name
+from lms_tf.rewrite.serialize import SERIAL_ATTR, bypass_identity_n, impose_order, ranked_topological_order
+from tests import zoo
+from tests.helpers import assert_same_numbers, custom_loop, lms_function
+
+SPEC = "v100-16gb-pcie3"
+
+
+def test_chain_follows_the_ranks_where_the_graph_allows():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, name="x")
+        a = tf.exp(x, name="a")
+        b = tf.sqrt(x, name="b")
+        c = tf.add(a, b, name="c")
+        d = tf.negative(x, name="d")
+    # d ranks before a, and c before d; but c reads a, so c must wait for a.
+    order = ranked_topological_order(g, {"d": 0, "c": 1, "b": 2, "a": 3})
+    assert order == ["x", "d", "b", "a", "c"]
+    assert impose_order(g, {"d": 0, "c": 1, "b": 2, "a": 3}) == 3
+    controls = {op.name: [c.name for c in op.control_inputs] for op in g.get_operations()}
+    assert controls == {"x": [], "d": [], "b": ["d"], "a": ["b"], "c": ["a"]}
+    del c
+
+
+def test_identity_n_readers_are_re_pointed_and_values_kept():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.constant(3.0, name="x")
+        first, second = tf.identity_n([tf.square(x, name="sq"), tf.exp(x, name="ex")], name="both")
+        late = tf.negative(first, name="late")
+    assert bypass_identity_n(g) == 1
+    assert [t.name for t in late.op.inputs] == ["sq:0"]
+    with tf.compat.v1.Session(graph=g) as session:
+        assert session.run(late) == -9.0
+    del second
+
+
+def test_a_cycle_is_reported():
+    g = tf.Graph()
+    with g.as_default():
+        a = tf.constant(1.0, name="a")
+        b = tf.negative(a, name="b")
+    from lms_tf import _compat
+
+    _compat.add_control_input(a.op, b.op)
+    with pytest.raises(RewriteError, match="cycle"):
+        ranked_topological_order(g, {})
+
+
+@pytest.mark.parametrize("builder", [zoo.resnet_style, zoo.inception_style, zoo.subclassed],
+                         ids=["resnet", "inception", "subclassed"])
+@pytest.mark.parametrize("recompute", [None, "sqrt"])
+def test_serialized_step_trains_to_the_same_numbers(builder, recompute, capfd):
+    """Plain: bit-identical. With recompute: within the recompute pass's own tolerance (Grappler
+    optimises a cloned subgraph on its own, tests/test_recompute.py). Grappler accepts the graph:
+    a chain against the graph's edges would make its optimizers fail their topological sort."""
+    options = dict(device="/CPU:0", swap=False, serialize=True, device_spec=SPEC)
+    if recompute:
+        options["recompute"] = recompute
+    plain = custom_loop(builder, tf.function)
+    serialized = custom_loop(builder, lms_function(**options))
+    assert_same_numbers(plain, serialized, rtol=1e-6 if recompute else 0.0)
+    graph = serialized[2].get_concrete_function(*_first_batch(builder)).graph
+    assert any(op.control_inputs for op in graph.get_operations() if op.type == "Conv2D")
+    if recompute:
+        assert serialized[2].plan.recomputed
+    assert "topological" not in capfd.readouterr().err
+
+
+def _first_batch(builder):
+    model, (x, y) = builder()
+    return tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH])
+
+
+@pytest.mark.parametrize("recompute", [None, "sqrt"])
+def test_tensorflow_runs_the_ops_in_the_simulated_order(recompute):
+    """Two inter-op threads would run the inception branches side by side; the chain forbids it.
+    The executed start order equals the simulation's, clones included."""
+    model, (x, y) = zoo.inception_style()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer = keras.optimizers.SGD(0.05)
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    options = dict(device="/CPU:0", swap=False, serialize=True, device_spec=SPEC)
+    if recompute:
+        options["recompute"] = recompute
+    fn = lms_tf.function(step, **options)
+    xb, yb = tf.constant(x[:8]), tf.constant(y[:8])
+    graph = fn.get_concrete_function(xb, yb).graph
+    simulated = list(simulate(fn.plain_irs[-1], fn.plan, cost=CostModel(get_device_spec(SPEC))).op_intervals)
+    position = {name: i for i, name in enumerate(simulated)}
+    chain = sorted((op for op in graph.get_operations() if _has_serial(op)), key=lambda op: op.get_attr(SERIAL_ATTR))
+    # Structure: every chained op waits for the one before it, and the chain is the simulated order.
+    assert len(chain) > 100
+    assert all(before in after.control_inputs for before, after in zip(chain, chain[1:]))
+    chained = [simulator_name(graph, op.name) for op in chain]
+    assert chained == sorted(chained, key=position.__getitem__)
+    if recompute:
+        assert sum(name.startswith("recompute/") for name in chained) > 5
+    # Behaviour: TensorFlow ran the chained ops in that order.
+    fn(xb, yb)
+    events = executed_ops(lambda: fn(xb, yb).numpy())
+    serial = {op.name: op.get_attr(SERIAL_ATTR) for op in chain}
+    ran = [serial[e.node] for e in events if e.node in serial]
+    assert len(ran) > 0.5 * len(chain)  # the rest were fused or folded by Grappler
+    assert ran == sorted(ran)
+    # The unserialized step runs in another order on this machine: the check can fail.
+    free = tf.function(step)
+    free(xb, yb)
+    free_ran = [serial[e.node] for e in executed_ops(lambda: free(xb, yb).numpy()) if e.node in serial]
+    assert free_ran != sorted(free_ran)
+
+
+def _has_serial(op):
+    try:
+        op.get_attr(SERIAL_ATTR)
+    except ValueError:
+        return False
+    return True
+
+
+def test_the_keras_callback_refuses_serialize():
+    model, (x, y) = zoo.sequential_cnn()
+    with pytest.raises(LMSOptionError, match="serialize=True is an option of lms_tf.function"):
+        model.fit(x, y, batch_size=zoo.BATCH, epochs=1, verbose=0,
+                  callbacks=[lms_tf.LMSCallback(device="/CPU:0", host="/CPU:1", serialize=True)])
+
+
+def test_serialize_must_be_a_boolean():
+    with pytest.raises(LMSOptionError, match="serialize must be True or False"):
+        lms_tf.function(lambda x: x, device="/CPU:0", serialize="yes")
