@@ -3,11 +3,17 @@
 Each zoo model's plain step and recompute-only (``recompute="sqrt"``) step really run on this
 CPU with one inter-op thread (ops one at a time, like kernels on one GPU stream; oneDNN on),
 in several fresh processes (``tests/allocator_worker.py``: the BFC CPU allocator must be set
-before TensorFlow starts). TensorFlow's CPU executor does not run a step in the same order from
-one process to the next, so the real peak is reported as its range over the processes (each
-the median of 3 profiled steps). Beside it: the simulator's blind prediction (its own order),
-as summed tensor bytes and through the model of TensorFlow's allocator, and the same
-simulation replaying the order each process really ran (which checks the memory rules alone).
+before TensorFlow starts), one step per process (a step measured after another reads a lower
+peak: the allocator keeps the regions the first one grew). Each real peak is the median of 3
+profiled steps. Two tables:
+
+1. **Serialized** (``serialize=True``): the step's compute ops are chained in the simulator's
+   own order, so the blind prediction (summed tensor bytes, and through the model of
+   TensorFlow's allocator) predicts this very run. The processes must agree with each other,
+   and the executed order must show no inversions.
+2. **Free order**: TensorFlow's CPU executor picks the order, which changes from one process
+   to the next. The real peak is shown as its range over the processes, beside the same blind
+   prediction and the simulation replaying each process's real order (the memory rules alone).
 
     .venv/bin/python benchmarks/allocator_validation.py     # writes benchmarks/out/allocator_validation.md
 """
@@ -22,22 +28,48 @@ log = logging.getLogger("benchmark")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ZOO = ["ResNet50,224,32", "VGG16,224,16", "MobileNetV2,224,32", "UNet,256,8", "TransformerEncoder,512,16"]
 MiB = 2**20
-PROCESSES = 3
+PROCESSES = 3  # free order: its peak varies from process to process
+SERIALIZED_PROCESSES = 2  # serialized: the same in every process, two show it
 
 
-def measure(spec):
+def measure(spec, order, step):
+    """One fresh process measuring one step of one model, in one order."""
     env = {k: v for k, v in os.environ.items() if k != "TF_DETERMINISTIC_OPS"}
     env["TF_ENABLE_ONEDNN_OPTS"] = "1"
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "allocator_worker.py"), spec],
-                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "allocator_worker.py"),
+                          "--order", order, "--step", step, spec],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=3600)
     line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)  # noqa: E741
     if line is None:
-        raise RuntimeError(f"{spec}: the worker failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{spec} {order} {step}: the worker failed:\n{out.stderr[-3000:]}")
     return json.loads(line[len("RESULT "):])[0]
 
 
+def serialized_table(runs):
+    """One row per model and step, serialized steps: ``runs`` holds the worker's result of each process."""
+    lines = ["| model | step | real MiB, per process | **blind: allocator model / real** | blind: sum / real | "
+             "within 10% | chained ops seen running (of all), out of order |",
+             "|---|---|---|---|---|---|---|"]
+    for rows in runs:
+        for step in ("plain", "sqrt"):
+            key = f"{step}_serialized"
+            measured = [r for r in rows if key in r]
+            first = measured[0]
+            real = sorted(r[key]["real"] for r in measured)
+            median = real[len(real) // 2]
+            blind = first[key]["blind_allocator"]
+            ratios = [blind / r for r in real]
+            lines.append(f"| {first['model']} {first['size']}² b{first['batch']} | {step} | "
+                         f"{', '.join(f'{r / MiB:.0f}' for r in real)} | **{blind / median:.2f}** | "
+                         f"{first[key]['blind'] / median:.2f} | "
+                         f"{'yes' if all(0.9 <= q <= 1.1 for q in ratios) else 'no'} | "
+                         f"{first[key]['executed_ops']} of {first[key]['chained_ops']}, "
+                         f"{max(r[key]['inversions'] for r in measured)} |")
+    return "\n".join(lines)
+
+
 def table(runs):
-    """One row per model and step: ``runs`` holds the worker's result of each process."""
+    """One row per model and step, free order: ``runs`` holds the worker's result of each process."""
     lines = ["| model | step | real MiB: min-median-max over processes | max/min | blind: sum / median | "
              "**blind: allocator model / median** | blind within 10% of the real range | "
              "replayed order / real, per process |",
@@ -60,13 +92,17 @@ def table(runs):
 def main():
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     runs = []
+    jobs = [(order, step, process) for order, processes in (("serialized", SERIALIZED_PROCESSES), ("free", PROCESSES))
+            for process in range(processes) for step in ("plain", "sqrt")]
     for i, spec in enumerate(ZOO, 1):
-        rows = []
-        for process in range(1, PROCESSES + 1):
-            log.info("[%d/%d] %s, process %d of %d", i, len(ZOO), spec, process, PROCESSES)
-            rows.append(measure(spec))
+        rows = [{} for _ in range(PROCESSES)]
+        for j, (order, step, process) in enumerate(jobs, 1):
+            log.info("[%d/%d] %s: %s %s step, process %d (%d/%d)", i, len(ZOO), spec, order, step,
+                     process + 1, j, len(jobs))
+            rows[process].update(measure(spec, order, step))
         runs.append(rows)
-    text = table(runs)
+    text = ("Serialized (the simulator's order imposed):\n\n" + serialized_table(runs)
+            + "\n\nFree order (TensorFlow's CPU executor picks):\n\n" + table(runs))
     out = os.path.join(ROOT, "benchmarks", "out")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "allocator_validation.md"), "w") as handle:
