@@ -319,22 +319,26 @@ def test_simulator_memory_rules_against_the_real_allocator():
 @pytest.mark.timeout(600)
 def test_simulator_predicts_the_real_peak_of_resnet50_at_full_size():
     """Blind prediction (the simulator's own order, allocations through the allocator model)
-    against the real CPU allocator, ResNet-50 224² batch 32, one inter-op thread, oneDNN on:
-    the plain step within 10% (measured 1.02 in every run), the recompute-only ("sqrt") step
-    within 15% (measured 0.90-0.94: TF's CPU executor runs cheap clones as soon as their gate
-    has run, earlier than the simulator's GPU order). Summed tensor bytes alone read 0.94-0.95
-    and 0.83-0.84."""
+    against the real CPU allocator, ResNet-50 224² batch 32, one inter-op thread, oneDNN on,
+    each step alone in a fresh process. The steps are serialized (``serialize=True``): the
+    compute ops run one at a time in the simulator's order, so the prediction is of this very
+    run, and the test checks that TensorFlow kept that order. Measured: plain 1.02, recompute
+    ("sqrt") 1.06. In TensorFlow's free CPU order the peak moves from process to process
+    (sqrt: 0.83-0.94 of the prediction; benchmarks/allocator_validation.py)."""
     env = {k: v for k, v in os.environ.items() if k != "TF_DETERMINISTIC_OPS"}
     env["TF_ENABLE_ONEDNN_OPTS"] = "1"
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "allocator_worker.py"), "ResNet50,224,32"],
-                         capture_output=True, text=True, timeout=580, cwd=ROOT, env=env)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)  # noqa: E741
-    assert line is not None, out.stderr[-3000:]
-    (row,) = json.loads(line[len("RESULT "):])
-    for step, low in (("plain", 0.90), ("sqrt", 0.85)):
-        ratio = row[step]["blind_allocator"] / row[step]["real"]
-        assert low <= ratio <= 1.10, (step, ratio, row[step])
-        assert row[step]["blind_allocator"] >= row[step]["blind"]
+    for step in ("plain", "sqrt"):
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "allocator_worker.py"), "--order",
+                              "serialized", "--step", step, "ResNet50,224,32"],
+                             capture_output=True, text=True, timeout=280, cwd=ROOT, env=env)
+        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)  # noqa: E741
+        assert line is not None, out.stderr[-3000:]
+        (row,) = json.loads(line[len("RESULT "):])
+        measured = row[f"{step}_serialized"]
+        assert measured["inversions"] == 0 and measured["executed_ops"] > 0.8 * measured["chained_ops"], measured
+        ratio = measured["blind_allocator"] / measured["real"]
+        assert 0.90 <= ratio <= 1.10, (step, ratio, measured)
+        assert measured["blind_allocator"] >= measured["blind"]
 
 
 @pytest.mark.timeout(300)

@@ -26,8 +26,26 @@ def test_graph_editing_helpers_rewire_inputs_and_set_attributes():
     _compat.set_bool_attr(c.op, "_grappler_do_not_remove", True)
     assert c.op.inputs[0].name == "b:0" and gate in c.op.control_inputs
     assert _compat.string_attr(c.op, "_lms") == "swap_in" and _compat.string_attr(a.op, "_lms") is None
+    _compat.set_int_attr(c.op, "_lms_serial", 7)
     node = next(n for n in graph.as_graph_def().node if n.name == "c")
-    assert node.attr["_grappler_do_not_remove"].b is True
+    assert node.attr["_grappler_do_not_remove"].b is True and node.attr["_lms_serial"].i == 7
+
+
+def test_automatic_control_dependencies_are_added_when_the_block_ends():
+    """Two assignments to one variable are chained in creation order before the trace ends."""
+    v = tf.Variable(0.0)
+    seen = {}
+
+    @tf.function
+    def step():
+        with _compat.automatic_control_dependencies() as mark_as_return:
+            first = v.assign_add(1.0)
+            second = v.assign(5.0)
+            result = mark_as_return({"value": second, "keep": 1})
+        seen["chained"] = first.op in second.op.control_inputs
+        return result["value"]
+
+    assert float(step()) == 5.0 and seen["chained"]
 
 
 def test_shape_inference_with_concrete_inputs():
