@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import lms_tf
+from lms_tf import _compat
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.diagnostics import executed_ops
 from lms_tf.errors import LMSOptionError, RewriteError
@@ -57,8 +58,6 @@ def test_a_cycle_is_reported():
     with g.as_default():
         a = tf.constant(1.0, name="a")
         b = tf.negative(a, name="b")
-    from lms_tf import _compat
-
     _compat.add_control_input(a.op, b.op)
     with pytest.raises(RewriteError, match="cycle"):
         ranked_topological_order(g, {})
@@ -82,6 +81,20 @@ def test_serialized_step_trains_to_the_same_numbers(builder, recompute, capfd):
     if recompute:
         assert serialized[2].plan.recomputed
     assert "topological" not in capfd.readouterr().err
+
+
+def test_serialized_swap_plan_trains_to_the_same_numbers_and_keeps_copies_off_the_chain():
+    """Swap copies are not chained (they run on their own streams); the compute around them is."""
+    options = dict(device="/CPU:0", host="/CPU:1", swapout_threshold=4, min_swap_bytes=1024, serialize=True,
+                   device_spec=SPEC)
+    plain = custom_loop(zoo.resnet_style, tf.function)
+    serialized = custom_loop(zoo.resnet_style, lms_function(**options))
+    assert_same_numbers(plain, serialized)
+    assert serialized[2].plan.swapped
+    graph = serialized[2].get_concrete_function(*_first_batch(zoo.resnet_style)).graph
+    copies = [op for op in graph.get_operations() if _compat.string_attr(op, "_lms") in ("swap_out", "swap_in")]
+    assert copies and not any(_has_serial(op) for op in copies)
+    assert sum(_has_serial(op) for op in graph.get_operations()) > 100
 
 
 def _first_batch(builder):
