@@ -12,7 +12,7 @@ import tensorflow as tf
 import lms_tf
 from lms_tf import _compat
 from lms_tf.cost import CostModel, get_device_spec
-from lms_tf.diagnostics import executed_ops
+from lms_tf.diagnostics import executed_ops, virtual_gpu_peak
 from lms_tf.errors import LMSOptionError, RewriteError
 from lms_tf.planner import simulate
 from lms_tf.rewrite.recompute import simulator_name
@@ -164,3 +164,21 @@ def test_the_keras_callback_refuses_serialize():
 def test_serialize_must_be_a_boolean():
     with pytest.raises(LMSOptionError, match="serialize must be True or False"):
         lms_tf.function(lambda x: x, device="/CPU:0", serialize="yes")
+
+
+def test_grappler_sizes_tensors_that_follow_from_a_weight_shape_when_given_variable_shapes():
+    """A 1x1 convolution's output shape follows from the kernel's. Grappler cannot see through
+    the variable handle, so by default the 16 MiB output counts as almost nothing. Given the
+    variable shapes, it counts the output and the Relu's (Grappler does not model a buffer
+    reused in place)."""
+    kernel = tf.Variable(tf.ones((1, 1, 8, 256)))
+
+    @tf.function
+    def step(x):
+        return tf.reduce_sum(tf.nn.relu(tf.nn.conv2d(x, kernel, 1, "SAME")))
+
+    concrete = step.get_concrete_function(tf.ones((4, 64, 64, 8)))
+    output = 4 * 64 * 64 * 256 * 4
+    assert virtual_gpu_peak(concrete) < output / 10
+    shaped = virtual_gpu_peak(concrete, variable_shapes=True)
+    assert 2 * output <= shaped <= 2 * output + 4 * 64 * 64 * 8 * 4 + 8 * 256 * 4 + 4096
