@@ -9,6 +9,8 @@ batch, on the presets v100-16gb-pcie3 and h100-80gb-pcie5:
   (``recompute="sqrt"``) step: summed tensor bytes, and the same allocations replayed through
   the model of TensorFlow's BFC allocator (whole chunks, as ``get_memory_info`` counts them);
 * lms-tf at a budget of 25% of the plain step's simulated peak: simulated and oracle peaks;
+* the oracle again, told the variable shapes, on serialized steps (``serialize=True``: the
+  compute ops chained in the simulator's order), plain and planned;
 * Grappler's own memory optimizer (SWAPPING_HEURISTICS, RECOMPUTATION_HEURISTICS), run
   offline and judged by the same oracle;
 * lms-tf's predicted overhead against the link lower bound;
@@ -112,6 +114,10 @@ def model_rows(name, size, batch):
                "sim_plain": baseline.peak_bytes, "oracle_plain": oracle_plain,
                "grappler_swap": grappler["SWAPPING_HEURISTICS"],
                "grappler_recompute": grappler["RECOMPUTATION_HEURISTICS"]}
+        log.info("  %s: oracle with variable shapes, serialized plain step", preset)
+        serialized = lms_tf.function(step, device="/CPU:0", swap=False, serialize=True, device_spec=spec)
+        row["oracle_plain_shaped"] = virtual_gpu_peak(serialized.get_concrete_function(x, y),
+                                                      gpu_memory_bytes=spec.memory_bytes, variable_shapes=True)
         try:
             started = time.perf_counter()
             plan = make_budget_plan(ir, options, device="/device:CPU:0", cost=cost)
@@ -124,6 +130,11 @@ def model_rows(name, size, batch):
                        overhead=planned.step_time_s / baseline.step_time_s,
                        lower_bound=link_lower_bound(baseline.compute_time_s, planned, cost) / baseline.step_time_s,
                        swapped=plan.swapped_bytes, recomputed=plan.recomputed_bytes)
+            log.info("  %s: oracle with variable shapes, serialized planned step", preset)
+            serialized = lms_tf.function(step, device="/CPU:0", host="/CPU:1", budget=plan.budget_bytes,
+                                         device_spec=spec, serialize=True)
+            row["oracle_lms_shaped"] = virtual_gpu_peak(serialized.get_concrete_function(x, y),
+                                                        gpu_memory_bytes=spec.memory_bytes, variable_shapes=True)
             ties = [simulate(ir, plan, cost=cost, tie_seed=seed, allocator=tensorflow_gpu_allocator(spec.memory_bytes))
                     for seed in range(100, 100 + TIE_SEEDS)]
             row.update(tie_peaks=[t.peak_bytes for t in ties], tie_held=[t.held_bytes for t in ties],
@@ -220,6 +231,22 @@ def table(rows, batch_row, r152):
         else:
             lines.append(head + f"infeasible (smallest feasible {mib(r['smallest_feasible'])}, "
                          f"{r['smallest_feasible'] / r['sim_plain']:.2f}) | – | – | " + grappler + "– | – | – |")
+    lines += ["", "Grappler's oracle told the variable shapes (`virtual_gpu_peak(..., variable_shapes=True)`), "
+                  "on serialized steps (`serialize=True`: the compute ops chained in the simulator's order). "
+                  "Peaks in MiB:", "",
+              "| model | device | sim plain | oracle plain (÷ sim) | lms-tf sim (ratio) | lms-tf oracle (ratio) | "
+              "oracle ratio − sim ratio |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = (f"| {r['model']} {r['size']}² b{r['batch']} | {r['device']} | {mib(r['sim_plain'])} | "
+                f"{mib(r['oracle_plain_shaped'])} ({r['oracle_plain_shaped'] / r['sim_plain']:.2f}) | ")
+        if r["feasible"]:
+            sim_ratio = r["sim_lms"] / r["sim_plain"]
+            oracle_ratio = r["oracle_lms_shaped"] / r["oracle_plain_shaped"]
+            lines.append(head + f"{mib(r['sim_lms'])} ({sim_ratio:.2f}) | {mib(r['oracle_lms_shaped'])} "
+                                f"({oracle_ratio:.2f}) | {oracle_ratio - sim_ratio:+.2f} |")
+        else:
+            lines.append(head + "infeasible | – | – |")
     lines += ["", f"The feasible plans replayed with {TIE_SEEDS} random orders of the ops made ready together "
                   f"that the planner did not check (MiB):", "",
               "| model | device | budget | planned peak | peak over tie orders: min-max | chunks (GPU allocator model) "
