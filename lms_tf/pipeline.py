@@ -16,12 +16,11 @@ from typing import Dict, Mapping, Optional, Sequence
 import tensorflow as tf
 
 from lms_tf import _compat
+from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.errors import LMSError, LMSWarning
 from lms_tf.graph import build_ir
 from lms_tf.options import LMSOptions
-from lms_tf.planner import Plan, make_budget_plan, make_plan
-from lms_tf.cost import CostModel, get_device_spec
-from lms_tf.planner import simulate
+from lms_tf.planner import Plan, make_budget_plan, make_plan, simulate
 from lms_tf.rewrite import apply_plan
 from lms_tf.rewrite.recompute import simulator_name
 from lms_tf.rewrite.serialize import impose_order
