@@ -21,11 +21,13 @@ profiled steps. Two tables:
 import json
 import logging
 import os
-import subprocess
 import sys
 
 log = logging.getLogger("benchmark")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tests.allocator_runs import run_allocator_worker  # noqa: E402
+
 ZOO = ["ResNet50,224,32", "VGG16,224,16", "MobileNetV2,224,32", "UNet,256,8", "TransformerEncoder,512,16"]
 MiB = 2**20
 PROCESSES = 3  # free order: its peak varies from process to process
@@ -34,15 +36,7 @@ SERIALIZED_PROCESSES = 2  # serialized: the same in every process, two show it
 
 def measure(spec, order, step):
     """One fresh process measuring one step of one model, in one order."""
-    env = {k: v for k, v in os.environ.items() if k != "TF_DETERMINISTIC_OPS"}
-    env["TF_ENABLE_ONEDNN_OPTS"] = "1"
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "allocator_worker.py"),
-                          "--order", order, "--step", step, spec],
-                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=3600)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)  # noqa: E741
-    if line is None:
-        raise RuntimeError(f"{spec} {order} {step}: the worker failed:\n{out.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])[0]
+    return run_allocator_worker("--order", order, "--step", step, spec, timeout=3600)[0]
 
 
 def serialized_table(runs):

@@ -44,7 +44,7 @@ from lms_tf.diagnostics import executed_ops  # noqa: E402
 from lms_tf.graph import build_ir  # noqa: E402
 from lms_tf.planner import simulate, tensorflow_cpu_allocator  # noqa: E402
 from lms_tf.rewrite.recompute import simulator_name  # noqa: E402
-from lms_tf.rewrite.serialize import SERIAL_ATTR  # noqa: E402
+from lms_tf.rewrite.serialize import serial_chain  # noqa: E402
 from lms_tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
 
 COST = CostModel(get_device_spec("v100-16gb-pcie3"))
@@ -85,8 +85,7 @@ def serialized(model, x, y, **recompute):
     graph = fn.get_concrete_function(x, y).graph
     real, rank = sorted((measured(fn, x, y, graph=graph) for _ in range(3)), key=lambda run: run[0])[1]
     blind = simulate(fn.plain_irs[-1], fn.plan, cost=COST, allocator=tensorflow_cpu_allocator())
-    chained = {simulator_name(graph, op.name): op.get_attr(SERIAL_ATTR)
-               for op in graph.get_operations() if SERIAL_ATTR in op.node_def.attr}
+    chained = {simulator_name(graph, op.name): position for position, op in enumerate(serial_chain(graph))}
     executed = [chained[name] for name in sorted(set(chained) & set(rank), key=rank.__getitem__)]
     return {"real": real, "blind": blind.peak_bytes, "blind_allocator": blind.allocator_peak_bytes,
             "chained_ops": len(chained), "executed_ops": len(executed),

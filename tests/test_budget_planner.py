@@ -21,6 +21,7 @@ from lms_tf.options import LMSOptions, parse_budget
 from lms_tf.planner import Decision, InfeasibleBudgetError, make_budget_plan, simulate, tensorflow_gpu_allocator
 from lms_tf.planner.plan import Plan, SwapIn, TensorDecision
 from tests import zoo
+from tests.allocator_runs import run_allocator_worker
 from tests.helpers import assert_same_numbers, custom_loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -298,14 +299,7 @@ def test_simulator_memory_rules_against_the_real_allocator():
     recompute plan must lower both the real and the simulated peak. The worker runs TF's default
     CPU kernels with oneDNN (TF's Eigen kernels, TF_ENABLE_ONEDNN_OPTS=0, hold im2col buffers
     the workspace rule does not model: 0.70 on ResNet-50)."""
-    env = {k: v for k, v in os.environ.items() if k != "TF_DETERMINISTIC_OPS"}
-    env["TF_ENABLE_ONEDNN_OPTS"] = "1"
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "allocator_worker.py"),
-                          "ResNet50,64,4", "TransformerEncoder,64,4"],
-                         capture_output=True, text=True, timeout=580, cwd=ROOT, env=env)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)  # noqa: E741
-    assert line is not None, out.stderr[-3000:]
-    rows = json.loads(line[len("RESULT "):])
+    rows = run_allocator_worker("ResNet50,64,4", "TransformerEncoder,64,4", timeout=580)
     assert [r["model"] for r in rows] == ["ResNet50", "TransformerEncoder"]
     for row in rows:
         ratio = row["plain"]["replay"] / row["plain"]["real"]
@@ -325,15 +319,8 @@ def test_simulator_predicts_the_real_peak_of_resnet50_at_full_size():
     run, and the test checks that TensorFlow kept that order. Measured: plain 1.02, recompute
     ("sqrt") 1.06. In TensorFlow's free CPU order the peak moves from process to process
     (sqrt: 0.83-0.94 of the prediction; benchmarks/allocator_validation.py)."""
-    env = {k: v for k, v in os.environ.items() if k != "TF_DETERMINISTIC_OPS"}
-    env["TF_ENABLE_ONEDNN_OPTS"] = "1"
     for step in ("plain", "sqrt"):
-        out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "allocator_worker.py"), "--order",
-                              "serialized", "--step", step, "ResNet50,224,32"],
-                             capture_output=True, text=True, timeout=280, cwd=ROOT, env=env)
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)  # noqa: E741
-        assert line is not None, out.stderr[-3000:]
-        (row,) = json.loads(line[len("RESULT "):])
+        (row,) = run_allocator_worker("--order", "serialized", "--step", step, "ResNet50,224,32", timeout=280)
         measured = row[f"{step}_serialized"]
         assert measured["inversions"] == 0 and measured["executed_ops"] > 0.8 * measured["chained_ops"], measured
         ratio = measured["blind_allocator"] / measured["real"]

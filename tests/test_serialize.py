@@ -16,7 +16,7 @@ from lms_tf.diagnostics import executed_ops, virtual_gpu_peak
 from lms_tf.errors import LMSOptionError, RewriteError
 from lms_tf.planner import simulate
 from lms_tf.rewrite.recompute import simulator_name
-from lms_tf.rewrite.serialize import SERIAL_ATTR, bypass_identity_n, impose_order, ranked_topological_order
+from lms_tf.rewrite.serialize import bypass_identity_n, impose_order, ranked_topological_order, serial_chain
 from tests import zoo
 from tests.helpers import assert_same_numbers, custom_loop, lms_function
 
@@ -89,7 +89,7 @@ def _check_serialized_numbers(builder, recompute, capfd):
     serialized = custom_loop(builder, lms_function(**options))
     assert_same_numbers(plain, serialized, rtol=1e-6 if recompute else 0.0)
     graph = serialized[2].get_concrete_function(*_first_batch(builder)).graph
-    assert sum(_has_serial(op) for op in graph.get_operations()) > 20
+    assert len(serial_chain(graph)) > 20
     if recompute:
         assert serialized[2].plan.recomputed
     assert "topological" not in capfd.readouterr().err
@@ -105,8 +105,9 @@ def test_serialized_swap_plan_trains_to_the_same_numbers_and_keeps_copies_off_th
     assert serialized[2].plan.swapped
     graph = serialized[2].get_concrete_function(*_first_batch(zoo.resnet_style)).graph
     copies = [op for op in graph.get_operations() if _compat.string_attr(op, "_lms") in ("swap_out", "swap_in")]
-    assert copies and not any(_has_serial(op) for op in copies)
-    assert sum(_has_serial(op) for op in graph.get_operations()) > 100
+    chain = serial_chain(graph)
+    assert copies and not set(copies) & set(chain)
+    assert len(chain) > 100
 
 
 def _first_batch(builder):
@@ -137,7 +138,7 @@ def test_tensorflow_runs_the_ops_in_the_simulated_order(recompute):
     graph = fn.get_concrete_function(xb, yb).graph
     simulated = list(simulate(fn.plain_irs[-1], fn.plan, cost=CostModel(get_device_spec(SPEC))).op_intervals)
     position = {name: i for i, name in enumerate(simulated)}
-    chain = sorted((op for op in graph.get_operations() if _has_serial(op)), key=lambda op: op.get_attr(SERIAL_ATTR))
+    chain = serial_chain(graph)
     # Structure: every chained op waits for the one before it, and the chain is the simulated order.
     assert len(chain) > 100
     assert all(before in after.control_inputs for before, after in zip(chain, chain[1:]))
@@ -148,7 +149,7 @@ def test_tensorflow_runs_the_ops_in_the_simulated_order(recompute):
     # Behaviour: TensorFlow ran the chained ops in that order.
     fn(xb, yb)
     events = executed_ops(lambda: fn(xb, yb).numpy())
-    serial = {op.name: op.get_attr(SERIAL_ATTR) for op in chain}
+    serial = {op.name: position for position, op in enumerate(chain)}
     ran = [serial[e.node] for e in events if e.node in serial]
     assert len(ran) > 0.5 * len(chain)  # the rest were fused or folded by Grappler
     assert ran == sorted(ran)
@@ -157,14 +158,6 @@ def test_tensorflow_runs_the_ops_in_the_simulated_order(recompute):
     free(xb, yb)
     free_ran = [serial[e.node] for e in executed_ops(lambda: free(xb, yb).numpy()) if e.node in serial]
     assert free_ran != sorted(free_ran)
-
-
-def _has_serial(op):
-    try:
-        op.get_attr(SERIAL_ATTR)
-    except ValueError:
-        return False
-    return True
 
 
 def test_the_keras_callback_refuses_serialize():

@@ -117,6 +117,17 @@ def ranked_topological_order(graph: tf.Graph, rank: Mapping[str, float]) -> List
     return order
 
 
+def serial_chain(graph: tf.Graph) -> List[tf.Operation]:
+    """The ops :func:`impose_order` chained, in chain order (empty for a graph it did not touch).
+
+    Example:
+        >>> serial_chain(tf.Graph())
+        []
+    """
+    chained = [op for op in graph.get_operations() if SERIAL_ATTR in op.node_def.attr]
+    return sorted(chained, key=lambda op: op.get_attr(SERIAL_ATTR))
+
+
 def impose_order(graph: tf.Graph, rank: Mapping[str, float]) -> int:
     """Chains the ranked ops of ``graph`` with control edges, in rank order where the graph allows.
 
