@@ -224,10 +224,12 @@ def test_planned_peak_fits_and_the_plan_is_printable(preset):
 
 
 @pytest.mark.timeout(300)
-def test_a_plan_whose_tensors_fit_but_whose_allocator_chunks_do_not_is_refused(caplog):
+def test_resnet50_plan_at_25_percent_counts_chunks_and_recomputes_a_swapped_checkpoint(caplog):
     """ResNet-50 224² b32 at 25% on a V100: some candidate plans' tensors fit the budget but
     TensorFlow's GPU allocator would hold more in whole chunks; the planner goes on until the
-    plan it returns fits as the allocator counts it."""
+    plan it returns fits as the allocator counts it. And a conv2-stage checkpoint that the
+    swap-and-recompute plan swapped (the clones of the next segment waited for its swap-in) is
+    recomputed from the checkpoint before it instead, because that simulates faster and fits."""
     import logging
 
     from lms_tf.workloads import build_model, synthetic_batch, train_step
@@ -242,6 +244,12 @@ def test_a_plan_whose_tensors_fit_but_whose_allocator_chunks_do_not_is_refused(c
     refused = [r.getMessage() for r in caplog.records if "TensorFlow's allocator would hold" in r.getMessage()]
     assert refused, "no candidate plan was refused for its allocator chunks"
     assert plan.planned_peak_bytes <= plan.planned_allocator_peak_bytes <= plan.budget_bytes
+    tried = [r.getMessage() for r in caplog.records if "instead of swapping it" in r.getMessage()]
+    assert tried, "the planner did not try recomputing a swapped checkpoint"
+    deeper = [d for d in plan.recomputed if "checkpoint" in d.reason]
+    assert deeper and all("/conv2_block" in d.tensor and "_out" in d.tensor for d in deeper), \
+        [d.tensor for d in deeper]
+    assert deeper[0].tensor not in {d.tensor for d in plan.swapped}
 
 
 @pytest.mark.timeout(300)

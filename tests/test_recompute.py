@@ -223,3 +223,72 @@ def test_bad_recompute_values_are_refused(value):
 def test_nothing_to_do_is_refused():
     with pytest.raises(LMSOptionError, match="swap=False and recompute=False leave nothing to do"):
         lms_tf.function(lambda x: x, swap=False)
+
+
+def _recursive_plan_step(step, gate_choice, facts):
+    """Wraps a step: after tracing it, recomputes one sqrt checkpoint too (``also_recompute``),
+    behind the shared or its own gate, and applies that plan."""
+    from lms_tf.graph import build_ir
+    from lms_tf.options import LMSOptions
+    from lms_tf.planner.default import checkpoint_gates, collect_candidates, make_plan
+    from lms_tf.rewrite import apply_plan
+
+    def traced(xb, yb):
+        loss = step(xb, yb)
+        graph = _compat.current_graph()
+        ir = build_ir(graph)
+        options = LMSOptions(recompute="sqrt", **RECOMPUTE_ONLY)
+        found = collect_candidates(ir, options, device="/device:CPU:0")
+        base = make_plan(ir, options, device="/device:CPU:0", candidates=found)
+        region_inputs = {t for d in base.recomputed for op in d.recompute_ops for t in ir.op(op).inputs}
+        checkpoints = [d for d in base.decisions if d.decision is lms_tf.Decision.KEEP and d.tensor in region_inputs
+                       and d.tensor in found.eligible and checkpoint_gates(ir, found, d.tensor, base.recomputed)]
+        checkpoint = checkpoints[len(checkpoints) // 2].tensor
+        gates = checkpoint_gates(ir, found, checkpoint, base.recomputed)
+        gate = gates[0] if gate_choice == "shared" else gates[-1]
+        plan = make_plan(ir, options, device="/device:CPU:0", candidates=found, also_recompute={checkpoint: gate})
+        facts.update(ir=ir, base=base, plan=plan, checkpoint=checkpoint, gates=gates, gate=gate, graph=graph)
+        apply_plan(graph, ir, plan)
+        return loss
+    return tf.function(traced)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("gate_choice", ["shared", "own"])
+def test_a_checkpoint_recomputed_from_the_one_before_trains_to_the_plain_numbers(gate_choice):
+    """Recursive recompute (``make_plan(also_recompute=)``), as the budget planner uses it in place
+    of a swap that stalls the clones: numbers equal the plain step; the checkpoint's region now
+    reaches back past it to the checkpoint before; its backward readers read its clone, which runs
+    behind the chosen gate; the regions that read it clone its producer instead of reading it."""
+    from lms_tf.rewrite.recompute import CLONE_GATE_ATTR, CLONE_OF_ATTR
+
+    facts = {}
+    plain = custom_loop(zoo.resnet_style, tf.function)
+    rewritten = custom_loop(zoo.resnet_style, lambda step: _recursive_plan_step(step, gate_choice, facts))
+    assert_same_numbers(plain, rewritten, rtol=RTOL)
+
+    ir, base, plan, checkpoint, graph = (facts[k] for k in ("ir", "base", "plan", "checkpoint", "graph"))
+    gates = facts["gates"]
+    assert len(gates) == 2 and ir.op(gates[0]).index < ir.op(gates[1]).index, gates  # shared, then own
+    decision = next(d for d in plan.decisions if d.tensor == checkpoint)
+    assert decision.decision is lms_tf.Decision.RECOMPUTE and decision.gate == facts["gate"]
+    assert "checkpoint" in decision.reason
+    producer = ir.tensors[checkpoint].producer
+    assert decision.recompute_ops[-1] == producer and len(decision.recompute_ops) > 1
+    readers = [d for d in plan.recomputed if d.tensor != checkpoint and producer in d.recompute_ops]
+    before = [d for d in base.recomputed if any(checkpoint in ir.op(op).inputs for op in d.recompute_ops)]
+    assert readers and {d.tensor for d in readers} == {d.tensor for d in before}
+    # Each reading region now also clones ops from before the checkpoint.
+    for d in readers:
+        assert len(d.recompute_ops) > len(next(b for b in before if b.tensor == d.tensor).recompute_ops)
+    clones = {(_compat.string_attr(op, CLONE_OF_ATTR), _compat.string_attr(op, CLONE_GATE_ATTR)): op
+              for op in graph.get_operations() if _compat.string_attr(op, LMS_ATTR) == "recompute"}
+    assert (producer, facts["gate"]) in clones
+    for consumer in decision.consumers:
+        reads = graph.get_operation_by_name(consumer).inputs
+        assert not any(t.name == checkpoint for t in reads)
+        assert any(t.op is clones[(producer, facts["gate"])] for t in reads)
+    if gate_choice == "own":  # the regions clone it again behind their own gates
+        assert all((producer, d.gate) in clones for d in readers)
+    else:
+        assert {d.gate for d in readers} >= {facts["gate"]}

@@ -59,7 +59,8 @@ from lms_tf.cost.model import CostModel
 from lms_tf.errors import LMSOptionError, PlanCycleError
 from lms_tf.graph.ir import GraphIR, Phase, layer_of
 from lms_tf.options import LMSOptions
-from lms_tf.planner.default import Candidates, articulation_count, collect_candidates, make_plan
+from lms_tf.planner.default import (Candidates, articulation_count, checkpoint_gates, clonable,
+                                    collect_candidates, make_plan)
 from lms_tf.planner.plan import Decision, Ordering, Plan, SwapIn, TensorDecision
 from lms_tf.planner.allocator import replay_allocations, tensorflow_gpu_allocator
 from lms_tf.planner.simulator import ALIAS_TYPES, Simulation, resident_buffers, simulate, simulate_tie_orders
@@ -82,6 +83,8 @@ SWAP_IN_LAG = 2
 ORDERING_CANDIDATES = 8
 #: How many of those pairs (largest first) are tried per round.
 ORDERING_PAIRS = 3
+#: How many swapped checkpoints (largest first) the planner tries to recompute instead.
+RECOMPUTED_CHECKPOINTS_TRIED = 8
 #: Head starts tried when re-timing late swap-ins (fractions of the copy's time).
 RETIME_LEADS = (1.0, 0.5)
 #: Random tie orders (``simulate(..., tie_seed=)``: the hash-ordered successors of nodes with more
@@ -185,6 +188,7 @@ class _Planner:
         self.time_to_beat: Optional[float] = None  # step time of the fastest fitting plan so far
         self.resident_buffers = resident_buffers(ir)
         self.resident = sum(nbytes for _, nbytes in self.resident_buffers)
+        self.base_policies: Dict[str, Tuple[str, Optional[int]]] = {}  # base label -> (policy, segments)
         self._successors: Optional[Dict[str, List[str]]] = None
         self._paths: Dict[str, List[str]] = {}
 
@@ -200,19 +204,23 @@ class _Planner:
         bases = [("none", {})] if policy == "auto" else []
         if policy in ("auto", "cheap"):
             bases.append(("cheap", self._recompute_only("cheap")))
+            self.base_policies["cheap"] = ("cheap", None)
         if policy in ("auto", "sqrt"):
             n = articulation_count(self.ir)
             # More segments than sqrt(n) keep more checkpoints but shorter recomputed segments; on
             # the zoo the lowest peaks came from 1.5-2.5x sqrt(n) (a CNN's early segments are large).
             counts = sorted({max(1, round(n ** 0.5 * f)) for f in (1.5, 2.5)})
             for segments in counts if policy == "auto" else [None]:
-                bases.append((f"sqrt/{segments or 'default'}", self._recompute_only("sqrt", segments)))
+                label = f"sqrt/{segments or 'default'}"
+                bases.append((label, self._recompute_only("sqrt", segments)))
+                self.base_policies[label] = ("sqrt", segments)
         return bases
 
-    def _recompute_only(self, policy, segments: Optional[int] = None) -> Dict[str, TensorDecision]:
+    def _recompute_only(self, policy, segments: Optional[int] = None,
+                        also: Mapping[str, str] = {}) -> Dict[str, TensorDecision]:
         options = dataclasses.replace(self.options, swap=False, recompute=policy, budget=None)
         plan = make_plan(self.ir, options, device=self.device, scope_aliases=self.scope_aliases,
-                         sqrt_segments=segments, candidates=self.found)
+                         sqrt_segments=segments, candidates=self.found, also_recompute=also)
         return {d.tensor: d for d in plan.recomputed}
 
     def assemble(self, swap: Set[str], recomputed: Mapping[str, TensorDecision], tools: _Tools = _Tools(),
@@ -520,6 +528,45 @@ class _Planner:
                 break
         return grown, link_busy
 
+    def recompute_checkpoints(self, budget_bytes: int, plan: Plan, sim: Simulation, base: str,
+                              tools: _Tools) -> Tuple[Plan, Simulation, int]:
+        """A fitting plan made faster by recomputing swapped checkpoints instead (KARMA's joint
+        choice, per tensor). A checkpoint the clones of a segment read comes back through a swap-in
+        started by the segment's gate, so the clones wait for the whole copy; recomputing it from
+        the checkpoint before it costs its region's compute instead. Largest first, each is kept
+        recomputed, behind the first of its :func:`checkpoint_gates` with which the plan still
+        fits and the step gets shorter. Returns the plan, its simulation and how many checkpoints
+        it recomputes."""
+        policy = self.base_policies.get(base)
+        if policy is None:
+            return plan, sim, 0
+        read_by_clones = set()
+        for d in plan.recomputed:
+            for name in d.recompute_ops:
+                read_by_clones.update(self.ir.op(name).inputs)
+        tries = sorted((d for d in plan.swapped if d.tensor in read_by_clones and
+                        clonable(self.ir.op(self.ir.tensors[d.tensor].producer))), key=lambda d: -(d.nbytes or 0))
+        base_decisions = list(plan.recomputed)
+        dropped: Dict[str, str] = {}
+        for decision in tries[:RECOMPUTED_CHECKPOINTS_TRIED]:
+            for gate in checkpoint_gates(self.ir, self.found, decision.tensor, base_decisions):
+                also = {**dropped, decision.tensor: gate}
+                recomputed = self._recompute_only(*policy, also=also)
+                swap = {d.tensor for d in plan.swapped} - set(also)
+                candidate = self.assemble(swap, recomputed, tools, plan.orderings)
+                try:
+                    candidate_sim = self.simulate(candidate)
+                except PlanCycleError:
+                    continue
+                logger.debug("planner: recomputing checkpoint %s (gate %s) instead of swapping it: held %d bytes, "
+                             "step %.4f s (was %.4f s)", decision.tensor, gate, candidate_sim.held_bytes,
+                             candidate_sim.step_time_s, sim.step_time_s)
+                if candidate_sim.held_bytes <= budget_bytes and candidate_sim.step_time_s < sim.step_time_s:
+                    plan, sim, dropped = candidate, candidate_sim, also
+                    self.time_to_beat = sim.step_time_s
+                    break
+        return plan, sim, len(dropped)
+
     def retime_swap_ins(self, budget_bytes: int, plan: Plan, sim: Simulation, label: str,
                         tools: _Tools) -> Tuple[Plan, Simulation, str]:
         """A fitting plan with late swap-ins, made faster: one swapped tensor at a time (largest
@@ -571,6 +618,10 @@ class _Planner:
                 if best is not None and label in ("none", "cheap"):
                     break  # no recompute (or only cheap ops) fits: nothing faster to find
             if best is not None:
+                plan, sim, label = best
+                plan, sim, recomputed = self.recompute_checkpoints(budget_bytes, plan, sim, label[:-len(suffix) or None],
+                                                                   tools)
+                best = (plan, sim, label + (f" ({recomputed} swapped checkpoints recomputed)" if recomputed else ""))
                 if tools.late_swap_ins:
                     best = self.retime_swap_ins(budget_bytes, *best, tools)
                 break

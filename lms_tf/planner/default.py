@@ -42,7 +42,7 @@ import bisect
 import fnmatch
 import math
 import dataclasses
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import tensorflow as tf
 
@@ -499,9 +499,36 @@ def collect_candidates(ir: GraphIR, options: LMSOptions, *, device: str,
                       tuple(op.index for op in gates))
 
 
+def checkpoint_gates(ir: GraphIR, found: Candidates, tensor: str,
+                     recomputed: Iterable[TensorDecision]) -> Tuple[str, ...]:
+    """Gates that may run the clones of a checkpoint recomputed too (``make_plan(also_recompute=)``).
+
+    The first is the earliest gate of the recompute regions that read the checkpoint, if it runs
+    before the checkpoint's own backward readers: one clone serves the regions and the readers,
+    and is held from that gate to the last reader. The second is the gate just before its first
+    backward reader: the regions clone it again for themselves, but the clone is held less long.
+    None if no gate runs before its first backward reader.
+
+    Example:
+        >>> from lms_tf.graph.ir import GraphIR
+        >>> found = collect_candidates(GraphIR((), {}, frozenset(), {}), LMSOptions(), device="/device:GPU:0")
+        >>> checkpoint_gates(GraphIR((), {}, frozenset(), {}), found, "t:0", [])
+        ()
+    """
+    readers = found.backward_of.get(tensor)
+    before = found.gates_before(min(c.index for c in readers)) if readers else 0
+    if before == 0:
+        return ()
+    own = found.gates[before - 1]
+    positions = {g.name: g.index for g in found.gates}
+    shared = [d.gate for d in recomputed if d.gate in positions and positions[d.gate] < own.index
+              and any(tensor in ir.op(name).inputs for name in d.recompute_ops)]
+    return tuple(([min(shared, key=positions.get)] if shared else []) + [own.name])
+
+
 def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
               scope_aliases: Optional[Mapping[str, str]] = None, sqrt_segments: Optional[int] = None,
-              candidates: Optional["Candidates"] = None) -> Plan:
+              candidates: Optional["Candidates"] = None, also_recompute: Mapping[str, str] = {}) -> Plan:
     """Makes the default plan for a traced step: swaps (TFLMS rule) and the recompute policy.
 
     Args:
@@ -512,6 +539,9 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
         sqrt_segments: With ``recompute="sqrt"``, the number of segments (default: about the
             square root of the number of articulation tensors). The budget planner tries several.
         candidates: The step's :func:`collect_candidates` for these options, if already known.
+        also_recompute: Checkpoints of the recompute policy to recompute too, from the checkpoints
+            before them (recursive recompute: more compute, fewer bytes kept or swapped), each
+            mapped to its gate (one of :func:`checkpoint_gates`). The budget planner picks these.
 
     Returns:
         The plan, with one decision per forward tensor that a backward op reads.
@@ -547,13 +577,22 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
         # pass) cannot be recomputed; it must not drag its segment's shared gate before every gate.
         segment_of = {name: seg for name, seg in segment_of.items()
                       if found.gates_before(min(c.index for c in backward_of[name])) > 0}
-        targets = set(segment_of)
+        deeper = {t: gate for t, gate in also_recompute.items() if t not in segment_of}
+        targets = set(segment_of) | set(deeper)
         regions = _RegionFinder(ir, targets, through)
         first_use: Dict[int, int] = {}
         for name, seg in segment_of.items():
             first = min(c.index for c in backward_of[name])
             first_use[seg] = min(first, first_use.get(seg, first))
         for name in eligible:
+            if name in deeper:
+                old = decisions[name]
+                decisions[name] = TensorDecision(
+                    name, old.layer, old.shape, old.nbytes, Decision.RECOMPUTE,
+                    "recompute (a checkpoint, from the checkpoints before it)", old.distance, (),
+                    recompute_ops=regions.region(name), gate=deeper[name],
+                    consumers=tuple(c.name for c in sorted(backward_of[name], key=lambda c: c.index)))
+                continue
             if name not in targets:
                 producer = ir.op(ir.tensors[name].producer)
                 if not clonable(producer) and decisions[name].decision is Decision.KEEP:
