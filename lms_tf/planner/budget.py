@@ -529,14 +529,15 @@ class _Planner:
         return grown, link_busy
 
     def recompute_checkpoints(self, budget_bytes: int, plan: Plan, sim: Simulation, base: str,
-                              tools: _Tools) -> Tuple[Plan, Simulation, int]:
+                              tools: _Tools, fitting: bool = True) -> Tuple[Plan, Simulation, int]:
         """A fitting plan made faster by recomputing swapped checkpoints instead (KARMA's joint
         choice, per tensor). A checkpoint the clones of a segment read comes back through a swap-in
         started by the segment's gate, so the clones wait for the whole copy; recomputing it from
         the checkpoint before it costs its region's compute instead. Largest first, each is kept
         recomputed, behind the first of its :func:`checkpoint_gates` with which the plan still
-        fits and the step gets shorter. Returns the plan, its simulation and how many checkpoints
-        it recomputes."""
+        fits and the step gets shorter (``fitting=False``, for a plan that does not fit: with which
+        the peak gets lower). Returns the plan, its simulation and how many checkpoints it
+        recomputes."""
         policy = self.base_policies.get(base)
         if policy is None:
             return plan, sim, 0
@@ -561,9 +562,10 @@ class _Planner:
                 logger.debug("planner: recomputing checkpoint %s (gate %s) instead of swapping it: held %d bytes, "
                              "step %.4f s (was %.4f s)", decision.tensor, gate, candidate_sim.held_bytes,
                              candidate_sim.step_time_s, sim.step_time_s)
-                if candidate_sim.held_bytes <= budget_bytes and candidate_sim.step_time_s < sim.step_time_s:
+                if (candidate_sim.held_bytes <= budget_bytes and candidate_sim.step_time_s < sim.step_time_s
+                        if fitting else candidate_sim.held_bytes < sim.held_bytes):
                     plan, sim, dropped = candidate, candidate_sim, also
-                    self.time_to_beat = sim.step_time_s
+                    self.time_to_beat = sim.step_time_s if fitting else None
                     break
         return plan, sim, len(dropped)
 
@@ -612,6 +614,7 @@ class _Planner:
                 tried.append((label + suffix, sim.held_bytes))
                 if lowest is None or sim.held_bytes < lowest[1].held_bytes:
                     lowest = (plan, sim, label + suffix)
+                    lowest_from = (label, tools)
                 if sim.held_bytes <= budget_bytes and (best is None or sim.step_time_s < best[1].step_time_s):
                     best = (plan, sim, label + suffix)
                     self.time_to_beat = sim.step_time_s
@@ -625,6 +628,11 @@ class _Planner:
                 if tools.late_swap_ins:
                     best = self.retime_swap_ins(budget_bytes, *best, tools)
                 break
+        if best is None and lowest is not None:
+            # Nothing fits: lower the smallest peak found, so the error names a smaller feasible budget.
+            plan, sim, recomputed = self.recompute_checkpoints(budget_bytes, lowest[0], lowest[1], *lowest_from,
+                                                               fitting=False)
+            lowest = (plan, sim, lowest[2] + (f" ({recomputed} swapped checkpoints recomputed)" if recomputed else ""))
         plan, sim, label = best or lowest
         return plan, sim, label, tried
 
