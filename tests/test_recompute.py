@@ -1,5 +1,7 @@
 """Recompute pass: numbers, structure, executed order and real CPU-allocator memory."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -180,22 +182,12 @@ def test_sqrt_recompute_lowers_the_real_cpu_allocator_peak(deep_batch):
     assert peaks["sqrt"] < 0.65 * peaks["plain"], {k: v / 2**20 for k, v in peaks.items()}
 
 
-@pytest.mark.timeout(300)
-def test_executed_order_clones_run_in_backward_after_gate_before_consumer(deep_batch):
-    x, y = deep_batch
-    # Grappler's arithmetic optimizer rewrites e.g. Mul(x, Rsqrt(v)) under the same node names, so
-    # names stop identifying the graph lms-tf built; run exactly that graph to read its order.
-    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
-    try:
-        fn = lms_tf.function(_deep_step(deep_residual(blocks=4, size=16)), recompute="sqrt", **RECOMPUTE_ONLY)
-        fn(x[:, :16, :16], y).numpy()
-        events = executed_ops(lambda: fn(x[:, :16, :16], y).numpy())
-    finally:
-        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": False})
-    logits = find_executed(events, fn.python_function.logits_op)
-    graph = fn.get_concrete_function(x[:, :16, :16], y).graph
+def _assert_clones_ran_in_order(plan, graph, events, logits_op):
+    """Every executed clone a backward consumer reads ran after the forward pass and its gate,
+    and before that consumer; returns how many were seen."""
+    logits = find_executed(events, logits_op)
     seen = 0
-    for decision in fn.plan.recomputed:
+    for decision in plan.recomputed:
         gate = find_executed(events, decision.gate)
         for consumer_name in decision.consumers:
             consumer = graph.get_operation_by_name(consumer_name)
@@ -211,7 +203,47 @@ def test_executed_order_clones_run_in_backward_after_gate_before_consumer(deep_b
                 assert clone.start_ps >= gate.end_ps, "a clone ran before its gate"
             if ran is not None:
                 assert ran.start_ps >= clone.end_ps, "a consumer ran before its clone"
+    return seen
+
+
+def _executed_without_grappler(fn, x, y):
+    # Grappler's arithmetic optimizer rewrites e.g. Mul(x, Rsqrt(v)) under the same node names, so
+    # names stop identifying the graph lms-tf built; run exactly that graph to read its order.
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    try:
+        fn(x, y).numpy()
+        return executed_ops(lambda: fn(x, y).numpy())
+    finally:
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": False})
+
+
+@pytest.mark.timeout(300)
+def test_executed_order_clones_run_in_backward_after_gate_before_consumer(deep_batch):
+    x, y = deep_batch[0][:, :16, :16], deep_batch[1]
+    fn = lms_tf.function(_deep_step(deep_residual(blocks=4, size=16)), recompute="sqrt", **RECOMPUTE_ONLY)
+    events = _executed_without_grappler(fn, x, y)
+    graph = fn.get_concrete_function(x, y).graph
+    seen = _assert_clones_ran_in_order(fn.plan, graph, events, fn.python_function.logits_op)
     assert seen >= len(fn.plan.recomputed) // 2, (seen, len(fn.plan.recomputed))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("gate_choice", ["shared", "own"])
+def test_executed_order_of_a_checkpoint_recomputed_from_the_one_before(deep_batch, gate_choice):
+    """Behaviour of recursive recompute: TensorFlow ran the recomputed checkpoint's clone after the
+    forward pass and its gate and before its backward readers, and so every other clone."""
+    x, y = deep_batch[0][:, :16, :16], deep_batch[1]
+    facts = {}
+    step = _deep_step(deep_residual(blocks=4, size=16))
+    fn = _recursive_plan_step(step, gate_choice, facts)
+    events = _executed_without_grappler(fn, x, y)
+    plan, checkpoint = facts["plan"], facts["checkpoint"]
+    decision = next(d for d in plan.recomputed if d.tensor == checkpoint)
+    only = dataclasses.replace(plan, decisions=(decision,))
+    assert _assert_clones_ran_in_order(only, facts["graph"], events, step.logits_op) >= 1, \
+        f"no clone of {checkpoint} was seen running"
+    seen = _assert_clones_ran_in_order(plan, facts["graph"], events, step.logits_op)
+    assert seen >= len(plan.recomputed) // 2, (seen, len(plan.recomputed))
 
 
 @pytest.mark.parametrize("value", ["everything", 3, [], [""]])
