@@ -164,7 +164,7 @@ class LMSOptions:
         device_spec: The device the planner models: a preset name (``lms_tf.cost.PRESETS``,
             e.g. ``"v100-16gb-pcie3"``), ``"auto"`` (the visible GPU; the default) or an
             :class:`lms_tf.cost.DeviceSpec`.
-        serialize: Only for :func:`lms_tf.function`: run the step's compute ops one at a time
+        serialize: Run the step's compute ops one at a time
             in the simulator's order (control edges; TFLMS's "serialization"), so the real
             peak follows the simulated one. It costs inter-op parallelism. lms-tf uses it to
             check its simulator on a CPU (:mod:`lms_tf.rewrite.serialize`).

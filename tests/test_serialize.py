@@ -18,7 +18,7 @@ from lms_tf.planner import simulate
 from lms_tf.rewrite.recompute import simulator_name
 from lms_tf.rewrite.serialize import bypass_identity_n, impose_order, ranked_topological_order, serial_chain
 from tests import zoo
-from tests.helpers import assert_same_numbers, custom_loop, lms_function
+from tests.helpers import assert_same_numbers, custom_loop, fit_steps, graph_probe, lms_function
 
 SPEC = "v100-16gb-pcie3"
 
@@ -160,11 +160,45 @@ def test_tensorflow_runs_the_ops_in_the_simulated_order(recompute):
     assert free_ran != sorted(free_ran)
 
 
-def test_the_keras_callback_refuses_serialize():
-    model, (x, y) = zoo.sequential_cnn()
-    with pytest.raises(LMSOptionError, match="serialize=True is an option of lms_tf.function"):
-        model.fit(x, y, batch_size=zoo.BATCH, epochs=1, verbose=0,
-                  callbacks=[lms_tf.LMSCallback(device="/CPU:0", host="/CPU:1", serialize=True)])
+@pytest.mark.parametrize("name", sorted(zoo.FIT_ZOO))
+def test_model_fit_serialized_by_the_callback_trains_to_the_same_numbers(name, capfd):
+    """``LMSCallback(serialize=True)``: every model family through ``model.fit``, bit-identical,
+    and Grappler accepts the chained graph."""
+    plain = fit_steps(zoo.FIT_ZOO[name])
+    callback = lms_tf.LMSCallback(device="/CPU:0", swap=False, serialize=True, device_spec=SPEC)
+    serialized = fit_steps(zoo.FIT_ZOO[name], callbacks=[callback])
+    assert callback.plan is not None
+    assert_same_numbers(plain, serialized)
+    assert "topological" not in capfd.readouterr().err
+
+
+def test_model_fit_serialized_with_swaps_chains_the_compute_in_the_simulated_order(capfd):
+    """Structure of the callback's serialized step with swaps and recompute: each chained op waits
+    for the one before it, recompute clones are on the chain, swap copies are off it, and Grappler
+    accepts the graph (Keras's own control edges did not close a cycle with the chain)."""
+    from lms_tf.keras.step_hooks import add_step_hook, remove_step_hook
+
+    model, (x, y) = zoo.resnet_style()
+    facts = {}
+    probe = graph_probe(facts)
+    add_step_hook(model, probe)
+    callback = lms_tf.LMSCallback(device="/CPU:0", host="/CPU:1", swapout_threshold=4, min_swap_bytes=1024,
+                                  recompute="sqrt", serialize=True, device_spec=SPEC)
+    try:
+        model.fit(x, y, batch_size=zoo.BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    finally:
+        remove_step_hook(model, probe)
+    graph, plan = facts["graph"], callback.plan
+    assert plan.swapped and plan.recomputed
+    chain = serial_chain(graph)
+    assert len(chain) > 100
+    copies = {op for op in graph.get_operations() if _compat.string_attr(op, "_lms") in ("swap_out", "swap_in")}
+    assert copies and not copies & set(chain)
+    for earlier, later in zip(chain, chain[1:]):
+        assert earlier in later.control_inputs, f"{later.name} does not wait for {earlier.name}"
+    simulated = [simulator_name(graph, op.name) for op in chain]
+    assert any(name.startswith("recompute/") for name in simulated)
+    assert "topological" not in capfd.readouterr().err
 
 
 def test_serialize_must_be_a_boolean():

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import List, Optional
 
@@ -36,7 +37,8 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
         **options: lms-tf options (see :class:`~lms_tf.LMSOptions`), keyword-only:
             ``device``, ``host``, ``swapout_threshold``, ``swapin_ahead``,
             ``swapin_groupby``, ``min_swap_bytes``, ``exclude``, ``batch_size``
-            (by default read from ``fit``), ``swap``, ``recompute``, ``optimizer_on_host``.
+            (by default read from ``fit``), ``swap``, ``recompute``, ``optimizer_on_host``,
+            ``budget``, ``device_spec``, ``serialize``.
             Data-parallel training adds :class:`lms_tf.horovod.DistributedCallback`
             to the same ``callbacks`` list, in either order.
 
@@ -83,11 +85,6 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
                 f"{_API}(horovod=True): for model.fit, add lms_tf.horovod.DistributedCallback() to the callbacks "
                 f"beside LMSCallback (it also broadcasts the variables and averages the metrics); horovod=True "
                 f"is the option of lms_tf.function for custom loops.")
-        if self.options.serialize:
-            raise LMSOptionError(
-                f"{_API}(serialize=True): Keras adds control edges to model.fit's step after the pass has run, "
-                f"and they can conflict with the serialized order. serialize=True is an option of "
-                f"lms_tf.function (custom loops) only; drop it here.")
         device = resolve_device(self.options)
         if device is None:
             warn_once(f"no-accelerator:{_API}", no_accelerator_message(_API))
@@ -100,14 +97,19 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
 
         def lms_hook(step):
             def train_step(data):
-                if host_hook is None:
-                    outputs = step(data)
-                else:
-                    with _compat.intercept_optimizer_updates(host_hook, order=HOST_UPDATE_ORDER):
+                with contextlib.ExitStack() as stack:
+                    if host_hook is not None:
+                        stack.enter_context(_compat.intercept_optimizer_updates(host_hook, order=HOST_UPDATE_ORDER))
+                    if options.serialize:
+                        # The order imposed must respect the edges TF adds between stateful ops when
+                        # Keras's trace of the step ends, so they are added now.
+                        mark_as_return = stack.enter_context(_compat.automatic_control_dependencies())
+                        outputs = mark_as_return(step(data))
+                    else:
                         outputs = step(data)
                 aliases = _compat.layer_scope_aliases(model, _compat.current_graph())
                 self.plans.append(rewrite_traced_step(options, api=_API, batch_size=batch_size,
-                                                      scope_aliases=aliases))
+                                                      scope_aliases=aliases, serialize=options.serialize))
                 return outputs
             return train_step
 
