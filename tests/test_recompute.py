@@ -324,3 +324,29 @@ def test_a_checkpoint_recomputed_from_the_one_before_trains_to_the_plain_numbers
         assert all((producer, d.gate) in clones for d in readers)
     else:
         assert {d.gate for d in readers} >= {facts["gate"]}
+
+
+def test_bad_also_recompute_entries_are_refused():
+    from lms_tf.graph import build_ir
+    from lms_tf.options import LMSOptions
+    from lms_tf.planner.default import checkpoint_gates, collect_candidates, make_plan
+    from lms_tf.workloads import train_step
+
+    model, (x, _) = zoo.resnet_style()
+    graph = tf.function(train_step(model)).get_concrete_function(
+        tf.TensorSpec((zoo.BATCH,) + x.shape[1:]), tf.TensorSpec((zoo.BATCH,), tf.int32)).graph
+    ir = build_ir(graph)
+    options = LMSOptions(recompute="sqrt", **RECOMPUTE_ONLY)
+    found = collect_candidates(ir, options, device="/device:CPU:0")
+    base = make_plan(ir, options, device="/device:CPU:0", candidates=found)
+    kept = next(d.tensor for d in base.decisions if d.decision is lms_tf.Decision.KEEP and d.tensor in found.eligible
+                and checkpoint_gates(ir, found, d.tensor, base.recomputed))
+    not_movable = next(iter(found.kept))
+    with pytest.raises(LMSOptionError, match="cannot be recomputed"):
+        make_plan(ir, options, device="/device:CPU:0", also_recompute={not_movable: found.gates[0].name})
+    last_gate = found.gates[-1].name  # runs after every backward reader of a checkpoint
+    with pytest.raises(LMSOptionError, match="checkpoint_gates"):
+        make_plan(ir, options, device="/device:CPU:0", also_recompute={kept: last_gate})
+    gate = checkpoint_gates(ir, found, kept, base.recomputed)[-1]
+    plan = make_plan(ir, options, device="/device:CPU:0", also_recompute={kept: gate})
+    assert next(d for d in plan.decisions if d.tensor == kept).decision is lms_tf.Decision.RECOMPUTE

@@ -217,7 +217,7 @@ class _Planner:
         return bases
 
     def _recompute_only(self, policy, segments: Optional[int] = None,
-                        also: Mapping[str, str] = {}) -> Dict[str, TensorDecision]:
+                        also: Optional[Mapping[str, str]] = None) -> Dict[str, TensorDecision]:
         options = dataclasses.replace(self.options, swap=False, recompute=policy, budget=None)
         plan = make_plan(self.ir, options, device=self.device, scope_aliases=self.scope_aliases,
                          sqrt_segments=segments, candidates=self.found, also_recompute=also)
@@ -617,14 +617,13 @@ class _Planner:
                     lowest_from = (label, tools)
                 if sim.held_bytes <= budget_bytes and (best is None or sim.step_time_s < best[1].step_time_s):
                     best = (plan, sim, label + suffix)
+                    best_from = (label, tools)
                     self.time_to_beat = sim.step_time_s
                 if best is not None and label in ("none", "cheap"):
                     break  # no recompute (or only cheap ops) fits: nothing faster to find
             if best is not None:
-                plan, sim, label = best
-                plan, sim, recomputed = self.recompute_checkpoints(budget_bytes, plan, sim, label[:-len(suffix) or None],
-                                                                   tools)
-                best = (plan, sim, label + (f" ({recomputed} swapped checkpoints recomputed)" if recomputed else ""))
+                plan, sim, recomputed = self.recompute_checkpoints(budget_bytes, best[0], best[1], *best_from)
+                best = (plan, sim, best[2] + _recomputed_checkpoints(recomputed))
                 if tools.late_swap_ins:
                     best = self.retime_swap_ins(budget_bytes, *best, tools)
                 break
@@ -632,9 +631,13 @@ class _Planner:
             # Nothing fits: lower the smallest peak found, so the error names a smaller feasible budget.
             plan, sim, recomputed = self.recompute_checkpoints(budget_bytes, lowest[0], lowest[1], *lowest_from,
                                                                fitting=False)
-            lowest = (plan, sim, lowest[2] + (f" ({recomputed} swapped checkpoints recomputed)" if recomputed else ""))
+            lowest = (plan, sim, lowest[2] + _recomputed_checkpoints(recomputed))
         plan, sim, label = best or lowest
         return plan, sim, label, tried
+
+
+def _recomputed_checkpoints(count: int) -> str:
+    return f" ({count} swapped checkpoint{'s' if count > 1 else ''} recomputed)" if count else ""
 
 
 def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,

@@ -526,9 +526,26 @@ def checkpoint_gates(ir: GraphIR, found: Candidates, tensor: str,
     return tuple(([min(shared, key=positions.get)] if shared else []) + [own.name])
 
 
+def _check_also_recompute(ir: GraphIR, found: Candidates, deeper: Mapping[str, str]) -> None:
+    eligible = set(found.eligible)
+    gate_index = {g.name: g.index for g in found.gates}
+    for tensor, gate in deeper.items():
+        if tensor not in eligible or not clonable(ir.op(ir.tensors[tensor].producer)):
+            raise LMSOptionError(
+                f"also_recompute: {tensor!r} cannot be recomputed: it is not a forward tensor the backward pass "
+                f"reads that may be moved, made by a clonable op. Name one of Candidates.eligible whose producer "
+                f"is stateless.")
+        first_reader = min(c.index for c in found.backward_of[tensor])
+        if gate not in gate_index or gate_index[gate] >= first_reader:
+            raise LMSOptionError(
+                f"also_recompute: gate {gate!r} of {tensor!r} is not a backward op that runs before the tensor's "
+                f"first backward reader, so its clone could not run in time. Use one of checkpoint_gates(...): "
+                f"{list(checkpoint_gates(ir, found, tensor, ()))}.")
+
+
 def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
               scope_aliases: Optional[Mapping[str, str]] = None, sqrt_segments: Optional[int] = None,
-              candidates: Optional["Candidates"] = None, also_recompute: Mapping[str, str] = {}) -> Plan:
+              candidates: Optional["Candidates"] = None, also_recompute: Optional[Mapping[str, str]] = None) -> Plan:
     """Makes the default plan for a traced step: swaps (TFLMS rule) and the recompute policy.
 
     Args:
@@ -547,7 +564,9 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
         The plan, with one decision per forward tensor that a backward op reads.
 
     Raises:
-        LMSOptionError: An ``exclude`` entry matches nothing in the step.
+        LMSOptionError: An ``exclude`` entry matches nothing in the step, or an ``also_recompute``
+            entry is not a movable tensor made by a clonable op, or its gate does not run before
+            the tensor's backward readers.
         GraphAnalysisError: A tensor that would be swapped has an unresolvable size.
 
     Example:
@@ -577,7 +596,8 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
         # pass) cannot be recomputed; it must not drag its segment's shared gate before every gate.
         segment_of = {name: seg for name, seg in segment_of.items()
                       if found.gates_before(min(c.index for c in backward_of[name])) > 0}
-        deeper = {t: gate for t, gate in also_recompute.items() if t not in segment_of}
+        deeper = {t: gate for t, gate in (also_recompute or {}).items() if t not in segment_of}
+        _check_also_recompute(ir, found, deeper)
         targets = set(segment_of) | set(deeper)
         regions = _RegionFinder(ir, targets, through)
         first_use: Dict[int, int] = {}
