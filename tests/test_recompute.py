@@ -289,7 +289,8 @@ def _recursive_plan_step(step, gate_choice, facts):
 @pytest.mark.parametrize("gate_choice", ["shared", "own"])
 def test_a_checkpoint_recomputed_from_the_one_before_trains_to_the_plain_numbers(gate_choice):
     """Recursive recompute (``make_plan(also_recompute=)``), as the budget planner uses it in place
-    of a swap that stalls the clones: numbers equal the plain step; the checkpoint's region now
+    of a swap that stalls the clones: numbers equal the plain step (bit for bit with Grappler
+    off); the checkpoint's region now
     reaches back past it to the checkpoint before; its backward readers read its clone, which runs
     behind the chosen gate; the regions that read it clone its producer instead of reading it."""
     from lms_tf.rewrite.recompute import CLONE_GATE_ATTR, CLONE_OF_ATTR
@@ -298,6 +299,14 @@ def test_a_checkpoint_recomputed_from_the_one_before_trains_to_the_plain_numbers
     plain = custom_loop(zoo.resnet_style, tf.function)
     rewritten = custom_loop(zoo.resnet_style, lambda step: _recursive_plan_step(step, gate_choice, facts))
     assert_same_numbers(plain, rewritten, rtol=RTOL)
+    # With Grappler off (it optimises cloned subgraphs on their own), bit for bit.
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    try:
+        exact = custom_loop(zoo.resnet_style, tf.function), \
+            custom_loop(zoo.resnet_style, lambda step: _recursive_plan_step(step, gate_choice, {}))
+    finally:
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": False})
+    assert_same_numbers(*exact)
 
     ir, base, plan, checkpoint, graph = (facts[k] for k in ("ir", "base", "plan", "checkpoint", "graph"))
     gates = facts["gates"]
