@@ -229,7 +229,8 @@ def test_resnet50_plan_at_25_percent_counts_chunks_and_recomputes_a_swapped_chec
     TensorFlow's GPU allocator would hold more in whole chunks; the planner goes on until the
     plan it returns fits as the allocator counts it. And a conv2-stage checkpoint that the
     swap-and-recompute plan swapped (the clones of the next segment waited for its swap-in) is
-    recomputed from the checkpoint before it instead, because that simulates faster and fits."""
+    recomputed from the checkpoint before it instead, because that simulates faster and fits. When
+    nothing fits, the same move lowers the lowest plan."""
     import logging
 
     from lms_tf.workloads import build_model, synthetic_batch, train_step
@@ -250,6 +251,25 @@ def test_resnet50_plan_at_25_percent_counts_chunks_and_recomputes_a_swapped_chec
     assert deeper and all("/conv2_block" in d.tensor and "_out" in d.tensor for d in deeper), \
         [d.tensor for d in deeper]
     assert deeper[0].tensor not in {d.tensor for d in plan.swapped}
+
+    # When nothing fits, the lowest plan is lowered the same way (then swaps more): the first
+    # pass's plan on the same base (swap-ins timed to hide their copies) does not fit in chunks.
+    from lms_tf.planner.budget import _Planner, _Tools
+
+    planner = _Planner(ir, opts, "/device:CPU:0", CostModel(get_device_spec("v100-16gb-pcie3")), {})
+    label, recomputed = next(b for b in planner.recompute_bases() if b[0] == "sqrt/10")
+    planner.budget_bytes = plan.budget_bytes
+    lowest, lowest_sim = planner.add_swaps(plan.budget_bytes, recomputed, _Tools())
+    assert lowest_sim.held_bytes > plan.budget_bytes
+    lowered, lowered_sim, lowered_label = planner.lower_the_lowest(plan.budget_bytes, lowest, lowest_sim, label,
+                                                                   label, _Tools())
+    assert lowered_sim.held_bytes < lowest_sim.held_bytes, (lowered_sim.held_bytes, lowest_sim.held_bytes)
+    assert "checkpoint recomputed" in lowered_label and any("checkpoint" in d.reason for d in lowered.recomputed)
+    # On the H100 preset the same trace plans too (in one process's trace by the usual passes, in
+    # another's only after lowering the lowest plan: which freed chunks get reused is that close).
+    plan = make_budget_plan(ir, LMSOptions(device="/CPU:0", host="/CPU:1", budget="25%",
+                                           device_spec="h100-80gb-pcie5"), device="/device:CPU:0")
+    assert plan.feasible and plan.planned_peak_bytes <= plan.planned_allocator_peak_bytes <= plan.budget_bytes
 
 
 @pytest.mark.timeout(300)

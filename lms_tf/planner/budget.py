@@ -467,16 +467,21 @@ class _Planner:
         return None
 
     def add_swaps(self, budget_bytes: int, recomputed: Mapping[str, TensorDecision],
-                  tools: _Tools = _Tools()) -> Tuple[Plan, Simulation]:
+                  tools: _Tools = _Tools(), start: Optional[Tuple[Plan, Simulation]] = None
+                  ) -> Tuple[Plan, Simulation]:
         """Greedy rounds on top of a recompute base: swap the kept tensors idle at the simulated
         peak, cheapest per byte first, until the bytes over budget are covered; replay; repeat.
         With ``tools.order``, when no swap lowers the peak, run two backward branches alive at it
-        one after the other (:meth:`order_branches`) and go on (see :class:`_Tools`)."""
-        swap: Set[str] = set()
-        orderings: Tuple[Ordering, ...] = ()
-        link_busy = 0.0
-        plan = self.assemble(swap, recomputed, tools)
-        sim = self.simulate(plan)
+        one after the other (:meth:`order_branches`) and go on (see :class:`_Tools`). ``start``
+        (a plan on this base and its simulation) continues from that plan's swaps and orderings."""
+        if start is None:
+            swap: Set[str] = set()
+            orderings: Tuple[Ordering, ...] = ()
+            plan = self.assemble(swap, recomputed, tools)
+            sim = self.simulate(plan)
+        else:
+            (plan, sim), swap, orderings = start, {d.tensor for d in start[0].swapped}, start[0].orderings
+        link_busy = sum(self.cost.transfer_time(self.ir.tensors[t].nbytes or 0, "device_to_host") for t in swap)
         for _ in range(MAX_ROUNDS):
             if sim.held_bytes <= budget_bytes:
                 break
@@ -569,6 +574,22 @@ class _Planner:
                     break
         return plan, sim, len(dropped)
 
+    def lower_the_lowest(self, budget_bytes: int, plan: Plan, sim: Simulation, label: str, base: str,
+                         tools: _Tools) -> Tuple[Plan, Simulation, str]:
+        """Nothing fits: the lowest plan found, with swapped checkpoints recomputed where that lowers
+        its peak, and then more swap rounds from there. It may fit now; if not, the error names a
+        smaller feasible budget."""
+        lowered, lowered_sim, recomputed = self.recompute_checkpoints(budget_bytes, plan, sim, base, tools,
+                                                                      fitting=False)
+        if not recomputed:
+            return plan, sim, label
+        label += _recomputed_checkpoints(recomputed)
+        swapped, swapped_sim = self.add_swaps(budget_bytes, {d.tensor: d for d in lowered.recomputed}, tools,
+                                              start=(lowered, lowered_sim))
+        if swapped_sim.held_bytes < lowered_sim.held_bytes:
+            return swapped, swapped_sim, label + " + more swaps"
+        return lowered, lowered_sim, label
+
     def retime_swap_ins(self, budget_bytes: int, plan: Plan, sim: Simulation, label: str,
                         tools: _Tools) -> Tuple[Plan, Simulation, str]:
         """A fitting plan with late swap-ins, made faster: one swapped tensor at a time (largest
@@ -628,10 +649,9 @@ class _Planner:
                     best = self.retime_swap_ins(budget_bytes, *best, tools)
                 break
         if best is None and lowest is not None:
-            # Nothing fits: lower the smallest peak found, so the error names a smaller feasible budget.
-            plan, sim, recomputed = self.recompute_checkpoints(budget_bytes, lowest[0], lowest[1], *lowest_from,
-                                                               fitting=False)
-            lowest = (plan, sim, lowest[2] + _recomputed_checkpoints(recomputed))
+            lowest = self.lower_the_lowest(budget_bytes, *lowest, *lowest_from)
+            if lowest[1].held_bytes <= budget_bytes:
+                best = lowest
         plan, sim, label = best or lowest
         return plan, sim, label, tried
 
