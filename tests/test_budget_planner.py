@@ -187,6 +187,25 @@ def _resnet_ir(batch=8):
     return build_ir(fn.get_concrete_function(tf.zeros((batch, 24, 24, 3)), tf.zeros((batch,), tf.int32)).graph)
 
 
+def test_a_recompute_base_compute_floor_is_its_simulated_compute_time():
+    """The planner skips recompute bases whose compute alone takes longer than the best plan
+    found: that floor must be what the simulator computes for the base (one compute stream, so
+    no plan on it can be faster), and below every plan built on it."""
+    from lms_tf.planner.budget import _Planner
+
+    ir = _resnet_ir()
+    opts = LMSOptions(device="/CPU:0", host="/CPU:1", budget="40%", device_spec="v100-16gb-pcie3")
+    planner = _Planner(ir, opts, "/device:CPU:0", V100, {})
+    bases = planner.recompute_bases()
+    assert len(bases) >= 3
+    for label, recomputed in bases:
+        sim = planner.simulate(planner.assemble(set(), recomputed))
+        assert planner.compute_floor(recomputed) == pytest.approx(sim.compute_time_s, rel=1e-9), label
+        assert sim.compute_time_s <= sim.step_time_s * (1 + 1e-12)
+    plan = make_budget_plan(ir, opts, device="/device:CPU:0")
+    assert min(planner.compute_floor(r) for _, r in bases) <= plan.predicted_step_time_s * (1 + 1e-9)
+
+
 def test_infeasible_budget_names_the_smallest_feasible_budget():
     ir = _resnet_ir()
     opts = LMSOptions(device="/CPU:0", host="/CPU:1", budget=1024, device_spec="v100-16gb-pcie3")

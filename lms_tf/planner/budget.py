@@ -533,6 +533,12 @@ class _Planner:
                 break
         return grown, link_busy
 
+    def compute_floor(self, recomputed: Mapping[str, TensorDecision]) -> float:
+        """Least step time of any plan on this recompute base: the plain step's compute plus its
+        clones' (one compute stream; swaps and orderings only add waits)."""
+        clones = {(name, d.gate) for d in recomputed.values() for name in d.recompute_ops}
+        return self.baseline.compute_time_s + sum(self.op_times[name] for name, _ in clones)
+
     def recompute_checkpoints(self, budget_bytes: int, plan: Plan, sim: Simulation, base: str,
                               tools: _Tools, fitting: bool = True) -> Tuple[Plan, Simulation, int]:
         """A fitting plan made faster by recomputing swapped checkpoints instead (KARMA's joint
@@ -629,8 +635,11 @@ class _Planner:
                   (bases, _Tools(late_swap_ins=True, order=True), " + late swap-ins + orderings")]
         if self.options.swap:
             passes.append((every_base, _Tools(order=True, throttle=True), " + orderings + waits for copies out"))
+        floors = {label: self.compute_floor(recomputed) for label, recomputed in every_base}
         for candidates, tools, suffix in passes:
-            for label, recomputed in candidates:
+            for label, recomputed in sorted(candidates, key=lambda base: floors[base[0]]):
+                if best is not None and floors[label] * (1 - 1e-9) >= best[1].step_time_s:
+                    break  # this base, and every one after it, computes longer than the best plan takes
                 plan, sim = self.add_swaps(budget_bytes, recomputed, tools)
                 tried.append((label + suffix, sim.held_bytes))
                 if lowest is None or sim.held_bytes < lowest[1].held_bytes:
