@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

@@ -30,7 +30,7 @@ def test_chain_follows_the_ranks_where_the_graph_allows():
         a = tf.exp(x, name="a")
         b = tf.sqrt(x, name="b")
         c = tf.add(a, b, name="c")
-        d = tf.negative(x, name="d")
+        tf.negative(x, name="d")
     # d ranks before a, and c before d; but c reads a, so c must wait for a.
     order = ranked_topological_order(g, {"d": 0, "c": 1, "b": 2, "a": 3})
     assert order == ["x", "d", "b", "a", "c"]

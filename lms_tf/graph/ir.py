@@ -35,7 +35,7 @@ import dataclasses
 import enum
 import heapq
 import re
-from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
 

@@ -16,8 +16,6 @@ import contextlib
 import logging
 from typing import List, Optional
 
-import tensorflow as tf
-
 from lms_tf import _compat
 from lms_tf.errors import LMSOptionError
 from lms_tf.keras.step_hooks import add_step_hook, check_traceable, detach, turn_jit_off

@@ -509,7 +509,7 @@ def _replay(builder: _Builder, *, top: Optional[int], priority: Optional[Dict[st
     events: List[Tuple[float, int, int]] = []
 
     def start(stream: int, at: float) -> None:
-        nonlocal in_use, peak, peak_op, live_at_peak, compute_time, peak_time
+        nonlocal peak, peak_op, live_at_peak, compute_time, peak_time
         i = ready[stream].popleft()
         op = ops[i]
         busy[stream] = True

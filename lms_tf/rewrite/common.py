@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Dict
+from typing import Dict, List
 
 import tensorflow as tf
 

@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple, Union
+from typing import Dict, Tuple, Union
 
 import tensorflow as tf
 
