@@ -21,3 +21,14 @@ except RuntimeError:  # already initialised by tests/conftest.py
 
 collect_ignore = ["setup.py", "examples", "benchmarks", "scripts", "tests/legacy_keras_script.py",
                   "tests/allocator_worker.py"]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _doctests_draw_seeded(request):
+    """With TF_DETERMINISTIC_OPS=1 (tests/conftest.py), random ops without a seed are an error; a
+    doctest that builds a model must not depend on a test having set one before it ran."""
+    if type(request.node).__name__ == "DoctestItem":
+        tf.random.set_seed(0)
