@@ -447,13 +447,8 @@ def _device_properties(dev_type: str, memory: int):
 
 # --- executed-op order from TensorFlow's profiler ----------------------------------------------
 
-def profile_executed_ops(run_step) -> List[Tuple[str, str, int, int]]:
-    """Runs ``run_step()`` under TensorFlow's profiler and returns the ops it executed.
-
-    Returns:
-        ``(node_name, op_type, start_ps, end_ps)`` per executed kernel, sorted by start; times
-        in picoseconds since the Unix epoch.
-    """
+def _profiled_xspace(run_step):
+    """Runs ``run_step()`` under TensorFlow's host profiler; returns its XSpace proto."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     logdir = tempfile.mkdtemp(prefix="lms_tf_profile_")
@@ -469,6 +464,17 @@ def profile_executed_ops(run_step) -> List[Tuple[str, str, int, int]]:
     space = xplane_pb2.XSpace()
     with open(files[0], "rb") as handle:
         space.ParseFromString(handle.read())
+    return space
+
+
+def profile_executed_ops(run_step) -> List[Tuple[str, str, int, int]]:
+    """Runs ``run_step()`` under TensorFlow's profiler and returns the ops it executed.
+
+    Returns:
+        ``(node_name, op_type, start_ps, end_ps)`` per executed kernel, sorted by start; times
+        in picoseconds since the Unix epoch.
+    """
+    space = _profiled_xspace(run_step)
     # Line timestamps count from the session start, which the "Task Environment" plane records
     # in wall-clock ns: adding it puts events on the clock other tools (Horovod's timeline) use.
     session_start_ns = 0
@@ -491,3 +497,47 @@ def profile_executed_ops(run_step) -> List[Tuple[str, str, int, int]]:
                 events.append((node, op_type, start, start + event.duration_ps))
     events.sort(key=lambda e: e[2])
     return events
+
+
+# --- allocator trace from TensorFlow's profiler ----------------------------------------------
+
+def profile_allocations(run_step) -> List[Tuple[str, str, str, int, int, int, str]]:
+    """Runs ``run_step()`` under TensorFlow's profiler and returns what the allocators handed out.
+
+    The BFC allocator records a ``MemoryAllocation`` / ``MemoryDeallocation`` trace event per
+    request while the profiler runs.
+
+    Returns:
+        ``(kind, op, region_type, requested_bytes, chunk_bytes, address, shape)`` per event in
+        time order; ``kind`` is ``"alloc"`` or ``"free"``; ``op`` and ``region_type``
+        (``"output"``, ``"temp"``, ...) are empty on frees.
+    """
+    space = _profiled_xspace(run_step)
+    events = []
+    for plane in space.planes:
+        event_names, stat_names = plane.event_metadata, plane.stat_metadata
+        for line in plane.lines:
+            for event in line.events:
+                label = event_names[event.metadata_id].name
+                if label not in ("MemoryAllocation", "MemoryDeallocation"):
+                    continue
+                stats = {}
+                for stat in event.stats:
+                    value = stat.str_value or stat.int64_value or stat.uint64_value
+                    if stat.ref_value:
+                        value = stat_names[stat.ref_value].name
+                    stats[stat_names[stat.metadata_id].name] = value
+                events.append((line.timestamp_ns * 1000 + event.offset_ps,
+                               "alloc" if label == "MemoryAllocation" else "free", str(stats.get("tf_op") or ""),
+                               str(stats.get("region_type") or ""), int(stats.get("requested_bytes") or 0),
+                               int(stats.get("allocation_bytes") or 0), int(stats.get("addr") or 0),
+                               str(stats.get("shape") or "")))
+    events.sort(key=lambda e: e[0])
+    return [e[1:] for e in events]
+
+
+def onednn_enabled() -> bool:
+    """Whether TensorFlow's CPU kernels are oneDNN's (``TF_ENABLE_ONEDNN_OPTS``; on by default on x86)."""
+    from tensorflow.python.util import _pywrap_util_port
+
+    return bool(_pywrap_util_port.IsMklEnabled())

@@ -6,6 +6,9 @@
   models (DESIGN.md), so compare a plain and a rewritten step with it.
 * :func:`executed_ops` runs a step under TensorFlow's profiler and returns the
   kernels in the order TensorFlow actually executed them.
+* :func:`allocation_trace` runs a step under the profiler and returns every buffer the
+  allocator handed out and took back (what the simulator's memory rules are checked against).
+* :func:`cpu_kernel_library` names TensorFlow's CPU kernels here (``simulate(kernels=)``).
 
 Example:
     >>> import tensorflow as tf
@@ -238,3 +241,65 @@ def find_executed(events: List[ExecutedOp], op_name: str) -> Optional[ExecutedOp
         if event.node == op_name or event.node.endswith("/" + op_name):
             return event
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocationEvent:
+    """One request to (or release from) TensorFlow's BFC allocator, from its profiler trace.
+
+    Attributes:
+        kind: ``"alloc"`` or ``"free"``.
+        op: Node name of the kernel that allocated (empty on frees).
+        region_type: ``"output"``, ``"temp"`` (kernel scratch), ... (empty on frees).
+        requested_bytes: Bytes requested.
+        chunk_bytes: Bytes of the chunk that served it.
+        address: The buffer's address (pairs a free with its allocation).
+        shape: The tensor's shape as TensorFlow prints it, e.g. ``"[16,112,112,64]"``.
+
+    Example:
+        >>> AllocationEvent("alloc", "pool/MaxPool", "output", 1000, 1024, 0x10, "[250]").chunk_bytes
+        1024
+    """
+
+    kind: str
+    op: str
+    region_type: str
+    requested_bytes: int
+    chunk_bytes: int
+    address: int
+    shape: str
+
+
+def allocation_trace(run_step: Callable[[], object]) -> List[AllocationEvent]:
+    """Runs ``run_step()`` under TensorFlow's profiler; returns the allocator's requests in order.
+
+    On the CPU the trace exists only with TensorFlow's BFC allocator
+    (``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts); otherwise it is empty.
+
+    Args:
+        run_step: Runs one (already traced) step.
+
+    Returns:
+        Allocations and frees in time order.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> f = tf.function(lambda x: tf.nn.relu(x) * 2.0)
+        >>> _ = f(tf.ones((4,)))
+        >>> events = allocation_trace(lambda: f(tf.ones((4,))))
+        >>> all(e.kind in ("alloc", "free") for e in events)
+        True
+    """
+    return [AllocationEvent(*event) for event in _compat.profile_allocations(run_step)]
+
+
+def cpu_kernel_library() -> str:
+    """TensorFlow's CPU kernel library in this process, as :func:`lms_tf.planner.simulate`'s
+    ``kernels=`` names it: ``"onednn"`` (the default on x86) or ``"eigen"``
+    (``TF_ENABLE_ONEDNN_OPTS=0``).
+
+    Example:
+        >>> cpu_kernel_library() in ("onednn", "eigen")
+        True
+    """
+    return "onednn" if _compat.onednn_enabled() else "eigen"

@@ -39,7 +39,7 @@ import keras  # noqa: E402
 
 import lms_tf  # noqa: E402
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
-from lms_tf.diagnostics import executed_ops  # noqa: E402
+from lms_tf.diagnostics import cpu_kernel_library, executed_ops  # noqa: E402
 from lms_tf.graph import build_ir  # noqa: E402
 from lms_tf.planner import simulate, tensorflow_cpu_allocator  # noqa: E402
 from lms_tf.rewrite.recompute import simulator_name  # noqa: E402
@@ -47,6 +47,8 @@ from lms_tf.rewrite.serialize import serial_chain  # noqa: E402
 from lms_tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
 
 COST = CostModel(get_device_spec("v100-16gb-pcie3"))
+#: The CPU kernels' scratch memory (oneDNN's here, as the launcher turns it on).
+KERNELS = cpu_kernel_library()
 
 
 def measured(fn, x, y, graph=None):
@@ -71,8 +73,8 @@ def compare(ir, plan, fn, x, y, runs=3):
     order, each as summed tensor bytes and as TensorFlow's allocator counts them (whole chunks)."""
     graph = fn.get_concrete_function(x, y).graph
     real, rank = sorted((measured(fn, x, y, graph=graph) for _ in range(runs)), key=lambda run: run[0])[runs // 2]
-    replay = simulate(ir, plan, cost=COST, priority=rank, allocator=tensorflow_cpu_allocator())
-    blind = simulate(ir, plan, cost=COST, allocator=tensorflow_cpu_allocator())
+    replay = simulate(ir, plan, cost=COST, priority=rank, allocator=tensorflow_cpu_allocator(), kernels=KERNELS)
+    blind = simulate(ir, plan, cost=COST, allocator=tensorflow_cpu_allocator(), kernels=KERNELS)
     return {"real": real, "replay": replay.peak_bytes, "blind": blind.peak_bytes,
             "replay_allocator": replay.allocator_peak_bytes, "blind_allocator": blind.allocator_peak_bytes}
 
@@ -83,7 +85,7 @@ def serialized(model, x, y, **recompute):
                          device_spec=COST.device.name, **recompute)
     graph = fn.get_concrete_function(x, y).graph
     real, rank = sorted((measured(fn, x, y, graph=graph) for _ in range(3)), key=lambda run: run[0])[1]
-    blind = simulate(fn.plain_irs[-1], fn.plan, cost=COST, allocator=tensorflow_cpu_allocator())
+    blind = simulate(fn.plain_irs[-1], fn.plan, cost=COST, allocator=tensorflow_cpu_allocator(), kernels=KERNELS)
     chained = {simulator_name(graph, op.name): position for position, op in enumerate(serial_chain(graph))}
     executed = [chained[name] for name in sorted(set(chained) & set(rank), key=rank.__getitem__)]
     return {"real": real, "blind": blind.peak_bytes, "blind_allocator": blind.allocator_peak_bytes,

@@ -11,7 +11,10 @@ TensorFlow's rules:
 * elementwise kernels reuse an input buffer of the same size that nobody else will read
   (``forward_input_or_allocate_output``), so ``Relu(BiasAdd(...))`` allocates once;
 * convolution kernels hold scratch memory about the size of their largest operand while
-  they run (im2col/layout buffers on the CPU, cuDNN workspace on a GPU);
+  they run (cuDNN's workspace on a GPU, im2col buffers of TensorFlow's Eigen kernels on the
+  CPU); with ``kernels="onednn"`` (TensorFlow's default CPU kernels on x86) they take none
+  from TensorFlow's allocator, but a max pool whose gradient is taken keeps a one-byte-per-
+  element workspace from its forward run until that gradient ends;
 * variables, constants and the step's inputs are resident (not counted); an update of a
   variable while one of its reads is still pending copies the variable first
   (TensorFlow's copy-on-write), which is counted;
@@ -48,7 +51,7 @@ import random
 from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from lms_tf.cost.model import CostModel
-from lms_tf.errors import PlanCycleError
+from lms_tf.errors import LMSOptionError, PlanCycleError
 from lms_tf.graph.ir import GraphIR, OpInfo
 from lms_tf.planner.allocator import BFCAllocatorModel, replay_allocations
 from lms_tf.planner.plan import Decision, Plan
@@ -73,6 +76,18 @@ VARIABLE_UPDATE_PREFIXES = ("Assign", "ResourceApply", "ResourceScatter", "Resou
 WORKSPACE_TYPES = frozenset({"Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D",
                              "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "DepthwiseConv2dNative",
                              "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter"})
+
+#: Kernel libraries whose scratch memory :func:`simulate` models (``kernels=``). ``"cudnn"`` (a GPU)
+#: and ``"eigen"`` (TensorFlow's CPU kernels with ``TF_ENABLE_ONEDNN_OPTS=0``) take convolution
+#: scratch from TensorFlow's allocator; ``"onednn"`` (TensorFlow's default CPU kernels on x86)
+#: takes none, and gives a max pool a workspace output its gradient reads (one byte per
+#: element: TensorFlow's allocation trace shows ``[12845056]`` beside a ``[16,112,112,64]``
+#: float32 pool output).
+KERNEL_LIBRARIES = ("cudnn", "eigen", "onednn")
+MAXPOOL_TYPES = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D"})
+MAXPOOL_GRAD_TYPES = frozenset({"MaxPoolGrad", "MaxPoolGradV2", "MaxPool3DGrad"})
+#: Suffix of the buffer key of a max pool's oneDNN workspace (``<pool output key>#workspace``).
+POOL_WORKSPACE = "#workspace"
 
 #: How many out-edges TensorFlow keeps in insertion order (``EdgeSet``'s inline array: 64 bytes
 #: of pointers); a node with more keeps them in a hash set of pointers, whose order changes from
@@ -269,17 +284,43 @@ def _plain_structure(ir: GraphIR) -> Dict[str, Tuple[Tuple[str, ...], List[Tuple
     return cached
 
 
-def _workspace(ir: GraphIR, op: OpInfo) -> int:
-    """Scratch bytes a convolution kernel holds while it runs: about its largest operand (im2col
-    or layout buffers of the CPU kernels, cuDNN workspace on a GPU)."""
-    if op.type not in WORKSPACE_TYPES:
+def _workspace(ir: GraphIR, op: OpInfo, kernels: str) -> int:
+    """Scratch bytes a convolution kernel holds while it runs: about its largest operand (cuDNN's
+    workspace, or the im2col buffers of TensorFlow's Eigen kernels; oneDNN takes its scratchpad
+    from elsewhere)."""
+    if op.type not in WORKSPACE_TYPES or kernels == "onednn":
         return 0
     return max([ir.tensors[t].nbytes or 0 for t in op.inputs] or [0])
 
 
+def _pool_workspace_bytes(ir: GraphIR, tensor: str) -> int:
+    """oneDNN's max-pool workspace for the pool output ``tensor``: one byte per element."""
+    info = ir.tensors[tensor]
+    itemsize = max(1, (info.nbytes or 0) // max(1, _elements(info.shape)))
+    return (info.nbytes or 0) // itemsize
+
+
+def _elements(shape) -> int:
+    count = 1
+    for d in shape or ():
+        count *= d or 0
+    return count
+
+
+def _pooled_for_gradient(ir: GraphIR) -> frozenset:
+    """Names of the max pools whose output a max-pool gradient reads (oneDNN gives those a workspace)."""
+    return frozenset(ir.tensors[op.inputs[1]].producer for op in ir.ops
+                     if op.type in MAXPOOL_GRAD_TYPES and len(op.inputs) > 1
+                     and ir.op(ir.tensors[op.inputs[1]].producer).type in MAXPOOL_TYPES)
+
+
 def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
-           op_times: Optional[Mapping[str, float]] = None) -> _Builder:
+           op_times: Optional[Mapping[str, float]] = None, kernels: str = "cudnn") -> _Builder:
+    if kernels not in KERNEL_LIBRARIES:
+        raise LMSOptionError(f"simulate(kernels=...) must be one of {', '.join(map(repr, KERNEL_LIBRARIES))} "
+                             f"(the kernel library whose scratch memory to model); got {kernels!r}.")
     b = _Builder(ir, cost)
+    pooled = _pooled_for_gradient(ir) if kernels == "onednn" else frozenset()
     op_time = (lambda op: op_times[op.name]) if op_times is not None else (lambda op: cost.op_time(ir, op))  # noqa
     ir_names = {op.name for op in ir.ops if op.type not in ALIAS_TYPES}
     decisions = {d.tensor: d for d in plan.decisions} if plan is not None else {}
@@ -334,6 +375,9 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
                 else:
                     reads.append(b.source(name, t))
             writes = [(f"recompute/{d.gate}/{t}", ir.tensors[t].nbytes or 0) for t in op.outputs]
+            if name in pooled:
+                writes.append((f"recompute/{d.gate}/{op.outputs[0]}{POOL_WORKSPACE}",
+                               _pool_workspace_bytes(ir, op.outputs[0])))
             extra_after[d.gate].append(_Op(f"recompute/{d.gate}/{name}", _COMPUTE, op_time(op), reads,
                                            writes, [], forwarding=op.type in FORWARDING_TYPES, trigger=d.gate))
         for consumer in d.consumers:
@@ -356,10 +400,14 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
             continue
         cached_reads, writes, _ = plain[op.name]
         reads = [b.source(op.name, t) for t in op.inputs] if op.name in rebuilt else list(cached_reads)
+        if op.name in pooled:
+            writes = writes + [(op.outputs[0] + POOL_WORKSPACE, _pool_workspace_bytes(ir, op.outputs[0]))]
+        if pooled and op.type in MAXPOOL_GRAD_TYPES and len(reads) > 1:
+            reads.append(reads[1] + POOL_WORKSPACE)
         updates = op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None
         index = b.add(_Op(op.name, _COMPUTE, op_time(op), reads, writes, [],
                           forwarding=op.type in FORWARDING_TYPES, updates=updates, order=op.index,
-                          workspace=_workspace(ir, op)))
+                          workspace=_workspace(ir, op, kernels)))
         b.index_of[op.name] = index
         if op.type == "ReadVariableOp" and op.inputs:
             b.read_handles[op.outputs[0]] = op.inputs[0]
@@ -367,6 +415,10 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
             extra.order = op.index + 0.5
             b.index_of[extra.name] = b.add(extra)
 
+    if pooled:  # a gradient of a swapped-in pool output reads the workspace its forward pool wrote
+        for sim in b.ops:
+            sim.reads = [_pool_workspace_key(b, key) if key.endswith(POOL_WORKSPACE) else key for key in sim.reads]
+            sim.reads = [key for key in sim.reads if key is not None]
     # Dependencies: producers of every buffer read, control edges, triggers (gates) and swap-ins.
     for index, sim in enumerate(b.ops):
         deps = {b.buffer_producer[k] for k in sim.reads if k in b.buffer_producer}
@@ -381,10 +433,21 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
     return b
 
 
+def _pool_workspace_key(b: _Builder, key: str) -> Optional[str]:
+    """The workspace buffer a max-pool gradient reads for ``key`` (its pool output's workspace key)."""
+    if key in b.buffer_producer:
+        return key
+    if key.startswith("swap_in/"):  # swap_in/<tensor>/<i>#workspace -> <tensor>#workspace
+        plain = key[len("swap_in/"):-len(POOL_WORKSPACE)].rsplit("/", 1)[0] + POOL_WORKSPACE
+        return plain if plain in b.buffer_producer else None
+    return None
+
+
 def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: Optional[int] = 8,
              priority: Optional[Dict[str, float]] = None,
              op_times: Optional[Mapping[str, float]] = None, log_allocations: bool = False,
-             allocator: Optional[BFCAllocatorModel] = None, tie_seed: Optional[int] = None) -> Simulation:
+             allocator: Optional[BFCAllocatorModel] = None, tie_seed: Optional[int] = None,
+             kernels: str = "cudnn") -> Simulation:
     """Replays the step (rewritten by ``plan``, if given) and reports memory and time.
 
     Args:
@@ -404,9 +467,15 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
             order, as TensorFlow's executor does in another process (its order for those comes
             from a hash set of pointers): the spread of the peak over a few seeds is how much
             the prediction depends on it.
+        kernels: The kernel library whose scratch memory to model (:data:`KERNEL_LIBRARIES`):
+            ``"cudnn"`` on a GPU; on the CPU ``"onednn"`` (TensorFlow's default on x86) or
+            ``"eigen"`` (with ``TF_ENABLE_ONEDNN_OPTS=0``).
 
     Returns:
         A :class:`Simulation`.
+
+    Raises:
+        LMSOptionError: ``kernels`` is not one of :data:`KERNEL_LIBRARIES`.
 
     Example:
         >>> from lms_tf.graph.ir import GraphIR
@@ -414,7 +483,7 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         >>> simulate(GraphIR((), {}, frozenset(), {}), cost=CostModel(get_device_spec("a100-40gb-pcie4"))).peak_bytes
         0
     """
-    return _replay(_build(ir, plan, cost, op_times), top=top, priority=priority, log_allocations=log_allocations,
+    return _replay(_build(ir, plan, cost, op_times, kernels), top=top, priority=priority, log_allocations=log_allocations,
                    allocator=allocator, tie_seed=tie_seed)
 
 
