@@ -294,24 +294,27 @@ def _workspace(ir: GraphIR, op: OpInfo, kernels: str) -> int:
 
 
 def _pool_workspace_bytes(ir: GraphIR, tensor: str) -> int:
-    """oneDNN's max-pool workspace for the pool output ``tensor``: one byte per element."""
+    """oneDNN's max-pool workspace for the pool output ``tensor``: one byte per element (0 when
+    its size is unknown)."""
     info = ir.tensors[tensor]
-    itemsize = max(1, (info.nbytes or 0) // max(1, _elements(info.shape)))
-    return (info.nbytes or 0) // itemsize
-
-
-def _elements(shape) -> int:
+    if not info.nbytes:
+        return 0
     count = 1
-    for d in shape or ():
-        count *= d or 0
+    for d in info.shape:
+        count *= d
     return count
 
 
-def _pooled_for_gradient(ir: GraphIR) -> frozenset:
-    """Names of the max pools whose output a max-pool gradient reads (oneDNN gives those a workspace)."""
-    return frozenset(ir.tensors[op.inputs[1]].producer for op in ir.ops
-                     if op.type in MAXPOOL_GRAD_TYPES and len(op.inputs) > 1
-                     and ir.op(ir.tensors[op.inputs[1]].producer).type in MAXPOOL_TYPES)
+def _pooled_for_gradient(b: "_Builder") -> frozenset:
+    """Names of the max pools whose output a max-pool gradient reads (oneDNN gives those a
+    workspace); aliases between them resolved by the builder, before any plan re-points reads."""
+    ir, pools = b.ir, set()
+    for op in ir.ops:
+        if op.type in MAXPOOL_GRAD_TYPES and len(op.inputs) > 1:
+            producer = ir.op(ir.tensors[b.source(op.name, op.inputs[1])].producer)
+            if producer.type in MAXPOOL_TYPES:
+                pools.add(producer.name)
+    return frozenset(pools)
 
 
 def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
@@ -320,7 +323,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
         raise LMSOptionError(f"simulate(kernels=...) must be one of {', '.join(map(repr, KERNEL_LIBRARIES))} "
                              f"(the kernel library whose scratch memory to model); got {kernels!r}.")
     b = _Builder(ir, cost)
-    pooled = _pooled_for_gradient(ir) if kernels == "onednn" else frozenset()
+    pooled = _pooled_for_gradient(b) if kernels == "onednn" else frozenset()
     op_time = (lambda op: op_times[op.name]) if op_times is not None else (lambda op: cost.op_time(ir, op))  # noqa
     ir_names = {op.name for op in ir.ops if op.type not in ALIAS_TYPES}
     decisions = {d.tensor: d for d in plan.decisions} if plan is not None else {}
@@ -375,9 +378,6 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
                 else:
                     reads.append(b.source(name, t))
             writes = [(f"recompute/{d.gate}/{t}", ir.tensors[t].nbytes or 0) for t in op.outputs]
-            if name in pooled:
-                writes.append((f"recompute/{d.gate}/{op.outputs[0]}{POOL_WORKSPACE}",
-                               _pool_workspace_bytes(ir, op.outputs[0])))
             extra_after[d.gate].append(_Op(f"recompute/{d.gate}/{name}", _COMPUTE, op_time(op), reads,
                                            writes, [], forwarding=op.type in FORWARDING_TYPES, trigger=d.gate))
         for consumer in d.consumers:
@@ -415,7 +415,9 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
             extra.order = op.index + 0.5
             b.index_of[extra.name] = b.add(extra)
 
-    if pooled:  # a gradient of a swapped-in pool output reads the workspace its forward pool wrote
+    # Max pools are never cloned (NEVER_CLONED_TYPES), so a pool gradient's workspace is the one its
+    # forward pool wrote, also when it reads the pool output from a swap-in.
+    if pooled:
         for sim in b.ops:
             sim.reads = [_pool_workspace_key(b, key) if key.endswith(POOL_WORKSPACE) else key for key in sim.reads]
             sim.reads = [key for key in sim.reads if key is not None]
