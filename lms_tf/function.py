@@ -27,7 +27,7 @@ from lms_tf import _compat
 from lms_tf.errors import LMSOptionError
 from lms_tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
 from lms_tf.options import LMSOptions
-from lms_tf.pipeline import resolve_device, rewrite_traced_step
+from lms_tf.pipeline import call_step_for_rewrite, resolve_device, rewrite_traced_step
 from lms_tf.planner import Plan
 
 _call_shapes = threading.local()
@@ -81,13 +81,7 @@ class LMSFunction:
         def traced(*args, **kwargs):
             updates = [0]
             with self._optimizer_hooks(updates):
-                if self.options.serialize:
-                    # The order imposed must respect the edges TF adds between stateful ops when the
-                    # trace ends, so they are added now.
-                    with _compat.automatic_control_dependencies() as mark_as_return:
-                        result = mark_as_return(python_function(*args, **kwargs))
-                else:
-                    result = python_function(*args, **kwargs)
+                result = call_step_for_rewrite(self.options, python_function, *args, **kwargs)
             if self.options.horovod and updates[0] == 0:
                 raise LMSOptionError(
                     f"lms_tf.function(horovod=True): {getattr(python_function, '__name__', 'the step')} updated no "

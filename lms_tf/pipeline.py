@@ -72,6 +72,21 @@ def no_accelerator_message(api: str) -> str:
 
 
 @tf.autograph.experimental.do_not_convert
+def call_step_for_rewrite(options: LMSOptions, step, *args, **kwargs):
+    """Calls the step being traced. With ``serialize=True`` it runs inside TensorFlow's automatic
+    control dependencies, added now: the order the pass imposes must respect the edges TF adds
+    between stateful ops, which would otherwise come when the trace ends and close a cycle.
+
+    Example:
+        >>> call_step_for_rewrite(LMSOptions(device="/CPU:0", swap=False, recompute="sqrt"), lambda x: x + 1, 1)
+        2
+    """
+    if not options.serialize:
+        return step(*args, **kwargs)
+    with _compat.automatic_control_dependencies() as mark_as_return:
+        return mark_as_return(step(*args, **kwargs))
+
+
 def rewrite_traced_step(options: LMSOptions, *, api: str,
                         input_shapes: Optional[Mapping[str, Sequence[Optional[int]]]] = None,
                         batch_size: Optional[int] = None,

@@ -21,7 +21,8 @@ from lms_tf.errors import LMSOptionError
 from lms_tf.keras.step_hooks import add_step_hook, check_traceable, detach, turn_jit_off
 from lms_tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
 from lms_tf.options import LMSOptions
-from lms_tf.pipeline import no_accelerator_message, resolve_device, rewrite_traced_step, warn_once
+from lms_tf.pipeline import (call_step_for_rewrite, no_accelerator_message, resolve_device, rewrite_traced_step,
+                             warn_once)
 from lms_tf.planner import Plan
 
 logger = logging.getLogger("lms_tf")
@@ -95,16 +96,10 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
 
         def lms_hook(step):
             def train_step(data):
-                with contextlib.ExitStack() as stack:
-                    if host_hook is not None:
-                        stack.enter_context(_compat.intercept_optimizer_updates(host_hook, order=HOST_UPDATE_ORDER))
-                    if options.serialize:
-                        # The order imposed must respect the edges TF adds between stateful ops when
-                        # Keras's trace of the step ends, so they are added now.
-                        mark_as_return = stack.enter_context(_compat.automatic_control_dependencies())
-                        outputs = mark_as_return(step(data))
-                    else:
-                        outputs = step(data)
+                hooks = contextlib.nullcontext() if host_hook is None else \
+                    _compat.intercept_optimizer_updates(host_hook, order=HOST_UPDATE_ORDER)
+                with hooks:
+                    outputs = call_step_for_rewrite(options, step, data)
                 aliases = _compat.layer_scope_aliases(model, _compat.current_graph())
                 self.plans.append(rewrite_traced_step(options, api=_API, batch_size=batch_size,
                                                       scope_aliases=aliases, serialize=options.serialize))
