@@ -367,6 +367,16 @@ def grappler_peak_memory(graph_def, fetch_names: Sequence[str], devices: Sequenc
         fetch_names: Node names the step must compute (the graph's outputs and stateful ops).
         devices: ``(full_name, type, memory_bytes)`` for each virtual device.
     """
+    return {dev: peak for dev, (peak, _) in grappler_peak_live_tensors(graph_def, fetch_names, devices).items()}
+
+
+def grappler_peak_live_tensors(graph_def, fetch_names: Sequence[str], devices: Sequence[Tuple[str, str, int]]
+                               ) -> Dict[str, Tuple[int, List[Tuple[str, int, int]]]]:
+    """:func:`grappler_peak_memory` with the tensors live at each device's peak.
+
+    Returns:
+        Device -> (peak bytes, ``(node, output index, bytes)`` of each tensor live at the peak).
+    """
     from tensorflow.core.protobuf import device_properties_pb2, meta_graph_pb2
     from tensorflow.python.grappler import cluster as gcluster
     from tensorflow.python.grappler import item as gitem
@@ -381,7 +391,8 @@ def grappler_peak_memory(graph_def, fetch_names: Sequence[str], devices: Sequenc
         peaks = cluster.DeterminePeakMemoryUsage(gitem.Item(meta, ignore_colocation=True))
     finally:
         cluster.Shutdown()
-    return {dev: int(value[0]) for dev, value in peaks.items()}
+    # Each live tensor: (node, output id, bytes, allocation time, deallocation time).
+    return {dev: (int(peak), [(str(t[0]), int(t[1]), int(t[2])) for t in live]) for dev, (peak, live) in peaks.items()}
 
 
 def grappler_memory_optimized_peak(graph_def, fetch_names: Sequence[str], devices: Sequence[Tuple[str, str, int]],

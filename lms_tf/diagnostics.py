@@ -4,6 +4,7 @@
   Grappler's virtual cluster (TensorFlow's own memory simulator) and returns the
   GPU's peak bytes. No GPU is needed. It reads low in absolute terms on large
   models (DESIGN.md), so compare a plain and a rewritten step with it.
+  :func:`virtual_gpu_peak_report` adds the tensors it counts at the peak.
 * :func:`executed_ops` runs a step under TensorFlow's profiler and returns the
   kernels in the order TensorFlow actually executed them.
 * :func:`allocation_trace` runs a step under the profiler and returns every buffer the
@@ -21,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -105,18 +106,81 @@ def virtual_gpu_peak(concrete_function, *, host: str = "/CPU:1", gpu_memory_byte
         >>> virtual_gpu_peak(f.get_concrete_function(tf.ones((1024,)))) >= 4096
         True
     """
+    report = virtual_gpu_peak_report(concrete_function, host=host, gpu_memory_bytes=gpu_memory_bytes,
+                                     host_memory_bytes=host_memory_bytes, variable_shapes=variable_shapes)
+    resident = 0
+    if include_variables:
+        resident = sum(n for device, n in variable_bytes_by_device(concrete_function.variables).items()
+                       if not _same_device(device, host))
+    return report.peak_bytes + resident
+
+
+@dataclasses.dataclass(frozen=True)
+class OraclePeak:
+    """Grappler's virtual-GPU peak of a step, with the tensors it counts at that moment.
+
+    Grappler gives every op output a buffer of its own. TensorFlow's elementwise kernels write
+    into an input buffer nobody else reads (``forward_input_or_allocate_output``), so where such
+    an input and the output it becomes are both live at the peak, the peak counts one buffer
+    twice; :attr:`in_place_bytes` is how much.
+
+    Attributes:
+        peak_bytes: The virtual GPU's peak.
+        live: ``(node, output index, bytes)`` of each tensor live at the peak, largest first.
+        in_place_bytes: Bytes of the live tensors whose one reader is an elementwise kernel
+            (the simulator's ``FORWARDING_TYPES``) whose output is live too, of the same size:
+            TensorFlow computes that output into this tensor's buffer.
+
+    Example:
+        >>> OraclePeak(300, (("a", 0, 100), ("b", 0, 100), ("c", 0, 100)), 100).peak_bytes_counting_in_place_once
+        200
+    """
+
+    peak_bytes: int
+    live: Tuple[Tuple[str, int, int], ...]
+    in_place_bytes: int
+
+    @property
+    def peak_bytes_counting_in_place_once(self) -> int:
+        """The peak with each input/output pair of an in-place kernel counted once."""
+        return self.peak_bytes - self.in_place_bytes
+
+
+def virtual_gpu_peak_report(concrete_function, *, host: str = "/CPU:1", gpu_memory_bytes: int = 16 * 2**30,
+                            host_memory_bytes: int = 256 * 2**30, variable_shapes: bool = False) -> OraclePeak:
+    """:func:`virtual_gpu_peak` with what Grappler counts at the peak (arguments as there).
+
+    Example:
+        >>> import tensorflow as tf
+        >>> f = tf.function(lambda x: tf.nn.relu(tf.tile(x, [4])) * 2.0)
+        >>> report = virtual_gpu_peak_report(f.get_concrete_function(tf.ones((1024,))))
+        >>> report.peak_bytes >= 4 * 4096, report.in_place_bytes <= report.peak_bytes
+        (True, True)
+    """
+    from lms_tf.planner.simulator import FORWARDING_TYPES
+
     graph = concrete_function.graph
     graph_def = with_variable_shapes(graph.as_graph_def(add_shapes=True)) if variable_shapes else graph.as_graph_def()
     for node in graph_def.node:
         node.device = _VIRTUAL_CPU if node.device and _same_device(node.device, host) else _VIRTUAL_GPU
     fetches = sorted({t.op.name for t in graph.outputs} | {op.name for op in graph.control_outputs})
-    peaks = _compat.grappler_peak_memory(
+    peaks = _compat.grappler_peak_live_tensors(
         graph_def, fetches, [(_VIRTUAL_GPU, "GPU", gpu_memory_bytes), (_VIRTUAL_CPU, "CPU", host_memory_bytes)])
-    resident = 0
-    if include_variables:
-        resident = sum(n for device, n in variable_bytes_by_device(concrete_function.variables).items()
-                       if not _same_device(device, host))
-    return peaks.get(_VIRTUAL_GPU, 0) + resident
+    peak, live = peaks.get(_VIRTUAL_GPU, (0, []))
+    op_types = {node.name: node.op for node in graph_def.node}
+    readers: Dict[Tuple[str, int], List[str]] = {}
+    for node in graph_def.node:
+        for name in node.input:
+            if not name.startswith("^"):
+                source, _, port = name.partition(":")
+                readers.setdefault((source, int(port or 0)), []).append(node.name)
+    sizes = {(node, port): nbytes for node, port, nbytes in live}
+    in_place = 0
+    for (node, port), nbytes in sizes.items():
+        reader = readers.get((node, port), [])
+        if len(reader) == 1 and op_types.get(reader[0]) in FORWARDING_TYPES and sizes.get((reader[0], 0)) == nbytes:
+            in_place += nbytes
+    return OraclePeak(peak, tuple(sorted(live, key=lambda t: -t[2])), in_place)
 
 
 def with_variable_shapes(graph_def):
