@@ -26,3 +26,17 @@ def test_an_input_read_again_later_is_not_overwritten():
     report = _report(lambda x: (lambda t: tf.reduce_sum(t / 3.0) + tf.reduce_max(t))(tf.tile(x, [4])))
     assert {nbytes for _, _, nbytes in report.live} >= {4 * MiB}
     assert report.in_place_bytes == 0  # Tile's output has a second reader, so truediv gets its own buffer
+
+
+def test_tensorflow_really_computes_that_output_in_the_input_buffer():
+    """The real CPU allocator (BFC, set by the conftest) hands out one 4 MiB buffer, to Tile:
+    truediv (a Mul by 1/3 after Grappler's rewrites) runs and writes into it. Grappler's
+    virtual cluster, above, counts two."""
+    from lms_tf.diagnostics import allocation_trace, executed_ops
+
+    step = tf.function(lambda x: tf.reduce_sum(tf.tile(x, [4]) / 3.0))
+    step(X)
+    big = [e.op.rpartition("/")[2] for e in allocation_trace(lambda: step(X).numpy())
+           if e.kind == "alloc" and e.requested_bytes >= 4 * MiB]
+    assert big == ["Tile"]
+    assert "truediv" in [e.node for e in executed_ops(lambda: step(X).numpy())]
