@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from lms_tf import _compat
+from lms_tf.planner.simulator import FORWARDING_TYPES
 
 _VIRTUAL_GPU = "/job:localhost/replica:0/task:0/device:GPU:0"
 _VIRTUAL_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -157,8 +158,6 @@ def virtual_gpu_peak_report(concrete_function, *, host: str = "/CPU:1", gpu_memo
         >>> report.peak_bytes >= 4 * 4096, report.in_place_bytes <= report.peak_bytes
         (True, True)
     """
-    from lms_tf.planner.simulator import FORWARDING_TYPES
-
     graph = concrete_function.graph
     graph_def = with_variable_shapes(graph.as_graph_def(add_shapes=True)) if variable_shapes else graph.as_graph_def()
     for node in graph_def.node:

@@ -402,8 +402,10 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
         reads = [b.source(op.name, t) for t in op.inputs] if op.name in rebuilt else list(cached_reads)
         if op.name in pooled:
             writes = writes + [(op.outputs[0] + POOL_WORKSPACE, _pool_workspace_bytes(ir, op.outputs[0]))]
-        if pooled and op.type in MAXPOOL_GRAD_TYPES and len(reads) > 1:
-            reads.append(reads[1] + POOL_WORKSPACE)
+        if op.type in MAXPOOL_GRAD_TYPES and len(cached_reads) > 1 and ir.tensors[cached_reads[1]].producer in pooled:
+            # Max pools are never cloned (NEVER_CLONED_TYPES): the gradient reads the workspace its
+            # forward pool wrote, also when it reads the pool output itself from a swap-in.
+            reads.append(cached_reads[1] + POOL_WORKSPACE)
         updates = op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None
         index = b.add(_Op(op.name, _COMPUTE, op_time(op), reads, writes, [],
                           forwarding=op.type in FORWARDING_TYPES, updates=updates, order=op.index,
@@ -415,12 +417,6 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
             extra.order = op.index + 0.5
             b.index_of[extra.name] = b.add(extra)
 
-    # Max pools are never cloned (NEVER_CLONED_TYPES), so a pool gradient's workspace is the one its
-    # forward pool wrote, also when it reads the pool output from a swap-in.
-    if pooled:
-        for sim in b.ops:
-            sim.reads = [_pool_workspace_key(b, key) if key.endswith(POOL_WORKSPACE) else key for key in sim.reads]
-            sim.reads = [key for key in sim.reads if key is not None]
     # Dependencies: producers of every buffer read, control edges, triggers (gates) and swap-ins.
     for index, sim in enumerate(b.ops):
         deps = {b.buffer_producer[k] for k in sim.reads if k in b.buffer_producer}
@@ -433,16 +429,6 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
                 deps.update(b.indices_of(n))
         sim.deps = sorted(deps - {index})
     return b
-
-
-def _pool_workspace_key(b: _Builder, key: str) -> Optional[str]:
-    """The workspace buffer a max-pool gradient reads for ``key`` (its pool output's workspace key)."""
-    if key in b.buffer_producer:
-        return key
-    if key.startswith("swap_in/"):  # swap_in/<tensor>/<i>#workspace -> <tensor>#workspace
-        plain = key[len("swap_in/"):-len(POOL_WORKSPACE)].rsplit("/", 1)[0] + POOL_WORKSPACE
-        return plain if plain in b.buffer_producer else None
-    return None
 
 
 def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: Optional[int] = 8,
