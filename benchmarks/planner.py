@@ -42,8 +42,8 @@ import keras  # noqa: E402
 
 import lms_tf  # noqa: E402
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
-from lms_tf.diagnostics import (cpu_kernel_library, grappler_baseline_peak, virtual_gpu_peak,  # noqa: E402
-                                virtual_gpu_peak_report)
+from lms_tf.diagnostics import (cpu_kernel_library, grappler_accumulated_sums, grappler_baseline_peak,  # noqa: E402
+                                virtual_gpu_peak, virtual_gpu_peak_report)
 from lms_tf.graph import build_ir  # noqa: E402
 from lms_tf.options import LMSOptions  # noqa: E402
 from lms_tf.planner import (InfeasibleBudgetError, make_budget_plan, simulate, tensorflow_cpu_allocator,  # noqa: E402
@@ -91,13 +91,15 @@ def model_rows(name, size, batch):
     log.info("%s %dx%d b%d: %d ops; measuring the real CPU peak", name, size, size, batch, len(ir.ops))
     real = real_peak(plain, x, y)
     validation_cost = CostModel(get_device_spec(PRESETS[0]))
-    plain_sim = simulate(ir, cost=validation_cost, allocator=tensorflow_cpu_allocator(), kernels=cpu_kernel_library())
+    plain_sim = simulate(ir, cost=validation_cost, allocator=tensorflow_cpu_allocator(), kernels=cpu_kernel_library(),
+                         accumulated_sums=grappler_accumulated_sums(concrete))
     log.info("  recompute-only step: real CPU peak and simulation")
     sqrt = lms_tf.function(step, device="/CPU:0", swap=False, recompute="sqrt")
     sqrt.get_concrete_function(x, y)
     sqrt_real = real_peak(sqrt, x, y)
     sqrt_sim = simulate(sqrt.plain_irs[-1], sqrt.plan, cost=validation_cost, allocator=tensorflow_cpu_allocator(),
-                        kernels=cpu_kernel_library())
+                        kernels=cpu_kernel_library(),
+                        accumulated_sums=grappler_accumulated_sums(sqrt.get_concrete_function(x, y)))
     validation = {"real_plain": real, "sum_plain": plain_sim.peak_bytes, "allocator_plain": plain_sim.allocator_peak_bytes,
                   "real_sqrt": sqrt_real, "sum_sqrt": sqrt_sim.peak_bytes, "allocator_sqrt": sqrt_sim.allocator_peak_bytes}
     rows = []

@@ -447,6 +447,40 @@ def grappler_memory_optimized_peak(graph_def, fetch_names: Sequence[str], device
     return {dev: int(value[0]) for dev, value in peaks.items()}
 
 
+def grappler_accumulated_sums(graph_def, fetch_names: Sequence[str], device: Tuple[str, str, int]) -> List[str]:
+    """The ``AddN`` nodes that TensorFlow's default Grappler pipeline turns into additions into a
+    temporary variable (its memory optimizer's scheduling pass), run offline on one device.
+
+    Args:
+        graph_def: A GraphDef whose nodes all carry ``device``'s full name.
+        fetch_names: Node names the step must compute.
+        device: ``(full_name, type, memory_bytes)``; ``memory_bytes`` is what the runtime tells
+            Grappler (the device's ``memory_limit``: 256 MiB for a CPU).
+
+    Returns:
+        The rewritten nodes' names, sorted.
+    """
+    from tensorflow.core.protobuf import config_pb2, device_properties_pb2, meta_graph_pb2
+    from tensorflow.python.grappler import cluster as gcluster
+    from tensorflow.python.grappler import tf_optimizer
+
+    name, dev_type, memory = device
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.graph_def.CopyFrom(graph_def)
+    meta.collection_def["train_op"].node_list.value.extend(fetch_names)
+    config = config_pb2.ConfigProto()
+    config.graph_options.rewrite_options.min_graph_nodes = -1
+    cluster = gcluster.Cluster(devices=[device_properties_pb2.NamedDevice(
+        name=name, properties=_device_properties(dev_type, memory))])
+    try:
+        optimized = tf_optimizer.OptimizeGraph(config, meta, cluster=cluster)
+    finally:
+        cluster.Shutdown()
+    suffix = "/tmp_var"
+    return sorted(node.name[:-len(suffix)] for node in optimized.node
+                  if node.op == "TemporaryVariable" and node.name.endswith(suffix))
+
+
 def _device_properties(dev_type: str, memory: int):
     from tensorflow.core.protobuf import device_properties_pb2
 

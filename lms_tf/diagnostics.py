@@ -10,6 +10,8 @@
 * :func:`allocation_trace` runs a step under the profiler and returns every buffer the
   allocator handed out and took back (what the simulator's memory rules are checked against).
 * :func:`cpu_kernel_library` names TensorFlow's CPU kernels here (``simulate(kernels=)``).
+* :func:`grappler_accumulated_sums` names the sums TensorFlow's optimizer will accumulate into
+  a temporary variable (``simulate(accumulated_sums=)``).
 
 Example:
     >>> import tensorflow as tf
@@ -33,6 +35,8 @@ from lms_tf.planner.simulator import FORWARDING_TYPES
 
 _VIRTUAL_GPU = "/job:localhost/replica:0/task:0/device:GPU:0"
 _VIRTUAL_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
+#: The memory TensorFlow's runtime tells Grappler a CPU device has (its ``memory_limit``).
+CPU_GRAPPLER_MEMORY_BYTES = 256 << 20
 
 
 def _same_device(a: str, b: str) -> bool:
@@ -366,3 +370,48 @@ def cpu_kernel_library() -> str:
         True
     """
     return "onednn" if _compat.onednn_enabled() else "eigen"
+
+
+def grappler_accumulated_sums(concrete_function, *, device_memory_bytes: int = CPU_GRAPPLER_MEMORY_BYTES
+                              ) -> frozenset:
+    """The ``AddN`` ops TensorFlow will run as additions into a temporary variable.
+
+    When a step's estimated peak exceeds 80% of the memory the runtime tells Grappler its device
+    has, Grappler's memory optimizer rewrites each ``AddN`` of three or more inputs that are
+    live at that peak: the sum is accumulated into a temporary variable initialised from a
+    zeros constant, so it takes a buffer of its own where the plain kernel would write into an
+    input, and the constant stays allocated. A CPU device is said to have 256 MiB, so on the
+    CPU nearly every training step of a real model has such a sum (ResNet-50 and MobileNetV2
+    one each). This runs TensorFlow's default optimizer pipeline offline on the traced step, as
+    the runtime does before the first run, and reads the rewrite off its result.
+
+    Args:
+        concrete_function: The traced step (for an ``lms_tf.function`` step, the rewritten one
+            that runs: ``step.get_concrete_function(...)``).
+        device_memory_bytes: The memory Grappler is told the device has (a CPU's 256 MiB; a
+            GPU's memory limit).
+
+    Returns:
+        The ``AddN`` op names, for :func:`lms_tf.planner.simulate`'s ``accumulated_sums``.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> v = tf.Variable(tf.ones((256, 256)))
+        >>> @tf.function
+        ... def step(x):
+        ...     with tf.GradientTape() as tape:
+        ...         h = tf.nn.relu(x @ v)
+        ...         loss = tf.reduce_sum(tf.exp(h) + tf.sin(h) + h * h)   # dloss/dh: a sum of three
+        ...     return tape.gradient(loss, v)
+        >>> concrete = step.get_concrete_function(tf.ones((256, 256)))
+        >>> sorted(grappler_accumulated_sums(concrete, device_memory_bytes=2**20))   # estimate > 0.8 MiB
+        ['AddN']
+        >>> sorted(grappler_accumulated_sums(concrete))   # a CPU's 256 MiB: the step is far smaller
+        []
+    """
+    graph = concrete_function.graph
+    graph_def = with_variable_shapes(graph.as_graph_def(add_shapes=True))
+    for node in graph_def.node:
+        node.device = _VIRTUAL_CPU
+    fetches = sorted({t.op.name for t in graph.outputs} | {op.name for op in graph.control_outputs})
+    return frozenset(_compat.grappler_accumulated_sums(graph_def, fetches, (_VIRTUAL_CPU, "CPU", device_memory_bytes)))

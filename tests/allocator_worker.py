@@ -39,7 +39,8 @@ import keras  # noqa: E402
 
 import lms_tf  # noqa: E402
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
-from lms_tf.diagnostics import cpu_kernel_library, executed_ops  # noqa: E402
+from lms_tf.diagnostics import (allocation_trace, cpu_kernel_library, executed_ops,  # noqa: E402
+                                grappler_accumulated_sums)
 from lms_tf.graph import build_ir  # noqa: E402
 from lms_tf.planner import simulate, tensorflow_cpu_allocator  # noqa: E402
 from lms_tf.rewrite.recompute import simulator_name  # noqa: E402
@@ -68,15 +69,26 @@ def measured(fn, x, y, graph=None):
     return memory.peak_bytes, rank
 
 
+def accumulated_sums(fn, x, y):
+    """The sums Grappler accumulates into a temporary variable: predicted offline from the traced
+    step (what the simulator uses), and seen in the real allocator's trace."""
+    predicted = grappler_accumulated_sums(fn.get_concrete_function(x, y))
+    seen = {event.op[:-len("/tmp_var")] for event in allocation_trace(lambda: fn(x, y).numpy())
+            if event.kind == "alloc" and event.op.endswith("/tmp_var")}
+    return predicted, {"accumulated_predicted": sorted(predicted), "accumulated_real": sorted(seen)}
+
+
 def compare(ir, plan, fn, x, y, runs=3):
     """The median of ``runs`` real peaks, and the simulator's: blind and replaying that run's
     order, each as summed tensor bytes and as TensorFlow's allocator counts them (whole chunks)."""
     graph = fn.get_concrete_function(x, y).graph
     real, rank = sorted((measured(fn, x, y, graph=graph) for _ in range(runs)), key=lambda run: run[0])[runs // 2]
-    replay = simulate(ir, plan, cost=COST, priority=rank, allocator=tensorflow_cpu_allocator(), kernels=KERNELS)
-    blind = simulate(ir, plan, cost=COST, allocator=tensorflow_cpu_allocator(), kernels=KERNELS)
+    accumulated, sums = accumulated_sums(fn, x, y)
+    kw = dict(cost=COST, kernels=KERNELS, accumulated_sums=accumulated)
+    replay = simulate(ir, plan, priority=rank, allocator=tensorflow_cpu_allocator(), **kw)
+    blind = simulate(ir, plan, allocator=tensorflow_cpu_allocator(), **kw)
     return {"real": real, "replay": replay.peak_bytes, "blind": blind.peak_bytes,
-            "replay_allocator": replay.allocator_peak_bytes, "blind_allocator": blind.allocator_peak_bytes}
+            "replay_allocator": replay.allocator_peak_bytes, "blind_allocator": blind.allocator_peak_bytes, **sums}
 
 
 def serialized(model, x, y, **recompute):
@@ -85,10 +97,12 @@ def serialized(model, x, y, **recompute):
                          device_spec=COST.device.name, **recompute)
     graph = fn.get_concrete_function(x, y).graph
     real, rank = sorted((measured(fn, x, y, graph=graph) for _ in range(3)), key=lambda run: run[0])[1]
-    blind = simulate(fn.plain_irs[-1], fn.plan, cost=COST, allocator=tensorflow_cpu_allocator(), kernels=KERNELS)
+    accumulated, sums = accumulated_sums(fn, x, y)
+    blind = simulate(fn.plain_irs[-1], fn.plan, cost=COST, allocator=tensorflow_cpu_allocator(), kernels=KERNELS,
+                     accumulated_sums=accumulated)
     chained = {simulator_name(graph, op.name): position for position, op in enumerate(serial_chain(graph))}
     executed = [chained[name] for name in sorted(set(chained) & set(rank), key=rank.__getitem__)]
-    return {"real": real, "blind": blind.peak_bytes, "blind_allocator": blind.allocator_peak_bytes,
+    return {"real": real, "blind": blind.peak_bytes, "blind_allocator": blind.allocator_peak_bytes, **sums,
             "chained_ops": len(chained), "executed_ops": len(executed),
             "inversions": sum(a > b for a, b in zip(executed, executed[1:]))}
 

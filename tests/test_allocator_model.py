@@ -13,7 +13,7 @@ import pytest
 
 from lms_tf.errors import LMSError
 from lms_tf.planner import BFCAllocatorModel, simulate, tensorflow_cpu_allocator, tensorflow_gpu_allocator
-from lms_tf.planner.allocator import bin_index, replay_allocations, rounded_bytes
+from lms_tf.planner.allocator import CPU_MEMORY_LIMIT_BYTES, bin_index, replay_allocations, rounded_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2**20
@@ -64,6 +64,38 @@ def test_model_matches_the_real_cpu_allocator_byte_for_byte():
     model = tensorflow_cpu_allocator()
     model_in_use(hand_made[:4], model)
     assert model.in_use_bytes > model.requested_bytes + 4 * MiB
+
+
+def tied_events(seed: int, count: int):
+    """Requests of a few sizes, each a little over a MiB multiple: their chunks round to equal
+    sizes, so best fit often has to choose between equal free chunks in different regions."""
+    rng = random.Random(seed)
+    live, events = [], []
+    for i in range(count):
+        if live and rng.random() < 0.45:
+            events.append(("free", live.pop(rng.randrange(len(live))), 0))
+        else:
+            events.append(("alloc", f"t{i}", rng.choice([1, 2, 3, 5, 8]) * MiB + 4 * rng.randrange(1, 64)))
+            live.append(f"t{i}")
+    return events
+
+
+@pytest.mark.timeout(300)
+def test_equal_free_chunks_go_to_the_newest_region_as_in_tensorflow():
+    """The CPU allocator's regions are mmap-ed top-down: of two equal free chunks, the newer
+    region's has the lower address and is served first. Ranking regions the other way round
+    gives other bytes in use on the same sequences."""
+    for seed in (0, 2):
+        events = tied_events(seed, 120)
+        expected = real_in_use(events)
+        got = {}
+        for below in (True, False):
+            model = BFCAllocatorModel(memory_limit_bytes=CPU_MEMORY_LIMIT_BYTES, allow_growth=True,
+                                      new_regions_below=below)
+            model.allocate("tensorflow start-up", 256)
+            got[below] = [n - 256 for n in model_in_use(events, model)]
+        assert got[True] == expected, [(e, g, x) for e, g, x in zip(events, got[True], expected) if g != x][:3]
+        assert got[False] != expected
 
 
 def test_rounding_and_bins():

@@ -14,7 +14,9 @@ by power-of-two size class, each ordered by (size, address); best fit from the r
 upwards; the split rule above; a freed chunk merges with free neighbours in its region; with
 ``allow_growth`` (the CPU allocator) the pool grows by regions of 2 MiB, doubling each time,
 and chunks never merge across regions; without it (the GPU default) one region holds the
-whole memory limit.
+whole memory limit. Where regions come from matters on ties: the CPU allocator's regions are
+``mmap``-ed, and Linux places each new mapping below the last, so of two equal free chunks the
+one in the newer region has the lower address and is served first.
 
 Example:
     >>> bfc = BFCAllocatorModel(memory_limit_bytes=2**30)
@@ -80,6 +82,9 @@ class BFCAllocatorModel:
             64 GiB unless ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` says otherwise).
         allow_growth: Grow the pool region by region (the CPU allocator, and GPUs with
             ``set_memory_growth``); otherwise one region of ``memory_limit_bytes``.
+        new_regions_below: Each new region lies at lower addresses than the ones before (the
+            CPU allocator on Linux, whose regions are ``mmap``-ed top-down), so best-fit ties go
+            to the newest region; otherwise to the oldest.
 
     Attributes:
         in_use_bytes: Bytes of the chunks in use (TensorFlow's ``bytes_in_use``).
@@ -97,9 +102,10 @@ class BFCAllocatorModel:
         (4, 4)
     """
 
-    def __init__(self, *, memory_limit_bytes: int, allow_growth: bool = False):
+    def __init__(self, *, memory_limit_bytes: int, allow_growth: bool = False, new_regions_below: bool = False):
         self.memory_limit_bytes = int(memory_limit_bytes)
         self.allow_growth = allow_growth
+        self.new_regions_below = new_regions_below
         self._next_region_bytes = rounded_bytes(min(self.memory_limit_bytes, INITIAL_GROWTH_REGION_BYTES)) \
             if allow_growth else rounded_bytes(self.memory_limit_bytes)
         self._bins: List[List[Tuple[int, int]]] = [[] for _ in range(NUM_BINS)]
@@ -175,7 +181,7 @@ class BFCAllocatorModel:
     def _best_fit(self, size: int) -> Optional[_Chunk]:
         for index in range(bin_index(size), NUM_BINS):
             entries = self._bins[index]
-            position = bisect.bisect_left(entries, (size, -1))
+            position = bisect.bisect_left(entries, (size,))  # the first chunk of at least size
             if position < len(entries):
                 chunk = self._free_by_ptr[entries[position][1]]
                 self._unbin(chunk)
@@ -213,17 +219,20 @@ class BFCAllocatorModel:
             self._next_region_bytes *= 2
         self._regions += 1
         self.pool_bytes += region_bytes
-        self._bin(_Chunk(ptr=self._regions * _REGION_GAP, size=region_bytes))
+        base = (-self._regions if self.new_regions_below else self._regions) * _REGION_GAP
+        self._bin(_Chunk(ptr=base, size=region_bytes))
 
 
 def tensorflow_cpu_allocator() -> BFCAllocatorModel:
-    """TensorFlow's CPU allocator with ``TF_CPU_ALLOCATOR_USE_BFC=true``: 64 GiB, grows by regions.
+    """TensorFlow's CPU allocator with ``TF_CPU_ALLOCATOR_USE_BFC=true``: 64 GiB, grows by regions,
+    each new one ``mmap``-ed below the last.
 
     Example:
-        >>> tensorflow_cpu_allocator().allow_growth
-        True
+        >>> cpu = tensorflow_cpu_allocator()
+        >>> cpu.allow_growth, cpu.new_regions_below
+        (True, True)
     """
-    return BFCAllocatorModel(memory_limit_bytes=CPU_MEMORY_LIMIT_BYTES, allow_growth=True)
+    return BFCAllocatorModel(memory_limit_bytes=CPU_MEMORY_LIMIT_BYTES, allow_growth=True, new_regions_below=True)
 
 
 def tensorflow_gpu_allocator(memory_bytes: int) -> BFCAllocatorModel:
@@ -237,18 +246,21 @@ def tensorflow_gpu_allocator(memory_bytes: int) -> BFCAllocatorModel:
 
 
 def replay_allocations(log: Sequence[Tuple[str, str, object]], model: BFCAllocatorModel, *,
-                       resident: Sequence[Tuple[str, int]] = (), warm_steps: int = 1) -> int:
+                       resident: Sequence[Tuple[str, int]] = (), history: Sequence[Tuple[str, str, object]] = (),
+                       warm_steps: int = 1) -> int:
     """Peak bytes in use above the step's start when ``log`` runs through ``model``.
 
-    The resident buffers (weights, optimizer slots) are allocated first, then the step's log
-    runs ``warm_steps`` times before the measured run, as in a real training loop where the
-    pool's regions and free chunks come from the steps before.
+    What the process allocated before (``history``, then the ``resident`` buffers) comes
+    first, then the step's log runs ``warm_steps`` times before the measured run, as in a real
+    training loop where the pool's regions and free chunks come from the steps before.
 
     Args:
         log: ``("alloc", key, bytes)``, ``("free", key, 0)`` and ``("rename", old, new)``
             events in the order the step ran them (:attr:`Simulation.allocations`).
         model: A fresh allocator model.
         resident: ``(key, bytes)`` buffers alive for the whole run.
+        history: Events before the first step, in the same form as ``log``; what they leave
+            allocated stays (e.g. :func:`lms_tf.planner.simulator.pool_history`).
         warm_steps: Steps replayed before the measured one.
 
     Returns:
@@ -260,6 +272,7 @@ def replay_allocations(log: Sequence[Tuple[str, str, object]], model: BFCAllocat
         >>> replay_allocations(log, BFCAllocatorModel(memory_limit_bytes=1 << 30, allow_growth=True)) // 2**20
         5
     """
+    _apply(history, model)
     for key, nbytes in resident:
         model.allocate(key, nbytes)
     for _ in range(warm_steps):
@@ -270,8 +283,7 @@ def replay_allocations(log: Sequence[Tuple[str, str, object]], model: BFCAllocat
     return model.peak_bytes - start
 
 
-def _run(log: Sequence[Tuple[str, str, object]], model: BFCAllocatorModel) -> None:
-    before = set(model.keys())
+def _apply(log: Sequence[Tuple[str, str, object]], model: BFCAllocatorModel) -> None:
     for event, key, value in log:
         if event == "alloc":
             model.allocate(key, value)
@@ -279,5 +291,10 @@ def _run(log: Sequence[Tuple[str, str, object]], model: BFCAllocatorModel) -> No
             model.free(key)
         else:
             model.rename(key, value)
+
+
+def _run(log: Sequence[Tuple[str, str, object]], model: BFCAllocatorModel) -> None:
+    before = set(model.keys())
+    _apply(log, model)
     for key in set(model.keys()) - before:  # what the step left allocated (its outputs) goes with it
         model.free(key)

@@ -27,7 +27,16 @@ TensorFlow's rules:
 
 ``peak_bytes`` sums the live tensors. TensorFlow's allocator holds whole chunks, which can be
 larger: ``simulate(..., allocator=tensorflow_gpu_allocator(...))`` replays the same allocations
-through a model of it (:mod:`lms_tf.planner.allocator`) into ``allocator_peak_bytes``.
+through a model of it (:mod:`lms_tf.planner.allocator`) into ``allocator_peak_bytes``, after
+what the pool served before the first step (:func:`pool_history`).
+
+Two rules of TensorFlow's executor decide which buffers are reused and freed when:
+
+* Grappler sorts a commutative op's inputs by name, and an elementwise kernel writes into the
+  first input nobody else reads (a gradient sum at a residual connection keeps the buffer of
+  the branch whose name sorts first); a kernel's inputs are released in input order;
+* Grappler's memory optimizer turns some sums of three or more gradients into additions into
+  a temporary variable (``accumulated_sums``): such a sum takes a buffer of its own.
 
 Example:
     >>> import tensorflow as tf
@@ -69,6 +78,11 @@ FORWARDING_TYPES = frozenset({
     "SigmoidGrad", "TanhGrad", "SoftplusGrad", "LeakyReluGrad", "RsqrtGrad", "SqrtGrad", "Erf", "Reciprocal",
     "OnesLike", "ZerosLike", "Select", "SelectV2", "Pow", "FloorDiv", "Floor", "Round", "Sign", "Cos", "Sin",
 })
+#: Ops whose data inputs Grappler sorts by name (``IsCommutative``: the OpDef flag, plus ``Add``).
+#: The order matters for memory: an elementwise kernel writes into the first input it may reuse.
+COMMUTATIVE_TYPES = frozenset({"Add", "AddV2", "AddN", "AccumulateNV2", "Mul", "SquaredDifference", "Equal",
+                               "NotEqual", "ApproximateEqual", "LogicalAnd", "LogicalOr", "BitwiseAnd",
+                               "BitwiseOr", "BitwiseXor"})
 #: Ops that update a variable (input 0 is its handle) in place.
 VARIABLE_UPDATE_PREFIXES = ("Assign", "ResourceApply", "ResourceScatter", "ResourceSparseApply")
 
@@ -178,6 +192,7 @@ class _Builder:
         self.index_of: Dict[str, int] = {}
         self.replace: Dict[Tuple[str, str], str] = {}
         self.buffer_producer: Dict[str, int] = {}
+        self.accumulated_sums: frozenset = frozenset()
         self.read_handles: Dict[str, str] = {}  # read buffer -> variable handle tensor
 
     def source(self, consumer: str, tensor: str) -> str:
@@ -284,6 +299,21 @@ def _plain_structure(ir: GraphIR) -> Dict[str, Tuple[Tuple[str, ...], List[Tuple
     return cached
 
 
+def _canonical_reads(op: OpInfo, reads: Iterable[str]) -> List[str]:
+    """``reads`` (one buffer per input of ``op``) in the order TensorFlow runs them: Grappler's
+    canonicalizer sorts a commutative op's inputs by their names (``"x"`` for output 0, ``"x:1"``),
+    and the kernel forwards into the first one it may reuse."""
+    reads = list(reads)
+    if op.type not in COMMUTATIVE_TYPES or len(reads) != len(op.inputs):
+        return reads
+
+    def grappler_name(tensor: str) -> str:
+        return tensor[:-2] if tensor.endswith(":0") else tensor
+
+    order = sorted(range(len(reads)), key=lambda i: grappler_name(op.inputs[i]))
+    return [reads[i] for i in order]
+
+
 def _workspace(ir: GraphIR, op: OpInfo, kernels: str) -> int:
     """Scratch bytes a convolution kernel holds while it runs: about its largest operand (cuDNN's
     workspace, or the im2col buffers of TensorFlow's Eigen kernels; oneDNN takes its scratchpad
@@ -317,12 +347,13 @@ def _pooled_for_gradient(b: "_Builder") -> frozenset:
     return frozenset(pools)
 
 
-def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
-           op_times: Optional[Mapping[str, float]] = None, kernels: str = "cudnn") -> _Builder:
+def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional[Mapping[str, float]] = None,
+           kernels: str = "cudnn", accumulated_sums: frozenset = frozenset()) -> _Builder:
     if kernels not in KERNEL_LIBRARIES:
         raise LMSOptionError(f"simulate(kernels=...) must be one of {', '.join(map(repr, KERNEL_LIBRARIES))} "
                              f"(the kernel library whose scratch memory to model); got {kernels!r}.")
     b = _Builder(ir, cost)
+    b.accumulated_sums = accumulated_sums
     pooled = _pooled_for_gradient(b) if kernels == "onednn" else frozenset()
     op_time = (lambda op: op_times[op.name]) if op_times is not None else (lambda op: cost.op_time(ir, op))  # noqa
     ir_names = {op.name for op in ir.ops if op.type not in ALIAS_TYPES}
@@ -378,7 +409,8 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
                 else:
                     reads.append(b.source(name, t))
             writes = [(f"recompute/{d.gate}/{t}", ir.tensors[t].nbytes or 0) for t in op.outputs]
-            extra_after[d.gate].append(_Op(f"recompute/{d.gate}/{name}", _COMPUTE, op_time(op), reads,
+            extra_after[d.gate].append(_Op(f"recompute/{d.gate}/{name}", _COMPUTE, op_time(op),
+                                           _canonical_reads(op, reads),
                                            writes, [], forwarding=op.type in FORWARDING_TYPES, trigger=d.gate))
         for consumer in d.consumers:
             extra_deps[consumer].append(f"recompute/{d.gate}/{ir.tensors[d.tensor].producer}")
@@ -399,7 +431,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
                 b.index_of[extra.name] = b.add(extra)
             continue
         cached_reads, writes, _ = plain[op.name]
-        reads = [b.source(op.name, t) for t in op.inputs] if op.name in rebuilt else list(cached_reads)
+        reads = _canonical_reads(op, [b.source(op.name, t) for t in op.inputs] if op.name in rebuilt else cached_reads)
         if op.name in pooled:
             writes = writes + [(op.outputs[0] + POOL_WORKSPACE, _pool_workspace_bytes(ir, op.outputs[0]))]
         if op.type in MAXPOOL_GRAD_TYPES and len(cached_reads) > 1 and ir.tensors[cached_reads[1]].producer in pooled:
@@ -408,7 +440,8 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel,
             reads.append(cached_reads[1] + POOL_WORKSPACE)
         updates = op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None
         index = b.add(_Op(op.name, _COMPUTE, op_time(op), reads, writes, [],
-                          forwarding=op.type in FORWARDING_TYPES, updates=updates, order=op.index,
+                          forwarding=op.type in FORWARDING_TYPES and op.name not in accumulated_sums,
+                          updates=updates, order=op.index,
                           workspace=_workspace(ir, op, kernels)))
         b.index_of[op.name] = index
         if op.type == "ReadVariableOp" and op.inputs:
@@ -435,7 +468,7 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
              priority: Optional[Dict[str, float]] = None,
              op_times: Optional[Mapping[str, float]] = None, log_allocations: bool = False,
              allocator: Optional[BFCAllocatorModel] = None, tie_seed: Optional[int] = None,
-             kernels: str = "cudnn") -> Simulation:
+             kernels: str = "cudnn", accumulated_sums: Iterable[str] = ()) -> Simulation:
     """Replays the step (rewritten by ``plan``, if given) and reports memory and time.
 
     Args:
@@ -458,6 +491,9 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         kernels: The kernel library whose scratch memory to model (:data:`KERNEL_LIBRARIES`):
             ``"cudnn"`` on a GPU; on the CPU ``"onednn"`` (TensorFlow's default on x86) or
             ``"eigen"`` (with ``TF_ENABLE_ONEDNN_OPTS=0``).
+        accumulated_sums: ``AddN`` ops that Grappler's memory optimizer turns into additions
+            into a temporary variable (:func:`lms_tf.diagnostics.grappler_accumulated_sums`):
+            their sum takes a buffer of its own instead of writing into an input.
 
     Returns:
         A :class:`Simulation`.
@@ -471,8 +507,8 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         >>> simulate(GraphIR((), {}, frozenset(), {}), cost=CostModel(get_device_spec("a100-40gb-pcie4"))).peak_bytes
         0
     """
-    return _replay(_build(ir, plan, cost, op_times, kernels), top=top, priority=priority, log_allocations=log_allocations,
-                   allocator=allocator, tie_seed=tie_seed)
+    return _replay(_build(ir, plan, cost, op_times, kernels, frozenset(accumulated_sums)), top=top, priority=priority,
+                   log_allocations=log_allocations, allocator=allocator, tie_seed=tie_seed)
 
 
 def simulate_tie_orders(ir: GraphIR, plan: Optional[Plan], seeds: Iterable[int], *, cost: CostModel,
@@ -614,7 +650,7 @@ def _replay(builder: _Builder, *, top: Optional[int], priority: Optional[Dict[st
             in_flight[op.stream] -= sum(builder.ir.tensors[r[len("host/"):]].nbytes or 0 for r in op.reads
                                         if r.startswith("host/")) if op.stream == _TO_DEVICE else \
                 sum(builder.ir.tensors[r].nbytes or 0 for r in op.reads)
-        for key in set(op.reads):
+        for key in dict.fromkeys(op.reads):  # TensorFlow's executor releases inputs in order
             uses[key] -= 1
             if uses[key] <= 0:
                 free(key)
@@ -657,7 +693,7 @@ def _replay(builder: _Builder, *, top: Optional[int], priority: Optional[Dict[st
                       swap_in_bytes=swap_bytes[_TO_DEVICE], timeline=tuple(timeline), peak_time_s=peak_time,
                       op_intervals=intervals, allocations=tuple(allocations or ()) if log_allocations else (),
                       allocator_peak_bytes=None if allocator is None else replay_allocations(
-                          allocations, allocator, resident=resident_buffers(builder.ir)))
+                          allocations, allocator, history=pool_history(builder.ir, builder.accumulated_sums)))
 
 
 def resident_buffers(ir: GraphIR) -> List[Tuple[str, int]]:
@@ -674,6 +710,48 @@ def resident_buffers(ir: GraphIR) -> List[Tuple[str, int]]:
         if op.type == "ReadVariableOp" and op.inputs:
             sizes[op.inputs[0]] = max(sizes.get(op.inputs[0], 0), ir.tensors[op.outputs[0]].nbytes or 0)
     return list(sizes.items())
+
+
+def pool_history(ir: GraphIR, accumulated_sums: Iterable[str] = ()) -> List[Tuple[str, str, int]]:
+    """What a Keras training process asks the allocator for before its first step, as
+    ``("alloc" | "free", key, bytes)`` events (:func:`replay_allocations`' ``history``).
+
+    The free chunks the first step finds decide where its tensors land, so the order matters:
+
+    1. each variable the step reads, in graph order, as Keras creates it: a kernel (rank 2 or
+       more) through a random initializer (Glorot, He: a draw, scaled, then shifted, each a
+       buffer of the variable's size; the first two are freed), a vector from a constant;
+    2. the step's inputs;
+    3. for each of ``accumulated_sums``, the zeros constant its temporary variable starts from
+       (kept while the step's function lives).
+
+    TensorFlow's allocation trace shows this sequence (``StatelessRandomUniformV2``, ``Mul``,
+    ``AddV2`` per kernel; ``AddN_98/tmp_var_zeros`` on ResNet-50).
+
+    Example:
+        >>> from lms_tf.graph.ir import GraphIR
+        >>> pool_history(GraphIR((), {}, frozenset(), {}))
+        []
+    """
+    events: List[Tuple[str, str, int]] = []
+    ranks: Dict[str, int] = {}
+    for op in ir.ops:
+        if op.type == "ReadVariableOp" and op.inputs:
+            ranks[op.inputs[0]] = max(ranks.get(op.inputs[0], 0), len(ir.tensors[op.outputs[0]].shape or ()))
+    for handle, nbytes in resident_buffers(ir):
+        if ranks.get(handle, 0) >= 2:
+            draw, scaled = f"{handle}#initializer_draw", f"{handle}#initializer_scaled"
+            events += [("alloc", draw, nbytes), ("alloc", scaled, nbytes), ("alloc", handle, nbytes),
+                       ("free", scaled, 0), ("free", draw, 0)]
+        else:
+            events.append(("alloc", handle, nbytes))
+    for op in ir.ops:
+        if op.type in ("Placeholder", "_Arg") and op.outputs and ir.tensors[op.outputs[0]].dtype != "resource":
+            events.append(("alloc", op.outputs[0], ir.tensors[op.outputs[0]].nbytes or 0))
+    for name in sorted(accumulated_sums):
+        if f"{name}:0" in ir.tensors:
+            events.append(("alloc", f"{name}/tmp_var_zeros", ir.tensors[f"{name}:0"].nbytes or 0))
+    return events
 
 
 def resident_bytes(ir: GraphIR) -> int:

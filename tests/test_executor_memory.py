@@ -1,0 +1,160 @@
+"""Which buffer TensorFlow's executor reuses and in which order it releases them, and what a
+Keras process allocated before its first step, against the simulator's allocation log.
+
+These rules decide where later tensors land in the allocator, so the simulator must follow them:
+
+* Grappler sorts the inputs of a commutative op (``AddV2``, ``AddN``, ``Mul``, ...) by name,
+  and the elementwise kernel writes its output into the first input it may reuse. A gradient
+  sum at a residual connection thus keeps the buffer of the branch whose name sorts first.
+* After a kernel runs, the executor releases its inputs in input order.
+* Grappler accumulates some sums of three gradients into a temporary variable: the sum gets a
+  buffer of its own, and the zeros it starts from stay allocated.
+* Keras creates a kernel through two temporaries of its size (:func:`pool_history`).
+
+Each rule is checked on a small step three ways: the IR's input order differs from the rule's,
+the simulator's log follows the rule, and TensorFlow's allocation trace shows the real buffers
+reused and freed that way.
+"""
+
+import pytest
+import tensorflow as tf
+
+from lms_tf.cost import CostModel, get_device_spec
+from lms_tf.diagnostics import allocation_trace, grappler_accumulated_sums
+from lms_tf.graph import build_ir
+from lms_tf.planner import pool_history, simulate
+from lms_tf.planner.simulator import resident_buffers
+
+V100 = CostModel(get_device_spec("v100-16gb-pcie3"))
+MiB = 2**20
+X = tf.random.stateless_normal((512, 1024), seed=(1, 2))  # 2 MiB
+
+
+def _big_events(step):
+    """The 2 MiB allocations and frees of one real run, each named by the op that allocated it."""
+    step(X)
+    owner, events = {}, []
+    for event in allocation_trace(lambda: step(X).numpy()):
+        if event.kind == "alloc":
+            owner[event.address] = event.op
+        if event.requested_bytes >= MiB:
+            events.append((event.kind, owner[event.address]))
+    return events
+
+
+def _simulated_events(step):
+    ir = build_ir(step.get_concrete_function(X).graph)
+    log = simulate(ir, None, cost=V100, log_allocations=True).allocations
+    return ir, [event for event in log if event[0] != "alloc" or event[2] >= MiB]
+
+
+def test_a_sum_writes_into_the_input_whose_name_sorts_first():
+    @tf.function
+    def step(x):
+        z = tf.exp(x, name="z_exp")
+        a = tf.sin(x, name="a_sin")
+        return tf.reduce_sum(tf.add(z, a, name="sum"))
+
+    ir, simulated = _simulated_events(step)
+    assert ir.op("sum").inputs == ("z_exp:0", "a_sin:0")  # the traced order: z first
+    assert simulated[:4] == [("alloc", "z_exp:0", 2 * MiB), ("alloc", "a_sin:0", 2 * MiB),
+                             ("rename", "a_sin:0", "sum:0"), ("free", "z_exp:0", 0)]
+    # TensorFlow: no allocation for the sum, and z's buffer is released first (a's became the sum).
+    assert _big_events(step) == [("alloc", "z_exp"), ("alloc", "a_sin"), ("free", "z_exp"), ("free", "a_sin")]
+
+
+def test_inputs_are_released_in_input_order():
+    @tf.function
+    def step(x):
+        z = tf.exp(x, name="z_exp")
+        a = tf.sin(x, name="a_sin")
+        m = tf.cos(x, name="m_cos")
+        return tf.reduce_sum(tf.concat([z, m, a], axis=0, name="joined"))
+
+    _, simulated = _simulated_events(step)
+    frees = [key for event, key, _ in simulated if event == "free" and key in ("z_exp:0", "m_cos:0", "a_sin:0")]
+    assert frees == ["z_exp:0", "m_cos:0", "a_sin:0"]  # neither allocation nor name order
+    real_frees = [op for event, op in _big_events(step) if event == "free" and op != "joined"]
+    assert real_frees == ["z_exp", "m_cos", "a_sin"]
+
+
+def _dense_bn_step(batch: int):
+    """A Keras training step (Dense + BatchNormalization + ReLU, three times) and its batch: the
+    gradient of each BatchNormalization sums three terms with one ``AddN``."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((512,))
+    h = inputs
+    for _ in range(3):
+        h = keras.layers.ReLU()(keras.layers.BatchNormalization()(keras.layers.Dense(1024)(h)))
+    model = keras.Model(inputs, keras.layers.Dense(10)(h))
+    optimizer = keras.optimizers.SGD(0.01)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    return step, tf.random.stateless_normal((batch, 512), seed=(5, 6)), tf.zeros((batch,), tf.int32)
+
+
+@pytest.mark.parametrize("batch", [4096, 8192])
+def test_grappler_accumulates_the_gradient_sums_it_was_predicted_to(batch):
+    """Grappler rewrites a sum of three gradients into additions into a temporary variable when
+    its estimate of the step exceeds 80% of the 256 MiB it is told a CPU has: not at batch 4096,
+    at 8192. The offline prediction (TensorFlow's optimizer run on the traced step) names the
+    sums TensorFlow's allocator then really serves a ``<sum>/tmp_var`` for."""
+    step, x, y = _dense_bn_step(batch)
+    concrete = step.get_concrete_function(x, y)
+    predicted = grappler_accumulated_sums(concrete)
+    step(x, y)
+    seen = {event.op[:-len("/tmp_var")] for event in allocation_trace(lambda: step(x, y).numpy())
+            if event.kind == "alloc" and event.op.endswith("/tmp_var")}
+    assert predicted == seen
+    assert bool(seen) == (batch == 8192)
+    if seen:
+        (name,) = seen
+        ir = build_ir(concrete.graph)
+        log = simulate(ir, None, cost=V100, log_allocations=True, accumulated_sums=seen).allocations
+        plain_log = simulate(ir, None, cost=V100, log_allocations=True).allocations
+        assert ("alloc", f"{name}:0", ir.tensors[f"{name}:0"].nbytes) in log  # a buffer of its own
+        assert any(event[0] == "rename" and event[2] == f"{name}:0" for event in plain_log)  # else: in place
+        assert ("alloc", f"{name}/tmp_var_zeros", ir.tensors[f"{name}:0"].nbytes) in pool_history(ir, seen)
+
+
+def test_keras_creates_a_kernel_through_two_temporaries_of_its_size():
+    """What :func:`pool_history` assumes of a variable's creation, seen in TensorFlow's trace:
+    a Dense kernel takes three buffers of its size (random draw, scaled, shifted), the first two
+    freed; its bias one."""
+    import keras
+
+    layer = keras.layers.Dense(1000)
+    events = allocation_trace(lambda: layer.build((None, 500)))
+    kernel_bytes = 500 * 1000 * 4
+    owner = {}
+    big = []
+    for event in events:
+        if event.kind == "alloc":
+            owner[event.address] = event.op
+        if event.requested_bytes == kernel_bytes:
+            big.append((event.kind, owner.get(event.address, "")))
+    assert [kind for kind, _ in big] == ["alloc", "alloc", "alloc", "free", "free"], big
+    assert [op.split("/")[-1] for _, op in big[:3]] == ["StatelessRandomUniformV2", "Mul", "AddV2"], big
+
+    v = tf.Variable(tf.zeros((500, 1000)))
+    b = tf.Variable(tf.zeros((1000,)))
+
+    @tf.function
+    def step(x):
+        return tf.reduce_sum(x @ v + b)
+
+    ir = build_ir(step.get_concrete_function(tf.ones((8, 500))).graph)
+    kernel, bias = [handle for handle, _ in resident_buffers(ir)]
+    assert pool_history(ir) == [
+        ("alloc", f"{kernel}#initializer_draw", kernel_bytes), ("alloc", f"{kernel}#initializer_scaled", kernel_bytes),
+        ("alloc", kernel, kernel_bytes), ("free", f"{kernel}#initializer_scaled", 0),
+        ("free", f"{kernel}#initializer_draw", 0), ("alloc", bias, 4000), ("alloc", "x:0", 8 * 500 * 4)]
