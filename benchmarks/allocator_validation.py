@@ -42,8 +42,8 @@ def measure(spec, order, step):
 def serialized_table(runs):
     """One row per model and step, serialized steps: ``runs`` holds the worker's result of each process."""
     lines = ["| model | step | real MiB, per process | **blind: allocator model / real** | blind: sum / real | "
-             "within 10% | chained ops seen running (of all), out of order |",
-             "|---|---|---|---|---|---|---|"]
+             "within 10% | chained ops seen running (of all), out of order | accumulated sums: predicted / real |",
+             "|---|---|---|---|---|---|---|---|"]
     for rows in runs:
         for step in ("plain", "sqrt"):
             key = f"{step}_serialized"
@@ -58,8 +58,14 @@ def serialized_table(runs):
                          f"{first[key]['blind'] / median:.2f} | "
                          f"{'yes' if all(0.9 <= q <= 1.1 for q in ratios) else 'no'} | "
                          f"{first[key]['executed_ops']} of {first[key]['chained_ops']}, "
-                         f"{max(r[key]['inversions'] for r in measured)} |")
+                         f"{max(r[key]['inversions'] for r in measured)} | {_sums(first[key])} |")
     return "\n".join(lines)
+
+
+def _sums(measured):
+    """The gradient sums Grappler accumulates into a temporary variable, as the simulator was
+    told (predicted offline) and as the real allocator's trace shows them."""
+    return f"{', '.join(measured['accumulated_predicted']) or '-'} / {', '.join(measured['accumulated_real']) or '-'}"
 
 
 def table(runs):

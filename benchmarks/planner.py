@@ -8,13 +8,14 @@ batch, on the presets v100-16gb-pcie3 and h100-80gb-pcie5:
 * the simulator against the real CPU allocator, for the plain step and a recompute-only
   (``recompute="sqrt"``) step: summed tensor bytes, and the same allocations replayed through
   the model of TensorFlow's BFC allocator (whole chunks, as ``get_memory_info`` counts them);
-* lms-tf at a budget of 25% of the plain step's simulated peak: simulated and oracle peaks;
+* lms-tf at a budget of 25% of the plain step's simulated peak: simulated and oracle peaks
+  (where 25% is infeasible, the plan at the smallest feasible budget the planner names);
 * the oracle again, told the variable shapes, on serialized steps (``serialize=True``: the
   compute ops chained in the simulator's order), plain and planned;
 * Grappler's own memory optimizer (SWAPPING_HEURISTICS, RECOMPUTATION_HEURISTICS), run
   offline and judged by the same oracle;
 * lms-tf's predicted overhead against the link lower bound;
-* each feasible plan replayed with random orders of the ops made ready together (how much
+* each plan replayed with random orders of the ops made ready together (how much
   its peak depends on the executor's tie order, which varies between processes);
 
 plus the largest ResNet-50 224x224 batch without and with lms-tf on v100-16gb-pcie3, the time
@@ -60,7 +61,7 @@ PRESETS = ("v100-16gb-pcie3", "h100-80gb-pcie5")
 BUDGET = "25%"
 #: The model whose plain and planned memory timelines the README shows (swaps and recompute both).
 TIMELINE_MODEL = "ResNet50"
-#: Random tie orders replayed for every feasible plan (``simulate(..., tie_seed=)``: the ops made
+#: Random tie orders replayed for every plan (``simulate(..., tie_seed=)``: the ops made
 #: ready by a node with more than 8 out-edges, which TensorFlow queues in an order that differs
 #: between processes). Seeds from 100 up: the planner itself checks seeds 0-3.
 TIE_SEEDS = 8
@@ -78,6 +79,18 @@ def real_peak(fn, x, y):
             fn(x, y).numpy()
         peaks.append(memory.peak_bytes)
     return statistics.median(peaks)
+
+
+def plan_at_smallest_feasible(ir, preset, cost, floor):
+    """The plan at the smallest feasible budget the planner named, 0.2% above it (it is "about":
+    planning for another budget explores other candidates, whose chunks differ by KiB)."""
+    for _ in range(3):
+        options = LMSOptions(device="/CPU:0", host="/CPU:1", budget=int(floor * 1.002), device_spec=preset)
+        try:
+            return make_budget_plan(ir, options, device="/device:CPU:0", cost=cost)
+        except InfeasibleBudgetError as err:
+            floor = err.smallest_feasible_bytes
+    raise RuntimeError(f"no plan near the smallest feasible budget the planner named ({floor} bytes)")
 
 
 def model_rows(name, size, batch):
@@ -130,31 +143,35 @@ def model_rows(name, size, batch):
         try:
             started = time.perf_counter()
             plan = make_budget_plan(ir, options, device="/device:CPU:0", cost=cost)
-            row["plan_seconds"] = time.perf_counter() - started
-            planned = simulate(ir, plan, cost=cost)
-            log.info("  %s: tracing the planned step for the oracle", preset)
-            fn = lms_tf.function(step, device="/CPU:0", host="/CPU:1", budget=plan.budget_bytes, device_spec=spec)
-            row.update(feasible=True, budget=plan.budget_bytes, sim_lms=planned.peak_bytes,
-                       oracle_lms=virtual_gpu_peak(fn.get_concrete_function(x, y), gpu_memory_bytes=spec.memory_bytes),
-                       overhead=planned.step_time_s / baseline.step_time_s,
-                       lower_bound=link_lower_bound(baseline.compute_time_s, planned, cost) / baseline.step_time_s,
-                       swapped=plan.swapped_bytes, recomputed=plan.recomputed_bytes)
-            log.info("  %s: oracle with variable shapes, serialized planned step", preset)
-            serialized = lms_tf.function(step, device="/CPU:0", host="/CPU:1", budget=plan.budget_bytes,
-                                         device_spec=spec, serialize=True)
-            report = virtual_gpu_peak_report(serialized.get_concrete_function(x, y),
-                                             gpu_memory_bytes=spec.memory_bytes, variable_shapes=True)
-            row["oracle_lms_shaped"] = report.peak_bytes
-            row["oracle_lms_shaped_once"] = report.peak_bytes_counting_in_place_once
-            ties = [simulate(ir, plan, cost=cost, tie_seed=seed, allocator=tensorflow_gpu_allocator(spec.memory_bytes))
-                    for seed in range(100, 100 + TIE_SEEDS)]
-            row.update(tie_peaks=[t.peak_bytes for t in ties], tie_held=[t.held_bytes for t in ties],
-                       tie_times=[t.step_time_s / baseline.step_time_s for t in ties])
-            if preset == PRESETS[0] and name == TIMELINE_MODEL:
-                plot_timeline(os.path.join(ROOT, "docs", "planner_timeline.png"), baseline, planned, plan.budget_bytes,
-                              title=f"{name} {size}x{size} batch {batch} on {preset}, budget {BUDGET}")
+            row.update(feasible=True, plan_seconds=time.perf_counter() - started)
         except InfeasibleBudgetError as err:
-            row.update(feasible=False, budget=err.budget_bytes, smallest_feasible=err.smallest_feasible_bytes)
+            # Planned instead at the smallest budget that fits ("about": 0.2% above it), so the
+            # plan's overhead and the oracle's reading are still measured.
+            row.update(feasible=False, smallest_feasible=err.smallest_feasible_bytes)
+            plan = plan_at_smallest_feasible(ir, preset, cost, err.smallest_feasible_bytes)
+        planned = simulate(ir, plan, cost=cost)
+        log.info("  %s: tracing the planned step for the oracle", preset)
+        fn = lms_tf.function(step, device="/CPU:0", host="/CPU:1", budget=plan.budget_bytes, device_spec=spec)
+        row.update(budget=plan.budget_bytes, sim_lms=planned.peak_bytes,
+                   oracle_lms=virtual_gpu_peak(fn.get_concrete_function(x, y), gpu_memory_bytes=spec.memory_bytes),
+                   overhead=planned.step_time_s / baseline.step_time_s,
+                   lower_bound=link_lower_bound(baseline.compute_time_s, planned, cost) / baseline.step_time_s,
+                   swapped=plan.swapped_bytes, recomputed=plan.recomputed_bytes)
+        log.info("  %s: oracle with variable shapes, serialized planned step", preset)
+        serialized = lms_tf.function(step, device="/CPU:0", host="/CPU:1", budget=plan.budget_bytes,
+                                     device_spec=spec, serialize=True)
+        report = virtual_gpu_peak_report(serialized.get_concrete_function(x, y),
+                                         gpu_memory_bytes=spec.memory_bytes, variable_shapes=True)
+        row["oracle_lms_shaped"] = report.peak_bytes
+        row["oracle_lms_shaped_once"] = report.peak_bytes_counting_in_place_once
+        ties = [simulate(ir, plan, cost=cost, tie_seed=seed, allocator=tensorflow_gpu_allocator(spec.memory_bytes))
+                for seed in range(100, 100 + TIE_SEEDS)]
+        row.update(tie_peaks=[t.peak_bytes for t in ties], tie_held=[t.held_bytes for t in ties],
+                   tie_times=[t.step_time_s / baseline.step_time_s for t in ties])
+        if preset == PRESETS[0] and name == TIMELINE_MODEL:
+            plot_timeline(os.path.join(ROOT, "docs", "planner_timeline.png"), baseline, planned, plan.budget_bytes,
+                          title=f"{name} {size}x{size} batch {batch} on {preset}, budget "
+                                f"{BUDGET if row['feasible'] else mib(plan.budget_bytes) + ' MiB (smallest feasible)'}")
         rows.append(row)
         log.info("  %s: %s", preset, {k: v for k, v in row.items() if k not in ("model", "size", "batch")})
     return rows
@@ -205,6 +222,13 @@ def mib(v):
     return "–" if v is None else f"{v / MiB:.0f}"
 
 
+def _at_budget(row):
+    """Marks a row whose plan was made at the smallest feasible budget, the asked one being infeasible."""
+    if row["feasible"]:
+        return ""
+    return f"{BUDGET} infeasible; at the smallest feasible, {mib(row['budget'])} ({row['budget'] / row['sim_plain']:.2f}): "
+
+
 def validation_table(rows):
     lines = ["Simulator against the real CPU allocator (median of 3 real steps; the simulator predicts the order, "
              "it is not given the real one). \"sum\": bytes of the live tensors; \"allocator\": the same "
@@ -238,14 +262,10 @@ def table(rows, batch_row, r152):
                 f"{r['sim_plain'] / r['real_plain']:.2f} | {mib(r['oracle_plain'])} | ")
         grappler = (f"{mib(r['grappler_swap'])} ({r['grappler_swap'] / r['oracle_plain']:.2f}) | "
                     f"{mib(r['grappler_recompute'])} ({r['grappler_recompute'] / r['oracle_plain']:.2f}) | ")
-        if r["feasible"]:
-            sim_ratio, oracle_ratio = r["sim_lms"] / r["sim_plain"], r["oracle_lms"] / r["oracle_plain"]
-            lines.append(head + f"{mib(r['sim_lms'])} ({sim_ratio:.2f}) | {mib(r['oracle_lms'])} ({oracle_ratio:.2f}) | "
-                         f"{oracle_ratio - sim_ratio:+.2f} | " + grappler +
-                         f"{r['overhead']:.2f}x | {r['lower_bound']:.2f}x | {r['overhead'] / r['lower_bound']:.2f} |")
-        else:
-            lines.append(head + f"infeasible (smallest feasible {mib(r['smallest_feasible'])}, "
-                         f"{r['smallest_feasible'] / r['sim_plain']:.2f}) | – | – | " + grappler + "– | – | – |")
+        sim_ratio, oracle_ratio = r["sim_lms"] / r["sim_plain"], r["oracle_lms"] / r["oracle_plain"]
+        lines.append(head + _at_budget(r) + f"{mib(r['sim_lms'])} ({sim_ratio:.2f}) | {mib(r['oracle_lms'])} "
+                     f"({oracle_ratio:.2f}) | {oracle_ratio - sim_ratio:+.2f} | " + grappler +
+                     f"{r['overhead']:.2f}x | {r['lower_bound']:.2f}x | {r['overhead'] / r['lower_bound']:.2f} |")
     lines += ["", "Grappler's oracle told the variable shapes (`virtual_gpu_peak(..., variable_shapes=True)`), "
                   "on serialized steps (`serialize=True`: the compute ops chained in the simulator's order). "
                   "Peaks in MiB. The last three columns count once each input/output pair that Grappler holds at "
@@ -258,28 +278,24 @@ def table(rows, batch_row, r152):
     for r in rows:
         head = (f"| {r['model']} {r['size']}² b{r['batch']} | {r['device']} | {mib(r['sim_plain'])} | "
                 f"{mib(r['oracle_plain_shaped'])} ({r['oracle_plain_shaped'] / r['sim_plain']:.2f}) | ")
-        if r["feasible"]:
-            sim_ratio = r["sim_lms"] / r["sim_plain"]
-            oracle_ratio = r["oracle_lms_shaped"] / r["oracle_plain_shaped"]
-            once_ratio = r["oracle_lms_shaped_once"] / r["oracle_plain_shaped_once"]
-            lines.append(head + f"{mib(r['sim_lms'])} ({sim_ratio:.2f}) | {mib(r['oracle_lms_shaped'])} "
-                                f"({oracle_ratio:.2f}) | {oracle_ratio - sim_ratio:+.3f} | "
-                                f"{mib(r['oracle_plain_shaped_once'])} | {mib(r['oracle_lms_shaped_once'])} "
-                                f"({once_ratio:.2f}) | {once_ratio - sim_ratio:+.3f} |")
-        else:
-            lines.append(head + f"infeasible | – | – | {mib(r['oracle_plain_shaped_once'])} | – | – |")
-    lines += ["", f"The feasible plans replayed with {TIE_SEEDS} random orders of the ops made ready together "
+        sim_ratio = r["sim_lms"] / r["sim_plain"]
+        oracle_ratio = r["oracle_lms_shaped"] / r["oracle_plain_shaped"]
+        once_ratio = r["oracle_lms_shaped_once"] / r["oracle_plain_shaped_once"]
+        lines.append(head + _at_budget(r) + f"{mib(r['sim_lms'])} ({sim_ratio:.2f}) | {mib(r['oracle_lms_shaped'])} "
+                            f"({oracle_ratio:.2f}) | {oracle_ratio - sim_ratio:+.3f} | "
+                            f"{mib(r['oracle_plain_shaped_once'])} | {mib(r['oracle_lms_shaped_once'])} "
+                            f"({once_ratio:.2f}) | {once_ratio - sim_ratio:+.3f} |")
+    lines += ["", f"The plans replayed with {TIE_SEEDS} random orders of the ops made ready together "
                   f"that the planner did not check (MiB):", "",
               "| model | device | budget | planned peak | peak over tie orders: min-max | chunks (GPU allocator model) "
               "over tie orders: max | all within budget | predicted overhead over tie orders |",
               "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r["feasible"]:
-            within = max(r["tie_held"]) <= r["budget"]
-            lines.append(f"| {r['model']} {r['size']}² b{r['batch']} | {r['device']} | {mib(r['budget'])} | "
-                         f"{mib(r['sim_lms'])} | {mib(min(r['tie_peaks']))}-{mib(max(r['tie_peaks']))} | "
-                         f"{mib(max(r['tie_held']))} | {'yes' if within else 'no'} | "
-                         f"{min(r['tie_times']):.2f}-{max(r['tie_times']):.2f}x |")
+        within = max(r["tie_held"]) <= r["budget"]
+        lines.append(f"| {r['model']} {r['size']}² b{r['batch']} | {r['device']} | {_at_budget(r)}{mib(r['budget'])} | "
+                     f"{mib(r['sim_lms'])} | {mib(min(r['tie_peaks']))}-{mib(max(r['tie_peaks']))} | "
+                     f"{mib(max(r['tie_held']))} | {'yes' if within else 'no'} | "
+                     f"{min(r['tie_times']):.2f}-{max(r['tie_times']):.2f}x |")
     lines += ["", f"Largest ResNet-50 224² batch on v100-16gb-pcie3 (simulated, budget \"auto\"): "
                   f"**{batch_row['plain']} plain, {batch_row['lms']} with lms-tf "
                   f"({batch_row['lms'] / max(batch_row['plain'], 1):.1f}x)** (search took {batch_row['seconds']:.0f} s).",

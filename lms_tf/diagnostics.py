@@ -381,9 +381,16 @@ def grappler_accumulated_sums(concrete_function, *, device_memory_bytes: int = C
     live at that peak: the sum is accumulated into a temporary variable initialised from a
     zeros constant, so it takes a buffer of its own where the plain kernel would write into an
     input, and the constant stays allocated. A CPU device is said to have 256 MiB, so on the
-    CPU nearly every training step of a real model has such a sum (ResNet-50 and MobileNetV2
-    one each). This runs TensorFlow's default optimizer pipeline offline on the traced step, as
-    the runtime does before the first run, and reads the rewrite off its result.
+    CPU a real model's step passes the threshold, and has such a sum when one is live at the
+    estimated peak: ResNet-50's and MobileNetV2's steps one each, VGG16's, a U-Net's and a
+    Transformer encoder's none. This runs TensorFlow's default optimizer pipeline offline on
+    the traced step, as the runtime does before the first run, and reads the rewrite off its
+    result. It named the same sums as the runtime on those five models' plain and
+    recompute-only steps and on a Keras MLP either side of the threshold
+    (``tests/test_executor_memory.py``, ``benchmarks/allocator_validation.py``). It can differ
+    where the offline estimate does: variable reads are given to it as constants of their
+    shape, and on a hand-written elementwise step with a 64 MiB input and no layers it stayed
+    under the threshold where the runtime's estimate went over.
 
     Args:
         concrete_function: The traced step (for an ``lms_tf.function`` step, the rewritten one

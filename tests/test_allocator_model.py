@@ -35,7 +35,9 @@ def real_in_use(events):
     return json.loads(line[len("RESULT "):])
 
 
-def random_events(seed: int, count: int):
+def random_events(seed: int, count: int, mib_sizes=(3, 7, 20, 48, 100, 130), jitter=(0, 1000)):
+    """Allocations of a MiB size from ``mib_sizes`` plus 4 x a number in ``jitter``'s range,
+    and frees of random live ones."""
     rng = random.Random(seed)
     live, events = [], []
     for i in range(count):
@@ -43,7 +45,7 @@ def random_events(seed: int, count: int):
             events.append(("free", live.pop(rng.randrange(len(live))), 0))
         else:
             key = f"t{i}"
-            events.append(("alloc", key, rng.choice([3, 7, 20, 48, 100, 130]) * MiB + 4 * rng.randrange(1000)))
+            events.append(("alloc", key, rng.choice(mib_sizes) * MiB + 4 * rng.randrange(*jitter)))
             live.append(key)
     return events
 
@@ -66,27 +68,14 @@ def test_model_matches_the_real_cpu_allocator_byte_for_byte():
     assert model.in_use_bytes > model.requested_bytes + 4 * MiB
 
 
-def tied_events(seed: int, count: int):
-    """Requests of a few sizes, each a little over a MiB multiple: their chunks round to equal
-    sizes, so best fit often has to choose between equal free chunks in different regions."""
-    rng = random.Random(seed)
-    live, events = [], []
-    for i in range(count):
-        if live and rng.random() < 0.45:
-            events.append(("free", live.pop(rng.randrange(len(live))), 0))
-        else:
-            events.append(("alloc", f"t{i}", rng.choice([1, 2, 3, 5, 8]) * MiB + 4 * rng.randrange(1, 64)))
-            live.append(f"t{i}")
-    return events
-
-
 @pytest.mark.timeout(300)
 def test_equal_free_chunks_go_to_the_newest_region_as_in_tensorflow():
     """The CPU allocator's regions are mmap-ed top-down: of two equal free chunks, the newer
     region's has the lower address and is served first. Ranking regions the other way round
-    gives other bytes in use on the same sequences."""
+    gives other bytes in use on the same sequences. The requests are a little over a few MiB
+    multiples: their chunks round to equal sizes, so best fit often chooses between equal chunks."""
     for seed in (0, 2):
-        events = tied_events(seed, 120)
+        events = random_events(seed, 120, mib_sizes=(1, 2, 3, 5, 8), jitter=(1, 64))
         expected = real_in_use(events)
         got = {}
         for below in (True, False):
