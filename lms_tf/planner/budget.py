@@ -87,6 +87,10 @@ ORDERING_PAIRS = 3
 RECOMPUTED_CHECKPOINTS_TRIED = 8
 #: Head starts tried when re-timing late swap-ins (fractions of the copy's time).
 RETIME_LEADS = (1.0, 0.5)
+#: When nothing fits, how many times the planner searches again aiming below the budget by the
+#: lowest plan's excess: the greedy search stops where a plan first fits, so a lower aim can reach
+#: plans a search at the budget itself never visits.
+LOWER_AIMS = 2
 #: Random tie orders (``simulate(..., tie_seed=)``: the hash-ordered successors of nodes with more
 #: than 8 out-edges) in which a plan that fits in graph order must fit too (``_Planner.simulate``).
 #: Whole chunks depend on the exact allocation order: when every tie is shuffled, one ResNet-50
@@ -287,6 +291,15 @@ class _Planner:
                 logger.debug("planner: the tensors fit (%d bytes) but TensorFlow's allocator would hold %d bytes "
                              "in whole chunks (in graph order or another tie order)", sim.peak_bytes, held)
         return sim
+
+    def held_whatever_the_budget(self, plan: Plan) -> Simulation:
+        """``plan`` simulated with its chunks counted in graph order and the checked tie orders,
+        whatever its tensors' peak: a plan whose tensors exceeded the budget was never replayed
+        through the allocator model, so its ``held_bytes`` were only its tensors."""
+        self.budget_bytes, self.time_to_beat = None, None
+        tensors = self.simulate(plan).peak_bytes
+        self.budget_bytes = 2 * tensors  # any budget its tensors fit
+        return self.simulate(plan)
 
     def held_in_chunks(self, sim: Simulation) -> int:
         """The simulated step's peak as TensorFlow's GPU allocator would hold it (whole chunks)."""
@@ -716,10 +729,21 @@ def _make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str, scope_al
     budget_bytes = resolve_budget(options.budget, baseline_peak_bytes=baseline.peak_bytes, device=spec,
                                   resident=planner.resident)
     plan, sim, label, tried = planner.plan(budget_bytes)
-    held = sim.held_bytes
-    counted = "in TensorFlow's allocator's whole chunks" if held > sim.peak_bytes else "simulated"
-    if held > budget_bytes:
-        floor = held
+    floor, aim = None, budget_bytes
+    for attempt in range(LOWER_AIMS + 1):
+        if sim.held_bytes <= aim:  # fits what it was planned for, chunks counted
+            break
+        sim = planner.held_whatever_the_budget(plan)
+        floor = sim.held_bytes if floor is None else min(floor, sim.held_bytes)
+        excess = sim.held_bytes - budget_bytes
+        if excess <= 0 or attempt == LOWER_AIMS or aim <= excess:
+            break
+        aim -= excess
+        logger.info("lms-tf planner: nothing fits %.1f MiB (lowest plan %.1f MiB); searching again aiming at %.1f MiB",
+                    budget_bytes / 2**20, sim.held_bytes / 2**20, aim / 2**20)
+        plan, sim, label, tried = planner.plan(aim)
+    if sim.held_bytes > budget_bytes:
+        counted = "in TensorFlow's allocator's whole chunks" if floor > sim.peak_bytes else "simulated"
         kinds = " and ".join(k for k, on in (("swapping", options.swap), ("recomputing", options.recompute)) if on)
         hint = ("" if options.swap and options.recompute else
                 f", or allow {'recompute' if not options.recompute else 'swap'} too")
