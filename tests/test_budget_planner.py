@@ -243,15 +243,14 @@ def test_planned_peak_fits_and_the_plan_is_printable(preset):
 
 @pytest.mark.timeout(300)
 def test_resnet50_plan_at_25_percent_counts_chunks_and_recomputes_a_swapped_checkpoint(caplog):
-    """ResNet-50 224² b32 at 25% on a V100: candidate plans' tensors fit the budget (612 MiB of
-    646) but TensorFlow's GPU allocator would hold 649 MiB in whole chunks (a 98 MiB gradient in
-    a freed 122.5 MiB chunk), so the planner refuses them, and reports the budget infeasible
-    with the smallest one that fits. On the way it tries recomputing a conv2-stage checkpoint
-    that the swap-and-recompute plan swapped (the clones of the next segment waited for its
-    swap-in). At that smallest budget the plan fits as the allocator counts it, with such a
-    checkpoint recomputed, not swapped. When nothing fits, the same move lowers the lowest plan.
-    (Before the simulator gave a sum at a residual connection the buffer TensorFlow gives it,
-    the first input by name, the chunks of this plan happened to fit at 25%.)"""
+    """ResNet-50 224² b32 at 25% on a V100: some candidate plans' tensors fit the budget but
+    TensorFlow's GPU allocator would hold more in whole chunks (a gradient in a larger freed
+    chunk), so the planner refuses them. It tries recomputing the conv2-stage checkpoints the
+    swap-and-recompute plan swapped (the clones of the next segment waited for their swap-ins)
+    and keeps such a checkpoint recomputed, not swapped. The plan it returns fits as the
+    allocator counts it after the process's history (Keras' initializer temporaries), in graph
+    order and in tie orders the planner did not check, replayed by the simulator itself: the
+    planner and the simulator hold a plan to the same pool."""
     import logging
 
     from lms_tf.workloads import build_model, synthetic_batch, train_step
@@ -260,37 +259,37 @@ def test_resnet50_plan_at_25_percent_counts_chunks_and_recomputes_a_swapped_chec
     model = build_model("ResNet50", image_size=224, classes=1000)
     x, y = synthetic_batch(model, 32)
     ir = build_ir(tf.function(train_step(model)).get_concrete_function(x, y).graph)
+    spec = get_device_spec("v100-16gb-pcie3")
 
     def options(budget, preset="v100-16gb-pcie3"):
         return LMSOptions(device="/CPU:0", host="/CPU:1", budget=budget, device_spec=preset)
 
-    with caplog.at_level(logging.DEBUG, logger="lms_tf"), pytest.raises(InfeasibleBudgetError) as info:
-        make_budget_plan(ir, options("25%"), device="/device:CPU:0")
+    with caplog.at_level(logging.DEBUG, logger="lms_tf"):
+        plan = make_budget_plan(ir, options("25%"), device="/device:CPU:0")
     refused = [r.getMessage() for r in caplog.records if "TensorFlow's allocator would hold" in r.getMessage()]
     assert refused, "no candidate plan was refused for its allocator chunks"
-    assert "whole chunks" in str(info.value) and info.value.smallest_feasible_bytes > info.value.budget_bytes
-    assert info.value.smallest_feasible_bytes < 1.01 * info.value.budget_bytes  # missed by chunk waste alone
     tried = [r.getMessage() for r in caplog.records if "instead of swapping it" in r.getMessage()]
     assert tried, "the planner did not try recomputing a swapped checkpoint"
-
-    # "about": planning for another budget explores other candidates, whose chunks differ by KiB.
-    plan = make_budget_plan(ir, options(int(info.value.smallest_feasible_bytes * 1.002)), device="/device:CPU:0")
-    assert plan.planned_peak_bytes <= plan.planned_allocator_peak_bytes <= plan.budget_bytes
+    assert plan.feasible and plan.planned_peak_bytes < plan.planned_allocator_peak_bytes <= plan.budget_bytes
     deeper = [d for d in plan.recomputed if "checkpoint" in d.reason]
     assert deeper and all("/conv2_block" in d.tensor and "_out" in d.tensor for d in deeper), \
         [d.tensor for d in deeper]
-    assert deeper[0].tensor not in {d.tensor for d in plan.swapped}
+    assert not {d.tensor for d in deeper} & {d.tensor for d in plan.swapped}
+    for seed in (None, 100, 101, 102, 103):
+        replayed = simulate(ir, plan, cost=CostModel(spec), tie_seed=seed,
+                            allocator=tensorflow_gpu_allocator(spec.memory_bytes))
+        assert replayed.allocator_peak_bytes <= plan.budget_bytes, (seed, replayed.allocator_peak_bytes)
 
     # When nothing fits, the lowest plan is lowered the same way (then swaps more): the first
     # pass's plan on the same base (swap-ins timed to hide their copies) does not fit in chunks.
     from lms_tf.planner.budget import _Planner, _Tools
 
-    planner = _Planner(ir, options("25%"), "/device:CPU:0", CostModel(get_device_spec("v100-16gb-pcie3")), {})
+    planner = _Planner(ir, options("25%"), "/device:CPU:0", CostModel(spec), {})
     label, recomputed = next(b for b in planner.recompute_bases() if b[0] == "sqrt/10")
-    planner.budget_bytes = info.value.budget_bytes
-    lowest, lowest_sim = planner.add_swaps(info.value.budget_bytes, recomputed, _Tools())
-    assert lowest_sim.held_bytes > info.value.budget_bytes
-    lowered, lowered_sim, lowered_label = planner.lower_the_lowest(info.value.budget_bytes, lowest, lowest_sim,
+    planner.budget_bytes = plan.budget_bytes
+    lowest, lowest_sim = planner.add_swaps(plan.budget_bytes, recomputed, _Tools())
+    assert lowest_sim.held_bytes > plan.budget_bytes
+    lowered, lowered_sim, lowered_label = planner.lower_the_lowest(plan.budget_bytes, lowest, lowest_sim,
                                                                    label, label, _Tools())
     assert lowered_sim.held_bytes < lowest_sim.held_bytes, (lowered_sim.held_bytes, lowest_sim.held_bytes)
     assert "checkpoint recomputed" in lowered_label and any("checkpoint" in d.reason for d in lowered.recomputed)

@@ -63,7 +63,8 @@ from lms_tf.planner.default import (Candidates, articulation_count, checkpoint_g
                                     collect_candidates, make_plan)
 from lms_tf.planner.plan import Decision, Ordering, Plan, SwapIn, TensorDecision
 from lms_tf.planner.allocator import replay_allocations, tensorflow_gpu_allocator
-from lms_tf.planner.simulator import ALIAS_TYPES, Simulation, resident_buffers, simulate, simulate_tie_orders
+from lms_tf.planner.simulator import (ALIAS_TYPES, Simulation, pool_history, resident_buffers, simulate,
+                                     simulate_tie_orders)
 
 logger = logging.getLogger("lms_tf")
 
@@ -190,8 +191,10 @@ class _Planner:
         self.simulations = 1
         self.budget_bytes: Optional[int] = None  # set by plan(): replays fitting plans through the allocator model
         self.time_to_beat: Optional[float] = None  # step time of the fastest fitting plan so far
-        self.resident_buffers = resident_buffers(ir)
-        self.resident = sum(nbytes for _, nbytes in self.resident_buffers)
+        self.resident = sum(nbytes for _, nbytes in resident_buffers(ir))
+        # The free chunks a step finds depend on what the process allocated before it: Keras
+        # builds each kernel through two temporaries of its size, on the GPU as on the CPU.
+        self.pool_history = pool_history(ir)
         self.base_policies: Dict[str, Tuple[str, Optional[int]]] = {}  # base label -> (policy, segments)
         self._successors: Optional[Dict[str, List[str]]] = None
         self._paths: Dict[str, List[str]] = {}
@@ -292,19 +295,17 @@ class _Planner:
                              "in whole chunks (in graph order or another tie order)", sim.peak_bytes, held)
         return sim
 
-    def held_whatever_the_budget(self, plan: Plan) -> Simulation:
-        """``plan`` simulated with its chunks counted in graph order and the checked tie orders,
-        whatever its tensors' peak: a plan whose tensors exceeded the budget was never replayed
-        through the allocator model, so its ``held_bytes`` were only its tensors."""
-        self.budget_bytes, self.time_to_beat = None, None
-        tensors = self.simulate(plan).peak_bytes
-        self.budget_bytes = 2 * tensors  # any budget its tensors fit
+    def held_whatever_the_budget(self, plan: Plan, sim: Simulation) -> Simulation:
+        """``plan`` (simulated as ``sim``) with its chunks counted in graph order and the checked
+        tie orders, whatever its tensors' peak: a plan whose tensors exceeded the budget was never
+        replayed through the allocator model, so its ``held_bytes`` were only its tensors."""
+        self.budget_bytes, self.time_to_beat = 2 * sim.peak_bytes, None  # any budget its tensors fit
         return self.simulate(plan)
 
     def held_in_chunks(self, sim: Simulation) -> int:
         """The simulated step's peak as TensorFlow's GPU allocator would hold it (whole chunks)."""
         region = max(self.cost.device.memory_bytes, self.resident + 4 * self.budget_bytes)
-        return replay_allocations(sim.allocations, tensorflow_gpu_allocator(region), resident=self.resident_buffers)
+        return replay_allocations(sim.allocations, tensorflow_gpu_allocator(region), history=self.pool_history)
 
     def timed_swap(self, tensor: str, distance: int, lead: float = 1.0) -> Optional[TensorDecision]:
         """A SWAP decision whose swap-ins start just early enough for the copy back to end
@@ -733,7 +734,7 @@ def _make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str, scope_al
     for attempt in range(LOWER_AIMS + 1):
         if sim.held_bytes <= aim:  # fits what it was planned for, chunks counted
             break
-        sim = planner.held_whatever_the_budget(plan)
+        sim = planner.held_whatever_the_budget(plan, sim)
         floor = sim.held_bytes if floor is None else min(floor, sim.held_bytes)
         excess = sim.held_bytes - budget_bytes
         if excess <= 0 or attempt == LOWER_AIMS or aim <= excess:
