@@ -24,7 +24,7 @@ from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.errors import LMSOptionError
 from lms_tf.graph import build_ir
 from lms_tf.options import LMSOptions
-from lms_tf.planner import InfeasibleBudgetError, make_budget_plan, resident_bytes, simulate
+from lms_tf.planner import InfeasibleBudgetError, make_budget_plan, resident_bytes, resolve_budget, simulate
 
 logger = logging.getLogger("lms_tf")
 MiB = 2**20
@@ -230,8 +230,6 @@ def fits(ir_for_batch, batch: int, options: LMSOptions, cost: CostModel, with_lm
     """Whether ``batch`` fits the device (plain, or planned with ``budget="auto"``), and its peak."""
     ir = ir_for_batch(batch)
     baseline = simulate(ir, cost=cost)
-    from lms_tf.planner.budget import resolve_budget
-
     budget = resolve_budget("auto", baseline_peak_bytes=baseline.peak_bytes, device=cost.device,
                             resident=resident_bytes(ir))
     if not with_lms:
