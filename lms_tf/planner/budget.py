@@ -295,13 +295,6 @@ class _Planner:
                              "in whole chunks (in graph order or another tie order)", sim.peak_bytes, held)
         return sim
 
-    def held_whatever_the_budget(self, plan: Plan, sim: Simulation) -> Simulation:
-        """``plan`` (simulated as ``sim``) with its chunks counted in graph order and the checked
-        tie orders, whatever its tensors' peak: a plan whose tensors exceeded the budget was never
-        replayed through the allocator model, so its ``held_bytes`` were only its tensors."""
-        self.budget_bytes, self.time_to_beat = 2 * sim.peak_bytes, None  # any budget its tensors fit
-        return self.simulate(plan)
-
     def held_in_chunks(self, sim: Simulation) -> int:
         """The simulated step's peak as TensorFlow's GPU allocator would hold it (whole chunks)."""
         region = max(self.cost.device.memory_bytes, self.resident + 4 * self.budget_bytes)
@@ -678,6 +671,29 @@ class _Planner:
         plan, sim, label = best or lowest
         return plan, sim, label, tried
 
+    def fit(self, budget_bytes: int) -> Tuple[Plan, Simulation, str, Optional[int]]:
+        """:meth:`plan` for ``budget_bytes``; when nothing fits, up to :data:`LOWER_AIMS` more
+        searches aiming below it by the lowest plan's excess. Returns the plan, its simulation,
+        its label and, when it does not fit, the least budget of the lowest plan found (its chunks
+        counted in graph order and the checked tie orders, whatever its tensors' peak: a plan
+        whose tensors exceeded the budget was never replayed through the allocator model)."""
+        plan, sim, label, _ = self.plan(budget_bytes)
+        floor, aim = None, budget_bytes
+        for attempt in range(LOWER_AIMS + 1):
+            if sim.held_bytes <= aim:  # fits what it was planned for, chunks counted
+                break
+            self.budget_bytes, self.time_to_beat = 2 * sim.peak_bytes, None  # any budget its tensors fit
+            sim = self.simulate(plan)
+            floor = sim.held_bytes if floor is None else min(floor, sim.held_bytes)
+            excess = sim.held_bytes - budget_bytes
+            if excess <= 0 or attempt == LOWER_AIMS or aim <= excess:
+                break
+            aim -= excess
+            logger.info("lms-tf planner: nothing fits %.1f MiB (lowest plan %.1f MiB); searching again aiming at "
+                        "%.1f MiB", budget_bytes / 2**20, sim.held_bytes / 2**20, aim / 2**20)
+            plan, sim, label, _ = self.plan(aim)
+        return plan, sim, label, floor
+
 
 def _recomputed_checkpoints(count: int) -> str:
     return f" ({count} swapped checkpoint{'s' if count > 1 else ''} recomputed)" if count else ""
@@ -729,20 +745,7 @@ def _make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str, scope_al
     baseline = planner.baseline
     budget_bytes = resolve_budget(options.budget, baseline_peak_bytes=baseline.peak_bytes, device=spec,
                                   resident=planner.resident)
-    plan, sim, label, tried = planner.plan(budget_bytes)
-    floor, aim = None, budget_bytes
-    for attempt in range(LOWER_AIMS + 1):
-        if sim.held_bytes <= aim:  # fits what it was planned for, chunks counted
-            break
-        sim = planner.held_whatever_the_budget(plan, sim)
-        floor = sim.held_bytes if floor is None else min(floor, sim.held_bytes)
-        excess = sim.held_bytes - budget_bytes
-        if excess <= 0 or attempt == LOWER_AIMS or aim <= excess:
-            break
-        aim -= excess
-        logger.info("lms-tf planner: nothing fits %.1f MiB (lowest plan %.1f MiB); searching again aiming at %.1f MiB",
-                    budget_bytes / 2**20, sim.held_bytes / 2**20, aim / 2**20)
-        plan, sim, label, tried = planner.plan(aim)
+    plan, sim, label, floor = planner.fit(budget_bytes)
     if sim.held_bytes > budget_bytes:
         counted = "in TensorFlow's allocator's whole chunks" if floor > sim.peak_bytes else "simulated"
         kinds = " and ".join(k for k, on in (("swapping", options.swap), ("recomputing", options.recompute)) if on)
