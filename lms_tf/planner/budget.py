@@ -624,12 +624,11 @@ class _Planner:
                     break
         return plan, sim, label + (f" ({len(leads)} swap-ins re-timed)" if leads else "")
 
-    def plan(self, budget_bytes: int) -> Tuple[Plan, Simulation, str, List[Tuple[str, int]]]:
+    def plan(self, budget_bytes: int) -> Tuple[Plan, Simulation, str]:
         """The fastest plan that fits, trying recompute bases in order; else the lowest peak found."""
         self.budget_bytes, self.time_to_beat = budget_bytes, None
         best: Optional[Tuple[Plan, Simulation, str]] = None
         lowest: Optional[Tuple[Plan, Simulation, str]] = None
-        tried: List[Tuple[str, int]] = []
         every_base = bases = self.recompute_bases()
         # Swapping alone frees at most what the link can copy out during the forward pass
         # (unless the forward pass waits for the copies).
@@ -648,7 +647,7 @@ class _Planner:
                 if best is not None and floors[label] * (1 - 1e-9) >= best[1].step_time_s:
                     break  # this base, and every one after it, computes longer than the best plan takes
                 plan, sim = self.add_swaps(budget_bytes, recomputed, tools)
-                tried.append((label + suffix, sim.held_bytes))
+                logger.debug("lms-tf planner: %s%s holds %.1f MiB", label, suffix, sim.held_bytes / 2**20)
                 if lowest is None or sim.held_bytes < lowest[1].held_bytes:
                     lowest = (plan, sim, label + suffix)
                     lowest_from = (label, tools)
@@ -669,7 +668,7 @@ class _Planner:
             if lowest[1].held_bytes <= budget_bytes:
                 best = lowest
         plan, sim, label = best or lowest
-        return plan, sim, label, tried
+        return plan, sim, label
 
     def fit(self, budget_bytes: int) -> Tuple[Plan, Simulation, str, Optional[int]]:
         """:meth:`plan` for ``budget_bytes``; when nothing fits, up to :data:`LOWER_AIMS` more
@@ -677,7 +676,7 @@ class _Planner:
         its label and, when it does not fit, the least budget of the lowest plan found (its chunks
         counted in graph order and the checked tie orders, whatever its tensors' peak: a plan
         whose tensors exceeded the budget was never replayed through the allocator model)."""
-        plan, sim, label, _ = self.plan(budget_bytes)
+        plan, sim, label = self.plan(budget_bytes)
         floor, aim = None, budget_bytes
         for attempt in range(LOWER_AIMS + 1):
             if sim.held_bytes <= aim:  # fits what it was planned for, chunks counted
@@ -691,7 +690,7 @@ class _Planner:
             aim -= excess
             logger.info("lms-tf planner: nothing fits %.1f MiB (lowest plan %.1f MiB); searching again aiming at "
                         "%.1f MiB", budget_bytes / 2**20, sim.held_bytes / 2**20, aim / 2**20)
-            plan, sim, label, _ = self.plan(aim)
+            plan, sim, label = self.plan(aim)
         return plan, sim, label, floor
 
 
