@@ -60,7 +60,10 @@ def test_a_sum_writes_into_the_input_whose_name_sorts_first():
     assert simulated[:4] == [("alloc", "z_exp:0", 2 * MiB), ("alloc", "a_sin:0", 2 * MiB),
                              ("rename", "a_sin:0", "sum:0"), ("free", "z_exp:0", 0)]
     # TensorFlow: no allocation for the sum, and z's buffer is released first (a's became the sum).
-    assert _big_events(step) == [("alloc", "z_exp"), ("alloc", "a_sin"), ("free", "z_exp"), ("free", "a_sin")]
+    # z and a are both ready after x, and two inter-op threads run them in either order.
+    real = _big_events(step)
+    assert sorted(op for event, op in real if event == "alloc") == ["a_sin", "z_exp"]
+    assert [op for event, op in real if event == "free"] == ["z_exp", "a_sin"]
 
 
 def test_inputs_are_released_in_input_order():
