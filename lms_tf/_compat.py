@@ -395,15 +395,23 @@ def grappler_peak_live_tensors(graph_def, fetch_names: Sequence[str], devices: S
     return {dev: (int(peak), [(str(t[0]), int(t[1]), int(t[2])) for t in live]) for dev, (peak, live) in peaks.items()}
 
 
-def grappler_memory_optimized_peak(graph_def, fetch_names: Sequence[str], devices: Sequence[Tuple[str, str, int]],
-                                   mode: str, name_scope: str = "gradient_tape/",
-                                   optimizer_devices: Optional[Sequence[Tuple[str, str, int]]] = None) -> Dict[str, int]:
+#: Grappler's swap pair. The swap-out kernel allocates its output in host memory, and the
+#: swap-in kernel, gated by a trigger, copies it back into a GPU buffer of its own.
+GRAPPLER_SWAP_OPS = ("_CopyFromGpuToHost", "_CopyFromHostToGpu")
+#: The name scope Grappler's recomputation pass gives the ops it clones.
+GRAPPLER_RECOMPUTED_PREFIX = "Recomputed/"
+
+
+def grappler_memory_optimized(graph_def, fetch_names: Sequence[str], devices: Sequence[Tuple[str, str, int]],
+                              mode: str, name_scope: str = "gradient_tape/",
+                              optimizer_devices: Optional[Sequence[Tuple[str, str, int]]] = None):
     """Runs Grappler's own memory optimizer offline, then simulates the result on the same devices.
 
     Args:
         graph_def: A GraphDef whose nodes all carry a full device name.
         fetch_names: Node names the step must compute.
-        devices: ``(full_name, type, memory_bytes)`` for each virtual device.
+        devices: ``(full_name, type, memory_bytes)`` for each virtual device; the first CPU
+            one is the host.
         mode: ``"SWAPPING_HEURISTICS"`` or ``"RECOMPUTATION_HEURISTICS"``.
         name_scope: ``memory_optimizer_target_node_name_scope`` (the gradient scope).
         optimizer_devices: The devices the optimizer is told about (default: ``devices``).
@@ -412,7 +420,11 @@ def grappler_memory_optimized_peak(graph_def, fetch_names: Sequence[str], device
             and measure on a large one.
 
     Returns:
-        Peak bytes per device of the graph Grappler's memory optimizer produced.
+        ``(optimized GraphDef, peak bytes per device)``. For the simulation, Grappler's swap
+        ops are placed on the host. Left on the GPU, the virtual scheduler would count the
+        swap-out's output as GPU memory, though its kernel allocates it on the host. On the
+        host, the swapped tensor comes back into GPU memory when the gated swap-in runs. This
+        is how the swap-in would run, and how lms-tf's own swap-ins are judged.
     """
     from tensorflow.core.protobuf import config_pb2, device_properties_pb2, meta_graph_pb2, rewriter_config_pb2
     from tensorflow.python.grappler import cluster as gcluster
@@ -438,13 +450,19 @@ def grappler_memory_optimized_peak(graph_def, fetch_names: Sequence[str], device
         optimized = tf_optimizer.OptimizeGraph(config, meta, cluster=cluster)
     finally:
         cluster.Shutdown()
-    meta.graph_def.CopyFrom(optimized)
+    host = next(name for name, dev_type, _ in devices if dev_type == "CPU")
+    judged = type(optimized)()
+    judged.CopyFrom(optimized)
+    for node in judged.node:
+        if node.op in GRAPPLER_SWAP_OPS:
+            node.device = host
+    meta.graph_def.CopyFrom(judged)
     cluster = gcluster.Cluster(devices=named(devices))
     try:
         peaks = cluster.DeterminePeakMemoryUsage(gitem.Item(meta, ignore_colocation=True))
     finally:
         cluster.Shutdown()
-    return {dev: int(value[0]) for dev, value in peaks.items()}
+    return optimized, {dev: int(value[0]) for dev, value in peaks.items()}
 
 
 def grappler_accumulated_sums(graph_def, fetch_names: Sequence[str], device: Tuple[str, str, int]) -> List[str]:

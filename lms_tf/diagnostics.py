@@ -10,6 +10,8 @@
 * :func:`allocation_trace` runs a step under the profiler and returns every buffer the
   allocator handed out and took back (what the simulator's memory rules are checked against).
 * :func:`cpu_kernel_library` names TensorFlow's CPU kernels here (``simulate(kernels=)``).
+* :func:`grappler_baseline_report` runs Grappler's own memory optimizer offline (the baseline
+  to beat) and judges the result by the same oracle.
 * :func:`grappler_accumulated_sums` names the sums TensorFlow's optimizer will accumulate into
   a temporary variable (``simulate(accumulated_sums=)``).
 
@@ -225,9 +227,32 @@ def with_variable_shapes(graph_def):
     return shaped
 
 
-def grappler_baseline_peak(concrete_function, mode: str, *, gpu_memory_bytes: int = 16 * 2**30,
-                           host_memory_bytes: int = 256 * 2**30, target_bytes: Optional[int] = None) -> int:
-    """Virtual-GPU peak of a plain step after Grappler's own memory optimizer rewrote it offline.
+@dataclasses.dataclass(frozen=True)
+class GrapplerBaseline:
+    """What Grappler's own memory optimizer did to a plain step, judged by the oracle.
+
+    Attributes:
+        mode: ``"SWAPPING_HEURISTICS"`` or ``"RECOMPUTATION_HEURISTICS"``.
+        peak_bytes: The virtual GPU's peak of the optimized step.
+        swapped: The tensors Grappler swaps out (inputs of its ``_CopyFromGpuToHost`` ops).
+        recomputed: The ops Grappler clones for the backward pass (their original names).
+
+    Example:
+        >>> GrapplerBaseline("SWAPPING_HEURISTICS", 1 << 20, ("conv/Relu:0",), ()).swapped
+        ('conv/Relu:0',)
+    """
+
+    mode: str
+    peak_bytes: int
+    swapped: Tuple[str, ...]
+    recomputed: Tuple[str, ...]
+
+
+def grappler_baseline_report(concrete_function, mode: str, *, gpu_memory_bytes: int = 16 * 2**30,
+                             host_memory_bytes: int = 256 * 2**30, target_bytes: Optional[int] = None,
+                             variable_shapes: bool = False) -> GrapplerBaseline:
+    """Grappler's own memory optimizer run offline on a plain step: what it swapped or
+    recomputed, and the virtual-GPU peak of the result.
 
     Args:
         concrete_function: The plain (un-rewritten) step.
@@ -236,9 +261,38 @@ def grappler_baseline_peak(concrete_function, mode: str, *, gpu_memory_bytes: in
         host_memory_bytes: Memory of the virtual host.
         target_bytes: The GPU memory Grappler's optimizer is told about (default:
             ``gpu_memory_bytes``); it swaps or recomputes only when the step does not fit it.
+        variable_shapes: Give Grappler the traced shape of every variable read
+            (:func:`with_variable_shapes`), for its heuristics and for the judge. Without
+            them, its static estimate misses the activations whose shapes follow from a weight.
 
     Returns:
-        The virtual GPU's peak bytes, judged by the same oracle as :func:`virtual_gpu_peak`.
+        The optimizer's choices and the peak, judged by the same oracle as
+        :func:`virtual_gpu_peak`. Grappler's swap-out copies are counted in host memory,
+        where their kernel allocates them.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> f = tf.function(lambda x: tf.nn.relu(x) * 2.0)
+        >>> report = grappler_baseline_report(f.get_concrete_function(tf.ones((256, 256))), "SWAPPING_HEURISTICS")
+        >>> report.peak_bytes > 0, report.swapped
+        (True, ())
+    """
+    graph = concrete_function.graph
+    graph_def = with_variable_shapes(graph.as_graph_def(add_shapes=True)) if variable_shapes else graph.as_graph_def()
+    for node in graph_def.node:
+        node.device = _VIRTUAL_GPU
+    fetches = sorted({t.op.name for t in graph.outputs} | {op.name for op in graph.control_outputs})
+    devices = [(_VIRTUAL_GPU, "GPU", gpu_memory_bytes), (_VIRTUAL_CPU, "CPU", host_memory_bytes)]
+    target = [(_VIRTUAL_GPU, "GPU", target_bytes or gpu_memory_bytes), (_VIRTUAL_CPU, "CPU", host_memory_bytes)]
+    optimized, peaks = _compat.grappler_memory_optimized(graph_def, fetches, devices, mode, optimizer_devices=target)
+    swapped = tuple(sorted(node.input[0] for node in optimized.node if node.op == _compat.GRAPPLER_SWAP_OPS[0]))
+    prefix = _compat.GRAPPLER_RECOMPUTED_PREFIX
+    recomputed = tuple(sorted(node.name[len(prefix):] for node in optimized.node if node.name.startswith(prefix)))
+    return GrapplerBaseline(mode, peaks.get(_VIRTUAL_GPU, 0), swapped, recomputed)
+
+
+def grappler_baseline_peak(concrete_function, mode: str, **kwargs) -> int:
+    """:attr:`GrapplerBaseline.peak_bytes` of :func:`grappler_baseline_report` (same arguments).
 
     Example:
         >>> import tensorflow as tf
@@ -246,15 +300,7 @@ def grappler_baseline_peak(concrete_function, mode: str, *, gpu_memory_bytes: in
         >>> grappler_baseline_peak(f.get_concrete_function(tf.ones((256, 256))), "RECOMPUTATION_HEURISTICS") > 0
         True
     """
-    graph = concrete_function.graph
-    graph_def = graph.as_graph_def()
-    for node in graph_def.node:
-        node.device = _VIRTUAL_GPU
-    fetches = sorted({t.op.name for t in graph.outputs} | {op.name for op in graph.control_outputs})
-    devices = [(_VIRTUAL_GPU, "GPU", gpu_memory_bytes), (_VIRTUAL_CPU, "CPU", host_memory_bytes)]
-    target = [(_VIRTUAL_GPU, "GPU", target_bytes or gpu_memory_bytes), (_VIRTUAL_CPU, "CPU", host_memory_bytes)]
-    peaks = _compat.grappler_memory_optimized_peak(graph_def, fetches, devices, mode, optimizer_devices=target)
-    return peaks.get(_VIRTUAL_GPU, 0)
+    return grappler_baseline_report(concrete_function, mode, **kwargs).peak_bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Grappler's live set at its peak (``virtual_gpu_peak_report``) and the in-place pairs it counts twice."""
+"""Grappler's live set at its peak (``virtual_gpu_peak_report``), the in-place pairs it counts
+twice, and how Grappler's own swap pass is judged (``grappler_baseline_report``)."""
 
 import tensorflow as tf
 
@@ -40,3 +41,67 @@ def test_tensorflow_really_computes_that_output_in_the_input_buffer():
            if e.kind == "alloc" and e.requested_bytes >= 4 * MiB]
     assert big == ["Tile"]
     assert "truediv" in [e.node for e in executed_ops(lambda: step(X).numpy())]
+
+
+def _eight_conv_step():
+    """DESIGN.md's toy: eight 32-channel 3x3 convolutions on 32 x 64x64x3, trained by SGD."""
+    kernels = [tf.Variable(tf.random.stateless_normal((3, 3, 3 if i == 0 else 32, 32), seed=(i, 0)) * 0.1)
+               for i in range(8)]
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for kernel in kernels:
+                h = tf.nn.relu(tf.nn.conv2d(h, kernel, 1, "SAME"))
+            loss = tf.reduce_mean(h)
+        for kernel, grad in zip(kernels, tape.gradient(loss, kernels)):
+            kernel.assign_sub(0.01 * grad)
+        return loss
+
+    return step.get_concrete_function(tf.ones((32, 64, 64, 3)))
+
+
+def test_grappler_swap_copies_are_judged_in_host_memory():
+    """Grappler's ``_CopyFromGpuToHost`` kernel allocates its output on the host
+    (``alloc_attrs.set_on_host(true)``), but the virtual scheduler counts every output on its
+    node's device. The baseline judge places Grappler's swap ops on the host, so the swapped
+    tensors leave the GPU until the gated swap-in brings them back. This is also how lms-tf's
+    own swap-ins are judged. (Grappler's swap pass is not deterministic: which tensors it swaps
+    moves from run to run, so one optimized graph is judged both ways.)"""
+    from lms_tf import _compat
+    from lms_tf.diagnostics import _VIRTUAL_CPU, _VIRTUAL_GPU, grappler_baseline_report, with_variable_shapes
+
+    concrete = _eight_conv_step()
+    plain = virtual_gpu_peak(concrete, variable_shapes=True)
+    graph_def = with_variable_shapes(concrete.graph.as_graph_def(add_shapes=True))
+    for node in graph_def.node:
+        node.device = _VIRTUAL_GPU
+    fetches = sorted({t.op.name for t in concrete.graph.outputs} | {op.name for op in concrete.graph.control_outputs})
+    devices = [(_VIRTUAL_GPU, "GPU", 16 * 2**30), (_VIRTUAL_CPU, "CPU", 256 * 2**30)]
+    optimized, peaks = _compat.grappler_memory_optimized(
+        graph_def, fetches, devices, "SWAPPING_HEURISTICS", optimizer_devices=[(_VIRTUAL_GPU, "GPU", plain // 4), devices[1]])
+    op_types = {node.name: node.op for node in optimized.node}
+    assert sum(op == "_CopyFromGpuToHost" for op in op_types.values()) >= 4
+    assert peaks[_VIRTUAL_GPU] < plain  # the swaps pay off, judged where the copies live
+    # Left on the GPU, the swap-out copies are counted there, and the "swapped" step reads higher
+    # than the plain one.
+    on_gpu, live = _compat.grappler_peak_live_tensors(optimized, fetches, devices)[_VIRTUAL_GPU]
+    assert any(op_types.get(node) == "_CopyFromGpuToHost" for node, _, _ in live)
+    assert on_gpu > plain
+
+    report = grappler_baseline_report(concrete, "SWAPPING_HEURISTICS", target_bytes=plain // 4, variable_shapes=True)
+    assert report.swapped and report.recomputed == ()
+    assert all(name.rpartition("/")[2].startswith(("Relu", "ReluGrad", "Conv2D")) for name in report.swapped)
+    assert report.peak_bytes < plain
+
+
+def test_grappler_recompute_clones_are_reported():
+    from lms_tf.diagnostics import grappler_baseline_report
+
+    concrete = _eight_conv_step()
+    plain = virtual_gpu_peak(concrete, variable_shapes=True)
+    report = grappler_baseline_report(concrete, "RECOMPUTATION_HEURISTICS", target_bytes=plain // 4,
+                                      variable_shapes=True)
+    assert report.swapped == ()
+    assert {name.rpartition("/")[2] for name in report.recomputed} >= {f"Relu_{i}" for i in range(1, 5)}
