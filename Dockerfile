@@ -4,8 +4,8 @@
 #   docker run --gpus all --ipc=host --rm lms-tf \
 #       bash scripts/launch.sh -- python examples/horovod_fit.py
 #
-# Every build step is a project script that CI also runs (scripts/setup.sh,
-# scripts/install_horovod.sh, scripts/test.sh); this file only adds the system packages a
+# Every build step is a project script that CI also runs (scripts/install.sh, which
+# scripts/test.sh runs before the tests); this file only adds the system packages a
 # GPU node needs. Multi-node use (sshd on port 12345) is described in the README.
 #
 # CUDA 12.5 + cuDNN 9 matches TensorFlow 2.21's tensorflow[and-cuda] wheels; the -devel image
@@ -31,8 +31,9 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
 
 WORKDIR /opt/lms-tf
 COPY . .
-# .venv with lms-tf[gpu,test]; then Horovod built against that TensorFlow (NCCL, MPI, Gloo).
-RUN bash scripts/setup.sh && bash scripts/install_horovod.sh .venv/bin/python
+# .venv with lms-tf[gpu,test], then Horovod built against that TensorFlow (NCCL, MPI, Gloo) with
+# its pinned CMake: the same script the test command runs.
+RUN bash scripts/install.sh
 
 # Open MPI refuses to run as root without these two; the container is the unit of isolation.
 ENV PATH=/opt/lms-tf/.venv/bin:$PATH \

@@ -15,13 +15,31 @@
 # (default ~/.cache/lms-tf), so a fresh virtualenv with the same TensorFlow installs it
 # in seconds; a TensorFlow upgrade triggers a rebuild.
 #
+# Build tools are pinned (BUILD_TOOLS below) and the build uses the CMake installed into the target
+# environment (HOROVOD_CMAKE), never whatever `cmake` comes first on PATH: an activated venv with an
+# unpinned PyPI CMake (4.x) or a base image without a system CMake must build the same way.
+#
 # Usage: bash scripts/install_horovod.sh [PYTHON]      (default: .venv/bin/python)
 #        FORCE=1 bash scripts/install_horovod.sh        (rebuild even if a matching build imports)
+#        bash scripts/install_horovod.sh --print-build-tools [PYTHON]
+#                                                       (install the pinned build tools, print the
+#                                                        CMake the build would use and its version)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+PRINT_BUILD_TOOLS=0
+if [ "${1:-}" = "--print-build-tools" ]; then PRINT_BUILD_TOOLS=1; shift; fi
 PYTHON="${1:-${PYTHON:-.venv/bin/python}}"
 HOROVOD_VERSION="0.28.1"
+# Pinned build tools, each for a reason:
+#   cmake 3.31.x: the last CMake line that still configures Horovod 0.28.1's vendored Gloo and
+#     FlatBuffers (cmake_minimum_required 2.8.12); CMake 4 removed compatibility with < 3.5 and fails
+#     ("Compatibility with CMake < 3.5 has been removed"). Horovod itself needs >= 3.13.
+#   setuptools 80.10.2, wheel 0.45.1: the newest pair below setuptools 81 (which drops long-deprecated
+#     build APIs a 2023 setup.py may use); what `pip wheel --no-build-isolation` takes from the
+#     target environment, so the build does not depend on what the user's venv happened to have.
+#   packaging: Horovod's setup.py parses the CMake version with it; any current release does.
+BUILD_TOOLS=("cmake==3.31.6" "setuptools==80.10.2" "wheel==0.45.1" "packaging>=22")
 CACHE="${LMS_TF_CACHE:-$HOME/.cache/lms-tf}"
 say() { echo "install_horovod: $*"; }
 
@@ -88,6 +106,26 @@ print(f"Horovod {horovod.__version__} with TensorFlow ops, gloo={hvd.gloo_built(
 EOF
 }
 
+# Installs the pinned build tools into the target environment and prints the CMake executable they
+# provide. Horovod's setup.py runs $HOROVOD_CMAKE when it is set, so the build uses exactly this one.
+install_build_tools() {
+    "$PYTHON" -m pip install --quiet --progress-bar off "${BUILD_TOOLS[@]}" cloudpickle psutil pyyaml >&2
+    "$PYTHON" - <<'EOF'
+import os, sys, sysconfig
+cmake = os.path.join(sysconfig.get_path("scripts"), "cmake")
+if not os.access(cmake, os.X_OK):
+    sys.exit(f"install_horovod: error: the pinned cmake did not install an executable at {cmake}")
+print(cmake)
+EOF
+}
+
+if [ "$PRINT_BUILD_TOOLS" = "1" ]; then
+    CMAKE_BIN="$(install_build_tools)"
+    echo "cmake=$CMAKE_BIN"
+    "$CMAKE_BIN" --version | head -n 1
+    exit 0
+fi
+
 if [ "${FORCE:-0}" != "1" ] && status="$(check_installed 2>/dev/null)"; then
     say "already installed, nothing to do: $status ($STAMP_TEXT)"
     exit 0
@@ -99,9 +137,10 @@ if [ "${FORCE:-0}" = "1" ]; then rm -rf "$WHEEL_DIR"; fi
 if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
     WORK="$(mktemp -d)"
     trap 'rm -rf "$WORK"' EXIT
-    # Build requirements that --no-build-isolation expects in the target environment.
-    "$PYTHON" -m pip install --quiet --progress-bar off "setuptools<81" wheel cmake packaging \
-        cloudpickle psutil pyyaml
+    # Build requirements that --no-build-isolation expects in the target environment, pinned.
+    CMAKE_BIN="$(install_build_tools)"
+    say "building with $("$CMAKE_BIN" --version | head -n 1) at $CMAKE_BIN"
+    BUILD_ENV+=(HOROVOD_CMAKE="$CMAKE_BIN")
     say "downloading the horovod==$HOROVOD_VERSION source archive from PyPI"
     "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
         -d "$WORK" "horovod==$HOROVOD_VERSION"

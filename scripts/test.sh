@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Sets everything up (scripts/setup.sh, scripts/install_horovod.sh) and runs the whole test suite, doctests included.
+# Installs everything (scripts/install.sh: the venv, lms-tf, Horovod) and runs the whole test suite,
+# doctests included. Horovod has no wheel for TF 2.21: it is built once and cached in $LMS_TF_CACHE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-# Horovod has no wheel for TF 2.21: build it once (cached) so its tests and doctests run.
-bash scripts/install_horovod.sh .venv/bin/python
+bash scripts/install.sh
 exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,41 @@
+"""The install scripts build the same way whatever the shell puts first on PATH."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAKE_CMAKE_4 = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "cmake version 4.4.5"; exit 0; fi
+echo "CMake Error: Compatibility with CMake < 3.5 has been removed from CMake." >&2
+exit 1
+"""
+
+
+@pytest.mark.timeout(300)
+def test_horovod_build_uses_its_pinned_cmake_not_the_first_on_path(tmp_path):
+    """PyPI's CMake 4 first on PATH (an activated venv that has it) must not be what builds Horovod."""
+    (tmp_path / "cmake").write_text(FAKE_CMAKE_4)
+    (tmp_path / "cmake").chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    done = subprocess.run(["bash", "scripts/install_horovod.sh", "--print-build-tools", sys.executable],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cmake = re.search(r"^cmake=(.*)$", done.stdout, re.M).group(1)
+    assert os.path.dirname(cmake) == os.path.dirname(sys.executable), done.stdout
+    assert re.search(r"^cmake version 3\.31\.\d+$", done.stdout, re.M), done.stdout
+
+
+def test_build_tools_are_pinned_and_the_build_is_told_which_cmake():
+    script = open(os.path.join(ROOT, "scripts", "install_horovod.sh")).read()
+    tools = re.search(r"^BUILD_TOOLS=\((.*)\)$", script, re.M).group(1)
+    assert '"cmake==3.' in tools and '"setuptools==' in tools and '"wheel==' in tools
+    assert 'HOROVOD_CMAKE="$CMAKE_BIN"' in script
+    # The test command and the image install through one script, with the venv first on PATH.
+    install = open(os.path.join(ROOT, "scripts", "install.sh")).read()
+    assert 'PATH="$PWD/.venv/bin:$PATH" bash scripts/install_horovod.sh' in install
+    assert "bash scripts/install.sh" in open(os.path.join(ROOT, "scripts", "test.sh")).read()
+    assert "RUN bash scripts/install.sh" in open(os.path.join(ROOT, "Dockerfile")).read()
