@@ -30,8 +30,8 @@ tf.config.set_logical_device_configuration(
 import keras  # noqa: E402
 
 import lms_tf  # noqa: E402
-from lms_tf.diagnostics import virtual_gpu_peak  # noqa: E402
-from lms_tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
+from lms_tf.tf.diagnostics import virtual_gpu_peak  # noqa: E402
+from lms_tf.tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
 
 LMS = dict(device="/CPU:0", host="/CPU:1")
 GiB, MiB = 2**30, 2**20

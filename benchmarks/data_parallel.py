@@ -104,9 +104,9 @@ def rank_main(ranks: int, outdir: Path) -> None:
 
 def record_timeline(build, iterator, hvd, outdir: Path) -> dict:
     """One step's executed ops (TF profiler) and allreduce intervals (Horovod timeline)."""
-    from lms_tf.diagnostics import executed_ops
     from lms_tf.horovod import DistributedCallback
     from lms_tf.keras.step_hooks import add_step_hook
+    from lms_tf.tf.diagnostics import executed_ops
     from tests.helpers import graph_probe
 
     model = build()

@@ -43,15 +43,21 @@ tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfigur
 import keras  # noqa: E402
 
 import lms_tf  # noqa: E402
+from lms_tf.core.errors import InfeasibleBudgetError  # noqa: E402
+from lms_tf.core.policy import Policies  # noqa: E402
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
-from lms_tf.diagnostics import (cpu_kernel_library, grappler_accumulated_sums, grappler_baseline_report,  # noqa: E402
-                                virtual_gpu_peak, virtual_gpu_peak_report)
-from lms_tf.graph import build_ir  # noqa: E402
-from lms_tf.options import LMSOptions  # noqa: E402
-from lms_tf.planner import (InfeasibleBudgetError, make_budget_plan, simulate, tensorflow_cpu_allocator,  # noqa: E402
-                            tensorflow_gpu_allocator)
+from lms_tf.planner import make_budget_plan  # noqa: E402
 from lms_tf.planning_cli import largest_batch, link_lower_bound, plot_timeline  # noqa: E402
-from lms_tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
+from lms_tf.simulate import simulate, tensorflow_cpu_allocator, tensorflow_gpu_allocator  # noqa: E402
+from lms_tf.tf.diagnostics import (  # noqa: E402
+    cpu_kernel_library,
+    grappler_accumulated_sums,
+    grappler_baseline_report,
+    virtual_gpu_peak,
+    virtual_gpu_peak_report,
+)
+from lms_tf.tf.trace import build_ir  # noqa: E402
+from lms_tf.tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
 
 log = logging.getLogger("benchmark")
 MiB = 2**20
@@ -90,7 +96,7 @@ def plan_at_smallest_feasible(ir, preset, cost, floor):
     """The plan at the smallest feasible budget the planner named, 0.2% above it (it is "about":
     planning for another budget explores other candidates, whose chunks differ by KiB)."""
     for _ in range(3):
-        options = LMSOptions(device="/CPU:0", host="/CPU:1", budget=int(floor * 1.002), device_spec=preset)
+        options = Policies(host="/CPU:1", budget=int(floor * 1.002), recompute="auto")
         try:
             return make_budget_plan(ir, options, device="/device:CPU:0", cost=cost)
         except InfeasibleBudgetError as err:
@@ -147,7 +153,7 @@ def model_rows(name, size, batch):
         baseline = simulate(ir, cost=cost)
         log.info("  %s: oracle and Grappler's heuristics", preset)
         oracle_plain = virtual_gpu_peak(concrete, gpu_memory_bytes=spec.memory_bytes)
-        options = LMSOptions(device="/CPU:0", host="/CPU:1", budget=BUDGET, device_spec=preset)
+        options = Policies(host="/CPU:1", budget=BUDGET, recompute="auto")
         row = {"model": name, "size": size, "batch": batch, "device": preset, "real_plain": real,
                "validation": validation,
                "sim_plain": baseline.peak_bytes, "oracle_plain": oracle_plain,
@@ -210,10 +216,10 @@ def max_batch_row():
             cache[batch] = build_ir(graph, batch_size=batch)
         return cache[batch]
 
-    options = LMSOptions(device="/CPU:0", host="/CPU:1", budget="auto", device_spec="v100-16gb-pcie3")
+    options = Policies(host="/CPU:1", budget="auto", recompute="auto")
     started = time.perf_counter()
-    plain, plain_peak = largest_batch(ir_for_batch, options, cost, False, 4096)
-    lms, lms_peak = largest_batch(ir_for_batch, options, cost, True, 4096)
+    plain, plain_peak = largest_batch(ir_for_batch, options, cost, False, 4096, device="/device:CPU:0")
+    lms, lms_peak = largest_batch(ir_for_batch, options, cost, True, 4096, device="/device:CPU:0")
     return {"plain": plain, "lms": lms, "plain_peak": plain_peak, "lms_peak": lms_peak,
             "seconds": time.perf_counter() - started}
 
@@ -224,12 +230,12 @@ def resnet152_planning_seconds(repeats=PLANNING_REPEATS):
     model = build_model("ResNet152", image_size=224, classes=1000)
     x, y = synthetic_batch(model, 32)
     ir = build_ir(tf.function(train_step(model)).get_concrete_function(x, y).graph)
-    options = LMSOptions(device="/CPU:0", host="/CPU:1", budget=BUDGET, device_spec="v100-16gb-pcie3")
+    options = Policies(host="/CPU:1", budget=BUDGET, recompute="auto")
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()
         try:
-            make_budget_plan(ir, options, device="/device:CPU:0")
+            make_budget_plan(ir, options, device="/device:CPU:0", cost=CostModel(get_device_spec("v100-16gb-pcie3")))
         except InfeasibleBudgetError:
             pass
         seconds.append(time.perf_counter() - started)

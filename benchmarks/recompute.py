@@ -21,12 +21,12 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # the CPU allocator reports peaks only as BFC
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
 
 import lms_tf  # noqa: E402
-from lms_tf.workloads import build_model  # noqa: E402
+from lms_tf.tf.workloads import build_model  # noqa: E402
 
 log = logging.getLogger("benchmark")
 STEPS = 10

@@ -11,12 +11,32 @@ Example:
     ...     ...
 """
 
-from lms_tf.errors import GraphAnalysisError, LMSError, LMSOptionError, LMSWarning, RewriteError
-from lms_tf.function import LMSFunction, function
-from lms_tf.keras import LMSCallback
-from lms_tf.memory import PeakMemory, measure_peak_memory
-from lms_tf.options import LMSOptions
-from lms_tf.planner import Decision, Plan
+import importlib
+
+from lms_tf.core.errors import (
+    GraphAnalysisError,
+    InfeasibleBudgetError,
+    LMSError,
+    LMSOptionError,
+    LMSWarning,
+    RewriteError,
+)
+from lms_tf.core.plan import Decision, Plan
+from lms_tf.core.policy import Policies
+
+# The front-ends import TensorFlow; they load on first use, so `import lms_tf` (and the CLI's
+# --help, and the planning core) stay free of it.
+_LAZY = {"LMSFunction": "lms_tf.function", "function": "lms_tf.function", "LMSCallback": "lms_tf.keras",
+         "PeakMemory": "lms_tf.tf.memory", "measure_peak_memory": "lms_tf.tf.memory", "LMSOptions": "lms_tf.options"}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lms_tf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __version__ = "0.1.0"
 
@@ -34,14 +54,18 @@ def explain(obj) -> str:
         LMSError: ``obj`` has no plan yet (it was never traced) or is of the wrong type.
 
     Example:
-        >>> import tensorflow as tf
-        >>> f = function(lambda x: x * 2.0, device="/CPU:0", host="/CPU:1")
+        >>> import tensorflow as tf, lms_tf
+        >>> f = lms_tf.function(lambda x: x * 2.0, device="/CPU:0", host="/CPU:1")
         >>> _ = f(tf.constant(1.0))
         >>> print(explain(f))
         lms-tf: swapped 0 of 0 candidate tensors (0.00 MiB of 0.00 MiB) with 0 swap-ins, device /device:CPU:0 -> host /device:CPU:1
     """
     if isinstance(obj, Plan):
         return obj.summary()
+    from lms_tf.function import LMSFunction
+    from lms_tf.keras import LMSCallback
+
+
     if not isinstance(obj, (LMSFunction, LMSCallback)):
         raise LMSError(f"explain() takes an lms_tf.function, an LMSCallback or a Plan; received "
                        f"{type(obj).__name__}.")
@@ -51,6 +75,6 @@ def explain(obj) -> str:
     return obj.plan.summary()
 
 
-__all__ = ["Decision", "GraphAnalysisError", "LMSCallback", "LMSError", "LMSFunction", "LMSOptionError",
-           "LMSOptions", "LMSWarning", "PeakMemory", "Plan", "RewriteError", "explain", "function",
-           "measure_peak_memory", "__version__"]
+__all__ = ["Decision", "GraphAnalysisError", "InfeasibleBudgetError", "LMSCallback", "LMSError", "LMSFunction",
+           "LMSOptionError", "LMSOptions", "LMSWarning", "PeakMemory", "Plan", "Policies", "RewriteError", "explain",
+           "function", "measure_peak_memory", "__version__"]

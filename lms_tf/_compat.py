@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from lms_tf.errors import LMSError
+from lms_tf.core.errors import LMSError
 
 
 def check_private_apis() -> None:

@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=int, required=True)
     plan.add_argument("--budget", default="auto", help="bytes, 12GiB, 25%% of the plain peak, or auto")
     plan.add_argument("--plot", default=None, help="write the memory timeline to this PNG file")
+    plan.add_argument("--out", default=None, help="write the plan as JSON to this file (for plan= of LMSCallback / "
+                      "lms_tf.function)")
     plan.add_argument("--no-swap", action="store_true", help="recompute only")
     plan.add_argument("--no-recompute", action="store_true", help="swap only")
     plan.add_argument("--no-oracle", action="store_true", help="skip Grappler's virtual-GPU second opinion")
@@ -98,8 +100,8 @@ def _explain(args) -> int:
     import tensorflow as tf
 
     import lms_tf
-    from lms_tf.diagnostics import virtual_gpu_peak
-    from lms_tf.workloads import build_model, synthetic_batch, train_step
+    from lms_tf.tf.diagnostics import virtual_gpu_peak
+    from lms_tf.tf.workloads import build_model, synthetic_batch, train_step
 
     device, host = _setup_devices(args)
     options = {k: v for k, v in dict(
@@ -164,7 +166,7 @@ def main(argv=None) -> int:
         keras = _compat.keras_module()
         print(f"lms-tf {lms_tf.__version__}, TensorFlow {tf.__version__}, Keras {keras.__version__}")
         return 0
-    from lms_tf.errors import LMSError
+    from lms_tf.core.errors import LMSError
 
     try:
         if args.command == "plan":

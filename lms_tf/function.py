@@ -24,11 +24,11 @@ import numpy as np
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.errors import LMSOptionError
-from lms_tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
+from lms_tf.core.errors import LMSOptionError, warn_once
+from lms_tf.core.plan import Plan
 from lms_tf.options import LMSOptions
-from lms_tf.pipeline import call_step_for_rewrite, resolve_device, rewrite_traced_step
-from lms_tf.planner import Plan
+from lms_tf.tf.driver import call_step_for_rewrite, no_accelerator_message, resolve_device, rewrite_traced_step
+from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
 
 _call_shapes = threading.local()
 _API = "lms_tf.function"
@@ -81,7 +81,7 @@ class LMSFunction:
         def traced(*args, **kwargs):
             updates = [0]
             with self._optimizer_hooks(updates):
-                result = call_step_for_rewrite(self.options, python_function, *args, **kwargs)
+                result = call_step_for_rewrite(self.options.serialize, python_function, *args, **kwargs)
             if self.options.horovod and updates[0] == 0:
                 raise LMSOptionError(
                     f"lms_tf.function(horovod=True): {getattr(python_function, '__name__', 'the step')} updated no "
@@ -101,7 +101,7 @@ class LMSFunction:
 
             stack.enter_context(_compat.intercept_optimizer_updates(
                 gradient_allreduce_hook(DEFAULT_BUCKET_BYTES, updates), order=ALLREDUCE_ORDER))
-        if self.options.optimizer_on_host and resolve_device(self.options) is not None:
+        if self.options.optimizer_on_host and resolve_device(self.options.device) is not None:
             stack.enter_context(_compat.intercept_optimizer_updates(
                 host_update_hook(self.options.host, api=_API), order=HOST_UPDATE_ORDER))
         return stack
@@ -131,9 +131,14 @@ class LMSFunction:
                 if (isinstance(sym, tf.Tensor) and shape is not None and sym.op.type == "Placeholder"
                         and not sym.shape.is_fully_defined() and sym.shape.is_compatible_with(shape)):
                     input_shapes[sym.op.name] = shape
+        device = resolve_device(self.options.device)
+        if device is None:
+            warn_once(f"no-accelerator:{_API}", no_accelerator_message(_API))
+            self.plans.append(None)
+            return
         started = time.perf_counter()
-        self.plans.append(rewrite_traced_step(self.options, api="lms_tf.function", input_shapes=input_shapes,
-                                              irs=self.plain_irs, serialize=self.options.serialize))
+        self.plans.append(rewrite_traced_step(self.options.rewrite_request(device), api=_API,
+                                              input_shapes=input_shapes, irs=self.plain_irs))
         self.pass_seconds.append(time.perf_counter() - started)
 
     @property

@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.errors import LMSError, LMSOptionError
+from lms_tf.core.errors import LMSError, LMSOptionError
 from lms_tf.keras.step_hooks import add_step_hook, check_traceable, detach, turn_jit_off
 
 logger = logging.getLogger("lms_tf")

@@ -1,4 +1,5 @@
-"""User options of the swap pass, validated when they are constructed.
+"""The front-ends' keyword checker: every option of ``LMSCallback`` and ``lms_tf.function``, checked
+when constructed, and the :class:`~lms_tf.core.policy.Policies` value the planner is given.
 
 Example:
     >>> from lms_tf.options import LMSOptions
@@ -10,31 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from typing import Any, Mapping, Optional, Tuple, Union
 
-from lms_tf.errors import LMSOptionError
+from lms_tf.core.errors import LMSOptionError
+from lms_tf.core.plan import Plan
+from lms_tf.core.policy import Policies, check_int, describe, parse_budget, parse_exclude, parse_recompute
 
 _DEVICE_TYPES = ("CPU", "GPU", "TPU")
-
-
-def _describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise LMSOptionError(
-            f"{name} must be an int >= {minimum}; received {_describe(value)}. "
-            f"Pass for example {name}={max(minimum, 1)}."
-        )
-    return value
 
 
 def _check_device(name: str, value: Any) -> str:
     """Returns the device string in canonical form (``/device:GPU:0``)."""
     if not isinstance(value, str) or not value.strip():
         raise LMSOptionError(
-            f"{name} must be a device string such as '/GPU:0' or '/CPU:0'; received {_describe(value)}."
+            f"{name} must be a device string such as '/GPU:0' or '/CPU:0'; received {describe(value)}."
         )
     import tensorflow as tf  # Local import: options must stay cheap to import.
 
@@ -52,71 +43,19 @@ def _check_device(name: str, value: Any) -> str:
     return spec.to_string()
 
 
-RECOMPUTE_POLICIES = ("auto", "cheap", "sqrt")
-
-_BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-
-
-def _check_recompute(value: Any):
-    if value is False or value is None:
-        return False
-    if isinstance(value, str) and value in RECOMPUTE_POLICIES:
+def _load_plan(value: Any) -> Optional[Plan]:
+    """A plan from a Plan or the path of its JSON, read now so a bad file fails before any tracing."""
+    if value is None or isinstance(value, Plan):
         return value
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
-        return tuple(value)
-    raise LMSOptionError(
-        f"recompute must be False, 'auto', 'cheap', 'sqrt' or a non-empty list of layer names / op-name "
-        f"patterns; received {_describe(value)}. Example: recompute='sqrt' or recompute=['conv2d_3', '*/block2_*'].")
-
-
-def _preset_names():
-    from lms_tf.cost.devices import PRESETS
-
-    return PRESETS
-
-
-def parse_budget(value: Any) -> Union[None, int, float, str]:
-    """Validates a memory budget: bytes, ``"12GiB"``-style text, ``"25%"`` of the plain peak, or ``"auto"``.
-
-    Returns:
-        None (no budget), an int (bytes), a float in (0, 1] (fraction of the plain step's
-        simulated peak) or ``"auto"`` (device memory minus resident variables and a margin).
-
-    Raises:
-        LMSOptionError: The value is none of these.
-
-    Example:
-        >>> parse_budget("12GiB"), parse_budget("25%"), parse_budget(1024), parse_budget("auto")
-        (12884901888, 0.25, 1024, 'auto')
-        >>> parse_budget("12 gigs")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        lms_tf.errors.LMSOptionError: budget must be ...
-    """
-    if value is None or value == "auto":
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    if isinstance(value, str):
-        text = value.strip().replace(" ", "")
-        try:
-            if text.endswith("%"):
-                percent = float(text[:-1])
-                if 0 < percent <= 100:
-                    return percent / 100.0
-            else:
-                for unit in sorted(_BYTE_UNITS, key=len, reverse=True):
-                    if text.endswith(unit) and float(text[: -len(unit)]) > 0:
-                        return int(float(text[: -len(unit)]) * _BYTE_UNITS[unit])
-                if text.isdigit() and int(text) > 0:
-                    return int(text)
-        except ValueError:
-            pass
-    raise LMSOptionError(
-        f"budget must be a positive number of bytes, a size like '12GiB' or '500MB', a percentage of the plain "
-        f"step's peak like '25%' (0-100], or 'auto' (device memory minus weights, optimizer slots and a safety "
-        f"margin); received {_describe(value)}.")
+    if not isinstance(value, (str, os.PathLike)):
+        raise LMSOptionError(f"plan must be an lms_tf.Plan or the path of its JSON file; received {describe(value)}.")
+    try:
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as err:
+        raise LMSOptionError(f"plan={str(value)!r} cannot be read ({err.strerror}); pass the path of a JSON file "
+                             f"that `lms-tf plan ... --out` or Plan.to_json() wrote.") from None
+    return Plan.from_json(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +103,13 @@ class LMSOptions:
         device_spec: The device the planner models: a preset name (``lms_tf.cost.PRESETS``,
             e.g. ``"v100-16gb-pcie3"``), ``"auto"`` (the visible GPU; the default) or an
             :class:`lms_tf.cost.DeviceSpec`.
+        plan: A plan to apply instead of planning: a :class:`~lms_tf.Plan` or the path of its JSON
+            (``lms-tf plan ... --out plan.json``, or ``Plan.to_json()``), possibly edited. It is
+            checked against the traced step; a plan made for another step is an error.
         serialize: Run the step's compute ops one at a time
             in the simulator's order (control edges; TFLMS's "serialization"), so the real
             peak follows the simulated one. It costs inter-op parallelism. lms-tf uses it to
-            check its simulator on a CPU (:mod:`lms_tf.rewrite.serialize`).
+            check its simulator on a CPU (:mod:`lms_tf.tf.rewrite.serialize`).
 
     With a ``budget``, ``recompute`` left unset means ``"auto"`` (the planner may recompute),
     ``recompute=False`` means swap only, and a list of names forces those layers to be
@@ -194,36 +136,28 @@ class LMSOptions:
     budget: Union[None, int, float, str] = None
     device_spec: Any = None
     serialize: bool = False
+    plan: Optional[Plan] = None
 
     def __init__(self, *, device=None, host="/CPU:0", swapout_threshold=32, swapin_ahead=8,
                  swapin_groupby=4, min_swap_bytes=64 * 1024, exclude=(), batch_size=None, swap=True,
                  recompute=None, optimizer_on_host=False, horovod=False, budget=None, device_spec=None,
-                 serialize=False):
+                 serialize=False, plan=None):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass init
         set_("device", None if device is None else _check_device("device", device))
         set_("host", _check_device("host", host))
-        set_("swapout_threshold", _check_int("swapout_threshold", swapout_threshold, 1))
-        set_("swapin_ahead", _check_int("swapin_ahead", swapin_ahead, 1))
-        set_("swapin_groupby", _check_int("swapin_groupby", swapin_groupby, 0))
-        set_("min_swap_bytes", _check_int("min_swap_bytes", min_swap_bytes, 0))
-        if isinstance(exclude, str):
-            exclude = (exclude,)
-        if not isinstance(exclude, (list, tuple, set, frozenset)) or not all(
-            isinstance(e, str) and e for e in exclude
-        ):
-            raise LMSOptionError(
-                f"exclude must be a list of layer names or op-name patterns (non-empty strings); "
-                f"received {_describe(exclude)}. Example: exclude=['conv2d_1', '*/attention/*']."
-            )
-        set_("exclude", tuple(exclude))
+        set_("swapout_threshold", check_int("swapout_threshold", swapout_threshold, 1))
+        set_("swapin_ahead", check_int("swapin_ahead", swapin_ahead, 1))
+        set_("swapin_groupby", check_int("swapin_groupby", swapin_groupby, 0))
+        set_("min_swap_bytes", check_int("min_swap_bytes", min_swap_bytes, 0))
+        set_("exclude", parse_exclude(exclude))
         if batch_size is not None:
-            _check_int("batch_size", batch_size, 1)
+            check_int("batch_size", batch_size, 1)
         set_("batch_size", batch_size)
         if not isinstance(swap, bool):
-            raise LMSOptionError(f"swap must be True or False; received {_describe(swap)}.")
+            raise LMSOptionError(f"swap must be True or False; received {describe(swap)}.")
         set_("swap", swap)
         set_("budget", parse_budget(budget))
-        recompute = _check_recompute(recompute if recompute is not None else ("auto" if self.budget else False))
+        recompute = parse_recompute(recompute if recompute is not None else ("auto" if self.budget else False))
         if recompute == "auto" and self.budget is None:
             set_("budget", "auto")
         set_("recompute", recompute)
@@ -231,14 +165,22 @@ class LMSOptions:
             from lms_tf.cost.devices import get_device_spec
 
             device_spec = get_device_spec(device_spec)
-            device_spec = device_spec.name if device_spec.name in _preset_names() else device_spec
+            from lms_tf.cost.devices import PRESETS
+
+            device_spec = device_spec.name if device_spec.name in PRESETS else device_spec
         set_("device_spec", device_spec)
         for name, value in (("optimizer_on_host", optimizer_on_host), ("horovod", horovod),
                             ("serialize", serialize)):
             if not isinstance(value, bool):
-                raise LMSOptionError(f"{name} must be True or False; received {_describe(value)}.")
+                raise LMSOptionError(f"{name} must be True or False; received {describe(value)}.")
             set_(name, value)
-        if not swap and not self.recompute and not optimizer_on_host and not horovod and not serialize:
+        set_("plan", _load_plan(plan))
+        if self.plan is not None and budget is not None:
+            raise LMSOptionError(
+                f"plan= and budget={budget!r} both decide what to move; pass one. A plan made with a budget "
+                f"already holds its decisions (`lms-tf plan --budget ... --out plan.json`).")
+        if not swap and not self.recompute and not optimizer_on_host and not horovod and not serialize \
+                and self.plan is None:
             raise LMSOptionError(
                 "swap=False and recompute=False leave nothing to do; pass recompute='sqrt' or 'cheap' "
                 "(or a list of layer names) to recompute, optimizer_on_host=True, serialize=True, or "
@@ -277,6 +219,32 @@ class LMSOptions:
                 )
         return cls(**kwargs)
 
+    @property
+    def policies(self) -> Policies:
+        """What these options ask the planner to do, as a :class:`~lms_tf.core.policy.Policies` value.
+
+        Example:
+            >>> LMSOptions(budget="25%").policies.budget
+            0.25
+        """
+        return Policies(host=self.host, swap=self.swap, swapout_threshold=self.swapout_threshold,
+                        swapin_ahead=self.swapin_ahead, swapin_groupby=self.swapin_groupby,
+                        min_swap_bytes=self.min_swap_bytes, recompute=self.recompute, exclude=self.exclude,
+                        budget=self.budget)
+
+    def rewrite_request(self, device: str, *, batch_size: Optional[int] = None):
+        """What the driver is asked to do for a step traced on ``device``
+        (a :class:`lms_tf.tf.driver.RewriteRequest`).
+
+        Example:
+            >>> LMSOptions(budget="25%").rewrite_request("/device:GPU:0").policies.budget
+            0.25
+        """
+        from lms_tf.tf.driver import RewriteRequest  # Local import: options stay cheap to import.
+
+        return RewriteRequest(self.policies, device=device, device_spec=self.device_spec,
+                              serialize=self.serialize, batch_size=self.batch_size or batch_size, plan=self.plan)
+
     def to_dict(self) -> dict:
         """Returns the options as a plain dict (JSON-serialisable).
 
@@ -285,7 +253,8 @@ class LMSOptions:
             '/device:CPU:0'
         """
         out = {f.name: (list(v) if isinstance(v, tuple) else v)
-               for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+               for f in dataclasses.fields(self) if f.name != "plan" for v in [getattr(self, f.name)]}
+        out["plan"] = None if self.plan is None else self.plan.to_dict()
         if out["device_spec"] is not None and not isinstance(out["device_spec"], str):
             out["device_spec"] = out["device_spec"].name
         return out

@@ -20,11 +20,13 @@ from typing import Dict, Optional, Tuple
 
 import tensorflow as tf
 
+from lms_tf.core.errors import InfeasibleBudgetError, LMSOptionError
+from lms_tf.core.policy import Policies, resolve_budget
 from lms_tf.cost import CostModel, get_device_spec
-from lms_tf.errors import LMSOptionError
-from lms_tf.graph import build_ir
 from lms_tf.options import LMSOptions
-from lms_tf.planner import InfeasibleBudgetError, make_budget_plan, resident_bytes, resolve_budget, simulate
+from lms_tf.planner import make_budget_plan
+from lms_tf.simulate import resident_bytes, simulate
+from lms_tf.tf.trace import build_ir
 
 logger = logging.getLogger("lms_tf")
 MiB = 2**20
@@ -63,7 +65,7 @@ def trace_unbatched(args):
     Returns:
         ``(model, step, graph, x_spec, y_spec)``.
     """
-    from lms_tf.workloads import build_model, train_step
+    from lms_tf.tf.workloads import build_model, train_step
 
     size = _image_size(args.input_shape)
     logger.info("building %s (%s)", args.model, args.input_shape or "224x224")
@@ -87,12 +89,12 @@ def _options(args, device: str, host: str, budget) -> LMSOptions:
 
 def run_plan(args) -> int:
     """``lms-tf plan``: prints the plan table and the peaks (simulator and oracle), or one JSON object."""
-    from lms_tf.diagnostics import virtual_gpu_peak
+    from lms_tf.tf.diagnostics import virtual_gpu_peak
 
     device, host = _devices()
     spec = get_device_spec(args.device)
     cost = CostModel(spec)
-    from lms_tf.workloads import build_model, synthetic_batch, train_step
+    from lms_tf.tf.workloads import build_model, synthetic_batch, train_step
 
     model = build_model(args.model, image_size=_image_size(args.input_shape), classes=args.classes)
     step = train_step(model)
@@ -104,7 +106,7 @@ def run_plan(args) -> int:
     baseline = simulate(ir, cost=cost)
     plan, error = None, None
     try:
-        plan = make_budget_plan(ir, options, device=options.device, cost=cost)
+        plan = make_budget_plan(ir, options.policies, device=options.device, cost=cost)
     except InfeasibleBudgetError as err:
         error = err
     plan_seconds = time.perf_counter() - started
@@ -120,8 +122,8 @@ def run_plan(args) -> int:
                                         gpu_memory_bytes=spec.memory_bytes)
         if plan is not None:
             logger.info("[4/4] Grappler's virtual GPU: planned step (traced and rewritten)")
-            fn = lms_tf.function(step, **{k: getattr(options, k) for k in ("device", "host", "swap")},
-                                 recompute=options.recompute, budget=plan.budget_bytes, device_spec=spec)
+            # The same plan, applied: the oracle judges what was planned, without planning again.
+            fn = lms_tf.function(step, device=options.device, host=options.host, plan=plan, device_spec=spec)
             oracle_planned = virtual_gpu_peak(fn.get_concrete_function(x, y), host=host,
                                               gpu_memory_bytes=spec.memory_bytes)
 
@@ -131,7 +133,7 @@ def run_plan(args) -> int:
         "budget_bytes": plan.budget_bytes if plan else error.budget_bytes,
         "baseline_peak_bytes": baseline.peak_bytes,
         "planned_peak_bytes": planned.peak_bytes if planned else None,
-        "planned_allocator_peak_bytes": plan.planned_allocator_peak_bytes if plan else None,
+        "planned_allocator_peak_bytes": plan.predictions.planned_allocator_peak_bytes if plan else None,
         "oracle_baseline_peak_bytes": oracle_plain, "oracle_planned_peak_bytes": oracle_planned,
         "resident_bytes": resident_bytes(ir),
         "swapped_bytes": swapped, "recomputed_bytes": plan.recomputed_bytes if plan else 0,
@@ -144,6 +146,10 @@ def run_plan(args) -> int:
         "smallest_feasible_budget_bytes": error.smallest_feasible_bytes if error else None,
         "plan_seconds": round(plan_seconds, 3),
     }
+    if plan is not None and args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(plan.to_json(indent=1))
+        result["plan_file"] = args.out
     if args.plot:
         plot_timeline(args.plot, baseline, planned, result["budget_bytes"],
                       title=f"{args.model} batch {args.batch} on {spec.name}")
@@ -157,7 +163,7 @@ def run_plan(args) -> int:
             print(f"infeasible: {error}")
         print(f"\nsimulated peak: {baseline.peak_bytes / MiB:.1f} MiB plain -> "
               f"{(planned.peak_bytes / MiB) if planned else float('nan'):.1f} MiB planned, "
-              f"{(plan.planned_allocator_peak_bytes / MiB) if plan else float('nan'):.1f} MiB in the GPU allocator's chunks "
+              f"{(plan.predictions.planned_allocator_peak_bytes / MiB) if plan else float('nan'):.1f} MiB in the GPU allocator's chunks "
               f"(budget {result['budget_bytes'] / MiB:.1f} MiB, resident variables {result['resident_bytes'] / MiB:.1f} MiB)")
         if oracle_plain is not None:
             print(f"Grappler virtual GPU: {oracle_plain / MiB:.1f} MiB plain -> "
@@ -167,6 +173,8 @@ def run_plan(args) -> int:
                   f"({result['predicted_overhead']:.2f}x); planning took {plan_seconds:.2f} s")
         if args.plot:
             print(f"timeline written to {args.plot}")
+        if result.get("plan_file"):
+            print(f"plan written to {args.out} (apply it with LMSCallback(plan=...) or lms_tf.function(plan=...))")
     return 0 if plan is not None else 3
 
 
@@ -190,7 +198,7 @@ def plot_timeline(path: str, baseline, planned, budget_bytes: int, title: str = 
 
     Example:
         >>> import os, tempfile
-        >>> from lms_tf.planner.simulator import Simulation
+        >>> from lms_tf.simulate.simulator import Simulation
         >>> sim = Simulation(10, "a", (), 1.0, 1.0, 0, 0, ((0.0, 5, 0, 0), (1.0, 10, 0, 0)))
         >>> out = os.path.join(tempfile.mkdtemp(), "t.png")
         >>> plot_timeline(out, sim, sim, 8)
@@ -226,28 +234,30 @@ def plot_timeline(path: str, baseline, planned, budget_bytes: int, title: str = 
     plt.close(fig)
 
 
-def fits(ir_for_batch, batch: int, options: LMSOptions, cost: CostModel, with_lms: bool) -> Tuple[bool, int]:
+def fits(ir_for_batch, batch: int, policies: Policies, cost: CostModel, with_lms: bool, *,
+         device: str) -> Tuple[bool, int]:
     """Whether ``batch`` fits the device (plain, or planned with ``budget="auto"``), and its peak."""
     ir = ir_for_batch(batch)
     baseline = simulate(ir, cost=cost)
-    budget = resolve_budget("auto", baseline_peak_bytes=baseline.peak_bytes, device=cost.device,
-                            resident=resident_bytes(ir))
+    budget = resolve_budget("auto", baseline_peak_bytes=baseline.peak_bytes, memory_bytes=cost.device.memory_bytes,
+                            device_name=cost.device.name, resident=resident_bytes(ir))
     if not with_lms:
         return baseline.peak_bytes <= budget, baseline.peak_bytes
     try:
-        plan = make_budget_plan(ir, options, device=options.device, cost=cost)
+        plan = make_budget_plan(ir, policies.replace(budget="auto"), device=device, cost=cost)
     except InfeasibleBudgetError:
         return False, baseline.peak_bytes
-    return True, plan.planned_peak_bytes
+    return True, plan.predictions.planned_peak_bytes
 
 
-def largest_batch(ir_for_batch, options, cost, with_lms: bool, upper: int) -> Tuple[int, Optional[int]]:
+def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper: int, *,
+                  device: str) -> Tuple[int, Optional[int]]:
     """Doubling then bisection over batch sizes; returns (largest fitting batch, its peak)."""
     label = "with lms-tf" if with_lms else "plain"
     good, good_peak, bad = 0, None, None
     batch = 1
     while batch <= upper:
-        ok, peak = fits(ir_for_batch, batch, options, cost, with_lms)
+        ok, peak = fits(ir_for_batch, batch, policies, cost, with_lms, device=device)
         logger.info("max-batch %s: batch %d %s", label, batch, "fits" if ok else "does not fit")
         if not ok:
             bad = batch
@@ -258,7 +268,7 @@ def largest_batch(ir_for_batch, options, cost, with_lms: bool, upper: int) -> Tu
         return good, good_peak
     while bad - good > 1:
         middle = (good + bad) // 2
-        ok, peak = fits(ir_for_batch, middle, options, cost, with_lms)
+        ok, peak = fits(ir_for_batch, middle, policies, cost, with_lms, device=device)
         logger.info("max-batch %s: batch %d %s", label, middle, "fits" if ok else "does not fit")
         if ok:
             good, good_peak = middle, peak
@@ -281,9 +291,9 @@ def run_max_batch(args) -> int:
             cache[batch] = build_ir(graph, batch_size=batch)
         return cache[batch]
 
-    options = LMSOptions(device=device, host=host, budget="auto", device_spec=spec)
-    plain, plain_peak = largest_batch(ir_for_batch, options, cost, False, args.max)
-    lms, lms_peak = largest_batch(ir_for_batch, options, cost, True, args.max)
+    policies = Policies(host=host, budget="auto", recompute="auto")
+    plain, plain_peak = largest_batch(ir_for_batch, policies, cost, False, args.max, device=device)
+    lms, lms_peak = largest_batch(ir_for_batch, policies, cost, True, args.max, device=device)
     result = {"model": args.model, "device": spec.name, "max_batch_plain": plain, "max_batch_lms": lms,
               "peak_bytes_plain": plain_peak, "peak_bytes_lms": lms_peak,
               "ratio": round(lms / plain, 2) if plain else None}

@@ -39,13 +39,12 @@ import keras  # noqa: E402
 
 import lms_tf  # noqa: E402
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
-from lms_tf.diagnostics import (allocation_trace, cpu_kernel_library, executed_ops,  # noqa: E402
-                                grappler_accumulated_sums)
-from lms_tf.graph import build_ir  # noqa: E402
-from lms_tf.planner import simulate, tensorflow_cpu_allocator  # noqa: E402
-from lms_tf.rewrite.recompute import simulator_name  # noqa: E402
-from lms_tf.rewrite.serialize import serial_chain  # noqa: E402
-from lms_tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
+from lms_tf.simulate import simulate, tensorflow_cpu_allocator  # noqa: E402
+from lms_tf.tf.diagnostics import allocation_trace, cpu_kernel_library, executed_ops, grappler_accumulated_sums  # noqa: E402
+from lms_tf.tf.rewrite.recompute import simulator_name  # noqa: E402
+from lms_tf.tf.rewrite.serialize import serial_chain  # noqa: E402
+from lms_tf.tf.trace import build_ir  # noqa: E402
+from lms_tf.tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
 
 COST = CostModel(get_device_spec("v100-16gb-pcie3"))
 #: The CPU kernels' scratch memory (oneDNN's here, as the launcher turns it on).

@@ -1,7 +1,7 @@
 """Shared helpers: train a model with and without lms-tf and compare every number."""
 
-import numpy as np
 import keras
+import numpy as np
 import tensorflow as tf
 
 import lms_tf

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from lms_tf.errors import LMSError
-from lms_tf.planner import BFCAllocatorModel, simulate, tensorflow_cpu_allocator, tensorflow_gpu_allocator
-from lms_tf.planner.allocator import CPU_MEMORY_LIMIT_BYTES, bin_index, replay_allocations, rounded_bytes
+from lms_tf.core.errors import LMSError
+from lms_tf.simulate import BFCAllocatorModel, simulate, tensorflow_cpu_allocator, tensorflow_gpu_allocator
+from lms_tf.simulate.allocator import CPU_MEMORY_LIMIT_BYTES, bin_index, replay_allocations, rounded_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2**20
@@ -141,7 +141,7 @@ def test_simulated_step_through_the_allocator_model():
     import tensorflow as tf
 
     from lms_tf.cost import CostModel, get_device_spec
-    from lms_tf.graph import build_ir
+    from lms_tf.tf.trace import build_ir
 
     @tf.function
     def step(x):

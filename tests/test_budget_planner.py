@@ -13,12 +13,15 @@ import pytest
 import tensorflow as tf
 
 import lms_tf
+from lms_tf.core.errors import InfeasibleBudgetError
+from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo
+from lms_tf.core.plan import Decision, Plan, SwapIn, TensorDecision
+from lms_tf.core.policy import Policies, parse_budget
 from lms_tf.cost import PRESETS, CostModel, get_device_spec, op_cost
-from lms_tf.graph import build_ir
-from lms_tf.graph.ir import GraphIR, OpInfo, Phase, TensorInfo
-from lms_tf.options import LMSOptions, parse_budget
-from lms_tf.planner import Decision, InfeasibleBudgetError, make_budget_plan, simulate, tensorflow_gpu_allocator
-from lms_tf.planner.plan import Plan, SwapIn, TensorDecision
+from lms_tf.options import LMSOptions
+from lms_tf.planner import make_budget_plan
+from lms_tf.simulate import simulate, tensorflow_gpu_allocator
+from lms_tf.tf.trace import build_ir
 from tests import zoo
 from tests.allocator_runs import run_allocator_worker
 from tests.helpers import assert_same_numbers, custom_loop
@@ -150,7 +153,7 @@ def test_planner_refuses_a_step_that_fits_only_in_graph_order():
     before the sums needs 8 MiB, so at that budget the check reports the larger figure."""
     from lms_tf.planner.budget import TIE_ORDERS_CHECKED, _Planner
     ir = _fan_out_ir()
-    planner = _Planner(ir, LMSOptions(device="/CPU:0", host="/CPU:1", device_spec="v100-16gb-pcie3"),
+    planner = _Planner(ir, Policies(host="/CPU:1"),
                        "/device:CPU:0", V100, {})
     plain = Plan((), "/device:CPU:0", "/device:CPU:1", {}, {})
     outcomes = {simulate(ir, cost=V100, tie_seed=seed).peak_bytes for seed in range(TIE_ORDERS_CHECKED)}
@@ -180,7 +183,7 @@ def test_unknown_preset_is_refused_with_a_suggestion():
 
 
 def _resnet_ir(batch=8):
-    from lms_tf.workloads import train_step
+    from lms_tf.tf.workloads import train_step
     model, _ = zoo.resnet_style()
     fn = tf.function(train_step(model))
     return build_ir(fn.get_concrete_function(tf.zeros((batch, 24, 24, 3)), tf.zeros((batch,), tf.int32)).graph)
@@ -193,7 +196,7 @@ def test_a_recompute_base_compute_floor_is_its_simulated_compute_time():
     from lms_tf.planner.budget import _Planner
 
     ir = _resnet_ir()
-    opts = LMSOptions(device="/CPU:0", host="/CPU:1", budget="40%", device_spec="v100-16gb-pcie3")
+    opts = Policies(host="/CPU:1", budget="40%", recompute="auto")
     planner = _Planner(ir, opts, "/device:CPU:0", V100, {})
     bases = planner.recompute_bases()
     assert len(bases) >= 3
@@ -201,38 +204,38 @@ def test_a_recompute_base_compute_floor_is_its_simulated_compute_time():
         sim = planner.simulate(planner.assemble(set(), recomputed))
         assert planner.compute_floor(recomputed) == pytest.approx(sim.compute_time_s, rel=1e-9), label
         assert sim.compute_time_s <= sim.step_time_s * (1 + 1e-12)
-    plan = make_budget_plan(ir, opts, device="/device:CPU:0")
-    assert min(planner.compute_floor(r) for _, r in bases) <= plan.predicted_step_time_s * (1 + 1e-9)
+    plan = make_budget_plan(ir, opts, device="/device:CPU:0", cost=V100)
+    assert min(planner.compute_floor(r) for _, r in bases) <= plan.predictions.predicted_step_time_s * (1 + 1e-9)
 
 
 def test_infeasible_budget_names_the_smallest_feasible_budget():
     ir = _resnet_ir()
-    opts = LMSOptions(device="/CPU:0", host="/CPU:1", budget=1024, device_spec="v100-16gb-pcie3")
+    opts = Policies(host="/CPU:1", budget=1024, recompute="auto")
     with pytest.raises(InfeasibleBudgetError, match="smallest feasible budget is about") as info:
-        make_budget_plan(ir, opts, device="/device:CPU:0")
+        make_budget_plan(ir, opts, device="/device:CPU:0", cost=V100)
     assert 1024 < info.value.smallest_feasible_bytes < simulate(ir, cost=V100).peak_bytes
     # and that budget is indeed feasible: the plan named is held to its chunks, as a fitting plan is
-    feasible = LMSOptions(device="/CPU:0", host="/CPU:1", budget=int(info.value.smallest_feasible_bytes * 1.002),
-                          device_spec="v100-16gb-pcie3")
-    assert make_budget_plan(ir, feasible, device="/device:CPU:0").feasible
+    feasible = Policies(host="/CPU:1", budget=int(info.value.smallest_feasible_bytes * 1.002), recompute="auto")
+    assert make_budget_plan(ir, feasible, device="/device:CPU:0", cost=V100).predictions.feasible
 
 
 @pytest.mark.parametrize("preset", ["v100-16gb-pcie3", "gh200-96gb-c2c"])
 def test_planned_peak_fits_and_the_plan_is_printable(preset):
     ir = _resnet_ir()
-    opts = LMSOptions(device="/CPU:0", host="/CPU:1", budget="60%", device_spec=preset)
-    plan = make_budget_plan(ir, opts, device="/device:CPU:0")
-    assert plan.planned_peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
+    opts = Policies(host="/CPU:1", budget="60%", recompute="auto")
+    plan = make_budget_plan(ir, opts, device="/device:CPU:0", cost=CostModel(get_device_spec(preset)))
+    assert plan.predictions.planned_peak_bytes <= plan.budget_bytes < plan.predictions.baseline_peak_bytes
     # ...also as TensorFlow's allocator would hold it (whole chunks), never less than the tensors
-    assert plan.planned_peak_bytes <= plan.planned_allocator_peak_bytes <= plan.budget_bytes
+    assert plan.predictions.planned_peak_bytes <= plan.predictions.planned_allocator_peak_bytes <= plan.budget_bytes
     assert plan.swapped or plan.recomputed
-    assert simulate(ir, plan, cost=CostModel(get_device_spec(preset))).peak_bytes == plan.planned_peak_bytes
-    assert plan.predicted_overhead >= 1.0
+    assert simulate(ir, plan, cost=CostModel(get_device_spec(preset))).peak_bytes == plan.predictions.planned_peak_bytes
+    assert plan.predictions.overhead >= 1.0
     text = plan.summary()
     assert "budget" in text and "decision" in text
     data = json.loads(plan.to_json())
-    assert data["feasible"] and data["layers"] and data["planned_peak_bytes"] == plan.planned_peak_bytes
-    assert data["planned_allocator_peak_bytes"] == plan.planned_allocator_peak_bytes
+    predicted = data["predictions"]
+    assert predicted["feasible"] and data["layers"] and predicted["planned_peak_bytes"] == plan.predictions.planned_peak_bytes
+    assert predicted["planned_allocator_peak_bytes"] == plan.predictions.planned_allocator_peak_bytes
     # ...and in tie orders the planner did not check (its own are seeds 0-3)
     spec = get_device_spec(preset)
     for seed in range(100, 104):
@@ -253,7 +256,7 @@ def test_resnet50_plan_at_25_percent_counts_chunks_and_recomputes_a_swapped_chec
     planner and the simulator hold a plan to the same pool."""
     import logging
 
-    from lms_tf.workloads import build_model, synthetic_batch, train_step
+    from lms_tf.tf.workloads import build_model, synthetic_batch, train_step
 
     tf.keras.utils.set_random_seed(0)
     model = build_model("ResNet50", image_size=224, classes=1000)
@@ -261,16 +264,16 @@ def test_resnet50_plan_at_25_percent_counts_chunks_and_recomputes_a_swapped_chec
     ir = build_ir(tf.function(train_step(model)).get_concrete_function(x, y).graph)
     spec = get_device_spec("v100-16gb-pcie3")
 
-    def options(budget, preset="v100-16gb-pcie3"):
-        return LMSOptions(device="/CPU:0", host="/CPU:1", budget=budget, device_spec=preset)
+    def options(budget):
+        return Policies(host="/CPU:1", budget=budget, recompute="auto")
 
     with caplog.at_level(logging.DEBUG, logger="lms_tf"):
-        plan = make_budget_plan(ir, options("25%"), device="/device:CPU:0")
+        plan = make_budget_plan(ir, options("25%"), device="/device:CPU:0", cost=V100)
     refused = [r.getMessage() for r in caplog.records if "TensorFlow's allocator would hold" in r.getMessage()]
     assert refused, "no candidate plan was refused for its allocator chunks"
     tried = [r.getMessage() for r in caplog.records if "instead of swapping it" in r.getMessage()]
     assert tried, "the planner did not try recomputing a swapped checkpoint"
-    assert plan.feasible and plan.planned_peak_bytes < plan.planned_allocator_peak_bytes <= plan.budget_bytes
+    assert plan.predictions.feasible and plan.predictions.planned_peak_bytes < plan.predictions.planned_allocator_peak_bytes <= plan.budget_bytes
     deeper = [d for d in plan.recomputed if "checkpoint" in d.reason]
     assert deeper and all("/conv2_block" in d.tensor and "_out" in d.tensor for d in deeper), \
         [d.tensor for d in deeper]
@@ -294,8 +297,8 @@ def test_resnet50_plan_at_25_percent_counts_chunks_and_recomputes_a_swapped_chec
     assert lowered_sim.held_bytes < lowest_sim.held_bytes, (lowered_sim.held_bytes, lowest_sim.held_bytes)
     assert "checkpoint recomputed" in lowered_label and any("checkpoint" in d.reason for d in lowered.recomputed)
     # On the H100 preset (faster compute, a faster link) the same trace plans at 25%.
-    plan = make_budget_plan(ir, options("25%", "h100-80gb-pcie5"), device="/device:CPU:0")
-    assert plan.feasible and plan.planned_peak_bytes <= plan.planned_allocator_peak_bytes <= plan.budget_bytes
+    plan = make_budget_plan(ir, options("25%"), device="/device:CPU:0", cost=CostModel(get_device_spec("h100-80gb-pcie5")))
+    assert plan.predictions.feasible and plan.predictions.planned_peak_bytes <= plan.predictions.planned_allocator_peak_bytes <= plan.budget_bytes
 
 
 @pytest.mark.timeout(300)
@@ -304,7 +307,7 @@ def test_planned_steps_train_to_the_plain_numbers(builder, cpu_lms):
     plain = custom_loop(builder, tf.function)
     planned = custom_loop(builder, lambda f: lms_tf.function(f, budget="75%", device_spec="v100-16gb-pcie3",
                                                                 **cpu_lms))
-    assert planned[2].plan.budget_bytes is not None and planned[2].plan.feasible
+    assert planned[2].plan.budget_bytes is not None and planned[2].plan.predictions.feasible
     assert planned[2].plan.swapped or planned[2].plan.recomputed
     assert_same_numbers(plain, planned, rtol=1e-5)
 
@@ -314,16 +317,16 @@ def test_budget_plan_inserts_exactly_the_planned_ops(cpu_lms):
     """Structure: the rewritten step holds one swap-out per swapped tensor, at least the planned
     swap-ins (swapped checkpoints read by clones get their own), one clone per (op, gate) of the
     plan, and every clone waits for its gate."""
-    from lms_tf.rewrite.common import LMS_ATTR, count_lms_ops
-    from lms_tf.rewrite.recompute import CLONE_GATE_ATTR
-    from lms_tf.workloads import train_step
     from lms_tf import _compat
+    from lms_tf.tf.rewrite.common import LMS_ATTR, count_lms_ops
+    from lms_tf.tf.rewrite.recompute import CLONE_GATE_ATTR
+    from lms_tf.tf.workloads import train_step
 
     model, (x, y) = zoo.resnet_style()
     fn = lms_tf.function(train_step(model), budget="75%", device_spec="v100-16gb-pcie3", **cpu_lms)
     graph = fn.get_concrete_function(tf.constant(x[:8]), tf.constant(y[:8])).graph
     plan = fn.plan
-    assert plan.feasible and (plan.swapped or plan.recomputed)
+    assert plan.predictions.feasible and (plan.swapped or plan.recomputed)
     counts = count_lms_ops(graph)
     assert counts.get("swap_out", 0) == len(plan.swapped)
     assert counts.get("swap_in", 0) >= plan.num_swap_ins

@@ -3,9 +3,9 @@
 If one of these fails after a TensorFlow or Keras upgrade, lms_tf/_compat.py needs an update.
 """
 
+import keras
 import numpy as np
 import tensorflow as tf
-import keras
 
 from lms_tf import _compat
 

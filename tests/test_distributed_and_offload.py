@@ -11,10 +11,10 @@ import pytest
 import tensorflow as tf
 
 import lms_tf
-from lms_tf.errors import LMSError, LMSOptionError, LMSWarning
+from lms_tf.core.errors import LMSError, LMSOptionError, LMSWarning
 from lms_tf.horovod import DistributedCallback, allreduce_gradients, backward_order, bucket_by_bytes
 from lms_tf.keras.step_hooks import add_step_hook
-from lms_tf.diagnostics import variable_bytes_by_device, virtual_gpu_peak
+from lms_tf.tf.diagnostics import variable_bytes_by_device, virtual_gpu_peak
 from tests import zoo
 from tests.conftest import CPU_LMS
 from tests.helpers import assert_same_numbers, custom_loop, fit_steps, graph_probe, lms_function

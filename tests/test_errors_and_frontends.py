@@ -2,15 +2,15 @@
 
 import warnings
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
 
 import lms_tf
-from lms_tf import pipeline
-from lms_tf.errors import GraphAnalysisError, LMSError, LMSOptionError, LMSWarning
-from lms_tf.rewrite import count_lms_ops
+from lms_tf.core import errors as lms_errors
+from lms_tf.core.errors import GraphAnalysisError, LMSError, LMSOptionError, LMSWarning
+from lms_tf.tf.rewrite import count_lms_ops
 from tests import zoo
 from tests.conftest import CPU_LMS
 from tests.helpers import assert_same_numbers, custom_loop, fit_steps, lms_function
@@ -117,7 +117,7 @@ def test_unresolvable_batch_dimension_is_an_error_naming_the_tensor():
 @pytest.mark.timeout(120)
 def test_no_accelerator_leaves_the_step_untouched_and_warns_once():
     assert not tf.config.list_logical_devices("GPU")
-    pipeline._warned.clear()  # "once" is per process; start this test from a clean slate
+    lms_errors._warned.clear()  # "once" is per process; start this test from a clean slate
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plain = custom_loop(zoo.sequential_cnn, tf.function)
@@ -200,7 +200,7 @@ def test_method_decoration_binds_per_instance():
 
 @pytest.mark.timeout(120)
 def test_callback_without_accelerator_leaves_fit_untouched_and_warns():
-    pipeline._warned.clear()  # "once" is per process; start this test from a clean slate
+    lms_errors._warned.clear()  # "once" is per process; start this test from a clean slate
     plain = fit_steps(zoo.sequential_cnn)
     callback = lms_tf.LMSCallback()
     with pytest.warns(LMSWarning, match="LMSCallback: no GPU is visible"):

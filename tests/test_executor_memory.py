@@ -20,10 +20,10 @@ import pytest
 import tensorflow as tf
 
 from lms_tf.cost import CostModel, get_device_spec
-from lms_tf.diagnostics import allocation_trace, grappler_accumulated_sums
-from lms_tf.graph import build_ir
-from lms_tf.planner import pool_history, simulate
-from lms_tf.planner.simulator import resident_buffers
+from lms_tf.simulate import pool_history, simulate
+from lms_tf.simulate.simulator import resident_buffers
+from lms_tf.tf.diagnostics import allocation_trace, grappler_accumulated_sums
+from lms_tf.tf.trace import build_ir
 
 V100 = CostModel(get_device_spec("v100-16gb-pcie3"))
 MiB = 2**20

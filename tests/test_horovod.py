@@ -8,8 +8,8 @@ tests below read what each rank wrote. Horovod is a hard requirement of the suit
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time

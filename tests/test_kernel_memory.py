@@ -18,12 +18,14 @@ import textwrap
 import pytest
 import tensorflow as tf
 
+from lms_tf.core.errors import LMSOptionError
+from lms_tf.core.plan import Decision
+from lms_tf.core.policy import Policies
 from lms_tf.cost import CostModel, get_device_spec
-from lms_tf.errors import LMSOptionError
-from lms_tf.graph import build_ir
-from lms_tf.options import LMSOptions
-from lms_tf.planner import Decision, make_plan, simulate
-from lms_tf.planner.simulator import POOL_WORKSPACE
+from lms_tf.planner import make_plan
+from lms_tf.simulate import simulate
+from lms_tf.simulate.simulator import POOL_WORKSPACE
+from lms_tf.tf.trace import build_ir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V100 = CostModel(get_device_spec("v100-16gb-pcie3"))
@@ -91,7 +93,7 @@ def test_onednn_keeps_a_pool_workspace_until_the_gradient_and_takes_no_convoluti
 def test_a_swapped_pool_output_leaves_its_workspace_for_the_gradient(conv_pool_ir):
     ir = conv_pool_ir
     pool, pool_grad = _only(ir, "MaxPool"), _only(ir, "MaxPoolGrad")
-    plan = make_plan(ir, LMSOptions(device="/CPU:0", host="/CPU:1", min_swap_bytes=1, swapout_threshold=1),
+    plan = make_plan(ir, Policies(host="/CPU:1", min_swap_bytes=1, swapout_threshold=1),
                      device="/device:CPU:0")
     decision = {d.tensor: d for d in plan.decisions}[pool.outputs[0]]
     assert decision.decision is Decision.SWAP and pool_grad.name in decision.swap_ins[0].consumers
@@ -112,7 +114,7 @@ REAL_HEAD = textwrap.dedent("""
     os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     import tensorflow as tf
     sys.path.insert(0, {root!r})
-    from lms_tf.diagnostics import allocation_trace, cpu_kernel_library
+    from lms_tf.tf.diagnostics import allocation_trace, cpu_kernel_library
 """)
 REAL_TAIL = textwrap.dedent("""
     step(x)

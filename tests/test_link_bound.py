@@ -19,13 +19,14 @@ import pytest
 import tensorflow as tf
 
 import lms_tf
+from lms_tf.core.errors import PlanCycleError
+from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo
+from lms_tf.core.plan import Decision, Ordering, Plan, Predictions, SwapIn, TensorDecision
+from lms_tf.core.policy import Policies
 from lms_tf.cost import CostModel, get_device_spec
-from lms_tf.errors import PlanCycleError
-from lms_tf.graph.ir import GraphIR, OpInfo, Phase, TensorInfo
-from lms_tf.options import LMSOptions
-from lms_tf.planner import Decision, Ordering, make_budget_plan, simulate
+from lms_tf.planner import make_budget_plan
 from lms_tf.planner.budget import _Planner, _Tools
-from lms_tf.planner.plan import Plan, SwapIn, TensorDecision
+from lms_tf.simulate import simulate
 from tests import zoo
 from tests.helpers import assert_same_numbers, custom_loop
 from tests.test_budget_planner import _chain_ir
@@ -74,10 +75,9 @@ def test_simulator_branches_run_interleaved_unless_ordered():
 
 def test_planner_orders_branches_when_nothing_can_be_swapped():
     ir = _branches_ir()
-    options = LMSOptions(device="/CPU:0", host="/CPU:1", budget=17 * MiB, device_spec="v100-16gb-pcie3",
-                         recompute=False)
-    plan = make_budget_plan(ir, options, device="/device:CPU:0")
-    assert plan.feasible and plan.planned_peak_bytes == 16 * MiB and len(plan.orderings) == 1
+    policies = Policies(host="/CPU:1", budget=17 * MiB, recompute=False)
+    plan = make_budget_plan(ir, policies, device="/device:CPU:0", cost=CostModel(get_device_spec("v100-16gb-pcie3")))
+    assert plan.predictions.feasible and plan.predictions.planned_peak_bytes == 16 * MiB and len(plan.orderings) == 1
     (ordering,) = plan.orderings
     first, then = ("A", "B") if "gradient_tape/A/w" in ordering.after else ("B", "A")
     assert set(ordering.waiters) == {f"gradient_tape/{then}/u", f"gradient_tape/{then}/v"}
@@ -108,8 +108,8 @@ def test_simulator_forward_pass_waits_for_the_copy_out():
 def _link_bound_plan(recorded):
     """The budget planner's own tools, forced on: every movable tensor swapped with the forward
     pass waiting for its copies out, and one backward ordering at the simulated peak."""
-    def plan(ir, options, *, device, scope_aliases=None, cost=None):
-        planner = _Planner(ir, options, device, CostModel(get_device_spec(options.device_spec)), scope_aliases or {})
+    def plan(ir, policies, *, device, cost, scope_aliases=None):
+        planner = _Planner(ir, policies, device, cost, scope_aliases or {})
         swapped = planner.assemble(set(planner.eligible), {}, _Tools(throttle=True))
         sim = planner.simulate(swapped)
         orderings = []
@@ -122,7 +122,8 @@ def _link_bound_plan(recorded):
                         orderings.append(ordering)
                     except PlanCycleError:
                         pass
-        result = dataclasses.replace(swapped, orderings=tuple(orderings), budget_bytes=sim.peak_bytes, feasible=True)
+        result = dataclasses.replace(swapped, orderings=tuple(orderings), budget_bytes=sim.peak_bytes,
+                                     predictions=Predictions(feasible=True))
         recorded.append(result)
         return result
     return plan
@@ -130,12 +131,13 @@ def _link_bound_plan(recorded):
 
 @pytest.mark.timeout(300)
 def test_waits_and_orderings_train_to_the_plain_numbers_in_the_planned_order(cpu_lms, monkeypatch):
-    from lms_tf import _compat, pipeline
-    from lms_tf.diagnostics import executed_ops, find_executed
-    from lms_tf.rewrite.common import LMS_ATTR, count_lms_ops
+    from lms_tf import _compat
+    from lms_tf.tf import driver
+    from lms_tf.tf.diagnostics import executed_ops, find_executed
+    from lms_tf.tf.rewrite.common import LMS_ATTR, count_lms_ops
 
     recorded = []
-    monkeypatch.setattr(pipeline, "make_budget_plan", _link_bound_plan(recorded))
+    monkeypatch.setattr(driver, "make_budget_plan", _link_bound_plan(recorded))
     plain = custom_loop(zoo.inception_style, tf.function)
     planned = custom_loop(zoo.inception_style, lambda f: lms_tf.function(
         f, budget="50%", device_spec="v100-16gb-pcie3", **cpu_lms))
@@ -189,9 +191,10 @@ def test_an_unknown_batch_trace_offers_the_same_tensors_as_a_concrete_one():
     """With an unknown batch dimension the gradient reads activations' shapes through Shape ops
     that run during the forward pass. They only read metadata: they must neither make a tensor a
     candidate nor stop it from being swapped (the largest-batch search plans such traces)."""
-    from lms_tf.graph import build_ir
-    from lms_tf.planner.default import METADATA_READER_TYPES, collect_candidates
-    from lms_tf.workloads import train_step
+    from lms_tf.core.op_kinds import METADATA_READER_TYPES
+    from lms_tf.planner.default import collect_candidates
+    from lms_tf.tf.trace import build_ir
+    from lms_tf.tf.workloads import train_step
 
     model, (x, _) = zoo.inception_style()
     step = tf.function(train_step(model))
@@ -200,7 +203,7 @@ def test_an_unknown_batch_trace_offers_the_same_tensors_as_a_concrete_one():
     unknown = build_ir(step.get_concrete_function(tf.TensorSpec((None,) + x.shape[1:]),
                                                   tf.TensorSpec((None,), tf.int32)).graph, batch_size=8)
     assert any(op.type in METADATA_READER_TYPES and op.phase is Phase.BACKWARD for op in unknown.ops)
-    options = LMSOptions(device="/CPU:0", host="/CPU:1", min_swap_bytes=1)
+    options = Policies(host="/CPU:1", min_swap_bytes=1)
     found = {name: collect_candidates(ir, options, device="/device:CPU:0") for name, ir in
              (("concrete", concrete), ("unknown", unknown))}
     for candidates in found.values():

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     sys.path.insert(0, {root!r})
     import lms_tf
-    from lms_tf.workloads import build_model, synthetic_batch, train_step
+    from lms_tf.tf.workloads import build_model, synthetic_batch, train_step
 
     def losses(decorate):
         keras.utils.set_random_seed(0)

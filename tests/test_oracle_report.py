@@ -3,7 +3,7 @@ twice, and how Grappler's own swap pass is judged (``grappler_baseline_report``)
 
 import tensorflow as tf
 
-from lms_tf.diagnostics import virtual_gpu_peak, virtual_gpu_peak_report
+from lms_tf.tf.diagnostics import virtual_gpu_peak, virtual_gpu_peak_report
 
 MiB = 2**20
 X = tf.ones((MiB // 4,))  # 1 MiB; tiled 4x: 4 MiB
@@ -33,7 +33,7 @@ def test_tensorflow_really_computes_that_output_in_the_input_buffer():
     """The real CPU allocator (BFC, set by the conftest) hands out one 4 MiB buffer, to Tile:
     truediv (a Mul by 1/3 after Grappler's rewrites) runs and writes into it. Grappler's
     virtual cluster, above, counts two."""
-    from lms_tf.diagnostics import allocation_trace, executed_ops
+    from lms_tf.tf.diagnostics import allocation_trace, executed_ops
 
     step = tf.function(lambda x: tf.reduce_sum(tf.tile(x, [4]) / 3.0))
     step(X)
@@ -70,7 +70,7 @@ def test_grappler_swap_copies_are_judged_in_host_memory():
     own swap-ins are judged. (Grappler's swap pass is not deterministic: which tensors it swaps
     moves from run to run, so one optimized graph is judged both ways.)"""
     from lms_tf import _compat
-    from lms_tf.diagnostics import _VIRTUAL_CPU, _VIRTUAL_GPU, grappler_baseline_report, with_variable_shapes
+    from lms_tf.tf.diagnostics import _VIRTUAL_CPU, _VIRTUAL_GPU, grappler_baseline_report, with_variable_shapes
 
     concrete = _eight_conv_step()
     plain = virtual_gpu_peak(concrete, variable_shapes=True)
@@ -97,7 +97,7 @@ def test_grappler_swap_copies_are_judged_in_host_memory():
 
 
 def test_grappler_recompute_clones_are_reported():
-    from lms_tf.diagnostics import grappler_baseline_report
+    from lms_tf.tf.diagnostics import grappler_baseline_report
 
     concrete = _eight_conv_step()
     plain = virtual_gpu_peak(concrete, variable_shapes=True)

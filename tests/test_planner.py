@@ -3,10 +3,12 @@
 import pytest
 import tensorflow as tf
 
-from lms_tf.graph import Phase, build_ir
-from lms_tf.options import LMSOptions
-from lms_tf.planner import Decision, make_plan
+from lms_tf.core.ir import Phase
+from lms_tf.core.plan import Decision
+from lms_tf.core.policy import Policies
+from lms_tf.planner import make_plan
 from lms_tf.planner.default import _gate_candidates
+from lms_tf.tf.trace import build_ir
 
 DEVICE = "/device:CPU:0"
 
@@ -31,7 +33,7 @@ def chain_ir():
 
 
 def _options(**kw):
-    return LMSOptions(device="/CPU:0", host="/CPU:1", **{"min_swap_bytes": 1, **kw})
+    return Policies(host="/CPU:1", **{"min_swap_bytes": 1, **kw})
 
 
 def test_threshold_selects_tensors_by_distance_to_first_backward_consumer(chain_ir):
@@ -88,6 +90,6 @@ def test_plan_is_printable_data(chain_ir):
     text = plan.summary()
     assert "Relu:0" in text and "MiB" in text
     data = plan.to_dict()
-    assert data["num_swap_ins"] == plan.num_swap_ins and data["options"]["host"] == "/device:CPU:1"
+    assert data["totals"]["num_swap_ins"] == plan.num_swap_ins and data["policies"]["host"] == "/device:CPU:1"
     with pytest.raises(Exception):
         plan.decisions = ()  # frozen

@@ -2,16 +2,16 @@
 
 import dataclasses
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
 
 import lms_tf
 from lms_tf import _compat
-from lms_tf.diagnostics import executed_ops, find_executed
-from lms_tf.errors import LMSOptionError
-from lms_tf.rewrite import LMS_ATTR, count_lms_ops
+from lms_tf.core.errors import LMSOptionError
+from lms_tf.tf.diagnostics import executed_ops, find_executed
+from lms_tf.tf.rewrite import LMS_ATTR, count_lms_ops
 from tests import zoo
 from tests.conftest import CPU_LMS
 from tests.helpers import assert_same_numbers, custom_loop, fit_steps, lms_function
@@ -260,16 +260,16 @@ def test_nothing_to_do_is_refused():
 def _recursive_plan_step(step, gate_choice, facts):
     """Wraps a step: after tracing it, recomputes one sqrt checkpoint too (``also_recompute``),
     behind the shared or its own gate, and applies that plan."""
-    from lms_tf.graph import build_ir
     from lms_tf.options import LMSOptions
     from lms_tf.planner.default import checkpoint_gates, collect_candidates, make_plan
-    from lms_tf.rewrite import apply_plan
+    from lms_tf.tf.rewrite import apply_plan
+    from lms_tf.tf.trace import build_ir
 
     def traced(xb, yb):
         loss = step(xb, yb)
         graph = _compat.current_graph()
         ir = build_ir(graph)
-        options = LMSOptions(recompute="sqrt", **RECOMPUTE_ONLY)
+        options = LMSOptions(recompute="sqrt", **RECOMPUTE_ONLY).policies
         found = collect_candidates(ir, options, device="/device:CPU:0")
         base = make_plan(ir, options, device="/device:CPU:0", candidates=found)
         region_inputs = {t for d in base.recomputed for op in d.recompute_ops for t in ir.op(op).inputs}
@@ -293,7 +293,7 @@ def test_a_checkpoint_recomputed_from_the_one_before_trains_to_the_plain_numbers
     off); the checkpoint's region now
     reaches back past it to the checkpoint before; its backward readers read its clone, which runs
     behind the chosen gate; the regions that read it clone its producer instead of reading it."""
-    from lms_tf.rewrite.recompute import CLONE_GATE_ATTR, CLONE_OF_ATTR
+    from lms_tf.tf.rewrite.recompute import CLONE_GATE_ATTR, CLONE_OF_ATTR
 
     facts = {}
     plain = custom_loop(zoo.resnet_style, tf.function)
@@ -336,16 +336,16 @@ def test_a_checkpoint_recomputed_from_the_one_before_trains_to_the_plain_numbers
 
 
 def test_bad_also_recompute_entries_are_refused():
-    from lms_tf.graph import build_ir
     from lms_tf.options import LMSOptions
     from lms_tf.planner.default import checkpoint_gates, collect_candidates, make_plan
-    from lms_tf.workloads import train_step
+    from lms_tf.tf.trace import build_ir
+    from lms_tf.tf.workloads import train_step
 
     model, (x, _) = zoo.resnet_style()
     graph = tf.function(train_step(model)).get_concrete_function(
         tf.TensorSpec((zoo.BATCH,) + x.shape[1:]), tf.TensorSpec((zoo.BATCH,), tf.int32)).graph
     ir = build_ir(graph)
-    options = LMSOptions(recompute="sqrt", **RECOMPUTE_ONLY)
+    options = LMSOptions(recompute="sqrt", **RECOMPUTE_ONLY).policies
     found = collect_candidates(ir, options, device="/device:CPU:0")
     base = make_plan(ir, options, device="/device:CPU:0", candidates=found)
     kept = next(d.tensor for d in base.decisions if d.decision is lms_tf.Decision.KEEP and d.tensor in found.eligible

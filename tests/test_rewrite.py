@@ -1,16 +1,17 @@
 """Structure, executed order and GPU-memory oracle of the swap rewrite."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
 
 import lms_tf
 from lms_tf import _compat
-from lms_tf.diagnostics import executed_ops, find_executed, virtual_gpu_peak
-from lms_tf.errors import RewriteError
-from lms_tf.graph import Phase, build_ir
-from lms_tf.rewrite import LMS_ATTR, apply_plan, count_lms_ops
+from lms_tf.core.errors import RewriteError
+from lms_tf.core.ir import Phase
+from lms_tf.tf.diagnostics import executed_ops, find_executed, virtual_gpu_peak
+from lms_tf.tf.rewrite import LMS_ATTR, apply_plan, count_lms_ops
+from lms_tf.tf.trace import build_ir
 from tests import zoo
 from tests.conftest import CPU_LMS
 

@@ -11,12 +11,12 @@ import tensorflow as tf
 
 import lms_tf
 from lms_tf import _compat
+from lms_tf.core.errors import LMSOptionError, RewriteError
 from lms_tf.cost import CostModel, get_device_spec
-from lms_tf.diagnostics import executed_ops, virtual_gpu_peak
-from lms_tf.errors import LMSOptionError, RewriteError
-from lms_tf.planner import simulate
-from lms_tf.rewrite.recompute import simulator_name
-from lms_tf.rewrite.serialize import bypass_identity_n, impose_order, ranked_topological_order, serial_chain
+from lms_tf.simulate import simulate
+from lms_tf.tf.diagnostics import executed_ops, virtual_gpu_peak
+from lms_tf.tf.rewrite.recompute import simulator_name
+from lms_tf.tf.rewrite.serialize import bypass_identity_n, impose_order, ranked_topological_order, serial_chain
 from tests import zoo
 from tests.helpers import assert_same_numbers, custom_loop, fit_steps, graph_probe, lms_function
 

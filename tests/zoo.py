@@ -4,8 +4,8 @@ Each builder returns a fresh, compiled Keras model with deterministic weights an
 deterministic batch stream (x, y), so two builds train to bit-identical numbers.
 """
 
-import numpy as np
 import keras
+import numpy as np
 from keras import layers
 
 BATCH = 8

@@ -32,7 +32,7 @@ import dataclasses
 import re
 from typing import Dict, Mapping, Optional, Union
 
-from lms_tf.errors import LMSOptionError
+from lms_tf.core.errors import LMSOptionError
 
 GB = 10**9
 TERA = 10**12
@@ -143,7 +143,7 @@ def detect_device_spec() -> DeviceSpec:
         ...     detect_device_spec()  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        lms_tf.errors.LMSOptionError: device_spec='auto' needs a visible GPU...
+        lms_tf.LMSOptionError: device_spec='auto' needs a visible GPU...
     """
     import tensorflow as tf
 
@@ -174,7 +174,7 @@ def get_device_spec(spec: Union[str, DeviceSpec]) -> DeviceSpec:
         >>> get_device_spec("v100")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        lms_tf.errors.LMSOptionError: unknown device preset 'v100'...
+        lms_tf.LMSOptionError: unknown device preset 'v100'...
     """
     if isinstance(spec, DeviceSpec):
         return spec

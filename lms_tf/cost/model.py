@@ -21,23 +21,10 @@ import math
 import statistics
 from typing import Dict, Iterable, Mapping, Optional, Tuple
 
+from lms_tf.core.ir import GraphIR, OpInfo
+from lms_tf.core.op_kinds import CONV_TYPES, FREE_TYPES, MATMUL_TYPES, NORM_TYPES, POOL_TYPES, REDUCTION_TYPES
 from lms_tf.cost.devices import DeviceSpec
-from lms_tf.graph.ir import GraphIR, OpInfo
 
-CONV_TYPES = frozenset({"Conv2D", "Conv3D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3DBackpropInputV2",
-                        "Conv3DBackpropFilterV2", "DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropInput",
-                        "DepthwiseConv2dNativeBackpropFilter", "_FusedConv2D"})
-MATMUL_TYPES = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "_FusedMatMul"})
-NORM_TYPES = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "FusedBatchNormGrad",
-                        "FusedBatchNormGradV2", "FusedBatchNormGradV3", "_FusedBatchNormEx"})
-REDUCTION_TYPES = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "ArgMax", "ArgMin", "BiasAddGrad", "L2Loss",
-                             "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
-POOL_TYPES = frozenset({"MaxPool", "AvgPool", "MaxPoolGrad", "AvgPoolGrad", "MaxPool3D", "AvgPool3D",
-                        "MaxPoolGradV2", "MaxPool3DGrad", "AvgPool3DGrad"})
-#: Ops that cost nothing on the device: they alias a buffer or only describe shapes.
-FREE_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "Snapshot", "Reshape", "Squeeze", "ExpandDims",
-                        "Const", "ReadVariableOp", "VarHandleOp", "Placeholder", "NoOp", "Shape", "ShapeN", "Size",
-                        "Rank", "BroadcastGradientArgs", "_Arg", "_Retval"})
 #: FLOPs per output element of non-matmul classes (a documented rough figure, refined by calibration).
 FLOPS_PER_ELEMENT = {"norm": 8.0, "elementwise": 1.0, "reduction": 1.0, "pool": 9.0, "other": 1.0}
 
@@ -99,7 +86,7 @@ def op_cost(ir: GraphIR, op: OpInfo) -> OpCost:
     ``k`` recovered from the operand sizes, so transposes need no attributes.
 
     Example:
-        >>> from lms_tf.graph.ir import GraphIR, OpInfo, Phase, TensorInfo
+        >>> from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo
         >>> t = {"a:0": TensorInfo("a:0", "float32", (64, 32), 8192, "a", ("m",)),
         ...      "b:0": TensorInfo("b:0", "float32", (32, 16), 2048, "b", ("m",)),
         ...      "m:0": TensorInfo("m:0", "float32", (64, 16), 4096, "m", ())}
@@ -178,7 +165,7 @@ class CostModel:
         """Predicted seconds of one op of the IR.
 
         Example:
-            >>> from lms_tf.graph.ir import GraphIR, OpInfo, Phase
+            >>> from lms_tf.core.ir import GraphIR, OpInfo, Phase
             >>> from lms_tf.cost.devices import get_device_spec
             >>> op = OpInfo("n", "NoOp", 0, Phase.FORWARD, "", (), (), ())
             >>> CostModel(get_device_spec("v100-16gb-pcie3")).op_time(GraphIR((op,), {}, frozenset(), {}), op)
@@ -204,10 +191,10 @@ class CostModel:
         Args:
             ir: The IR the measurements are of.
             measured_seconds: Op name -> measured seconds (e.g. from
-                :func:`lms_tf.diagnostics.executed_ops` of a few real steps on the target device).
+                :func:`lms_tf.tf.diagnostics.executed_ops` of a few real steps on the target device).
 
         Example:
-            >>> from lms_tf.graph.ir import GraphIR, OpInfo, Phase, TensorInfo
+            >>> from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo
             >>> from lms_tf.cost.devices import get_device_spec
             >>> t = {"r:0": TensorInfo("r:0", "float32", (1024,), 4096, "r", ())}
             >>> r = OpInfo("r", "Relu", 0, Phase.FORWARD, "", (), (), ("r:0",))
@@ -232,7 +219,7 @@ def step_compute_time(ir: GraphIR, model: CostModel, ops: Optional[Iterable[OpIn
     """Total predicted compute seconds of ``ops`` (default: every op) and their FLOPs.
 
     Example:
-        >>> from lms_tf.graph.ir import GraphIR
+        >>> from lms_tf.core.ir import GraphIR
         >>> from lms_tf.cost.devices import get_device_spec
         >>> step_compute_time(GraphIR((), {}, frozenset(), {}), CostModel(get_device_spec("v100-16gb-pcie3")))
         (0.0, 0)

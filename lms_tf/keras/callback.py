@@ -17,13 +17,12 @@ import logging
 from typing import List, Optional
 
 from lms_tf import _compat
-from lms_tf.errors import LMSOptionError
+from lms_tf.core.errors import LMSOptionError, warn_once
+from lms_tf.core.plan import Plan
 from lms_tf.keras.step_hooks import add_step_hook, check_traceable, detach, turn_jit_off
-from lms_tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
 from lms_tf.options import LMSOptions
-from lms_tf.pipeline import (call_step_for_rewrite, no_accelerator_message, resolve_device, rewrite_traced_step,
-                             warn_once)
-from lms_tf.planner import Plan
+from lms_tf.tf.driver import call_step_for_rewrite, no_accelerator_message, resolve_device, rewrite_traced_step
+from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
 
 logger = logging.getLogger("lms_tf")
 _API = "LMSCallback"
@@ -84,14 +83,14 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
                 f"{_API}(horovod=True): for model.fit, add lms_tf.horovod.DistributedCallback() to the callbacks "
                 f"beside LMSCallback (it also broadcasts the variables and averages the metrics); horovod=True "
                 f"is the option of lms_tf.function for custom loops.")
-        device = resolve_device(self.options)
+        device = resolve_device(self.options.device)
         if device is None:
             warn_once(f"no-accelerator:{_API}", no_accelerator_message(_API))
             return
         jit_was = turn_jit_off(model, _API, "XLA ignores host placement and control edges, so the swap pass "
                                             "would have no effect")
-        batch_size = self.options.batch_size or _compat.fit_batch_size()
         options = self.options
+        request = options.rewrite_request(device, batch_size=_compat.fit_batch_size())
         host_hook = host_update_hook(options.host, api=_API) if options.optimizer_on_host else None
 
         def lms_hook(step):
@@ -99,10 +98,9 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
                 hooks = contextlib.nullcontext() if host_hook is None else \
                     _compat.intercept_optimizer_updates(host_hook, order=HOST_UPDATE_ORDER)
                 with hooks:
-                    outputs = call_step_for_rewrite(options, step, data)
+                    outputs = call_step_for_rewrite(options.serialize, step, data)
                 aliases = _compat.layer_scope_aliases(model, _compat.current_graph())
-                self.plans.append(rewrite_traced_step(options, api=_API, batch_size=batch_size,
-                                                      scope_aliases=aliases, serialize=options.serialize))
+                self.plans.append(rewrite_traced_step(request, api=_API, scope_aliases=aliases))
                 return outputs
             return train_step
 

@@ -26,8 +26,7 @@ from typing import Callable, List
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.errors import LMSOptionError
-from lms_tf.pipeline import warn_once
+from lms_tf.core.errors import LMSOptionError, warn_once
 
 _HOOKS_ATTR = "_lms_tf_step_hooks"
 _ORIGINAL_ATTR = "_lms_tf_own_train_step"
@@ -107,7 +106,7 @@ def check_traceable(model, api: str) -> None:
         >>> check_traceable(model, "LMSCallback")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        lms_tf.errors.LMSOptionError: LMSCallback: the model runs eagerly...
+        lms_tf.LMSOptionError: LMSCallback: the model runs eagerly...
     """
     if getattr(model, "run_eagerly", False) or tf.config.functions_run_eagerly():
         raise LMSOptionError(

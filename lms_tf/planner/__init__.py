@@ -1,15 +1,17 @@
-"""Layer 2: decides, per forward tensor, KEEP, SWAP or RECOMPUTE.
+"""Decides, per forward tensor, KEEP, SWAP or RECOMPUTE: policy values and an IR in, a plan out.
+
+:func:`make_plan` applies the TFLMS swap rule and a recompute policy; :func:`make_budget_plan`
+searches for the plan that fits a memory budget at the least predicted slowdown, judged by the
+simulator (:mod:`lms_tf.simulate`). Neither touches TensorFlow.
 
 Example:
-    >>> from lms_tf.planner import Plan, make_plan, Decision
+    >>> from lms_tf.core import Policies, make_ir
+    >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (2,))])])
+    >>> make_plan(ir, Policies(), device="/device:GPU:0").decisions
+    ()
 """
 
-from lms_tf.planner.allocator import BFCAllocatorModel, tensorflow_cpu_allocator, tensorflow_gpu_allocator
-from lms_tf.planner.budget import InfeasibleBudgetError, make_budget_plan, resolve_budget
-from lms_tf.planner.default import CHEAP_OP_TYPES, make_plan
-from lms_tf.planner.simulator import Simulation, pool_history, resident_bytes, simulate
-from lms_tf.planner.plan import Decision, Ordering, Plan, SwapIn, TensorDecision
+from lms_tf.planner.budget import make_budget_plan
+from lms_tf.planner.default import make_plan
 
-__all__ = ["BFCAllocatorModel", "CHEAP_OP_TYPES", "Decision", "InfeasibleBudgetError", "Ordering", "Plan", "Simulation", "SwapIn", "TensorDecision",
-           "make_budget_plan", "make_plan", "pool_history", "resident_bytes", "resolve_budget", "simulate",
-           "tensorflow_cpu_allocator", "tensorflow_gpu_allocator"]
+__all__ = ["make_budget_plan", "make_plan"]

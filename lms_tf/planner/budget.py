@@ -12,7 +12,7 @@ the end of the forward pass (a copy still running at the peak frees nothing).
 
 When no swap lowers the peak any more and two backward branches' temporaries meet at it (a
 residual block's shortcut and main path, run interleaved by TensorFlow's first-ready executor),
-one branch is made to wait for the other (:class:`~lms_tf.planner.plan.Ordering`). When nothing
+one branch is made to wait for the other (:class:`~lms_tf.core.plan.Ordering`). When nothing
 fits while the forward pass runs ahead of its copies out (the link is the bottleneck: the
 largest batches), the bases are tried again with the forward pass waiting for the copies out
 (TFLMS's synchronous swap-out) and swap-ins started a fixed number of groups ahead of their
@@ -24,8 +24,9 @@ does not fit, :class:`InfeasibleBudgetError` names the smallest budget that does
 
 Example:
     >>> import tensorflow as tf
-    >>> from lms_tf.graph import build_ir
-    >>> from lms_tf.options import LMSOptions
+    >>> from lms_tf.tf.trace import build_ir
+    >>> from lms_tf.core.policy import Policies
+    >>> from lms_tf.cost import CostModel, get_device_spec
     >>> w = tf.Variable(tf.ones((1024, 1024)))
     >>> @tf.function
     ... def step(x):
@@ -37,9 +38,10 @@ Example:
     ...     w.assign_sub(tape.gradient(loss, w))
     ...     return loss
     >>> ir = build_ir(step.get_concrete_function(tf.TensorSpec((4096, 1024))).graph)
-    >>> opts = LMSOptions(device="/CPU:0", host="/CPU:1", budget="60%", device_spec="gh200-96gb-c2c")
-    >>> plan = make_budget_plan(ir, opts, device="/device:CPU:0")
-    >>> plan.feasible, plan.planned_peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
+    >>> policies = Policies(host="/CPU:1", budget="60%")
+    >>> plan = make_budget_plan(ir, policies, device="/device:CPU:0", cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+    >>> p = plan.predictions
+    >>> p.feasible, p.planned_peak_bytes <= plan.budget_bytes < p.baseline_peak_bytes
     (True, True)
     >>> len(plan.swapped) > 0
     True
@@ -54,24 +56,25 @@ import logging
 import time
 from typing import Dict, List, Mapping, Optional, Set, Tuple
 
-from lms_tf.cost.devices import DeviceSpec, get_device_spec
+from lms_tf.core.errors import LMSOptionError, PlanCycleError, infeasible
+from lms_tf.core.ir import GraphIR, Phase, layer_of
+from lms_tf.core.op_kinds import ALIAS_TYPES
+from lms_tf.core.plan import Decision, Ordering, Plan, Predictions, SwapIn, TensorDecision
+from lms_tf.core.policy import Policies, resolve_budget
 from lms_tf.cost.model import CostModel
-from lms_tf.errors import LMSOptionError, PlanCycleError
-from lms_tf.graph.ir import GraphIR, Phase, layer_of
-from lms_tf.options import LMSOptions
-from lms_tf.planner.default import (Candidates, articulation_count, checkpoint_gates, clonable,
-                                    collect_candidates, make_plan)
-from lms_tf.planner.plan import Decision, Ordering, Plan, SwapIn, TensorDecision
-from lms_tf.planner.allocator import replay_allocations, tensorflow_gpu_allocator
-from lms_tf.planner.simulator import (ALIAS_TYPES, Simulation, pool_history, resident_buffers, simulate,
-                                     simulate_tie_orders)
+from lms_tf.planner.default import (
+    Candidates,
+    articulation_count,
+    checkpoint_gates,
+    clonable,
+    collect_candidates,
+    make_plan,
+)
+from lms_tf.simulate.allocator import replay_allocations, tensorflow_gpu_allocator
+from lms_tf.simulate.simulator import Simulation, pool_history, resident_buffers, simulate, simulate_tie_orders
 
 logger = logging.getLogger("lms_tf")
 
-#: ``budget="auto"`` leaves this fraction of device memory free (CUDA context, cuDNN
-#: workspaces, allocator fragmentation), and at least :data:`SAFETY_MARGIN_MIN_BYTES`.
-SAFETY_MARGIN_FRACTION = 0.10
-SAFETY_MARGIN_MIN_BYTES = 512 * 2**20
 #: Rounds of simulate-and-free before the planner gives up.
 MAX_ROUNDS = 40
 #: With synchronous swap-outs, how many copies out may still be pending when the forward pass
@@ -99,62 +102,6 @@ LOWER_AIMS = 2
 TIE_ORDERS_CHECKED = 4
 
 
-class InfeasibleBudgetError(LMSOptionError):
-    """No plan fits the budget; the message names the smallest budget that fits.
-
-    Attributes:
-        budget_bytes: The budget asked for.
-        smallest_feasible_bytes: The simulated peak with every movable tensor moved.
-
-    Example:
-        >>> err = _infeasible("too small", 10, 20)
-        >>> err.smallest_feasible_bytes
-        20
-    """
-
-    # No __init__ of its own: AutoGraph re-raises only exceptions with Exception's __init__ as
-    # themselves (lms_tf.errors); the figures are attributes set by :func:`_infeasible`.
-    budget_bytes: int = 0
-    smallest_feasible_bytes: int = 0
-
-
-def _infeasible(message: str, budget_bytes: int, smallest_feasible_bytes: int) -> InfeasibleBudgetError:
-    err = InfeasibleBudgetError(message)
-    err.budget_bytes, err.smallest_feasible_bytes = budget_bytes, smallest_feasible_bytes
-    return err
-
-
-def resolve_budget(budget, *, baseline_peak_bytes: int, device: DeviceSpec, resident: int) -> int:
-    """Turns a validated budget (see :func:`lms_tf.options.parse_budget`) into bytes.
-
-    Args:
-        budget: Bytes, a fraction of the plain peak, or ``"auto"``.
-        baseline_peak_bytes: Simulated peak of the plain step.
-        device: The device (for ``"auto"``).
-        resident: Bytes of variables resident on the device (weights, optimizer slots).
-
-    Raises:
-        InfeasibleBudgetError: ``"auto"`` and the variables alone do not fit the device.
-
-    Example:
-        >>> from lms_tf.cost import get_device_spec
-        >>> resolve_budget(0.25, baseline_peak_bytes=400, device=get_device_spec("v100-16gb-pcie3"), resident=0)
-        100
-    """
-    if isinstance(budget, float):
-        return int(budget * baseline_peak_bytes)
-    if budget == "auto":
-        margin = max(SAFETY_MARGIN_MIN_BYTES, int(SAFETY_MARGIN_FRACTION * device.memory_bytes))
-        available = device.memory_bytes - resident - margin
-        if available <= 0:
-            raise _infeasible(
-                f"budget='auto': the step's variables ({resident / 2**30:.2f} GiB) plus the safety margin "
-                f"({margin / 2**30:.2f} GiB) do not fit {device.name} ({device.memory_bytes / 2**30:.2f} GiB). Use a "
-                f"larger device, optimizer_on_host=True, or a smaller model.", 0, resident + margin)
-        return available
-    return int(budget)
-
-
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.3f} GiB ({nbytes} bytes)"
 
@@ -177,11 +124,11 @@ class _Tools:
 
 
 class _Planner:
-    def __init__(self, ir: GraphIR, options: LMSOptions, device: str, cost: CostModel,
+    def __init__(self, ir: GraphIR, policies: Policies, device: str, cost: CostModel,
                  scope_aliases: Mapping[str, str]):
-        self.ir, self.options, self.device, self.cost = ir, options, device, cost
+        self.ir, self.policies, self.device, self.cost = ir, policies, device, cost
         self.scope_aliases = scope_aliases
-        self.found: Candidates = collect_candidates(ir, options, device=device, scope_aliases=scope_aliases)
+        self.found: Candidates = collect_candidates(ir, policies, device=device, scope_aliases=scope_aliases)
         self.eligible = set(self.found.eligible)
         self.op_times = {op.name: cost.op_time(ir, op) for op in ir.ops}
         self.baseline = simulate(ir, None, cost=cost, top=None, op_times=self.op_times)
@@ -203,7 +150,7 @@ class _Planner:
         """Recompute-only starting points, cheapest first: none, "cheap", "sqrt" with several
         segment counts (segments share one gate each, so every op is recomputed at most once),
         or exactly the layers the user named."""
-        policy = self.options.recompute
+        policy = self.policies.recompute
         if not policy:
             return [("none", {})]
         if isinstance(policy, tuple):
@@ -225,14 +172,14 @@ class _Planner:
 
     def _recompute_only(self, policy, segments: Optional[int] = None,
                         also: Optional[Mapping[str, str]] = None) -> Dict[str, TensorDecision]:
-        options = dataclasses.replace(self.options, swap=False, recompute=policy, budget=None)
-        plan = make_plan(self.ir, options, device=self.device, scope_aliases=self.scope_aliases,
+        policies = dataclasses.replace(self.policies, swap=False, recompute=policy, budget=None)
+        plan = make_plan(self.ir, policies, device=self.device, scope_aliases=self.scope_aliases,
                          sqrt_segments=segments, candidates=self.found, also_recompute=also)
         return {d.tensor: d for d in plan.recomputed}
 
     def assemble(self, swap: Set[str], recomputed: Mapping[str, TensorDecision], tools: _Tools = _Tools(),
                  orderings: Tuple[Ordering, ...] = (), leads: Optional[Mapping[str, float]] = None) -> Plan:
-        ir, found, options = self.ir, self.found, self.options
+        ir, found, policies = self.ir, self.found, self.policies
         decisions: Dict[str, TensorDecision] = dict(found.kept)
         for name in found.eligible:
             if name in recomputed:
@@ -248,8 +195,8 @@ class _Planner:
             swapped = [d for d in decisions.values() if d.decision is Decision.SWAP]
             decisions.update(self.swap_out_waits(swapped))
             decisions.update(self.lagged_swap_ins([decisions[d.tensor] for d in swapped]))
-        return Plan(decisions=tuple(decisions[n] for n in found.order), device=self.device, host=options.host,
-                    options=options.to_dict(), phase_counts=ir.phase_counts(), orderings=orderings)
+        return Plan(decisions=tuple(decisions[n] for n in found.order), device=self.device, host=policies.host,
+                    policies=policies.to_dict(), phase_counts=ir.phase_counts(), orderings=orderings)
 
     def swap_out_waits(self, swapped: List[TensorDecision]) -> Dict[str, TensorDecision]:
         """TFLMS's synchronous swap-out, with some slack: the producer of the swapped tensor
@@ -310,7 +257,7 @@ class _Planner:
         intervals = self.baseline.op_intervals
         groups: List[List] = []
         for consumer in sorted(found.backward_of[tensor], key=lambda c: c.index):
-            if groups and consumer.index - groups[-1][0].index <= self.options.swapin_groupby:
+            if groups and consumer.index - groups[-1][0].index <= self.policies.swapin_groupby:
                 groups[-1].append(consumer)
             else:
                 groups.append([consumer])
@@ -492,7 +439,7 @@ class _Planner:
         for _ in range(MAX_ROUNDS):
             if sim.held_bytes <= budget_bytes:
                 break
-            swapped = self.swap_round(budget_bytes, sim, swap, recomputed, link_busy) if self.options.swap else None
+            swapped = self.swap_round(budget_bytes, sim, swap, recomputed, link_busy) if self.policies.swap else None
             if swapped is not None:
                 candidate = self.assemble(swapped[0], recomputed, tools, orderings)
                 candidate_sim = self.simulate(candidate)
@@ -520,7 +467,7 @@ class _Planner:
         idle = []
         for name, nbytes in sim.live_at_peak:
             if (name not in self.eligible or name in swap or name in recomputed or not nbytes
-                    or nbytes < self.options.min_swap_bytes):
+                    or nbytes < self.policies.min_swap_bytes):
                 continue
             producer = sim.op_intervals.get(self.ir.tensors[name].producer)
             readers = [sim.op_intervals[c.name][0] for c in self.found.backward_of[name]
@@ -639,7 +586,7 @@ class _Planner:
         # simulates the step again many times).
         passes = [(bases, _Tools(), ""), (bases, _Tools(late_swap_ins=True), " + late swap-ins"),
                   (bases, _Tools(late_swap_ins=True, order=True), " + late swap-ins + orderings")]
-        if self.options.swap:
+        if self.policies.swap:
             passes.append((every_base, _Tools(order=True, throttle=True), " + orderings + waits for copies out"))
         floors = {label: self.compute_floor(recomputed) for label, recomputed in every_base}
         for candidates, tools, suffix in passes:
@@ -698,29 +645,30 @@ def _recomputed_checkpoints(count: int) -> str:
     return f" ({count} swapped checkpoint{'s' if count > 1 else ''} recomputed)" if count else ""
 
 
-def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,
-                     scope_aliases: Optional[Mapping[str, str]] = None,
-                     cost: Optional[CostModel] = None) -> Plan:
-    """Plans the step so its simulated peak fits ``options.budget`` at the least predicted slowdown.
+def make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, cost: CostModel,
+                     scope_aliases: Optional[Mapping[str, str]] = None) -> Plan:
+    """Plans the step so its simulated peak fits ``policies.budget`` at the least predicted slowdown.
 
     Args:
         ir: The step's IR.
-        options: Validated options with a ``budget``.
+        policies: Validated policies with a ``budget``.
         device: Full name of the managed accelerator.
         scope_aliases: Keras layer name -> its name scope in this trace.
-        cost: The cost model (default: from ``options.device_spec``).
+        cost: The cost model of the device planned for.
 
     Returns:
         The plan, with the simulated peaks, predicted times and ``feasible=True``.
 
     Raises:
         InfeasibleBudgetError: Nothing fits; the message names the smallest feasible budget.
-        LMSOptionError: Bad ``exclude``/``recompute`` names or device preset.
+        LMSOptionError: Bad ``exclude``/``recompute`` names.
 
     Example:
-        >>> from lms_tf.graph.ir import GraphIR
-        >>> opts = LMSOptions(budget="1GiB", device_spec="a100-40gb-pcie4")
-        >>> make_budget_plan(GraphIR((), {}, frozenset(), {}), opts, device="/device:GPU:0").feasible
+        >>> from lms_tf.core.ir import GraphIR
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> plan = make_budget_plan(GraphIR((), {}, frozenset(), {}), Policies(budget="1GiB"), device="/device:GPU:0",
+        ...                         cost=CostModel(get_device_spec("a100-40gb-pcie4")))
+        >>> plan.predictions.feasible
         True
     """
     # The simulations create millions of short-lived, acyclic objects; the cyclic garbage
@@ -729,28 +677,30 @@ def make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str,
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _make_budget_plan(ir, options, device=device, scope_aliases=scope_aliases, cost=cost)
+        return _make_budget_plan(ir, policies, device=device, scope_aliases=scope_aliases, cost=cost)
     finally:
         if collecting:
             gc.enable()
 
 
-def _make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str, scope_aliases: Optional[Mapping[str, str]],
-                      cost: Optional[CostModel]) -> Plan:
+def _make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, scope_aliases: Optional[Mapping[str, str]],
+                      cost: CostModel) -> Plan:
+    if policies.budget is None:
+        raise LMSOptionError("make_budget_plan needs policies with a budget (bytes, a fraction or 'auto'); received "
+                             "budget=None. Use make_plan for the TFLMS rule without a budget.")
     started = time.perf_counter()
-    spec = get_device_spec(options.device_spec or "auto")
-    cost = cost or CostModel(spec)
-    planner = _Planner(ir, options, device, cost, scope_aliases or {})
+    spec = cost.device
+    planner = _Planner(ir, policies, device, cost, scope_aliases or {})
     baseline = planner.baseline
-    budget_bytes = resolve_budget(options.budget, baseline_peak_bytes=baseline.peak_bytes, device=spec,
-                                  resident=planner.resident)
+    budget_bytes = resolve_budget(policies.budget, baseline_peak_bytes=baseline.peak_bytes,
+                                  memory_bytes=spec.memory_bytes, device_name=spec.name, resident=planner.resident)
     plan, sim, label, floor = planner.fit(budget_bytes)
     if sim.held_bytes > budget_bytes:
         counted = "in TensorFlow's allocator's whole chunks" if floor > sim.peak_bytes else "simulated"
-        kinds = " and ".join(k for k, on in (("swapping", options.swap), ("recomputing", options.recompute)) if on)
-        hint = ("" if options.swap and options.recompute else
-                f", or allow {'recompute' if not options.recompute else 'swap'} too")
-        raise _infeasible(
+        kinds = " and ".join(k for k, on in (("swapping", policies.swap), ("recomputing", policies.recompute)) if on)
+        hint = ("" if policies.swap and policies.recompute else
+                f", or allow {'recompute' if not policies.recompute else 'swap'} too")
+        raise infeasible(
             f"budget {_gib(budget_bytes)} is infeasible on {spec.name}: the plain step peaks at "
             f"{_gib(baseline.peak_bytes)} (simulated) and {kinds or 'moving'} every movable tensor still needs "
             f"{_gib(floor)} ({counted}). The smallest feasible budget is about {_gib(floor)}; pass budget >= that, "
@@ -759,8 +709,7 @@ def _make_budget_plan(ir: GraphIR, options: LMSOptions, *, device: str, scope_al
     logger.info("lms-tf planner: %s peak %.1f -> %.1f MiB (budget %.1f MiB; recompute %s; %d simulations) "
                 "in %.2f s", spec.name, baseline.peak_bytes / 2**20, sim.peak_bytes / 2**20, budget_bytes / 2**20,
                 label, planner.simulations, time.perf_counter() - started)
-    return dataclasses.replace(
-        plan, budget_bytes=budget_bytes, baseline_peak_bytes=baseline.peak_bytes, planned_peak_bytes=sim.peak_bytes,
-        planned_allocator_peak_bytes=sim.allocator_peak_bytes,
-        baseline_step_time_s=baseline.step_time_s, predicted_step_time_s=sim.step_time_s, device_spec=spec.name,
-        feasible=True)
+    return dataclasses.replace(plan, budget_bytes=budget_bytes, device_spec=spec.name, predictions=Predictions(
+        baseline_peak_bytes=baseline.peak_bytes, planned_peak_bytes=sim.peak_bytes,
+        planned_allocator_peak_bytes=sim.allocator_peak_bytes, baseline_step_time_s=baseline.step_time_s,
+        predicted_step_time_s=sim.step_time_s, feasible=True))

@@ -17,8 +17,8 @@ give the same values.
 
 Example:
     >>> import tensorflow as tf
-    >>> from lms_tf.graph import build_ir
-    >>> from lms_tf.options import LMSOptions
+    >>> from lms_tf.tf.trace import build_ir
+    >>> from lms_tf.core.policy import Policies
     >>> w = tf.Variable(tf.ones((64, 64)))
     >>> @tf.function
     ... def step(x):
@@ -30,7 +30,7 @@ Example:
     ...     w.assign_sub(tape.gradient(loss, w))
     ...     return loss
     >>> ir = build_ir(step.get_concrete_function(tf.ones((256, 64))).graph)
-    >>> opts = LMSOptions(device="/CPU:0", host="/CPU:1", swapout_threshold=4, swapin_ahead=1, min_swap_bytes=1)
+    >>> opts = Policies(host="/CPU:1", swapout_threshold=4, swapin_ahead=1, min_swap_bytes=1)
     >>> plan = make_plan(ir, opts, device="/device:CPU:0")
     >>> [d.tensor for d in plan.swapped]   # the last one is read by the very first gradient op
     ['Relu:0', 'Relu_1:0', 'Relu_2:0']
@@ -39,64 +39,41 @@ Example:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import fnmatch
 import math
-import dataclasses
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-import tensorflow as tf
+from lms_tf.core.errors import GraphAnalysisError, LMSOptionError
+from lms_tf.core.ir import GraphIR, OpInfo, Phase, device_kind_and_index, layer_of
+from lms_tf.core.op_kinds import (
+    CHEAP_OP_TYPES,
+    CONTROL_FLOW_OP_TYPES,
+    DATA_SOURCE_OP_TYPES,
+    FUSABLE_GATE_TYPES,
+    HOST_DTYPES,
+    LAYER_OP_TYPES,
+    METADATA_READER_TYPES,
+    NEVER_CLONED_TYPES,
+    VARIABLE_READ_TYPES,
+)
+from lms_tf.core.plan import Decision, Plan, SwapIn, TensorDecision
+from lms_tf.core.policy import Policies
 
-from lms_tf.errors import GraphAnalysisError, LMSOptionError
-from lms_tf.graph.ir import CONTROL_FLOW_OP_TYPES, DATA_SOURCE_OP_TYPES, GraphIR, OpInfo, Phase, layer_of
-from lms_tf.options import LMSOptions
-from lms_tf.planner.plan import Decision, Plan, SwapIn, TensorDecision
-
-_VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2", "ResourceGather",
-                                  "VarIsInitializedOp", "_ReadVariablesOp"})
-#: dtypes that live in host memory on a GPU (int32) or have no fixed size: never swapped or recomputed.
-_HOST_DTYPES = frozenset({"int32", "string", "resource", "variant"})
 _GLOB_CHARS = set("*?[")
-
-#: Op types whose outputs ``recompute="cheap"`` recomputes: activations, elementwise math,
-#: normalisation arithmetic, pooling, concatenation and layout ops. Cheap in FLOPs per byte,
-#: so recomputing them costs little time for the memory it frees.
-CHEAP_OP_TYPES = frozenset({
-    # activations
-    "Relu", "Relu6", "Elu", "Selu", "Sigmoid", "Tanh", "Softplus", "Softsign", "LeakyRelu", "Gelu",
-    "Softmax", "LogSoftmax",
-    # elementwise
-    "Add", "AddV2", "Sub", "Mul", "RealDiv", "DivNoNan", "Maximum", "Minimum", "Neg", "Square",
-    "SquaredDifference", "Sqrt", "Rsqrt", "Exp", "Log", "Abs", "BiasAdd", "Cast", "Identity", "AddN",
-    "Select", "SelectV2", "Erf",
-    # normalisation (fused kernel and the reductions of unfused batch/layer norm)
-    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "Mean",
-    # pooling
-    "MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D",
-    # concat and layout
-    "ConcatV2", "Reshape", "Squeeze", "ExpandDims", "Transpose", "Pad", "StridedSlice", "Slice",
-    "Tile", "BroadcastTo",
-})
-#: Op types never cloned, whatever the policy: on CPUs, oneDNN's layout pass pairs each
-#: ``MaxPoolGrad``/``LRNGrad`` with the workspace output of the forward op that produced its
-#: ``orig_output``, so a clone there takes part in the rewrite; together with an early gate this
-#: made VGG16's recompute step cyclic at run time ("N nodes in a cycle"). Pooling is cheap to keep.
-NEVER_CLONED_TYPES = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D", "LRN"})
 
 
 def clonable(op: OpInfo) -> bool:
     """Whether the recompute pass may clone ``op``: not stateful, not in :data:`NEVER_CLONED_TYPES`.
 
     Example:
-        >>> from lms_tf.graph.ir import OpInfo, Phase
+        >>> from lms_tf.core.ir import OpInfo, Phase
         >>> clonable(OpInfo("p", "MaxPool", 0, Phase.FORWARD, "", (), (), ())), clonable(OpInfo("r", "Relu", 0, Phase.FORWARD, "", (), (), ()))
         (False, True)
     """
     return not op.stateful and op.type not in NEVER_CLONED_TYPES
 
 
-#: Op types that mark a layer's compute, used to list layer names in error messages.
-_LAYER_OP_TYPES = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMulV2", "Einsum",
-                             "BiasAdd", "FusedBatchNormV3", "ResourceGather", "GatherV2", "Relu"})
 
 
 def _is_glob(entry: str) -> bool:
@@ -121,7 +98,7 @@ def _exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappi
                     f"against op names such as {ir.ops[len(ir.ops) // 2].name!r}; fix or remove it.")
         elif targets[entry] not in scopes and not any(op.name == entry for op in ir.ops):
             layers = sorted({layer_of(op.name).split("/")[-1] for op in ir.ops
-                             if op.phase is Phase.FORWARD and op.type in _LAYER_OP_TYPES} - {""})
+                             if op.phase is Phase.FORWARD and op.type in LAYER_OP_TYPES} - {""})
             raise LMSOptionError(
                 f"exclude entry {entry!r} is not a layer name or op name of the traced step. "
                 f"Layers with compute ops in this trace: {', '.join(layers[:20])}"
@@ -141,20 +118,12 @@ def _exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappi
     return match
 
 
-#: Readers of a tensor's shape only. They run as soon as the tensor exists (with an unknown batch
-#: dimension the gradient asks for it early) and do not keep its value alive afterwards, so they
-#: stay on the original tensor and do not count as backward consumers.
-METADATA_READER_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
 
 def _reads_value_in_backward(op: OpInfo) -> bool:
     """Whether ``op`` is a backward op that needs the values it reads (not only their shape)."""
     return op.phase is Phase.BACKWARD and op.type not in METADATA_READER_TYPES
 
-#: Backward ops never used as gates or swap-in triggers: oneDNN fuses ``BiasAddGrad`` into the
-#: ``Conv2DBackpropFilter``/``MatMul`` next to it on CPUs; if that partner reads a tensor the gate
-#: releases, the fused node would wait for itself (seen with VGG16: "N nodes in a cycle").
-FUSABLE_GATE_TYPES = frozenset({"BiasAddGrad"})
 
 
 def _after_the_forward_pass(ir: GraphIR) -> Set[str]:
@@ -203,11 +172,7 @@ def _gate_candidates(ir: GraphIR) -> List[OpInfo]:
 
 def _same_device(op_device: str, device: str) -> bool:
     """An op without a requested device is placed on the accelerator by TF's placer."""
-    if not op_device:
-        return True
-    a, b = tf.DeviceSpec.from_string(op_device), tf.DeviceSpec.from_string(device)
-    return (a.device_type or "").upper() == (b.device_type or "").upper() and \
-        (a.device_index or 0) == (b.device_index or 0)
+    return not op_device or device_kind_and_index(op_device) == device_kind_and_index(device)
 
 
 def _ineligible(ir: GraphIR, op: OpInfo, tensor, readers, device: str, excluded_by) -> Optional[str]:
@@ -215,11 +180,11 @@ def _ineligible(ir: GraphIR, op: OpInfo, tensor, readers, device: str, excluded_
     exclusion = excluded_by(op.name)
     if op.name in ir.function_inputs:
         return "function input"
-    if op.type in _VARIABLE_READ_TYPES or tensor.dtype == "resource":
+    if op.type in VARIABLE_READ_TYPES or tensor.dtype == "resource":
         return "variable read"
     if op.name not in ir.data_dependent:
         return "derived from variables or constants only"
-    if tensor.dtype in _HOST_DTYPES:
+    if tensor.dtype in HOST_DTYPES:
         return f"host-resident dtype ({tensor.dtype})"
     if not _same_device(op.device, device):
         return f"placed on {op.device}, not the managed device"
@@ -234,7 +199,7 @@ def _ineligible(ir: GraphIR, op: OpInfo, tensor, readers, device: str, excluded_
     return None
 
 
-def _swap_decision(ir: GraphIR, op: OpInfo, tensor, backward, distance, options: LMSOptions,
+def _swap_decision(ir: GraphIR, op: OpInfo, tensor, backward, distance, policies: Policies,
                    gates: Sequence[OpInfo], gate_positions: Sequence[int]) -> TensorDecision:
     name = tensor.name
 
@@ -242,13 +207,13 @@ def _swap_decision(ir: GraphIR, op: OpInfo, tensor, backward, distance, options:
         return TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes, Decision.KEEP, reason,
                               distance, ())
 
-    if distance < options.swapout_threshold:
-        return keep(f"needed again after {distance} ops (< swapout_threshold={options.swapout_threshold})")
-    if tensor.nbytes < options.min_swap_bytes:
-        return keep(f"smaller than min_swap_bytes ({tensor.nbytes} < {options.min_swap_bytes})")
+    if distance < policies.swapout_threshold:
+        return keep(f"needed again after {distance} ops (< swapout_threshold={policies.swapout_threshold})")
+    if tensor.nbytes < policies.min_swap_bytes:
+        return keep(f"smaller than min_swap_bytes ({tensor.nbytes} < {policies.min_swap_bytes})")
     groups: List[List[OpInfo]] = []
     for consumer in sorted(backward, key=lambda c: c.index):
-        if groups and consumer.index - groups[-1][0].index <= options.swapin_groupby:
+        if groups and consumer.index - groups[-1][0].index <= policies.swapin_groupby:
             groups[-1].append(consumer)
         else:
             groups.append([consumer])
@@ -257,7 +222,7 @@ def _swap_decision(ir: GraphIR, op: OpInfo, tensor, backward, distance, options:
         before = bisect.bisect_left(gate_positions, group[0].index)
         if before == 0:
             return keep("no backward op runs before its first backward consumer to trigger a swap-in")
-        trigger = gates[max(0, before - options.swapin_ahead)]
+        trigger = gates[max(0, before - policies.swapin_ahead)]
         swap_ins.append(SwapIn(trigger.name, tuple(c.name for c in group)))
     return TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes, Decision.SWAP, "swap", distance,
                           tuple(swap_ins))
@@ -267,7 +232,7 @@ def articulation_count(ir: GraphIR) -> int:
     """How many articulation tensors the forward pass has (segment boundaries for ``"sqrt"``).
 
     Example:
-        >>> from lms_tf.graph.ir import GraphIR
+        >>> from lms_tf.core.ir import GraphIR
         >>> articulation_count(GraphIR((), {}, frozenset(), {}))
         0
     """
@@ -290,7 +255,7 @@ def _articulation_tensors(ir: GraphIR) -> List[str]:
             continue
         for t in op.outputs:
             uses = [position[c] for c in ir.tensors[t].consumers if c in position]
-            if uses and ir.tensors[t].dtype not in _HOST_DTYPES:
+            if uses and ir.tensors[t].dtype not in HOST_DTYPES:
                 last_use[t] = max(uses)
     ends: Dict[int, int] = {}
     for t, end in last_use.items():
@@ -329,7 +294,7 @@ def _balanced_checkpoints(ir: GraphIR, cuts: Sequence[str], activations: Sequenc
     return checkpoints
 
 
-def _recompute_targets(ir: GraphIR, eligible: Sequence[str], options: LMSOptions,
+def _recompute_targets(ir: GraphIR, eligible: Sequence[str], policies: Policies,
                        scope_aliases: Mapping[str, str], segments: Optional[int] = None):
     """The tensors the policy recomputes, the segment each belongs to, and which pure
     intermediates a clone may recompute through.
@@ -344,7 +309,7 @@ def _recompute_targets(ir: GraphIR, eligible: Sequence[str], options: LMSOptions
     eligible_set = set(clonable_tensors)
     cuts = [t for t in _articulation_tensors(ir) if t in eligible_set]
     index = lambda t: ir.op(ir.tensors[t].producer).index  # noqa: E731
-    policy = options.recompute
+    policy = policies.recompute
     if policy == "sqrt":
         if len(cuts) < 4:  # no usable articulation points: fall back to evenly spaced checkpoints
             cuts = sorted(clonable_tensors, key=index)
@@ -385,7 +350,7 @@ class _RegionFinder:
         producer = ir.op(info.producer)
         return (producer.phase is Phase.FORWARD and producer.name in ir.data_dependent
                 and clonable(producer) and producer.name not in ir.function_inputs
-                and producer.type not in CONTROL_FLOW_OP_TYPES and producer.type not in _VARIABLE_READ_TYPES
+                and producer.type not in CONTROL_FLOW_OP_TYPES and producer.type not in VARIABLE_READ_TYPES
                 and info.dtype not in ("resource", "variant")
                 and not any(_reads_value_in_backward(ir.op(c)) for c in info.consumers)
                 and self.through(producer))  # a pure intermediate: recompute it too
@@ -427,8 +392,8 @@ class Candidates:
         gate_positions: Their execution indices.
 
     Example:
-        >>> from lms_tf.graph.ir import GraphIR
-        >>> collect_candidates(GraphIR((), {}, frozenset(), {}), LMSOptions(), device="/device:GPU:0").eligible
+        >>> from lms_tf.core.ir import GraphIR
+        >>> collect_candidates(GraphIR((), {}, frozenset(), {}), Policies(), device="/device:GPU:0").eligible
         ()
     """
 
@@ -444,14 +409,14 @@ class Candidates:
         """How many gates run before the op at execution index ``index`` (``gates[n - 1]`` is the last).
 
         Example:
-            >>> from lms_tf.graph.ir import GraphIR
-            >>> collect_candidates(GraphIR((), {}, frozenset(), {}), LMSOptions(), device="/device:GPU:0").gates_before(5)
+            >>> from lms_tf.core.ir import GraphIR
+            >>> collect_candidates(GraphIR((), {}, frozenset(), {}), Policies(), device="/device:GPU:0").gates_before(5)
             0
         """
         return bisect.bisect_left(self.gate_positions, index)
 
 
-def collect_candidates(ir: GraphIR, options: LMSOptions, *, device: str,
+def collect_candidates(ir: GraphIR, policies: Policies, *, device: str,
                        scope_aliases: Optional[Mapping[str, str]] = None) -> Candidates:
     """Finds the forward tensors the backward pass reads and which of them may be moved.
 
@@ -460,11 +425,11 @@ def collect_candidates(ir: GraphIR, options: LMSOptions, *, device: str,
         GraphAnalysisError: A movable tensor has an unresolvable size.
 
     Example:
-        >>> from lms_tf.graph.ir import GraphIR
-        >>> collect_candidates(GraphIR((), {}, frozenset(), {}), LMSOptions(), device="/device:GPU:0").order
+        >>> from lms_tf.core.ir import GraphIR
+        >>> collect_candidates(GraphIR((), {}, frozenset(), {}), Policies(), device="/device:GPU:0").order
         ()
     """
-    excluded_by = _exclusion_matcher(ir, options.exclude, scope_aliases or {})
+    excluded_by = _exclusion_matcher(ir, policies.exclude, scope_aliases or {})
     gates = _gate_candidates(ir)
     order: List[str] = []
     kept: Dict[str, TensorDecision] = {}
@@ -510,8 +475,8 @@ def checkpoint_gates(ir: GraphIR, found: Candidates, tensor: str,
     None if no gate runs before its first backward reader.
 
     Example:
-        >>> from lms_tf.graph.ir import GraphIR
-        >>> found = collect_candidates(GraphIR((), {}, frozenset(), {}), LMSOptions(), device="/device:GPU:0")
+        >>> from lms_tf.core.ir import GraphIR
+        >>> found = collect_candidates(GraphIR((), {}, frozenset(), {}), Policies(), device="/device:GPU:0")
         >>> checkpoint_gates(GraphIR((), {}, frozenset(), {}), found, "t:0", [])
         ()
     """
@@ -543,19 +508,19 @@ def _check_also_recompute(ir: GraphIR, found: Candidates, deeper: Mapping[str, s
                 f"{list(checkpoint_gates(ir, found, tensor, ()))}.")
 
 
-def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
+def make_plan(ir: GraphIR, policies: Policies, *, device: str,
               scope_aliases: Optional[Mapping[str, str]] = None, sqrt_segments: Optional[int] = None,
               candidates: Optional["Candidates"] = None, also_recompute: Optional[Mapping[str, str]] = None) -> Plan:
     """Makes the default plan for a traced step: swaps (TFLMS rule) and the recompute policy.
 
     Args:
         ir: The step's IR.
-        options: Validated options.
-        device: Full name of the managed accelerator (``options.device`` or the detected GPU).
+        policies: Validated policies.
+        device: Full name of the managed accelerator.
         scope_aliases: Keras layer name -> its name scope in this trace, for ``exclude``.
         sqrt_segments: With ``recompute="sqrt"``, the number of segments (default: about the
             square root of the number of articulation tensors). The budget planner tries several.
-        candidates: The step's :func:`collect_candidates` for these options, if already known.
+        candidates: The step's :func:`collect_candidates` for these policies, if already known.
         also_recompute: Checkpoints of the recompute policy to recompute too, from the checkpoints
             before them (recursive recompute: more compute, fewer bytes kept or swapped), each
             mapped to its gate (one of :func:`checkpoint_gates`). The budget planner picks these.
@@ -570,12 +535,12 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
         GraphAnalysisError: A tensor that would be swapped has an unresolvable size.
 
     Example:
-        >>> from lms_tf.graph.ir import GraphIR
-        >>> make_plan(GraphIR((), {}, frozenset(), {}), LMSOptions(), device="/device:GPU:0").decisions
+        >>> from lms_tf.core.ir import GraphIR
+        >>> make_plan(GraphIR((), {}, frozenset(), {}), Policies(), device="/device:GPU:0").decisions
         ()
     """
     aliases = scope_aliases or {}
-    found = candidates or collect_candidates(ir, options, device=device, scope_aliases=aliases)
+    found = candidates or collect_candidates(ir, policies, device=device, scope_aliases=aliases)
     gates, gate_positions, backward_of, eligible = (found.gates, found.gate_positions, found.backward_of,
                                                     found.eligible)
     order = found.order
@@ -583,15 +548,15 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
     for name in eligible:
         op, tensor = ir.op(ir.tensors[name].producer), ir.tensors[name]
         distance = found.distance[name]
-        if options.swap:
-            decisions[name] = _swap_decision(ir, op, tensor, backward_of[name], distance, options, gates,
+        if policies.swap:
+            decisions[name] = _swap_decision(ir, op, tensor, backward_of[name], distance, policies, gates,
                                              gate_positions)
         else:
             decisions[name] = TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes,
                                              Decision.KEEP, "swap=False", distance, ())
 
-    if options.recompute:
-        segment_of, through = _recompute_targets(ir, eligible, options, aliases, sqrt_segments)
+    if policies.recompute:
+        segment_of, through = _recompute_targets(ir, eligible, policies, aliases, sqrt_segments)
         # A tensor read before any gate can run (label handling at the very start of the backward
         # pass) cannot be recomputed; it must not drag its segment's shared gate before every gate.
         segment_of = {name: seg for name, seg in segment_of.items()
@@ -624,11 +589,11 @@ def make_plan(ir: GraphIR, options: LMSOptions, *, device: str,
             if before == 0:
                 continue
             old = decisions[name]
-            why = f"recompute ({options.recompute})" if isinstance(options.recompute, str) else "recompute (named)"
+            why = f"recompute ({policies.recompute})" if isinstance(policies.recompute, str) else "recompute (named)"
             decisions[name] = TensorDecision(
                 name, old.layer, old.shape, old.nbytes, Decision.RECOMPUTE, why, old.distance, (),
                 recompute_ops=regions.region(name), gate=gates[before - 1].name,
                 consumers=tuple(c.name for c in sorted(backward_of[name], key=lambda c: c.index)))
 
-    return Plan(decisions=tuple(decisions[n] for n in order), device=device, host=options.host,
-                options=options.to_dict(), phase_counts=ir.phase_counts())
+    return Plan(decisions=tuple(decisions[n] for n in order), device=device, host=policies.host,
+                policies=policies.to_dict(), phase_counts=ir.phase_counts())

@@ -33,7 +33,7 @@ import bisect
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from lms_tf.errors import LMSError
+from lms_tf.core.errors import LMSError
 
 MIN_ALLOCATION_BYTES = 256
 NUM_BINS = 21
@@ -260,7 +260,7 @@ def replay_allocations(log: Sequence[Tuple[str, str, object]], model: BFCAllocat
         model: A fresh allocator model.
         resident: ``(key, bytes)`` buffers alive for the whole run.
         history: Events before the first step, in the same form as ``log``; what they leave
-            allocated stays (e.g. :func:`lms_tf.planner.simulator.pool_history`).
+            allocated stays (e.g. :func:`lms_tf.simulate.simulator.pool_history`).
         warm_steps: Steps replayed before the measured one.
 
     Returns:

@@ -13,7 +13,7 @@ recompute the rest, as KARMA does). An op shared by several regions with the sam
 is cloned once. Clones carry ``_lms="recompute"``.
 
 Example:
-    >>> from lms_tf.rewrite.recompute import insert_recomputes
+    >>> from lms_tf.tf.rewrite.recompute import insert_recomputes
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from typing import Dict, Tuple
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.planner.plan import Plan
-from lms_tf.rewrite.common import mark, repoint_consumers
-from lms_tf.rewrite.swap import gated_swap_in
+from lms_tf.core.op_kinds import recompute_clone_name
+from lms_tf.core.plan import Plan
+from lms_tf.tf.rewrite.common import mark, repoint_consumers
+from lms_tf.tf.rewrite.swap import gated_swap_in
 
 CLONE_OF_ATTR = "_lms_clone_of"
 CLONE_GATE_ATTR = "_lms_gate"
@@ -43,7 +44,7 @@ def simulator_name(graph: tf.Graph, op_name: str) -> str:
     """
     op = graph.get_operation_by_name(op_name)
     source = _compat.string_attr(op, CLONE_OF_ATTR)
-    return f"recompute/{_compat.string_attr(op, CLONE_GATE_ATTR)}/{source}" if source else op_name
+    return recompute_clone_name(_compat.string_attr(op, CLONE_GATE_ATTR), source) if source else op_name
 
 
 def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tensor],

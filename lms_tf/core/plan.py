@@ -1,9 +1,16 @@
-"""The plan: an immutable, printable value saying what happens to each forward tensor.
+"""The plan: an immutable value saying what happens to each forward tensor, to print, save, edit and apply.
+
+Decisions (KEEP / SWAP / RECOMPUTE per tensor, with the ops that trigger, gate and read each
+move, and the orderings imposed on backward branches) are kept apart from predictions (the
+simulated peaks and step times), which the planner fills in and an edit does not need to keep.
+``Plan.from_json(plan.to_json()) == plan``; the JSON carries :data:`PLAN_SCHEMA_VERSION`.
 
 Example:
-    >>> p = Plan(decisions=(), device="/device:GPU:0", host="/device:CPU:0", options={}, phase_counts={})
+    >>> p = Plan(decisions=(), device="/device:GPU:0", host="/device:CPU:0", policies={}, phase_counts={})
     >>> p.swapped_bytes, p.num_swap_ins
     (0, 0)
+    >>> Plan.from_json(p.to_json()) == p
+    True
 """
 
 from __future__ import annotations
@@ -13,6 +20,11 @@ import dataclasses
 import enum
 import json
 from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from lms_tf.core.errors import LMSOptionError
+
+#: Version of the plan's JSON form; :meth:`Plan.from_json` refuses any other.
+PLAN_SCHEMA_VERSION = 1
 
 
 class Decision(str, enum.Enum):
@@ -108,6 +120,44 @@ class Ordering:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Predictions:
+    """What the simulator predicts for a plan on the device it was planned for.
+
+    Attributes:
+        baseline_peak_bytes: Simulated peak of the plain step.
+        planned_peak_bytes: Simulated peak with the plan.
+        planned_allocator_peak_bytes: The planned step's peak as TensorFlow's GPU allocator
+            counts it (whole chunks: :mod:`lms_tf.simulate.allocator`).
+        baseline_step_time_s: Predicted time of the plain step with unlimited memory.
+        predicted_step_time_s: Predicted time with the plan (swap stalls, recompute included).
+        feasible: Whether the simulated peak fits the budget.
+
+    Example:
+        >>> Predictions(baseline_step_time_s=2.0, predicted_step_time_s=2.5).overhead
+        1.25
+    """
+
+    baseline_peak_bytes: Optional[int] = None
+    planned_peak_bytes: Optional[int] = None
+    planned_allocator_peak_bytes: Optional[int] = None
+    baseline_step_time_s: Optional[float] = None
+    predicted_step_time_s: Optional[float] = None
+    feasible: Optional[bool] = None
+
+    @property
+    def overhead(self) -> Optional[float]:
+        """Predicted step time with the plan / without it (unlimited memory), or None.
+
+        Example:
+            >>> Predictions().overhead is None
+            True
+        """
+        if not self.baseline_step_time_s or self.predicted_step_time_s is None:
+            return None
+        return self.predicted_step_time_s / self.baseline_step_time_s
+
+
 def _mib(nbytes: Optional[int]) -> str:
     return "?" if nbytes is None else f"{nbytes / 2**20:.2f}"
 
@@ -120,19 +170,12 @@ class Plan:
         decisions: One entry per forward tensor that a backward op reads, in execution order.
         device: The managed accelerator.
         host: Where swapped tensors live.
-        options: The options the plan was made with.
+        policies: The policies the plan was made with (:meth:`lms_tf.core.policy.Policies.to_dict`).
         phase_counts: Number of forward/backward/update ops in the step.
-        budget_bytes: The memory budget the planner fitted (None: the default plan, no budget).
-        baseline_peak_bytes: Simulated peak of the plain step.
-        planned_peak_bytes: Simulated peak with this plan.
-        planned_allocator_peak_bytes: The planned step's peak as TensorFlow's GPU allocator
-            counts it (whole chunks: :mod:`lms_tf.planner.allocator`); the budget planner makes
-            this fit the budget too.
-        baseline_step_time_s: Predicted time of the plain step with unlimited memory.
-        predicted_step_time_s: Predicted time with this plan (swap stalls, recompute included).
+        budget_bytes: The memory budget the planner fitted (None: the TFLMS rule, no budget).
         device_spec: Name of the device the simulation modelled.
-        feasible: Whether the simulated peak fits the budget.
         orderings: Backward branches made to run one after the other (see :class:`Ordering`).
+        predictions: The simulator's peaks and times for this plan (:class:`Predictions`).
 
     Example:
         >>> plan = Plan((), "/device:GPU:0", "/device:CPU:0", {}, {"forward": 3})
@@ -143,29 +186,12 @@ class Plan:
     decisions: Tuple[TensorDecision, ...]
     device: str
     host: str
-    options: Mapping[str, Any]
+    policies: Mapping[str, Any]
     phase_counts: Mapping[str, int]
     budget_bytes: Optional[int] = None
-    baseline_peak_bytes: Optional[int] = None
-    planned_peak_bytes: Optional[int] = None
-    planned_allocator_peak_bytes: Optional[int] = None
-    baseline_step_time_s: Optional[float] = None
-    predicted_step_time_s: Optional[float] = None
     device_spec: Optional[str] = None
-    feasible: Optional[bool] = None
     orderings: Tuple[Ordering, ...] = ()
-
-    @property
-    def predicted_overhead(self) -> Optional[float]:
-        """Predicted step time with the plan / without it (unlimited memory), or None.
-
-        Example:
-            >>> Plan((), "d", "h", {}, {}, baseline_step_time_s=2.0, predicted_step_time_s=2.5).predicted_overhead
-            1.25
-        """
-        if not self.baseline_step_time_s or self.predicted_step_time_s is None:
-            return None
-        return self.predicted_step_time_s / self.baseline_step_time_s
+    predictions: Predictions = Predictions()
 
     def layer_table(self) -> List[Dict[str, Any]]:
         """One row per layer: tensors and bytes per decision, and the most common reason.
@@ -324,55 +350,118 @@ class Plan:
         """Budget, simulated peaks and predicted overhead in one line.
 
         Example:
-            >>> p = Plan((), "d", "h", {}, {}, budget_bytes=2**20, baseline_peak_bytes=2**21,
-            ...          planned_peak_bytes=2**20, baseline_step_time_s=1.0, predicted_step_time_s=1.1,
-            ...          device_spec="v100-16gb-pcie3", feasible=True)
+            >>> p = Plan((), "d", "h", {}, {}, budget_bytes=2**20, device_spec="v100-16gb-pcie3",
+            ...          predictions=Predictions(baseline_peak_bytes=2**21, planned_peak_bytes=2**20,
+            ...                                  baseline_step_time_s=1.0, predicted_step_time_s=1.1, feasible=True))
             >>> print(p.budget_line())
             budget 1.00 MiB on v100-16gb-pcie3: simulated peak 2.00 MiB plain -> 1.00 MiB planned (fits); predicted step 1000.0 ms -> 1100.0 ms (1.10x)
         """
-        fits = "fits" if self.feasible else "DOES NOT FIT"
+        pred = self.predictions
+        fits = "fits" if pred.feasible else "DOES NOT FIT"
+        chunks = ("" if pred.planned_allocator_peak_bytes is None
+                  else f", {_mib(pred.planned_allocator_peak_bytes)} MiB in allocator chunks")
         return (f"budget {_mib(self.budget_bytes)} MiB on {self.device_spec}: simulated peak "
-                f"{_mib(self.baseline_peak_bytes)} MiB plain -> {_mib(self.planned_peak_bytes)} MiB planned"
-                f"{'' if self.planned_allocator_peak_bytes is None else f', {_mib(self.planned_allocator_peak_bytes)} MiB in allocator chunks'}"
-                f" ({fits}); "
-                f"predicted step {1e3 * (self.baseline_step_time_s or 0):.1f} ms -> "
-                f"{1e3 * (self.predicted_step_time_s or 0):.1f} ms ({self.predicted_overhead or 0:.2f}x)")
+                f"{_mib(pred.baseline_peak_bytes)} MiB plain -> {_mib(pred.planned_peak_bytes)} MiB planned"
+                f"{chunks} ({fits}); "
+                f"predicted step {1e3 * (pred.baseline_step_time_s or 0):.1f} ms -> "
+                f"{1e3 * (pred.predicted_step_time_s or 0):.1f} ms ({pred.overhead or 0:.2f}x)")
 
     def __str__(self) -> str:
         return self.summary()
 
     def to_dict(self) -> Dict[str, Any]:
-        """The plan as plain data.
+        """The plan as plain data: decisions, predictions, and derived totals for reading.
 
         Example:
-            >>> {"decisions", "device", "planned_peak_bytes"} <= set(Plan((), "d", "h", {}, {}).to_dict())
+            >>> {"decisions", "device", "predictions", "schema_version"} <= set(Plan((), "d", "h", {}, {}).to_dict())
             True
         """
         return {
-            "device": self.device, "host": self.host, "options": dict(self.options),
-            "phase_counts": dict(self.phase_counts), "swapped_bytes": self.swapped_bytes,
-            "num_swapped": len(self.swapped), "num_swap_ins": self.num_swap_ins,
-            "recomputed_bytes": self.recomputed_bytes, "num_recomputed": len(self.recomputed),
-            "num_recompute_clones": self.num_recompute_clones,
-            "budget_bytes": self.budget_bytes, "baseline_peak_bytes": self.baseline_peak_bytes,
-            "planned_peak_bytes": self.planned_peak_bytes,
-            "planned_allocator_peak_bytes": self.planned_allocator_peak_bytes, "baseline_step_time_s": self.baseline_step_time_s,
-            "predicted_step_time_s": self.predicted_step_time_s, "predicted_overhead": self.predicted_overhead,
-            "device_spec": self.device_spec, "feasible": self.feasible,
-            "layers": self.layer_table(),
+            "schema_version": PLAN_SCHEMA_VERSION,
+            "device": self.device, "host": self.host, "policies": dict(self.policies),
+            "phase_counts": dict(self.phase_counts),
+            "budget_bytes": self.budget_bytes, "device_spec": self.device_spec,
             "orderings": [dataclasses.asdict(o) for o in self.orderings],
             "decisions": [
                 {**{k: v for k, v in dataclasses.asdict(d).items() if k != "swap_ins"},
                  "decision": d.decision.value,
                  "swap_ins": [dataclasses.asdict(s) for s in d.swap_ins]}
                 for d in self.decisions],
+            "predictions": {**dataclasses.asdict(self.predictions), "overhead": self.predictions.overhead},
+            # Derived from the decisions, for people and tools reading the file; ignored on load.
+            "totals": {"swapped_bytes": self.swapped_bytes, "num_swapped": len(self.swapped),
+                       "num_swap_ins": self.num_swap_ins, "recomputed_bytes": self.recomputed_bytes,
+                       "num_recomputed": len(self.recomputed), "num_recompute_clones": self.num_recompute_clones},
+            "layers": self.layer_table(),
         }
 
     def to_json(self, **kwargs) -> str:
-        """The plan as JSON.
+        """The plan as JSON (:meth:`from_json` reads it back).
 
         Example:
             >>> Plan((), "d", "h", {}, {}).to_json().startswith("{")
             True
         """
         return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        """The plan :meth:`to_dict` described (derived totals and layer rows are ignored).
+
+        Raises:
+            LMSOptionError: The data is not a plan of this schema version, or a field is malformed.
+
+        Example:
+            >>> d = TensorDecision("c/Relu:0", "c", (8,), 32, Decision.SWAP, "swap", 40, (SwapIn("g", ("r",)),))
+            >>> Plan.from_dict(Plan((d,), "d", "h", {}, {}).to_dict()).decisions == (d,)
+            True
+        """
+        if not isinstance(data, Mapping) or data.get("schema_version") != PLAN_SCHEMA_VERSION:
+            found = data.get("schema_version") if isinstance(data, Mapping) else type(data).__name__
+            raise LMSOptionError(
+                f"not an lms-tf plan of schema version {PLAN_SCHEMA_VERSION}: found schema_version={found!r}. "
+                f"Make the plan again with this lms-tf (`lms-tf plan ... --out plan.json`).")
+        try:
+            decisions = tuple(_decision_from_dict(d) for d in data["decisions"])
+            orderings = tuple(Ordering(tuple(o["waiters"]), tuple(o["after"]), o["reason"])
+                              for o in data.get("orderings", ()))
+            fields = {f.name for f in dataclasses.fields(Predictions)}
+            predictions = Predictions(**{k: v for k, v in (data.get("predictions") or {}).items() if k in fields})
+            return cls(decisions=decisions, device=data["device"], host=data["host"],
+                       policies=dict(data.get("policies") or {}), phase_counts=dict(data.get("phase_counts") or {}),
+                       budget_bytes=data.get("budget_bytes"), device_spec=data.get("device_spec"),
+                       orderings=orderings, predictions=predictions)
+        except (KeyError, TypeError, ValueError) as err:
+            raise LMSOptionError(f"malformed lms-tf plan: {type(err).__name__}: {err}. A plan file holds what "
+                                 f"Plan.to_json() wrote; an edit may change a decision's 'decision' "
+                                 f"field (keep/swap/recompute) and what it names.") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """The plan in ``text`` (what :meth:`to_json` wrote).
+
+        Raises:
+            LMSOptionError: Not JSON, another schema version, or a malformed field.
+
+        Example:
+            >>> Plan.from_json('{"schema_version": 0}')  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            lms_tf.LMSOptionError: not an lms-tf plan of schema version 1: found schema_version=0...
+        """
+        try:
+            data = json.loads(text)
+        except ValueError as err:
+            raise LMSOptionError(f"a plan must be JSON (what Plan.to_json() wrote); it does not parse: {err}.") \
+                from None
+        return cls.from_dict(data)
+
+
+def _decision_from_dict(d: Mapping[str, Any]) -> TensorDecision:
+    shape = d.get("shape")
+    return TensorDecision(
+        tensor=d["tensor"], layer=d["layer"], shape=None if shape is None else tuple(shape), nbytes=d.get("nbytes"),
+        decision=Decision(d["decision"]), reason=d.get("reason", ""), distance=d.get("distance"),
+        swap_ins=tuple(SwapIn(s["trigger"], tuple(s["consumers"])) for s in d.get("swap_ins", ())),
+        recompute_ops=tuple(d.get("recompute_ops", ())), gate=d.get("gate"), consumers=tuple(d.get("consumers", ())),
+        swap_out_before=d.get("swap_out_before"))

@@ -1,7 +1,7 @@
 """Applies a whole Plan: preconditions, the swap, recompute and ordering steps, postconditions.
 
 Example:
-    >>> from lms_tf.rewrite import apply_plan
+    >>> from lms_tf.tf.rewrite import apply_plan
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import Dict
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.errors import RewriteError
-from lms_tf.graph.ir import GraphIR, Phase
-from lms_tf.planner.plan import Plan
-from lms_tf.rewrite.common import LMS_ATTR, SCOPE, RewriteReport, check_postconditions, is_rewritten
-from lms_tf.rewrite.order import insert_orderings
-from lms_tf.rewrite.recompute import insert_recomputes
-from lms_tf.rewrite.swap import insert_swaps
+from lms_tf.core.errors import RewriteError
+from lms_tf.core.ir import GraphIR, Phase
+from lms_tf.core.plan import Plan
+from lms_tf.tf.rewrite.common import LMS_ATTR, SCOPE, RewriteReport, check_postconditions, is_rewritten
+from lms_tf.tf.rewrite.order import insert_orderings
+from lms_tf.tf.rewrite.recompute import insert_recomputes
+from lms_tf.tf.rewrite.swap import insert_swaps
 
 
 def apply_plan(graph: tf.Graph, ir: GraphIR, plan: Plan) -> RewriteReport:
@@ -41,10 +41,10 @@ def apply_plan(graph: tf.Graph, ir: GraphIR, plan: Plan) -> RewriteReport:
             still reading a swapped or recomputed tensor).
 
     Example:
-        >>> from lms_tf.graph import build_ir
+        >>> from lms_tf.tf.trace import build_ir
         >>> from lms_tf.options import LMSOptions
         >>> from lms_tf.planner import make_plan
-        >>> from lms_tf.rewrite import count_lms_ops
+        >>> from lms_tf.tf.rewrite import count_lms_ops
         >>> w = tf.Variable(tf.ones((64, 64)))
         >>> def step(x):
         ...     with tf.GradientTape() as tape:

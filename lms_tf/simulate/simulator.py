@@ -27,7 +27,7 @@ TensorFlow's rules:
 
 ``peak_bytes`` sums the live tensors. TensorFlow's allocator holds whole chunks, which can be
 larger: ``simulate(..., allocator=tensorflow_gpu_allocator(...))`` replays the same allocations
-through a model of it (:mod:`lms_tf.planner.allocator`) into ``allocator_peak_bytes``, after
+through a model of it (:mod:`lms_tf.simulate.allocator`) into ``allocator_peak_bytes``, after
 what the pool served before the first step (:func:`pool_history`).
 
 Two rules of TensorFlow's executor decide which buffers are reused and freed when:
@@ -40,7 +40,7 @@ Two rules of TensorFlow's executor decide which buffers are reused and freed whe
 
 Example:
     >>> import tensorflow as tf
-    >>> from lms_tf.graph import build_ir
+    >>> from lms_tf.tf.trace import build_ir
     >>> from lms_tf.cost import CostModel, get_device_spec
     >>> @tf.function
     ... def f(x):
@@ -59,37 +59,24 @@ import heapq
 import random
 from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
+from lms_tf.core.errors import LMSOptionError, PlanCycleError
+from lms_tf.core.ir import GraphIR, OpInfo
+from lms_tf.core.op_kinds import (
+    ALIAS_TYPES,
+    COMMUTATIVE_TYPES,
+    FORWARDING_TYPES,
+    MAXPOOL_GRAD_TYPES,
+    MAXPOOL_TYPES,
+    RECOMPUTE_PREFIX,
+    RESIDENT_TYPES,
+    SWAP_IN_PREFIX,
+    VARIABLE_UPDATE_PREFIXES,
+    WORKSPACE_TYPES,
+    recompute_clone_name,
+)
+from lms_tf.core.plan import Decision, Plan
 from lms_tf.cost.model import CostModel
-from lms_tf.errors import LMSOptionError, PlanCycleError
-from lms_tf.graph.ir import GraphIR, OpInfo
-from lms_tf.planner.allocator import BFCAllocatorModel, replay_allocations
-from lms_tf.planner.plan import Decision, Plan
-
-#: Ops whose outputs share their input's buffer.
-ALIAS_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "Snapshot", "Reshape", "Squeeze", "ExpandDims",
-                         "EnsureShape", "PreventGradient"})
-#: Ops whose outputs are resident or live outside the step's transient memory.
-RESIDENT_TYPES = frozenset({"ReadVariableOp", "Const", "VarHandleOp", "Placeholder", "_Arg", "HostConst"})
-#: Elementwise kernels that write into an input buffer nobody else reads.
-FORWARDING_TYPES = frozenset({
-    "Relu", "Relu6", "Elu", "Selu", "Sigmoid", "Tanh", "Softplus", "Softsign", "LeakyRelu", "Neg", "Square",
-    "Sqrt", "Rsqrt", "Exp", "Log", "Abs", "Add", "AddV2", "Sub", "Mul", "RealDiv", "DivNoNan", "Maximum",
-    "Minimum", "BiasAdd", "SquaredDifference", "AddN", "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad",
-    "SigmoidGrad", "TanhGrad", "SoftplusGrad", "LeakyReluGrad", "RsqrtGrad", "SqrtGrad", "Erf", "Reciprocal",
-    "OnesLike", "ZerosLike", "Select", "SelectV2", "Pow", "FloorDiv", "Floor", "Round", "Sign", "Cos", "Sin",
-})
-#: Ops whose data inputs Grappler sorts by name (``IsCommutative``: the OpDef flag, plus ``Add``).
-#: The order matters for memory: an elementwise kernel writes into the first input it may reuse.
-COMMUTATIVE_TYPES = frozenset({"Add", "AddV2", "AddN", "AccumulateNV2", "Mul", "SquaredDifference", "Equal",
-                               "NotEqual", "ApproximateEqual", "LogicalAnd", "LogicalOr", "BitwiseAnd",
-                               "BitwiseOr", "BitwiseXor"})
-#: Ops that update a variable (input 0 is its handle) in place.
-VARIABLE_UPDATE_PREFIXES = ("Assign", "ResourceApply", "ResourceScatter", "ResourceSparseApply")
-
-#: Kernels that hold scratch memory while they run (see :func:`_workspace`).
-WORKSPACE_TYPES = frozenset({"Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D",
-                             "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "DepthwiseConv2dNative",
-                             "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter"})
+from lms_tf.simulate.allocator import BFCAllocatorModel, replay_allocations
 
 #: Kernel libraries whose scratch memory :func:`simulate` models (``kernels=``). ``"cudnn"`` (a GPU)
 #: and ``"eigen"`` (TensorFlow's CPU kernels with ``TF_ENABLE_ONEDNN_OPTS=0``) take convolution
@@ -98,8 +85,6 @@ WORKSPACE_TYPES = frozenset({"Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFil
 #: element: TensorFlow's allocation trace shows ``[12845056]`` beside a ``[16,112,112,64]``
 #: float32 pool output).
 KERNEL_LIBRARIES = ("cudnn", "eigen", "onednn")
-MAXPOOL_TYPES = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D"})
-MAXPOOL_GRAD_TYPES = frozenset({"MaxPoolGrad", "MaxPoolGradV2", "MaxPool3DGrad"})
 #: Suffix of the buffer key of a max pool's oneDNN workspace (``<pool output key>#workspace``).
 POOL_WORKSPACE = "#workspace"
 
@@ -131,7 +116,7 @@ class Simulation:
         allocations: With ``log_allocations=True``, every device allocation, free and in-place
             hand-over in the order the step ran them (``("alloc", key, bytes)``,
             ``("free", key, 0)``, ``("rename", old key, new key)``), kernel scratch included:
-            what :func:`lms_tf.planner.allocator.replay_allocations` feeds to a model of
+            what :func:`lms_tf.simulate.allocator.replay_allocations` feeds to a model of
             TensorFlow's allocator.
         allocator_peak_bytes: With ``allocator=``, the step's peak as TensorFlow's allocator
             counts it (whole chunks, after a warm-up step): the figure to compare with
@@ -364,10 +349,10 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optiona
         if d.decision is Decision.SWAP:
             for i, s in enumerate(d.swap_ins):
                 for consumer in s.consumers:
-                    b.replace[(consumer, d.tensor)] = f"swap_in/{d.tensor}/{i}"
+                    b.replace[(consumer, d.tensor)] = f"{SWAP_IN_PREFIX}{d.tensor}/{i}"
         elif d.decision is Decision.RECOMPUTE:
             for consumer in d.consumers:
-                b.replace[(consumer, d.tensor)] = f"recompute/{d.gate}/{d.tensor}"
+                b.replace[(consumer, d.tensor)] = recompute_clone_name(d.gate, d.tensor)
 
     extra_after: Dict[str, List[_Op]] = collections.defaultdict(list)  # ops gated by an IR op
     extra_deps: Dict[str, List[str]] = collections.defaultdict(list)  # IR op -> names of extra ops it waits for
@@ -379,7 +364,7 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optiona
         if d.swap_out_before is not None:
             extra_deps[d.swap_out_before].append(f"swap_out/{t}")
         for i, s in enumerate(d.swap_ins):
-            key = f"swap_in/{t}/{i}"
+            key = f"{SWAP_IN_PREFIX}{t}/{i}"
             extra_after[s.trigger].append(_Op(key, _TO_DEVICE, cost.transfer_time(nbytes, "host_to_device"),
                                               [f"host/{t}"], [(key, nbytes)], [], trigger=s.trigger))
             for consumer in s.consumers:
@@ -398,9 +383,9 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optiona
             for t in op.inputs:
                 producer = ir.tensors[t].producer
                 if producer in region:
-                    reads.append(f"recompute/{d.gate}/{t}")
+                    reads.append(recompute_clone_name(d.gate, t))
                 elif t in swapped:
-                    key = f"swap_in/{t}/@{d.gate}"
+                    key = f"{SWAP_IN_PREFIX}{t}/@{d.gate}"
                     if not any(o.name == key for o in extra_after[d.gate]):
                         nbytes = decisions[t].nbytes or 0
                         extra_after[d.gate].append(_Op(key, _TO_DEVICE, cost.transfer_time(nbytes, "host_to_device"),
@@ -408,12 +393,12 @@ def _build(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optiona
                     reads.append(key)
                 else:
                     reads.append(b.source(name, t))
-            writes = [(f"recompute/{d.gate}/{t}", ir.tensors[t].nbytes or 0) for t in op.outputs]
-            extra_after[d.gate].append(_Op(f"recompute/{d.gate}/{name}", _COMPUTE, op_time(op),
+            writes = [(recompute_clone_name(d.gate, t), ir.tensors[t].nbytes or 0) for t in op.outputs]
+            extra_after[d.gate].append(_Op(recompute_clone_name(d.gate, name), _COMPUTE, op_time(op),
                                            _canonical_reads(op, reads),
                                            writes, [], forwarding=op.type in FORWARDING_TYPES, trigger=d.gate))
         for consumer in d.consumers:
-            extra_deps[consumer].append(f"recompute/{d.gate}/{ir.tensors[d.tensor].producer}")
+            extra_deps[consumer].append(recompute_clone_name(d.gate, ir.tensors[d.tensor].producer))
 
     for ordering in plan.orderings if plan is not None else ():
         for waiter in ordering.waiters:
@@ -492,7 +477,7 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
             ``"cudnn"`` on a GPU; on the CPU ``"onednn"`` (TensorFlow's default on x86) or
             ``"eigen"`` (with ``TF_ENABLE_ONEDNN_OPTS=0``).
         accumulated_sums: ``AddN`` ops that Grappler's memory optimizer turns into additions
-            into a temporary variable (:func:`lms_tf.diagnostics.grappler_accumulated_sums`):
+            into a temporary variable (:func:`lms_tf.tf.diagnostics.grappler_accumulated_sums`):
             their sum takes a buffer of its own instead of writing into an input.
 
     Returns:
@@ -502,7 +487,7 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         LMSOptionError: ``kernels`` is not one of :data:`KERNEL_LIBRARIES`.
 
     Example:
-        >>> from lms_tf.graph.ir import GraphIR
+        >>> from lms_tf.core.ir import GraphIR
         >>> from lms_tf.cost import CostModel, get_device_spec
         >>> simulate(GraphIR((), {}, frozenset(), {}), cost=CostModel(get_device_spec("a100-40gb-pcie4"))).peak_bytes
         0
@@ -517,7 +502,7 @@ def simulate_tie_orders(ir: GraphIR, plan: Optional[Plan], seeds: Iterable[int],
     (the step is built once: planners check one plan in several tie orders).
 
     Example:
-        >>> from lms_tf.graph.ir import GraphIR
+        >>> from lms_tf.core.ir import GraphIR
         >>> from lms_tf.cost import CostModel, get_device_spec
         >>> [s.peak_bytes for s in simulate_tie_orders(GraphIR((), {}, frozenset(), {}), None, [0, 1],
         ...                                            cost=CostModel(get_device_spec("a100-40gb-pcie4")))]
@@ -607,7 +592,7 @@ def _replay(builder: _Builder, *, top: Optional[int], priority: Optional[Dict[st
         op = ops[i]
         busy[stream] = True
         for key, nbytes in op.writes:
-            if stream == _TO_HOST or not counted(key) and not key.startswith(("swap_in/", "recompute/")):
+            if stream == _TO_HOST or not counted(key) and not key.startswith((SWAP_IN_PREFIX, RECOMPUTE_PREFIX)):
                 continue
             reuse = None
             if op.forwarding:
@@ -701,7 +686,7 @@ def resident_buffers(ir: GraphIR) -> List[Tuple[str, int]]:
     order: resident for the whole step.
 
     Example:
-        >>> from lms_tf.graph.ir import GraphIR
+        >>> from lms_tf.core.ir import GraphIR
         >>> resident_buffers(GraphIR((), {}, frozenset(), {}))
         []
     """
@@ -729,7 +714,7 @@ def pool_history(ir: GraphIR, accumulated_sums: Iterable[str] = ()) -> List[Tupl
     ``AddV2`` per kernel; ``AddN_98/tmp_var_zeros`` on ResNet-50).
 
     Example:
-        >>> from lms_tf.graph.ir import GraphIR
+        >>> from lms_tf.core.ir import GraphIR
         >>> pool_history(GraphIR((), {}, frozenset(), {}))
         []
     """
@@ -758,7 +743,7 @@ def resident_bytes(ir: GraphIR) -> int:
     """Bytes of the variables the step reads (weights, optimizer slots): resident for the whole step.
 
     Example:
-        >>> from lms_tf.graph.ir import GraphIR
+        >>> from lms_tf.core.ir import GraphIR
         >>> resident_bytes(GraphIR((), {}, frozenset(), {}))
         0
     """

@@ -43,7 +43,7 @@ from typing import Dict, List, Mapping
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.errors import RewriteError
+from lms_tf.core.errors import RewriteError
 
 SERIAL_ATTR = "_lms_serial"  # an op's position in the chain
 

@@ -16,7 +16,7 @@ Every inserted op carries ``_lms`` (``swap_out``, ``swap_in``, ``swap_gate``,
 ``swap_out_done``, ``marker``) and ``_grappler_do_not_remove`` (Grappler would delete the identities).
 
 Example:
-    >>> from lms_tf.rewrite.swap import insert_swaps
+    >>> from lms_tf.tf.rewrite.swap import insert_swaps
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Dict, Tuple, Union
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.errors import RewriteError
-from lms_tf.planner.plan import Plan
-from lms_tf.rewrite.common import mark, repoint_consumers
+from lms_tf.core.errors import RewriteError
+from lms_tf.core.plan import Plan
+from lms_tf.tf.rewrite.common import mark, repoint_consumers
 
 
 def _gate_source(trigger: tf.Operation) -> tf.Tensor:

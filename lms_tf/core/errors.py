@@ -1,4 +1,4 @@
-"""Exception and warning types raised by lms-tf.
+"""Exception and warning types raised by lms-tf, and :func:`warn_once`.
 
 Every error the library raises derives from :class:`LMSError`, so callers can
 catch one type. Messages say what was wrong, what was received and how to fix it.
@@ -11,6 +11,9 @@ Example:
     ...     print(type(err).__name__)
     LMSOptionError
 """
+
+import logging
+import warnings
 
 
 class LMSError(Exception):
@@ -35,7 +38,7 @@ class LMSOptionError(LMSError, ValueError):
         >>> lms_tf.LMSOptions(min_swap_bytes="big")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        lms_tf.errors.LMSOptionError: min_swap_bytes must be an int >= 0; received 'big' (str)...
+        lms_tf.LMSOptionError: min_swap_bytes must be an int >= 0; received 'big' (str)...
     """
 
 
@@ -76,3 +79,61 @@ class LMSWarning(UserWarning):
         >>> import warnings
         >>> warnings.simplefilter("ignore", LMSWarning)
     """
+
+
+class InfeasibleBudgetError(LMSOptionError):
+    """No plan fits the budget; the message names the smallest budget that fits.
+
+    Attributes:
+        budget_bytes: The budget asked for.
+        smallest_feasible_bytes: The simulated peak with every movable tensor moved.
+
+    Example:
+        >>> from lms_tf.core.errors import infeasible
+        >>> err = infeasible("too small", 10, 20)
+        >>> err.smallest_feasible_bytes
+        20
+    """
+
+    # No __init__ of its own: AutoGraph re-raises only exceptions with Exception's __init__ as
+    # themselves (see LMSError); the figures are attributes set by :func:`infeasible`.
+    budget_bytes: int = 0
+    smallest_feasible_bytes: int = 0
+
+
+def infeasible(message: str, budget_bytes: int, smallest_feasible_bytes: int) -> InfeasibleBudgetError:
+    """An :class:`InfeasibleBudgetError` carrying the budget asked for and the smallest that fits.
+
+    Example:
+        >>> infeasible("no plan fits", 10, 20).budget_bytes
+        10
+    """
+    err = InfeasibleBudgetError(message)
+    err.budget_bytes, err.smallest_feasible_bytes = budget_bytes, smallest_feasible_bytes
+    return err
+
+
+_logger = logging.getLogger("lms_tf")
+_warned = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Issues an :class:`LMSWarning` (and a log line) once per process for ``key``.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True):
+        ...     warn_once("doc-example", "shown once")
+    """
+    if key in _warned:
+        return
+    _warned.add(key)
+    _logger.warning(message)
+    warnings.warn(message, LMSWarning, stacklevel=3)
+
+
+# Tracebacks and reprs name the types where users import them from (``lms_tf.LMSOptionError``).
+for _type in (LMSError, LMSOptionError, GraphAnalysisError, RewriteError, PlanCycleError, LMSWarning,
+              InfeasibleBudgetError):
+    _type.__module__ = "lms_tf"
+del _type

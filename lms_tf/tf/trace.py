@@ -1,7 +1,4 @@
-"""Graph IR: ops in execution order tagged forward/backward/update, tensors with byte sizes.
-
-The IR is built once from a traced ``tf.Graph``/``FuncGraph`` and never refers back to
-TensorFlow objects, so the planner can be tested on it without running anything.
+"""Builds the graph IR (:mod:`lms_tf.core.ir`) from a traced TensorFlow graph.
 
 Classification. Gradient ops sit under a ``gradient_tape/`` (``tf.GradientTape``) or
 ``gradients/`` (``tf.gradients``) name scope. The name is only the seed of the
@@ -31,185 +28,15 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import heapq
-import re
 from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.errors import GraphAnalysisError
-
-_GRADIENT_SCOPE = re.compile(r"^(gradient_tape|gradients)(_\d+)?$")
-
-#: Ops that bring a batch into the step from inside the graph (tf-keras, input pipelines in the step).
-DATA_SOURCE_OP_TYPES = frozenset({
-    "IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue", "MultiDeviceIteratorGetNextFromShard",
-})
-
-#: Control-flow ops: values entering or leaving them are never swapped (their bodies are functions).
-CONTROL_FLOW_OP_TYPES = frozenset({
-    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
-    "Enter", "Exit", "Switch", "Merge", "NextIteration", "LoopCond", "RefEnter", "RefExit",
-    "RefSwitch", "RefMerge",
-})
-
-
-class Phase(str, enum.Enum):
-    """Which part of the training step an op belongs to.
-
-    Example:
-        >>> Phase("backward") is Phase.BACKWARD
-        True
-    """
-
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    UPDATE = "update"
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of the graph.
-
-    Attributes:
-        name: TensorFlow name, e.g. ``"conv2d/Relu:0"``.
-        dtype: dtype name, e.g. ``"float32"``.
-        shape: Dimensions after resolution; ``None`` entries are still unknown; ``None``
-            when even the rank is unknown.
-        nbytes: Size in bytes, or ``None`` when a dimension is unknown or the dtype
-            has no fixed size (resource, variant, string).
-        producer: Name of the op that produces it.
-        consumers: Names of the ops that read it (data edges), in execution order.
-
-    Example:
-        >>> TensorInfo("a:0", "float32", (2, 3), 24, "a", ()).nbytes
-        24
-    """
-
-    name: str
-    dtype: str
-    shape: Optional[Tuple[Optional[int], ...]]
-    nbytes: Optional[int]
-    producer: str
-    consumers: Tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class OpInfo:
-    """One op of the graph.
-
-    Attributes:
-        name: Op name.
-        type: Op type, e.g. ``"Conv2D"``.
-        index: Position in the execution order.
-        phase: forward, backward or update.
-        device: Requested device string (often empty: the placer decides).
-        inputs: Input tensor names.
-        control_inputs: Names of ops with a control edge into this op.
-        outputs: Output tensor names.
-        stateful: Whether TensorFlow declares the op stateful (variable access,
-            random ops with hidden state, I/O): such ops are never recomputed.
-
-    Example:
-        >>> OpInfo("a", "Relu", 0, Phase.FORWARD, "", (), (), ("a:0",)).type
-        'Relu'
-    """
-
-    name: str
-    type: str
-    index: int
-    phase: Phase
-    device: str
-    inputs: Tuple[str, ...]
-    control_inputs: Tuple[str, ...]
-    outputs: Tuple[str, ...]
-    stateful: bool = False
-
-
-def layer_of(op_name: str) -> str:
-    """The layer (name-scope path) an op belongs to, without gradient scopes.
-
-    Example:
-        >>> layer_of("gradient_tape/sequential/conv2d/Relu/ReluGrad")
-        'sequential/conv2d/Relu'
-        >>> layer_of("sequential/conv2d/Relu")
-        'sequential/conv2d'
-    """
-    parts = [p for p in op_name.split("/")[:-1] if not _GRADIENT_SCOPE.match(p)]
-    return "/".join(parts)
-
-
-def is_gradient_scoped(op_name: str) -> bool:
-    """Whether an op name lies under a ``gradient_tape/`` or ``gradients/`` name scope.
-
-    Example:
-        >>> is_gradient_scoped("train/gradient_tape/dense/MatMul"), is_gradient_scoped("dense/MatMul")
-        (True, False)
-    """
-    return any(_GRADIENT_SCOPE.match(part) for part in op_name.split("/")[:-1])
-
-
-@dataclasses.dataclass(frozen=True)
-class GraphIR:
-    """Immutable view of a traced training step.
-
-    Attributes:
-        ops: Ops in a deterministic execution order (topological, ties broken by creation).
-        tensors: Tensor name -> TensorInfo.
-        function_inputs: Names of the ops that are the function's inputs (placeholders).
-        resolved_dims: How unknown dimensions were resolved, e.g. ``{"data:0": (32, 224, 224, 3)}``.
-        data_dependent: Ops computed from the batch (function inputs that are not
-            resources, iterator outputs), not only from constants and variables.
-
-    Example:
-        >>> ir = GraphIR(ops=(), tensors={}, function_inputs=frozenset(), resolved_dims={})
-        >>> len(ir.ops)
-        0
-    """
-
-    ops: Tuple[OpInfo, ...]
-    tensors: Mapping[str, TensorInfo]
-    function_inputs: FrozenSet[str]
-    resolved_dims: Mapping[str, Tuple[Optional[int], ...]]
-    data_dependent: FrozenSet[str] = frozenset()
-
-    def __post_init__(self):
-        object.__setattr__(self, "_by_name", {op.name: op for op in self.ops})
-
-    def op(self, name: str) -> OpInfo:
-        """Returns the op called ``name``.
-
-        Example:
-            >>> GraphIR((), {}, frozenset(), {}).op("missing")  # doctest: +ELLIPSIS
-            Traceback (most recent call last):
-            ...
-            KeyError: 'missing'
-        """
-        return self._by_name[name]  # type: ignore[attr-defined]
-
-    def ops_in(self, phase: Phase) -> List[OpInfo]:
-        """Ops of one phase, in execution order.
-
-        Example:
-            >>> GraphIR((), {}, frozenset(), {}).ops_in(Phase.BACKWARD)
-            []
-        """
-        return [op for op in self.ops if op.phase is phase]
-
-    def phase_counts(self) -> Dict[str, int]:
-        """Number of ops per phase.
-
-        Example:
-            >>> GraphIR((), {}, frozenset(), {}).phase_counts()
-            {'forward': 0, 'backward': 0, 'update': 0}
-        """
-        counts = {p.value: 0 for p in Phase}
-        for op in self.ops:
-            counts[op.phase.value] += 1
-        return counts
+from lms_tf.core.errors import GraphAnalysisError
+from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo, is_gradient_scoped
+from lms_tf.core.op_kinds import DATA_SOURCE_OP_TYPES
 
 
 def _execution_order(ops: Sequence[tf.Operation]) -> List[tf.Operation]:

@@ -7,7 +7,7 @@ For each ordering, on the waiters' device::
 One NoOp instead of an edge from every ``after`` op to every waiter keeps the graph small.
 
 Example:
-    >>> from lms_tf.rewrite.order import insert_orderings
+    >>> from lms_tf.tf.rewrite.order import insert_orderings
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Dict
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.planner.plan import Plan
-from lms_tf.rewrite.common import mark
+from lms_tf.core.plan import Plan
+from lms_tf.tf.rewrite.common import mark
 
 
 def insert_orderings(graph: tf.Graph, plan: Plan, inserted: Dict[str, int]) -> None:

@@ -1,7 +1,7 @@
 """Standard training workloads for the CLI and benchmarks: a model by name, a batch, a train step.
 
 Example:
-    >>> from lms_tf.workloads import build_model
+    >>> from lms_tf.tf.workloads import build_model
     >>> build_model("MobileNetV2", image_size=32, classes=10).name
     'mobilenetv2_1.00_32'
 """
@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.errors import LMSOptionError
+from lms_tf.core.errors import LMSOptionError
 
 
 def unet(image_size: int = 128, classes: int = 2, base_filters: int = 16, depth: int = 4):
@@ -94,7 +94,7 @@ def build_model(spec: str, *, image_size: int = 224, classes: int = 1000):
         >>> build_model("NoSuchNet")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        lms_tf.errors.LMSOptionError: model 'NoSuchNet' is not a keras.applications name...
+        lms_tf.LMSOptionError: model 'NoSuchNet' is not a keras.applications name...
     """
     keras = _compat.keras_module()
     if spec.endswith(".keras") or spec.endswith(".h5"):

@@ -15,8 +15,8 @@ from typing import Dict, List
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.errors import RewriteError
-from lms_tf.planner.plan import Plan
+from lms_tf.core.errors import RewriteError
+from lms_tf.core.plan import Plan
 
 LMS_ATTR = "_lms"
 _DO_NOT_REMOVE = "_grappler_do_not_remove"

@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 
 import tensorflow as tf
 
-from lms_tf.errors import LMSError
+from lms_tf.core.errors import LMSError
 
 logger = logging.getLogger("lms_tf")
 

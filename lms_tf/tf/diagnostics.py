@@ -29,11 +29,10 @@ import dataclasses
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
-
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.planner.simulator import FORWARDING_TYPES
+from lms_tf.core.op_kinds import FORWARDING_TYPES
 
 _VIRTUAL_GPU = "/job:localhost/replica:0/task:0/device:GPU:0"
 _VIRTUAL_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"

@@ -9,7 +9,7 @@ resource), so per step the gradients travel to the host and the new weight value
 back: two model-sized copies, no slot bytes on the device.
 
 Example:
-    >>> from lms_tf.optimizer_offload import host_update_hook
+    >>> from lms_tf.tf.optimizer_offload import host_update_hook
     >>> hook = host_update_hook("/CPU:1", api="lms_tf.function")
 """
 
@@ -20,8 +20,8 @@ from typing import Callable, List
 
 import tensorflow as tf
 
-from lms_tf.diagnostics import variable_bytes_by_device, variable_device
-from lms_tf.pipeline import warn_once
+from lms_tf.core.errors import warn_once
+from lms_tf.tf.diagnostics import variable_bytes_by_device, variable_device
 
 logger = logging.getLogger("lms_tf")
 

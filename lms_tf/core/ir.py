@@ -1,0 +1,250 @@
+"""The graph IR as plain data: ops in execution order tagged forward/backward/update, tensors with sizes.
+
+Built from a traced step by :func:`lms_tf.tf.trace.build_ir`; nothing here refers to TensorFlow, so
+the cost model, simulator and planner run on it without TensorFlow (and tests build small IRs by
+hand with :func:`make_ir`).
+
+Example:
+    >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (4, 8))]),
+    ...               dict(name="relu", type="Relu", inputs=["x:0"], outputs=[("relu:0", (4, 8))])])
+    >>> ir.tensors["relu:0"].nbytes, ir.op("relu").phase.value
+    (128, 'forward')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+
+_GRADIENT_SCOPE = re.compile(r"^(gradient_tape|gradients)(_\d+)?$")
+
+
+class Phase(str, enum.Enum):
+    """Which part of the training step an op belongs to.
+
+    Example:
+        >>> Phase("backward") is Phase.BACKWARD
+        True
+    """
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    UPDATE = "update"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the graph.
+
+    Attributes:
+        name: TensorFlow name, e.g. ``"conv2d/Relu:0"``.
+        dtype: dtype name, e.g. ``"float32"``.
+        shape: Dimensions after resolution; ``None`` entries are still unknown; ``None``
+            when even the rank is unknown.
+        nbytes: Size in bytes, or ``None`` when a dimension is unknown or the dtype
+            has no fixed size (resource, variant, string).
+        producer: Name of the op that produces it.
+        consumers: Names of the ops that read it (data edges), in execution order.
+
+    Example:
+        >>> TensorInfo("a:0", "float32", (2, 3), 24, "a", ()).nbytes
+        24
+    """
+
+    name: str
+    dtype: str
+    shape: Optional[Tuple[Optional[int], ...]]
+    nbytes: Optional[int]
+    producer: str
+    consumers: Tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+    """One op of the graph.
+
+    Attributes:
+        name: Op name.
+        type: Op type, e.g. ``"Conv2D"``.
+        index: Position in the execution order.
+        phase: forward, backward or update.
+        device: Requested device string (often empty: the placer decides).
+        inputs: Input tensor names.
+        control_inputs: Names of ops with a control edge into this op.
+        outputs: Output tensor names.
+        stateful: Whether TensorFlow declares the op stateful (variable access,
+            random ops with hidden state, I/O): such ops are never recomputed.
+
+    Example:
+        >>> OpInfo("a", "Relu", 0, Phase.FORWARD, "", (), (), ("a:0",)).type
+        'Relu'
+    """
+
+    name: str
+    type: str
+    index: int
+    phase: Phase
+    device: str
+    inputs: Tuple[str, ...]
+    control_inputs: Tuple[str, ...]
+    outputs: Tuple[str, ...]
+    stateful: bool = False
+
+
+def layer_of(op_name: str) -> str:
+    """The layer (name-scope path) an op belongs to, without gradient scopes.
+
+    Example:
+        >>> layer_of("gradient_tape/sequential/conv2d/Relu/ReluGrad")
+        'sequential/conv2d/Relu'
+        >>> layer_of("sequential/conv2d/Relu")
+        'sequential/conv2d'
+    """
+    parts = [p for p in op_name.split("/")[:-1] if not _GRADIENT_SCOPE.match(p)]
+    return "/".join(parts)
+
+
+def is_gradient_scoped(op_name: str) -> bool:
+    """Whether an op name lies under a ``gradient_tape/`` or ``gradients/`` name scope.
+
+    Example:
+        >>> is_gradient_scoped("train/gradient_tape/dense/MatMul"), is_gradient_scoped("dense/MatMul")
+        (True, False)
+    """
+    return any(_GRADIENT_SCOPE.match(part) for part in op_name.split("/")[:-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphIR:
+    """Immutable view of a traced training step.
+
+    Attributes:
+        ops: Ops in a deterministic execution order (topological, ties broken by creation).
+        tensors: Tensor name -> TensorInfo.
+        function_inputs: Names of the ops that are the function's inputs (placeholders).
+        resolved_dims: How unknown dimensions were resolved, e.g. ``{"data:0": (32, 224, 224, 3)}``.
+        data_dependent: Ops computed from the batch (function inputs that are not
+            resources, iterator outputs), not only from constants and variables.
+
+    Example:
+        >>> ir = GraphIR(ops=(), tensors={}, function_inputs=frozenset(), resolved_dims={})
+        >>> len(ir.ops)
+        0
+    """
+
+    ops: Tuple[OpInfo, ...]
+    tensors: Mapping[str, TensorInfo]
+    function_inputs: FrozenSet[str]
+    resolved_dims: Mapping[str, Tuple[Optional[int], ...]]
+    data_dependent: FrozenSet[str] = frozenset()
+
+    def __post_init__(self):
+        object.__setattr__(self, "_by_name", {op.name: op for op in self.ops})
+
+    def op(self, name: str) -> OpInfo:
+        """Returns the op called ``name``.
+
+        Example:
+            >>> GraphIR((), {}, frozenset(), {}).op("missing")  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            KeyError: 'missing'
+        """
+        return self._by_name[name]  # type: ignore[attr-defined]
+
+    def ops_in(self, phase: Phase) -> List[OpInfo]:
+        """Ops of one phase, in execution order.
+
+        Example:
+            >>> GraphIR((), {}, frozenset(), {}).ops_in(Phase.BACKWARD)
+            []
+        """
+        return [op for op in self.ops if op.phase is phase]
+
+    def phase_counts(self) -> Dict[str, int]:
+        """Number of ops per phase.
+
+        Example:
+            >>> GraphIR((), {}, frozenset(), {}).phase_counts()
+            {'forward': 0, 'backward': 0, 'update': 0}
+        """
+        counts = {p.value: 0 for p in Phase}
+        for op in self.ops:
+            counts[op.phase.value] += 1
+        return counts
+
+
+
+
+_DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1, "int16": 2,
+                "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8, "bool": 1, "complex64": 8,
+                "complex128": 16}
+
+
+def make_ir(ops: Sequence[Mapping[str, Any]], *, data_dependent: Optional[Sequence[str]] = None,
+            function_inputs: Sequence[str] = ()) -> GraphIR:
+    """Builds a small IR from keyword descriptions of its ops, in execution order (for tests and examples).
+
+    Each op is a dict with ``name`` and ``type`` and optionally ``phase`` (``"forward"``, the
+    default, ``"backward"`` or ``"update"``), ``inputs`` (tensor names), ``control_inputs``,
+    ``outputs`` (``(name, shape)`` pairs, or ``(name, shape, dtype)``; dtype ``"float32"`` by
+    default), ``device`` and ``stateful``. Consumers are derived from the inputs.
+
+    Args:
+        ops: The ops, in execution order.
+        data_dependent: Ops computed from the batch (default: every op).
+        function_inputs: Ops that are the step's inputs.
+
+    Returns:
+        The GraphIR.
+
+    Example:
+        >>> ir = make_ir([dict(name="a", type="Const", outputs=[("a:0", (2,))]),
+        ...               dict(name="g", type="Neg", phase="backward", inputs=["a:0"], outputs=[("g:0", (2,))])])
+        >>> ir.tensors["a:0"].consumers, ir.phase_counts()
+        (('g',), {'forward': 1, 'backward': 1, 'update': 0})
+    """
+    consumers: Dict[str, List[str]] = {}
+    for spec in ops:
+        for t in spec.get("inputs", ()):
+            consumers.setdefault(t, []).append(spec["name"])
+    infos: List[OpInfo] = []
+    tensors: Dict[str, TensorInfo] = {}
+    for index, spec in enumerate(ops):
+        outputs = []
+        for out in spec.get("outputs", ()):
+            name, shape, dtype = (tuple(out) + ("float32",))[:3]
+            shape = None if shape is None else tuple(shape)
+            nbytes = None
+            if shape is not None and all(d is not None for d in shape) and dtype in _DTYPE_SIZES:
+                nbytes = _DTYPE_SIZES[dtype]
+                for d in shape:
+                    nbytes *= d
+            tensors[name] = TensorInfo(name, dtype, shape, nbytes, spec["name"], tuple(consumers.get(name, ())))
+            outputs.append(name)
+        infos.append(OpInfo(name=spec["name"], type=spec["type"], index=index,
+                            phase=Phase(spec.get("phase", "forward")), device=spec.get("device", ""),
+                            inputs=tuple(spec.get("inputs", ())),
+                            control_inputs=tuple(spec.get("control_inputs", ())),
+                            outputs=tuple(outputs), stateful=bool(spec.get("stateful", False))))
+    dependent = frozenset(data_dependent if data_dependent is not None else (op.name for op in infos))
+    return GraphIR(ops=tuple(infos), tensors=tensors, function_inputs=frozenset(function_inputs),
+                   resolved_dims={}, data_dependent=dependent)
+
+
+_DEVICE = re.compile(r"/(?:device:)?([A-Za-z_]+):(\d+)$")
+
+
+def device_kind_and_index(device: str) -> Tuple[str, int]:
+    """The device type (upper case) and index a device string names, ignoring job/replica/task.
+
+    Example:
+        >>> device_kind_and_index("/job:localhost/replica:0/task:0/device:GPU:1"), device_kind_and_index("/gpu:0")
+        (('GPU', 1), ('GPU', 0))
+    """
+    match = _DEVICE.search(device.strip())
+    if not match:
+        return ("", 0)
+    return match.group(1).upper(), int(match.group(2))

@@ -1,0 +1,147 @@
+"""Every TensorFlow op type (and dtype) the IR, cost model, simulator and planner treat specially.
+
+One table, so a new op type is taught to lms-tf in one place. Each set says what the op does
+that matters to memory or time; the modules that use a set name it from here.
+
+Example:
+    >>> from lms_tf.core import op_kinds
+    >>> "Relu" in op_kinds.CHEAP_OP_TYPES, "MaxPool" in op_kinds.NEVER_CLONED_TYPES
+    (True, True)
+    >>> op_kinds.recompute_clone_name("gradient_tape/dense/MatMul", "dense/Relu")
+    'recompute/gradient_tape/dense/MatMul/dense/Relu'
+"""
+
+from __future__ import annotations
+
+# --- Structure of a traced step -------------------------------------------------------------
+
+#: Ops that bring a batch into the step from inside the graph (tf-keras, input pipelines in the step).
+DATA_SOURCE_OP_TYPES = frozenset({
+    "IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue", "MultiDeviceIteratorGetNextFromShard",
+})
+
+#: Control-flow ops: values entering or leaving them are never swapped (their bodies are functions).
+CONTROL_FLOW_OP_TYPES = frozenset({
+    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
+    "Enter", "Exit", "Switch", "Merge", "NextIteration", "LoopCond", "RefEnter", "RefExit",
+    "RefSwitch", "RefMerge",
+})
+
+#: Reads of variables: their outputs are the variable's own buffer, never swapped or cloned.
+VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2", "ResourceGather",
+                                 "VarIsInitializedOp", "_ReadVariablesOp"})
+
+#: dtypes that live in host memory on a GPU (int32) or have no fixed size: never swapped or recomputed.
+HOST_DTYPES = frozenset({"int32", "string", "resource", "variant"})
+
+#: dtypes with no fixed byte size: a tensor of these has no ``nbytes``.
+UNSIZED_DTYPES = frozenset({"resource", "variant", "string"})
+
+#: Op types that mark a layer's compute, used to list layer names in error messages.
+LAYER_OP_TYPES = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMulV2", "Einsum",
+                            "BiasAdd", "FusedBatchNormV3", "ResourceGather", "GatherV2", "Relu"})
+
+#: Readers of a tensor's shape only. They run as soon as the tensor exists (with an unknown batch
+#: dimension the gradient asks for it early) and do not keep its value alive afterwards, so they
+#: stay on the original tensor and do not count as backward consumers.
+METADATA_READER_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+# --- What the planner may move ---------------------------------------------------------------
+
+#: Op types whose outputs ``recompute="cheap"`` recomputes: activations, elementwise math,
+#: normalisation arithmetic, pooling, concatenation and layout ops. Cheap in FLOPs per byte,
+#: so recomputing them costs little time for the memory it frees.
+CHEAP_OP_TYPES = frozenset({
+    # activations
+    "Relu", "Relu6", "Elu", "Selu", "Sigmoid", "Tanh", "Softplus", "Softsign", "LeakyRelu", "Gelu",
+    "Softmax", "LogSoftmax",
+    # elementwise
+    "Add", "AddV2", "Sub", "Mul", "RealDiv", "DivNoNan", "Maximum", "Minimum", "Neg", "Square",
+    "SquaredDifference", "Sqrt", "Rsqrt", "Exp", "Log", "Abs", "BiasAdd", "Cast", "Identity", "AddN",
+    "Select", "SelectV2", "Erf",
+    # normalisation (fused kernel and the reductions of unfused batch/layer norm)
+    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "Mean",
+    # pooling
+    "MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D",
+    # concat and layout
+    "ConcatV2", "Reshape", "Squeeze", "ExpandDims", "Transpose", "Pad", "StridedSlice", "Slice",
+    "Tile", "BroadcastTo",
+})
+
+#: Op types never cloned, whatever the policy: on CPUs, oneDNN's layout pass pairs each
+#: ``MaxPoolGrad``/``LRNGrad`` with the workspace output of the forward op that produced its
+#: ``orig_output``, so a clone there takes part in the rewrite; together with an early gate this
+#: made VGG16's recompute step cyclic at run time ("N nodes in a cycle"). Pooling is cheap to keep.
+NEVER_CLONED_TYPES = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D", "LRN"})
+
+#: Backward ops never used as gates or swap-in triggers: oneDNN fuses ``BiasAddGrad`` into the
+#: ``Conv2DBackpropFilter``/``MatMul`` next to it on CPUs; if that partner reads a tensor the gate
+#: releases, the fused node would wait for itself (seen with VGG16: "N nodes in a cycle").
+FUSABLE_GATE_TYPES = frozenset({"BiasAddGrad"})
+
+# --- Memory rules of TensorFlow's executor and kernels (the simulator) ------------------------
+
+#: Ops whose outputs share their input's buffer.
+ALIAS_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "Snapshot", "Reshape", "Squeeze", "ExpandDims",
+                         "EnsureShape", "PreventGradient"})
+#: Ops whose outputs are resident or live outside the step's transient memory.
+RESIDENT_TYPES = frozenset({"ReadVariableOp", "Const", "VarHandleOp", "Placeholder", "_Arg", "HostConst"})
+#: Elementwise kernels that write into an input buffer nobody else reads.
+FORWARDING_TYPES = frozenset({
+    "Relu", "Relu6", "Elu", "Selu", "Sigmoid", "Tanh", "Softplus", "Softsign", "LeakyRelu", "Neg", "Square",
+    "Sqrt", "Rsqrt", "Exp", "Log", "Abs", "Add", "AddV2", "Sub", "Mul", "RealDiv", "DivNoNan", "Maximum",
+    "Minimum", "BiasAdd", "SquaredDifference", "AddN", "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad",
+    "SigmoidGrad", "TanhGrad", "SoftplusGrad", "LeakyReluGrad", "RsqrtGrad", "SqrtGrad", "Erf", "Reciprocal",
+    "OnesLike", "ZerosLike", "Select", "SelectV2", "Pow", "FloorDiv", "Floor", "Round", "Sign", "Cos", "Sin",
+})
+#: Ops whose data inputs Grappler sorts by name (``IsCommutative``: the OpDef flag, plus ``Add``).
+#: The order matters for memory: an elementwise kernel writes into the first input it may reuse.
+COMMUTATIVE_TYPES = frozenset({"Add", "AddV2", "AddN", "AccumulateNV2", "Mul", "SquaredDifference", "Equal",
+                               "NotEqual", "ApproximateEqual", "LogicalAnd", "LogicalOr", "BitwiseAnd",
+                               "BitwiseOr", "BitwiseXor"})
+#: Ops that update a variable (input 0 is its handle) in place.
+VARIABLE_UPDATE_PREFIXES = ("Assign", "ResourceApply", "ResourceScatter", "ResourceSparseApply")
+
+#: Kernels that hold scratch memory while they run (the simulator's convolution workspace).
+WORKSPACE_TYPES = frozenset({"Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D",
+                             "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "DepthwiseConv2dNative",
+                             "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter"})
+MAXPOOL_TYPES = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D"})
+MAXPOOL_GRAD_TYPES = frozenset({"MaxPoolGrad", "MaxPoolGradV2", "MaxPool3DGrad"})
+
+# --- Cost classes (the cost model) ------------------------------------------------------------
+
+CONV_TYPES = frozenset({"Conv2D", "Conv3D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3DBackpropInputV2",
+                        "Conv3DBackpropFilterV2", "DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropInput",
+                        "DepthwiseConv2dNativeBackpropFilter", "_FusedConv2D"})
+MATMUL_TYPES = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "_FusedMatMul"})
+NORM_TYPES = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "FusedBatchNormGrad",
+                        "FusedBatchNormGradV2", "FusedBatchNormGradV3", "_FusedBatchNormEx"})
+REDUCTION_TYPES = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "ArgMax", "ArgMin", "BiasAddGrad", "L2Loss",
+                             "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
+POOL_TYPES = frozenset({"MaxPool", "AvgPool", "MaxPoolGrad", "AvgPoolGrad", "MaxPool3D", "AvgPool3D",
+                        "MaxPoolGradV2", "MaxPool3DGrad", "AvgPool3DGrad"})
+#: Ops that cost nothing on the device: they alias a buffer or only describe shapes.
+FREE_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "Snapshot", "Reshape", "Squeeze", "ExpandDims",
+                        "Const", "ReadVariableOp", "VarHandleOp", "Placeholder", "NoOp", "Shape", "ShapeN", "Size",
+                        "Rank", "BroadcastGradientArgs", "_Arg", "_Retval"})
+
+# --- Names lms-tf gives what it adds ---------------------------------------------------------
+
+#: Prefix of the simulator's key of a swapped tensor's copy back on the device.
+SWAP_IN_PREFIX = "swap_in/"
+#: Prefix of every recompute clone's name in the simulator (see :func:`recompute_clone_name`).
+RECOMPUTE_PREFIX = "recompute/"
+
+
+def recompute_clone_name(gate: str, name: str) -> str:
+    """The name of the clone of forward op (or tensor) ``name`` that recompute gate ``gate`` runs.
+
+    The simulator names its clone events so, and the rewriter maps the ops it clones back to the
+    same names, so a simulated order can be imposed on a rewritten graph.
+
+    Example:
+        >>> recompute_clone_name("gradient_tape/conv/ReluGrad", "conv/Relu:0")
+        'recompute/gradient_tape/conv/ReluGrad/conv/Relu:0'
+    """
+    return f"{RECOMPUTE_PREFIX}{gate}/{name}"

@@ -1,0 +1,226 @@
+"""The one driver of the TensorFlow side: trace -> IR -> plan (or a given plan, checked) -> rewrite.
+
+Every front-end calls :func:`rewrite_traced_step` inside the step being traced, with a
+:class:`RewriteRequest` built from its options.
+
+Example:
+    >>> from lms_tf.tf.driver import resolve_device
+    >>> resolve_device("/CPU:0")
+    '/device:CPU:0'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+import tensorflow as tf
+
+from lms_tf import _compat
+from lms_tf.core.errors import LMSError, LMSOptionError
+from lms_tf.core.ir import GraphIR
+from lms_tf.core.plan import Plan
+from lms_tf.core.policy import Policies
+from lms_tf.cost import CostModel, get_device_spec
+from lms_tf.planner import make_budget_plan, make_plan
+from lms_tf.simulate import simulate
+from lms_tf.tf.rewrite import apply_plan
+from lms_tf.tf.rewrite.recompute import simulator_name
+from lms_tf.tf.rewrite.serialize import impose_order
+from lms_tf.tf.trace import build_ir
+
+logger = logging.getLogger("lms_tf")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewriteRequest:
+    """What a front-end asks of the driver for one traced step.
+
+    Attributes:
+        policies: What the planner is asked to do.
+        device: The accelerator whose memory is managed (a full device name).
+        device_spec: The device the planner and simulator model: a preset name, a
+            :class:`~lms_tf.cost.DeviceSpec`, or None/``"auto"`` (the visible GPU).
+        serialize: Also chain the step's compute ops in the simulated order.
+        batch_size: Size to give a batch dimension the trace leaves unknown.
+        plan: A plan to apply instead of planning (checked against the traced step first).
+
+    Example:
+        >>> RewriteRequest(Policies(), device="/device:GPU:0").serialize
+        False
+    """
+
+    policies: Policies
+    device: str
+    device_spec: Any = None
+    serialize: bool = False
+    batch_size: Optional[int] = None
+    plan: Optional[Plan] = None
+
+    def cost_model(self) -> CostModel:
+        """The cost model of :attr:`device_spec`.
+
+        Example:
+            >>> RewriteRequest(Policies(), "/device:GPU:0", device_spec="v100-16gb-pcie3").cost_model().device.name
+            'v100-16gb-pcie3'
+        """
+        return CostModel(get_device_spec(self.device_spec or "auto"))
+
+
+def resolve_device(device: Optional[str]) -> Optional[str]:
+    """The accelerator to manage: ``device`` if given, else the first GPU, else None.
+
+    Example:
+        >>> resolve_device("/GPU:1")
+        '/device:GPU:1'
+    """
+    if device is not None:
+        return tf.DeviceSpec.from_string(device).to_string()
+    gpus = tf.config.list_logical_devices("GPU")
+    if gpus:
+        return tf.DeviceSpec.from_string(gpus[0].name).replace(job=None, replica=None, task=None).to_string()
+    return None
+
+
+def no_accelerator_message(api: str) -> str:
+    """The warning given when there is no GPU and no explicit ``device=``.
+
+    Example:
+        >>> "untouched" in no_accelerator_message("lms_tf.function")
+        True
+    """
+    return (f"{api}: no GPU is visible and no device= was given, so the training step is left untouched "
+            f"(nothing to swap from). Pass device='/GPU:0' on a GPU machine, or device='/CPU:0', "
+            f"host='/CPU:1' with two logical CPUs to exercise the pass on a CPU.")
+
+
+@tf.autograph.experimental.do_not_convert
+def call_step_for_rewrite(serialize: bool, step, *args, **kwargs):
+    """Calls the step being traced. With ``serialize=True`` it runs inside TensorFlow's automatic
+    control dependencies, added now: the order the pass imposes must respect the edges TF adds
+    between stateful ops, which would otherwise come when the trace ends and close a cycle.
+
+    Example:
+        >>> call_step_for_rewrite(False, lambda x: x + 1, 1)
+        2
+    """
+    if not serialize:
+        return step(*args, **kwargs)
+    with _compat.automatic_control_dependencies() as mark_as_return:
+        return mark_as_return(step(*args, **kwargs))
+
+
+def check_plan_matches(plan: Plan, ir: GraphIR, *, api: str) -> None:
+    """Raises the library's error naming the first way a given plan does not fit the traced step.
+
+    Every tensor a decision names must exist with the same shape, and every op it names (swap-in
+    triggers and consumers, recompute gates, clones and consumers, orderings) must exist.
+
+    Example:
+        >>> from lms_tf.core import make_ir
+        >>> from lms_tf.core.plan import TensorDecision
+        >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (2,))])])
+        >>> bad = Plan((TensorDecision("y:0", "", (2,), 8, Decision.KEEP, "", 1, ()),), "d", "h", {}, {})
+        >>> check_plan_matches(bad, ir, api="doc")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSOptionError: doc(plan=...): the plan does not match the traced step: tensor 'y:0' ...
+    """
+    def mismatch(what: str) -> LMSOptionError:
+        return LMSOptionError(
+            f"{api}(plan=...): the plan does not match the traced step: {what}. A plan holds for the step it "
+            f"was made for (same model, input shapes and optimizer); make it again for this one "
+            f"(`lms-tf plan ... --out plan.json`) or drop plan= to plan in place.")
+
+    ops = {op.name for op in ir.ops}
+    for d in plan.decisions:
+        info = ir.tensors.get(d.tensor)
+        if info is None:
+            raise mismatch(f"tensor {d.tensor!r} ({d.decision.value}) is not in it")
+        if d.shape is not None and info.shape is not None and tuple(d.shape) != tuple(info.shape):
+            raise mismatch(f"tensor {d.tensor!r} has shape {tuple(info.shape)} here, {tuple(d.shape)} in the plan")
+        named = [*(s.trigger for s in d.swap_ins), *(c for s in d.swap_ins for c in s.consumers),
+                 *d.recompute_ops, *d.consumers, *([d.gate] if d.gate else []),
+                 *([d.swap_out_before] if d.swap_out_before else [])]
+        missing = next((n for n in named if n not in ops), None)
+        if missing is not None:
+            raise mismatch(f"op {missing!r}, named by the decision for {d.tensor!r}, is not in it")
+    for ordering in plan.orderings:
+        missing = next((n for n in (*ordering.waiters, *ordering.after) if n not in ops), None)
+        if missing is not None:
+            raise mismatch(f"op {missing!r} of an ordering is not in it")
+
+
+def rewrite_traced_step(request: RewriteRequest, *, api: str,
+                        input_shapes: Optional[Mapping[str, Sequence[Optional[int]]]] = None,
+                        scope_aliases: Optional[Mapping[str, str]] = None,
+                        irs: Optional[list] = None) -> Plan:
+    """Plans (or checks the given plan) and applies it to the ``tf.function`` graph being traced now.
+
+    Call it inside the traced body, after the gradients and the update were built. It plans once;
+    with ``serialize=True`` it then chains the compute ops in the order the simulator replayed the plan.
+
+    Args:
+        request: What to do (:class:`RewriteRequest`).
+        api: Front-end name for messages.
+        input_shapes: Concrete shapes of the function's input placeholders, by op name.
+        scope_aliases: Keras layer name -> its name scope in this trace (for ``exclude``).
+        irs: If given, the IR of the step before the rewrite is appended to it (to simulate the plan).
+
+    Returns:
+        The plan applied.
+
+    Raises:
+        LMSError: Not inside a ``tf.function`` trace (eager execution), or the pass failed.
+        LMSOptionError: A given plan does not match the traced step.
+
+    Example:
+        >>> rewrite_traced_step(RewriteRequest(Policies(host="/CPU:1"), "/device:CPU:0"), api="doc")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSError: doc: the step runs eagerly...
+    """
+    graph = _compat.current_graph()
+    if not _compat.is_function_graph(graph):
+        raise LMSError(
+            f"{api}: the step runs eagerly (received a {type(graph).__name__}, not a tf.function graph), so "
+            f"there is no graph to rewrite. Remove run_eagerly=True from compile() and do not call "
+            f"tf.config.run_functions_eagerly(True).")
+    ir = build_ir(graph, input_shapes=input_shapes, batch_size=request.batch_size)
+    if irs is not None:
+        irs.append(ir)
+    if request.plan is not None:
+        check_plan_matches(request.plan, ir, api=api)
+        plan = request.plan
+    elif request.policies.budget is not None:
+        plan = make_budget_plan(ir, request.policies, device=request.device, cost=request.cost_model(),
+                                scope_aliases=scope_aliases)
+    else:
+        plan = make_plan(ir, request.policies, device=request.device, scope_aliases=scope_aliases)
+    report = apply_plan(graph, ir, plan)
+    logger.info("%s (graph %s; inserted %s)", plan.one_line(), graph.name, report.inserted)
+    if request.serialize:
+        edges = impose_order(graph, simulated_ranks(graph, ir, plan, request.cost_model()))
+        logger.info("serialized graph %s in the simulated order (%d control edges)", graph.name, edges)
+    return plan
+
+
+def simulated_ranks(graph: tf.Graph, ir: GraphIR, plan: Plan, cost: CostModel) -> Dict[str, float]:
+    """Graph op name -> its start rank in the simulation of ``plan`` (compute ops only).
+
+    Swap copies run on their own streams and are left out, so they still overlap compute.
+
+    Example:
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.constant(2.0, name="x")
+        ...     y = tf.square(x, name="y")
+        >>> plan = Plan((), "/device:CPU:0", "/device:CPU:1", {}, {"forward": 1})
+        >>> simulated_ranks(g, build_ir(g), plan, CostModel(get_device_spec("a100-40gb-pcie4")))
+        {'x': 0.0, 'y': 1.0}
+    """
+    sim = simulate(ir, plan, cost=cost, top=1)
+    graph_name = {simulator_name(graph, op.name): op.name for op in graph.get_operations()}
+    names = (graph_name.get(name) for name in sim.op_intervals)
+    return {name: float(i) for i, name in enumerate(n for n in names if n is not None)}
