@@ -20,7 +20,7 @@ setup(
         "gpu": [f"tensorflow[and-cuda]=={TF_VERSION}"],
         "legacy-keras": [f"tf-keras=={TF_VERSION}"],
         "plot": ["matplotlib>=3.7"],
-        "test": [f"tf-keras=={TF_VERSION}", "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7"],
+        "test": [f"tf-keras=={TF_VERSION}", "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "import-linter>=2.1"],
     },
     entry_points={"console_scripts": ["lms-tf=lms_tf.cli:main"]},
     classifiers=[

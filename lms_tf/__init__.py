@@ -26,7 +26,7 @@ from lms_tf.core.policy import Policies
 
 # The front-ends import TensorFlow; they load on first use, so `import lms_tf` (and the CLI's
 # --help, and the planning core) stay free of it.
-_LAZY = {"LMSFunction": "lms_tf.function", "function": "lms_tf.function", "LMSCallback": "lms_tf.keras",
+_LAZY = {"LMSFunction": "lms_tf.decorator", "function": "lms_tf.decorator", "LMSCallback": "lms_tf.keras",
          "PeakMemory": "lms_tf.tf.memory", "measure_peak_memory": "lms_tf.tf.memory", "LMSOptions": "lms_tf.options"}
 
 
@@ -62,7 +62,7 @@ def explain(obj) -> str:
     """
     if isinstance(obj, Plan):
         return obj.summary()
-    from lms_tf.function import LMSFunction
+    from lms_tf.decorator import LMSFunction
     from lms_tf.keras import LMSCallback
 
 

@@ -18,7 +18,6 @@ from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo
 from lms_tf.core.plan import Decision, Plan, SwapIn, TensorDecision
 from lms_tf.core.policy import Policies, parse_budget
 from lms_tf.cost import PRESETS, CostModel, get_device_spec, op_cost
-from lms_tf.options import LMSOptions
 from lms_tf.planner import make_budget_plan
 from lms_tf.simulate import simulate, tensorflow_gpu_allocator
 from lms_tf.tf.trace import build_ir

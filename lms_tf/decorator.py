@@ -1,4 +1,4 @@
-"""``lms_tf.function``: a drop-in for ``tf.function`` that runs the swap pass on every trace.
+"""The decorator front-end, ``lms_tf.function``: a drop-in for ``tf.function`` that runs the swap pass on every trace.
 
 Example:
     >>> import tensorflow as tf, lms_tf
