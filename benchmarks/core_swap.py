@@ -123,7 +123,7 @@ def main():
     lines.append("")
     lines.append(f"lms-tf default plan on ResNet-50 224² b32: {oracle['swapped_tensors']} tensors swapped "
                  f"({oracle['swapped_bytes'] / GiB:.2f} GiB each way per step), {oracle['swap_ins']} swap-ins. "
-                 f"Grappler reads low in absolute terms on this model (DESIGN.md): compare the ratio.")
+                 f"Grappler reads low in absolute terms on this model (docs/design.md): compare the ratio.")
     table = "\n".join(lines)
     os.makedirs(os.path.join(os.path.dirname(__file__), "out"), exist_ok=True)
     base = os.path.join(os.path.dirname(__file__), "out", "core_swap")

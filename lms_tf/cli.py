@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=int, required=True)
     plan.add_argument("--budget", default="auto", help="bytes, 12GiB, 25%% of the plain peak, or auto")
     plan.add_argument("--plot", default=None, help="write the memory timeline to this PNG file")
+    plan.add_argument("--step", choices=("custom", "fit"), default="custom",
+                      help="the train step to plan: custom (a GradientTape step, for lms_tf.function) or fit "
+                           "(Keras's train_step, for LMSCallback)")
     plan.add_argument("--out", default=None, help="write the plan as JSON to this file (for plan= of LMSCallback / "
                       "lms_tf.function)")
     plan.add_argument("--no-swap", action="store_true", help="recompute only")

@@ -94,12 +94,16 @@ def run_plan(args) -> int:
     device, host = _devices()
     spec = get_device_spec(args.device)
     cost = CostModel(spec)
-    from lms_tf.tf.workloads import build_model, synthetic_batch, train_step
+    from lms_tf.tf.workloads import build_model, fit_step, synthetic_batch, train_step
 
     model = build_model(args.model, image_size=_image_size(args.input_shape), classes=args.classes)
-    step = train_step(model)
-    logger.info("[1/4] tracing the plain train step at batch %d", args.batch)
-    ir = build_ir(tf.function(step).get_concrete_function(*synthetic_batch(model, args.batch)).graph)
+    # --step fit: Keras's own train step, as model.fit traces it (a plan for LMSCallback(plan=));
+    # --step custom: a GradientTape step (a plan for lms_tf.function(plan=)).
+    step = fit_step(model) if args.step == "fit" else train_step(model)
+    batch = synthetic_batch(model, args.batch)
+    step_args = (batch,) if args.step == "fit" else batch
+    logger.info("[1/4] tracing the plain %s train step at batch %d", args.step, args.batch)
+    ir = build_ir(tf.function(step).get_concrete_function(*step_args).graph)
     options = _options(args, device, host, args.budget)
     logger.info("[2/4] simulating and planning on %s", spec.name)
     started = time.perf_counter()
@@ -117,19 +121,18 @@ def run_plan(args) -> int:
         import lms_tf
 
         logger.info("[3/4] Grappler's virtual GPU: plain step")
-        x, y = synthetic_batch(model, args.batch)
-        oracle_plain = virtual_gpu_peak(tf.function(step).get_concrete_function(x, y), host=host,
+        oracle_plain = virtual_gpu_peak(tf.function(step).get_concrete_function(*step_args), host=host,
                                         gpu_memory_bytes=spec.memory_bytes)
         if plan is not None:
             logger.info("[4/4] Grappler's virtual GPU: planned step (traced and rewritten)")
             # The same plan, applied: the oracle judges what was planned, without planning again.
             fn = lms_tf.function(step, device=options.device, host=options.host, plan=plan, device_spec=spec)
-            oracle_planned = virtual_gpu_peak(fn.get_concrete_function(x, y), host=host,
+            oracle_planned = virtual_gpu_peak(fn.get_concrete_function(*step_args), host=host,
                                               gpu_memory_bytes=spec.memory_bytes)
 
     swapped = plan.swapped_bytes if plan else 0
     result = {
-        "model": args.model, "batch": args.batch, "device": spec.name, "budget": args.budget,
+        "model": args.model, "step": args.step, "batch": args.batch, "device": spec.name, "budget": args.budget,
         "budget_bytes": plan.budget_bytes if plan else error.budget_bytes,
         "baseline_peak_bytes": baseline.peak_bytes,
         "planned_peak_bytes": planned.peak_bytes if planned else None,

@@ -177,7 +177,7 @@ def test_explain_prints_the_plan_and_refuses_untraced_objects():
     with pytest.raises(LMSError, match="takes an lms_tf.function"):
         lms_tf.explain(42)
     data = fn.plan.to_dict()
-    assert data["num_swapped"] == len(fn.plan.swapped) and data["decisions"][0]["decision"] in ("keep", "swap")
+    assert data["totals"]["num_swapped"] == len(fn.plan.swapped) and data["decisions"][0]["decision"] in ("keep", "swap")
 
 
 @pytest.mark.timeout(120)

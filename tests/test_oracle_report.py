@@ -44,7 +44,8 @@ def test_tensorflow_really_computes_that_output_in_the_input_buffer():
 
 
 def _eight_conv_step():
-    """DESIGN.md's toy: eight 32-channel 3x3 convolutions on 32 x 64x64x3, trained by SGD."""
+    """The 8-conv toy of the Grappler measurements in docs/design.md: eight 32-channel 3x3 convolutions
+    on 32 x 64x64x3, trained by SGD."""
     kernels = [tf.Variable(tf.random.stateless_normal((3, 3, 3 if i == 0 else 32, 32), seed=(i, 0)) * 0.1)
                for i in range(8)]
 

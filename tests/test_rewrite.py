@@ -17,7 +17,7 @@ from tests.conftest import CPU_LMS
 
 
 def toy_cnn():
-    """DESIGN.md's 8-conv toy: batch 32, 64x64x3, eight 32-channel 3x3 convs."""
+    """The 8-conv toy of docs/design.md's Grappler measurements: batch 32, 64x64x3, eight 32-channel 3x3 convs."""
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((64, 64, 3))] + [
         keras.layers.Conv2D(32, 3, padding="same", activation="relu") for _ in range(8)] + [
@@ -161,7 +161,7 @@ def test_grappler_oracle_shows_lower_gpu_peak(toy):
     plain, fn, x, y = toy
     baseline = virtual_gpu_peak(plain.get_concrete_function(x, y), host=CPU_LMS["host"])
     rewritten = virtual_gpu_peak(fn.get_concrete_function(x, y), host=CPU_LMS["host"])
-    # DESIGN.md measured 194 -> 82 MiB for a naive swap-everything rewrite of this toy.
+    # The design notes measured 194 -> 82 MiB for a naive swap-everything rewrite of this toy.
     assert rewritten < 0.6 * baseline, (baseline / 2**20, rewritten / 2**20)
 
 

@@ -120,7 +120,7 @@ def lstm_model():
 
 
 def shared_multi_input_residual():
-    """DESIGN.md's hang model: two inputs, shared Conv2D + BatchNorm, a conv added back."""
+    """The hang model of docs/design.md: two inputs, shared Conv2D + BatchNorm, a conv added back."""
     _seed()
     in_a, in_b = keras.Input((24, 24, 3), name="a"), keras.Input((24, 24, 3), name="b")
     shared_conv = layers.Conv2D(16, 3, padding="same", name="shared_conv")

@@ -234,7 +234,21 @@ def make_ir(ops: Sequence[Mapping[str, Any]], *, data_dependent: Optional[Sequen
                    resolved_dims={}, data_dependent=dependent)
 
 
-_DEVICE = re.compile(r"/(?:device:)?([A-Za-z_]+):(\d+)$")
+_DEVICE = re.compile(r"/?(?:device:)?([A-Za-z_]+):(\d+)$")
+
+
+def canonical_device(device: str) -> str:
+    """A device string in TensorFlow's canonical form (``/device:CPU:1``), keeping any job/task prefix.
+
+    Example:
+        >>> canonical_device("/CPU:1"), canonical_device("gpu:0"), canonical_device("/job:w/task:1/GPU:2")
+        ('/device:CPU:1', '/device:GPU:0', '/job:w/task:1/device:GPU:2')
+    """
+    match = _DEVICE.search(device.strip())
+    if not match:
+        return device
+    prefix = device.strip()[:match.start()].rstrip("/")
+    return f"{prefix}/device:{match.group(1).upper()}:{int(match.group(2))}"
 
 
 def device_kind_and_index(device: str) -> Tuple[str, int]:

@@ -22,6 +22,7 @@ import dataclasses
 from typing import Any, Mapping, Optional, Tuple, Union
 
 from lms_tf.core.errors import InfeasibleBudgetError, LMSOptionError, infeasible
+from lms_tf.core.ir import canonical_device, device_kind_and_index
 
 #: Recompute policies by name (a tuple of layer names / op-name patterns is the other kind).
 RECOMPUTE_POLICIES = ("auto", "cheap", "sqrt")
@@ -229,8 +230,9 @@ class Policies:
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
-        if not isinstance(self.host, str) or not self.host:
+        if not isinstance(self.host, str) or not device_kind_and_index(self.host)[0]:
             raise LMSOptionError(f"host must be a device string such as '/CPU:0'; received {describe(self.host)}.")
+        set_("host", canonical_device(self.host))
         if not isinstance(self.swap, bool):
             raise LMSOptionError(f"swap must be True or False; received {describe(self.swap)}.")
         check_int("swapout_threshold", self.swapout_threshold, 1)

@@ -394,7 +394,7 @@ class _Planner:
             return None
         devices = {ir.op(n).device for n in waiters + exits}
         if len(devices) > 1:
-            return None  # a control edge across devices can hang TensorFlow's executor (DESIGN.md)
+            return None  # a control edge across devices can hang TensorFlow's executor (docs/design.md)
         return Ordering(tuple(waiters), tuple(exits),
                         f"backward of {'/'.join(then)} waits for {'/'.join(first)}: their temporaries "
                         f"were alive together at the simulated peak")

@@ -3,7 +3,7 @@
 * :func:`virtual_gpu_peak` simulates a traced step on a virtual GPU + host with
   Grappler's virtual cluster (TensorFlow's own memory simulator) and returns the
   GPU's peak bytes. No GPU is needed. It reads low in absolute terms on large
-  models (DESIGN.md), so compare a plain and a rewritten step with it.
+  models (docs/design.md), so compare a plain and a rewritten step with it.
   :func:`virtual_gpu_peak_report` adds the tensors it counts at the peak.
 * :func:`executed_ops` runs a step under TensorFlow's profiler and returns the
   kernels in the order TensorFlow actually executed them.

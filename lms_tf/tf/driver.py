@@ -119,7 +119,7 @@ def check_plan_matches(plan: Plan, ir: GraphIR, *, api: str) -> None:
 
     Example:
         >>> from lms_tf.core import make_ir
-        >>> from lms_tf.core.plan import TensorDecision
+        >>> from lms_tf.core.plan import Decision, TensorDecision
         >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (2,))])])
         >>> bad = Plan((TensorDecision("y:0", "", (2,), 8, Decision.KEEP, "", 1, ()),), "d", "h", {}, {})
         >>> check_plan_matches(bad, ir, api="doc")  # doctest: +ELLIPSIS

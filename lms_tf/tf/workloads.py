@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 from typing import Callable, Tuple
@@ -107,14 +108,18 @@ def build_model(spec: str, *, image_size: int = 224, classes: int = 1000):
             return getattr(importlib.import_module(module_name), factory)()
         except (ImportError, AttributeError) as err:
             raise LMSOptionError(f"model {spec!r}: cannot load {factory!r} from {module_name!r} ({err}).") from None
-    if spec in BUILTIN_MODELS:
-        return BUILTIN_MODELS[spec](image_size, classes)
-    constructor = getattr(keras.applications, spec, None)
-    if constructor is None or not callable(constructor):
-        names = sorted(n for n in dir(keras.applications) if n[0].isupper())
+    # Names are matched without regard to case: "resnet50" is keras.applications.ResNet50.
+    names = {n.lower(): n for n in dir(keras.applications) if n[0].isupper() and callable(getattr(keras.applications, n))}
+    builtin = {n.lower(): n for n in BUILTIN_MODELS}
+    if spec.lower() in builtin:
+        return BUILTIN_MODELS[builtin[spec.lower()]](image_size, classes)
+    if spec.lower() not in names:
+        close = difflib.get_close_matches(spec.lower(), list(names) + list(builtin), n=3)
+        hint = f" Did you mean {', '.join(names.get(c, builtin.get(c)) for c in close)}?" if close else ""
         raise LMSOptionError(
-            f"model {spec!r} is not a keras.applications name, a .keras file or module:factory. "
-            f"Examples: {', '.join(names[:8])} ...")
+            f"model {spec!r} is not a keras.applications name, a built-in workload ({', '.join(BUILTIN_MODELS)}), "
+            f"a .keras file or module:factory.{hint} Examples: {', '.join(sorted(names.values())[:8])} ...")
+    constructor = getattr(keras.applications, names[spec.lower()])
     return constructor(weights=None, input_shape=(image_size, image_size, 3), classes=classes)
 
 
@@ -158,3 +163,28 @@ def train_step(model, optimizer=None) -> Callable:
         return loss
 
     return step
+
+
+def fit_step(model, optimizer=None) -> Callable:
+    """The step ``model.fit`` traces, as a function of one batch ``(x, y)`` to wrap in a tf.function.
+
+    Compiles ``model`` (SGD, sparse categorical cross-entropy) and runs Keras's own ``train_step``
+    under the model's distribution strategy, as Keras's train function does, so a plan made for
+    this trace applies to ``model.fit`` with ``LMSCallback(plan=...)``.
+
+    Example:
+        >>> m = build_model("MobileNetV2", image_size=32, classes=10)
+        >>> step = tf.function(fit_step(m))
+        >>> sorted(step(synthetic_batch(m, 2)))
+        ['loss']
+    """
+    keras = _compat.keras_module()
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=False))
+
+    @tf.autograph.experimental.do_not_convert
+    def step(data):
+        return model.distribute_strategy.run(model.train_step, args=(data,))
+
+    return step
+

@@ -11,7 +11,7 @@ synchronous swap-out), the signal travels back the same way::
     swap_out -> Shape (host) -> signal (Identity, waiter's device) -^ waiter (a later forward op)
 
 The gate reaches the host as a data edge: a control edge that crosses devices can
-hang TensorFlow's executor (DESIGN.md), so the only control edge is host -> host.
+hang TensorFlow's executor (docs/design.md), so the only control edge is host -> host.
 Every inserted op carries ``_lms`` (``swap_out``, ``swap_in``, ``swap_gate``,
 ``swap_out_done``, ``marker``) and ``_grappler_do_not_remove`` (Grappler would delete the identities).
 
@@ -43,7 +43,7 @@ def _signal(graph: tf.Graph, source: tf.Tensor, receiver: Union[str, tf.Operatio
             kind: str) -> tf.Operation:
     """An op on ``receiver``'s side (a device, or next to an op) that runs only after ``source``
     exists: ``Shape(source)`` next to the source, received by an ``Identity``. A data edge, because a
-    control edge that crosses devices can hang TensorFlow's executor (DESIGN.md)."""
+    control edge that crosses devices can hang TensorFlow's executor (docs/design.md)."""
     with graph.colocate_with(source.op):
         # raw Shape op: tf.shape() would fold a static shape into a constant at trace time.
         shape = tf.raw_ops.Shape(input=source, name=f"{name}_shape")
