@@ -26,7 +26,7 @@ from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.options import LMSOptions
 from lms_tf.planner import make_budget_plan
 from lms_tf.simulate import resident_bytes, simulate
-from lms_tf.tf.trace import build_ir
+from lms_tf.tf.trace import build_ir, trace_step_ir
 
 logger = logging.getLogger("lms_tf")
 MiB = 2**20
@@ -103,7 +103,10 @@ def run_plan(args) -> int:
     batch = synthetic_batch(model, args.batch)
     step_args = (batch,) if args.step == "fit" else batch
     logger.info("[1/4] tracing the plain %s train step at batch %d", args.step, args.batch)
-    ir = build_ir(tf.function(step).get_concrete_function(*step_args).graph)
+    if args.step == "fit":  # the IR where LMSCallback builds it: right after Keras's train_step
+        ir = trace_step_ir(model.train_step, batch, wrap=lambda inner: fit_step(model, inner=inner))
+    else:
+        ir = trace_step_ir(step, *batch)
     options = _options(args, device, host, args.budget)
     logger.info("[2/4] simulating and planning on %s", spec.name)
     started = time.perf_counter()

@@ -28,8 +28,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import heapq
-from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -234,3 +235,40 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
             outputs=tuple(t.name for t in op.outputs), stateful=bool(op.op_def.is_stateful)))
     return GraphIR(ops=tuple(ops), tensors=tensors, function_inputs=inputs, resolved_dims=resolution,
                    data_dependent=data_dependent)
+
+
+def trace_step_ir(step: Callable, *args, wrap: Optional[Callable[[Callable], Callable]] = None,
+                  batch_size: Optional[int] = None) -> GraphIR:
+    """The IR of ``step`` traced on ``args`` as the front-ends see it, without running it.
+
+    The IR is built inside the trace right after ``step`` returns, as the front-ends' driver
+    builds it, before TensorFlow adds the automatic control dependencies that end a trace: a plan
+    made from it is the plan ``lms_tf.function`` (or, with ``wrap``, ``LMSCallback``) would make.
+
+    Args:
+        step: The step function (AutoGraph converts it, as ``tf.function`` does).
+        *args: Arguments to trace it with (tensors or specs).
+        wrap: Builds the traced function around the capturing step (e.g. Keras's strategy call).
+        batch_size: Size to give batch dimensions the trace leaves unknown.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> ir = trace_step_ir(lambda x: tf.nn.relu(x) * 2.0, tf.TensorSpec((None, 8)), batch_size=4)
+        >>> ir.tensors["Relu:0"].nbytes
+        128
+    """
+    captured: Dict[str, GraphIR] = {}
+
+    @tf.autograph.experimental.do_not_convert
+    def capture() -> None:
+        captured["ir"] = build_ir(_compat.current_graph(), batch_size=batch_size)
+
+    @functools.wraps(step)  # as lms_tf.function's wrapper: the inputs are named after step's parameters
+    def capturing(*args):
+        outputs = step(*args)
+        capture()
+        return outputs
+
+    tf.function(wrap(capturing) if wrap else capturing).get_concrete_function(*args)
+    return captured["ir"]
+

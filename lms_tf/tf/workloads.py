@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -165,12 +165,12 @@ def train_step(model, optimizer=None) -> Callable:
     return step
 
 
-def fit_step(model, optimizer=None) -> Callable:
+def fit_step(model, optimizer=None, *, inner: Optional[Callable] = None) -> Callable:
     """The step ``model.fit`` traces, as a function of one batch ``(x, y)`` to wrap in a tf.function.
 
     Compiles ``model`` (SGD, sparse categorical cross-entropy) and runs Keras's own ``train_step``
-    under the model's distribution strategy, as Keras's train function does, so a plan made for
-    this trace applies to ``model.fit`` with ``LMSCallback(plan=...)``.
+    (or ``inner``, a function wrapping it) under the model's distribution strategy, as Keras's train
+    function does, so a plan made for this trace applies to ``model.fit`` with ``LMSCallback(plan=...)``.
 
     Example:
         >>> m = build_model("MobileNetV2", image_size=32, classes=10)
@@ -181,10 +181,10 @@ def fit_step(model, optimizer=None) -> Callable:
     keras = _compat.keras_module()
     model.compile(optimizer=optimizer or keras.optimizers.SGD(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=False))
+    run = inner or model.train_step
 
     @tf.autograph.experimental.do_not_convert
     def step(data):
-        return model.distribute_strategy.run(model.train_step, args=(data,))
+        return model.distribute_strategy.run(run, args=(data,))
 
     return step
-
