@@ -51,7 +51,8 @@ def rank_main(ranks: int, outdir: Path) -> None:
     import keras
 
     import lms_tf
-    from lms_tf.horovod import DistributedCallback, horovod_tensorflow
+    from lms_tf.horovod import horovod_tensorflow
+    from lms_tf.keras import DistributedCallback
 
     hvd = horovod_tensorflow()
 
@@ -104,7 +105,7 @@ def rank_main(ranks: int, outdir: Path) -> None:
 
 def record_timeline(build, iterator, hvd, outdir: Path) -> dict:
     """One step's executed ops (TF profiler) and allreduce intervals (Horovod timeline)."""
-    from lms_tf.horovod import DistributedCallback
+    from lms_tf.keras import DistributedCallback
     from lms_tf.keras.step_hooks import add_step_hook
     from lms_tf.tf.diagnostics import executed_ops
     from tests.helpers import graph_probe

@@ -20,7 +20,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 import tensorflow as tf
 
-from lms_tf.horovod import DistributedCallback, horovod_tensorflow, pin_gpu
+from lms_tf.horovod import horovod_tensorflow, pin_gpu
+from lms_tf.keras import DistributedCallback
 
 logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
 hvd = horovod_tensorflow()

@@ -23,11 +23,11 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
-from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError, warn_once
 from lms_tf.core.plan import Plan
 from lms_tf.options import LMSOptions
 from lms_tf.tf.driver import call_step_for_rewrite, no_accelerator_message, resolve_device, rewrite_traced_step
+from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
 from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
 
 _call_shapes = threading.local()
@@ -99,10 +99,10 @@ class LMSFunction:
         if self.options.horovod:
             from lms_tf.horovod import ALLREDUCE_ORDER, DEFAULT_BUCKET_BYTES, gradient_allreduce_hook
 
-            stack.enter_context(_compat.intercept_optimizer_updates(
+            stack.enter_context(intercept_optimizer_updates(
                 gradient_allreduce_hook(DEFAULT_BUCKET_BYTES, updates), order=ALLREDUCE_ORDER))
         if self.options.optimizer_on_host and resolve_device(self.options.device) is not None:
-            stack.enter_context(_compat.intercept_optimizer_updates(
+            stack.enter_context(intercept_optimizer_updates(
                 host_update_hook(self.options.host, api=_API), order=HOST_UPDATE_ORDER))
         return stack
 

@@ -94,7 +94,7 @@ class LMSOptions:
         horovod: Only for :func:`lms_tf.function`: average every gradient across Horovod
             ranks between the gradient and the optimizer update (pipelined in buckets, see
             :mod:`lms_tf.horovod`) and broadcast the variables from rank 0 before the first
-            step. ``model.fit`` uses :class:`lms_tf.horovod.DistributedCallback` instead.
+            step. ``model.fit`` uses :class:`lms_tf.keras.DistributedCallback` instead.
         budget: Device memory the step's tensors may use; the planner then decides KEEP /
             SWAP / RECOMPUTE per tensor so the simulated peak fits at the least predicted
             slowdown. Bytes, ``"12GiB"``, ``"25%"`` (of the plain step's simulated peak) or

@@ -204,7 +204,7 @@ def plot_timeline(path: str, baseline, planned, budget_bytes: int, title: str = 
 
     Example:
         >>> import os, tempfile
-        >>> from lms_tf.simulate.simulator import Simulation
+        >>> from lms_tf.simulate import Simulation
         >>> sim = Simulation(10, "a", (), 1.0, 1.0, 0, 0, ((0.0, 5, 0, 0), (1.0, 10, 0, 0)))
         >>> out = os.path.join(tempfile.mkdtemp(), "t.png")
         >>> plot_timeline(out, sim, sim, 8)

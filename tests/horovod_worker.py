@@ -37,7 +37,8 @@ tf.config.threading.set_inter_op_parallelism_threads(2)
 import keras  # noqa: E402
 
 import lms_tf  # noqa: E402
-from lms_tf.horovod import DistributedCallback, horovod_tensorflow  # noqa: E402
+from lms_tf.horovod import horovod_tensorflow  # noqa: E402
+from lms_tf.keras import DistributedCallback  # noqa: E402
 from lms_tf.keras.step_hooks import add_step_hook  # noqa: E402
 from lms_tf.tf.diagnostics import executed_ops  # noqa: E402
 from tests.helpers import count_ops, first_consumers, graph_probe  # noqa: E402

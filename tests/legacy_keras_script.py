@@ -17,8 +17,8 @@ tf.config.set_logical_device_configuration(
 import tf_keras as keras  # noqa: E402
 
 import lms_tf  # noqa: E402
-from lms_tf.horovod import DistributedCallback  # noqa: E402
-from lms_tf.tf.diagnostics import variable_bytes_by_device  # noqa: E402
+from lms_tf.keras import DistributedCallback  # noqa: E402
+from lms_tf.tf.variables import variable_bytes_by_device  # noqa: E402
 
 
 def build():

@@ -150,18 +150,18 @@ def test_planner_refuses_a_step_that_fits_only_in_graph_order():
     """The planner's fit check replays a step that fits in graph order in random tie orders too:
     the fan-out graph (9 readers) fits 4 MiB and one 256-byte chunk in graph order, but ``q``
     before the sums needs 8 MiB, so at that budget the check reports the larger figure."""
-    from lms_tf.planner.budget import TIE_ORDERS_CHECKED, _Planner
+    from lms_tf.planner.fit_check import TIE_ORDERS_CHECKED, FitCheck
+    from lms_tf.planner.step import PlanningStep
     ir = _fan_out_ir()
-    planner = _Planner(ir, Policies(host="/CPU:1"),
-                       "/device:CPU:0", V100, {})
+    check = FitCheck(PlanningStep.build(ir, Policies(host="/CPU:1"), device="/device:CPU:0", cost=V100))
     plain = Plan((), "/device:CPU:0", "/device:CPU:1", {}, {})
     outcomes = {simulate(ir, cost=V100, tie_seed=seed).peak_bytes for seed in range(TIE_ORDERS_CHECKED)}
     assert 2 * 4 * MiB in outcomes  # the seeds it checks include an order that does not fit
-    planner.budget_bytes = 4 * MiB + 256  # graph order: a and one sum's 4 bytes (a 256-byte chunk)
-    checked = planner.simulate(plain)
+    check.budget_bytes = 4 * MiB + 256  # graph order: a and one sum's 4 bytes (a 256-byte chunk)
+    checked = check.simulate(plain)
     assert checked.peak_bytes == 4 * MiB + 4 and checked.held_bytes >= 2 * 4 * MiB
-    planner.budget_bytes = 4 * MiB  # the tensors do not fit in graph order: nothing is replayed
-    assert planner.simulate(plain).held_bytes == 4 * MiB + 4
+    check.budget_bytes = 4 * MiB  # the tensors do not fit in graph order: nothing is replayed
+    assert check.simulate(plain).held_bytes == 4 * MiB + 4
 
 
 @pytest.mark.parametrize("text,expected", [("12GiB", 12 * 2**30), ("500MB", 500 * 10**6), ("25%", 0.25),
@@ -192,19 +192,22 @@ def test_a_recompute_base_compute_floor_is_its_simulated_compute_time():
     """The planner skips recompute bases whose compute alone takes longer than the best plan
     found: that floor must be what the simulator computes for the base (one compute stream, so
     no plan on it can be faster), and below every plan built on it."""
-    from lms_tf.planner.budget import _Planner
+    from lms_tf.planner.bases import compute_floor, recompute_bases
+    from lms_tf.planner.fit_check import FitCheck
+    from lms_tf.planner.step import PlanningStep
+    from lms_tf.planner.timing import assemble
 
     ir = _resnet_ir()
     opts = Policies(host="/CPU:1", budget="40%", recompute="auto")
-    planner = _Planner(ir, opts, "/device:CPU:0", V100, {})
-    bases = planner.recompute_bases()
+    step = PlanningStep.build(ir, opts, device="/device:CPU:0", cost=V100)
+    bases, _ = recompute_bases(step)
     assert len(bases) >= 3
     for label, recomputed in bases:
-        sim = planner.simulate(planner.assemble(set(), recomputed))
-        assert planner.compute_floor(recomputed) == pytest.approx(sim.compute_time_s, rel=1e-9), label
+        sim = FitCheck(step).simulate(assemble(step, set(), recomputed))
+        assert compute_floor(step, recomputed) == pytest.approx(sim.compute_time_s, rel=1e-9), label
         assert sim.compute_time_s <= sim.step_time_s * (1 + 1e-12)
     plan = make_budget_plan(ir, opts, device="/device:CPU:0", cost=V100)
-    assert min(planner.compute_floor(r) for _, r in bases) <= plan.predictions.predicted_step_time_s * (1 + 1e-9)
+    assert min(compute_floor(step, r) for _, r in bases) <= plan.predictions.predicted_step_time_s * (1 + 1e-9)
 
 
 def test_infeasible_budget_names_the_smallest_feasible_budget():
@@ -284,15 +287,18 @@ def test_resnet50_plan_at_25_percent_counts_chunks_and_recomputes_a_swapped_chec
 
     # When nothing fits, the lowest plan is lowered the same way (then swaps more): the first
     # pass's plan on the same base (swap-ins timed to hide their copies) does not fit in chunks.
-    from lms_tf.planner.budget import _Planner, _Tools
+    from lms_tf.planner.refine import lower_the_lowest
+    from lms_tf.planner.search import BudgetSearch
+    from lms_tf.planner.step import PlanningStep
+    from lms_tf.planner.timing import Tools
 
-    planner = _Planner(ir, options("25%"), "/device:CPU:0", CostModel(spec), {})
-    label, recomputed = next(b for b in planner.recompute_bases() if b[0] == "sqrt/10")
-    planner.budget_bytes = plan.budget_bytes
-    lowest, lowest_sim = planner.add_swaps(plan.budget_bytes, recomputed, _Tools())
+    search = BudgetSearch(PlanningStep.build(ir, options("25%"), device="/device:CPU:0", cost=CostModel(spec)))
+    label, recomputed = next(b for b in search.bases if b[0] == "sqrt/10")
+    search.check.budget_bytes = plan.budget_bytes
+    lowest, lowest_sim = search.add_swaps(plan.budget_bytes, recomputed, Tools())
     assert lowest_sim.held_bytes > plan.budget_bytes
-    lowered, lowered_sim, lowered_label = planner.lower_the_lowest(plan.budget_bytes, lowest, lowest_sim,
-                                                                   label, label, _Tools())
+    lowered, lowered_sim, lowered_label = lower_the_lowest(search, plan.budget_bytes, lowest, lowest_sim,
+                                                           label, label, Tools())
     assert lowered_sim.held_bytes < lowest_sim.held_bytes, (lowered_sim.held_bytes, lowest_sim.held_bytes)
     assert "checkpoint recomputed" in lowered_label and any("checkpoint" in d.reason for d in lowered.recomputed)
     # On the H100 preset (faster compute, a faster link) the same trace plans at 25%.

@@ -1,6 +1,6 @@
 """Every private TensorFlow/Keras API lms-tf relies on still behaves as expected.
 
-If one of these fails after a TensorFlow or Keras upgrade, lms_tf/_compat.py needs an update.
+If one of these fails after a TensorFlow or Keras upgrade, the lms_tf/_compat package needs an update.
 """
 
 import keras

@@ -12,9 +12,11 @@ import tensorflow as tf
 
 import lms_tf
 from lms_tf.core.errors import LMSError, LMSOptionError, LMSWarning
-from lms_tf.horovod import DistributedCallback, allreduce_gradients, backward_order, bucket_by_bytes
+from lms_tf.horovod import allreduce_gradients, backward_order, bucket_by_bytes
+from lms_tf.keras import DistributedCallback
 from lms_tf.keras.step_hooks import add_step_hook
-from lms_tf.tf.diagnostics import variable_bytes_by_device, virtual_gpu_peak
+from lms_tf.tf.diagnostics import virtual_gpu_peak
+from lms_tf.tf.variables import variable_bytes_by_device
 from tests import zoo
 from tests.conftest import CPU_LMS
 from tests.helpers import assert_same_numbers, custom_loop, fit_steps, graph_probe, lms_function
@@ -142,7 +144,7 @@ def test_distributed_callback_rejects_bad_arguments(kwargs, fragment):
 
 def test_lms_callback_points_fit_users_to_distributed_callback():
     model, (x, y) = zoo.sequential_cnn()
-    with pytest.raises(LMSOptionError, match="add lms_tf.horovod.DistributedCallback"):
+    with pytest.raises(LMSOptionError, match="add lms_tf.keras.DistributedCallback"):
         model.fit(x, y, batch_size=zoo.BATCH, epochs=1, verbose=0, callbacks=[lms_tf.LMSCallback(horovod=True)])
 
 

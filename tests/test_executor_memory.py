@@ -20,8 +20,7 @@ import pytest
 import tensorflow as tf
 
 from lms_tf.cost import CostModel, get_device_spec
-from lms_tf.simulate import pool_history, simulate
-from lms_tf.simulate.simulator import resident_buffers
+from lms_tf.simulate import pool_history, resident_buffers, simulate
 from lms_tf.tf.diagnostics import allocation_trace, grappler_accumulated_sums
 from lms_tf.tf.trace import build_ir
 

@@ -24,7 +24,7 @@ from lms_tf.core.policy import Policies
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.planner import make_plan
 from lms_tf.simulate import simulate
-from lms_tf.simulate.simulator import POOL_WORKSPACE
+from lms_tf.simulate.lower import POOL_WORKSPACE
 from lms_tf.tf.trace import build_ir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -25,7 +25,10 @@ from lms_tf.core.plan import Decision, Ordering, Plan, Predictions, SwapIn, Tens
 from lms_tf.core.policy import Policies
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.planner import make_budget_plan
-from lms_tf.planner.budget import _Planner, _Tools
+from lms_tf.planner.fit_check import FitCheck
+from lms_tf.planner.ordering import BranchOrdering
+from lms_tf.planner.step import PlanningStep
+from lms_tf.planner.timing import Tools, assemble
 from lms_tf.simulate import simulate
 from tests import zoo
 from tests.helpers import assert_same_numbers, custom_loop
@@ -109,16 +112,17 @@ def _link_bound_plan(recorded):
     """The budget planner's own tools, forced on: every movable tensor swapped with the forward
     pass waiting for its copies out, and one backward ordering at the simulated peak."""
     def plan(ir, policies, *, device, cost, scope_aliases=None):
-        planner = _Planner(ir, policies, device, cost, scope_aliases or {})
-        swapped = planner.assemble(set(planner.eligible), {}, _Tools(throttle=True))
-        sim = planner.simulate(swapped)
+        step = PlanningStep.build(ir, policies, device=device, cost=cost, scope_aliases=scope_aliases)
+        check, branches = FitCheck(step), BranchOrdering(ir)
+        swapped = assemble(step, set(step.eligible), {}, Tools(throttle=True))
+        sim = check.simulate(swapped)
         orderings = []
-        for a, b in planner.branch_pairs(sim):
+        for a, b in branches.branch_pairs(sim):
             for first, then in ((a, b), (b, a)):
-                ordering = planner.ordering(first, then)
+                ordering = branches.ordering(first, then)
                 if ordering is not None and not orderings:
                     try:  # the same check the planner makes: no cycle with the swap-in triggers
-                        planner.simulate(dataclasses.replace(swapped, orderings=(ordering,)))
+                        check.simulate(dataclasses.replace(swapped, orderings=(ordering,)))
                         orderings.append(ordering)
                     except PlanCycleError:
                         pass
@@ -192,7 +196,7 @@ def test_an_unknown_batch_trace_offers_the_same_tensors_as_a_concrete_one():
     that run during the forward pass. They only read metadata: they must neither make a tensor a
     candidate nor stop it from being swapped (the largest-batch search plans such traces)."""
     from lms_tf.core.op_kinds import METADATA_READER_TYPES
-    from lms_tf.planner.default import collect_candidates
+    from lms_tf.planner.candidates import collect_candidates
     from lms_tf.tf.trace import build_ir
     from lms_tf.tf.workloads import train_step
 

@@ -7,7 +7,7 @@ from lms_tf.core.ir import Phase
 from lms_tf.core.plan import Decision
 from lms_tf.core.policy import Policies
 from lms_tf.planner import make_plan
-from lms_tf.planner.default import _gate_candidates
+from lms_tf.planner.candidates import _gate_candidates
 from lms_tf.tf.trace import build_ir
 
 DEVICE = "/device:CPU:0"

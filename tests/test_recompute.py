@@ -261,7 +261,9 @@ def _recursive_plan_step(step, gate_choice, facts):
     """Wraps a step: after tracing it, recomputes one sqrt checkpoint too (``also_recompute``),
     behind the shared or its own gate, and applies that plan."""
     from lms_tf.options import LMSOptions
-    from lms_tf.planner.default import checkpoint_gates, collect_candidates, make_plan
+    from lms_tf.planner.candidates import collect_candidates
+    from lms_tf.planner.recompute import checkpoint_gates
+    from lms_tf.planner.tflms import make_plan
     from lms_tf.tf.rewrite import apply_plan
     from lms_tf.tf.trace import build_ir
 
@@ -337,7 +339,9 @@ def test_a_checkpoint_recomputed_from_the_one_before_trains_to_the_plain_numbers
 
 def test_bad_also_recompute_entries_are_refused():
     from lms_tf.options import LMSOptions
-    from lms_tf.planner.default import checkpoint_gates, collect_candidates, make_plan
+    from lms_tf.planner.candidates import collect_candidates
+    from lms_tf.planner.recompute import checkpoint_gates
+    from lms_tf.planner.tflms import make_plan
     from lms_tf.tf.trace import build_ir
     from lms_tf.tf.workloads import train_step
 

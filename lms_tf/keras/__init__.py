@@ -1,9 +1,10 @@
-"""Keras front-end: :class:`LMSCallback` for ``model.fit``.
+"""Keras front-end: :class:`LMSCallback` for ``model.fit``, and :class:`DistributedCallback` for Horovod.
 
 Example:
-    >>> from lms_tf.keras import LMSCallback
+    >>> from lms_tf.keras import DistributedCallback, LMSCallback
 """
 
 from lms_tf.keras.callback import LMSCallback
+from lms_tf.keras.distributed import DistributedCallback
 
-__all__ = ["LMSCallback"]
+__all__ = ["DistributedCallback", "LMSCallback"]

@@ -22,6 +22,7 @@ from lms_tf.core.plan import Plan
 from lms_tf.keras.step_hooks import add_step_hook, check_traceable, detach, turn_jit_off
 from lms_tf.options import LMSOptions
 from lms_tf.tf.driver import call_step_for_rewrite, no_accelerator_message, resolve_device, rewrite_traced_step
+from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
 from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
 
 logger = logging.getLogger("lms_tf")
@@ -37,7 +38,7 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
             ``swapin_groupby``, ``min_swap_bytes``, ``exclude``, ``batch_size``
             (by default read from ``fit``), ``swap``, ``recompute``, ``optimizer_on_host``,
             ``budget``, ``device_spec``, ``serialize``.
-            Data-parallel training adds :class:`lms_tf.horovod.DistributedCallback`
+            Data-parallel training adds :class:`lms_tf.keras.DistributedCallback`
             to the same ``callbacks`` list, in either order.
 
     Attributes:
@@ -80,7 +81,7 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
         check_traceable(model, _API)
         if self.options.horovod:
             raise LMSOptionError(
-                f"{_API}(horovod=True): for model.fit, add lms_tf.horovod.DistributedCallback() to the callbacks "
+                f"{_API}(horovod=True): for model.fit, add lms_tf.keras.DistributedCallback() to the callbacks "
                 f"beside LMSCallback (it also broadcasts the variables and averages the metrics); horovod=True "
                 f"is the option of lms_tf.function for custom loops.")
         device = resolve_device(self.options.device)
@@ -96,7 +97,7 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
         def lms_hook(step):
             def train_step(data):
                 hooks = contextlib.nullcontext() if host_hook is None else \
-                    _compat.intercept_optimizer_updates(host_hook, order=HOST_UPDATE_ORDER)
+                    intercept_optimizer_updates(host_hook, order=HOST_UPDATE_ORDER)
                 with hooks:
                     outputs = call_step_for_rewrite(options.serialize, step, data)
                 aliases = _compat.layer_scope_aliases(model, _compat.current_graph())

@@ -1,7 +1,7 @@
 """One wrapper around ``model.train_step`` shared by every lms-tf callback of a ``fit``.
 
 ``LMSCallback`` (rewrite the trace after the step is built) and
-``lms_tf.horovod.DistributedCallback`` (average gradients while the step is built) both
+``lms_tf.keras.DistributedCallback`` (average gradients while the step is built) both
 need to run code inside the trace of the train step. Each registers a *step hook*,
 ``hook(step) -> step``, on the model; a single wrapper composes the registered hooks each
 time Keras traces the step, so the callbacks compose in either order and each one

@@ -12,6 +12,6 @@ Example:
 """
 
 from lms_tf.planner.budget import make_budget_plan
-from lms_tf.planner.default import make_plan
+from lms_tf.planner.tflms import make_plan
 
 __all__ = ["make_budget_plan", "make_plan"]

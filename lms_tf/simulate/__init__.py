@@ -1,11 +1,17 @@
 """Replays a step, with or without a plan, on a modelled device: peak memory and step time.
 
-:mod:`~lms_tf.simulate.simulator` lowers a plan to events (compute, copies out, copies back,
-recompute clones) and replays them as TensorFlow's executor runs them;
-:mod:`~lms_tf.simulate.allocator` models TensorFlow's BFC allocator, after the pool's history.
+:mod:`~lms_tf.simulate.lower` lowers the step and a plan to events (compute, copies out, copies
+back, recompute clones) under TensorFlow's memory rules; :mod:`~lms_tf.simulate.replay` runs them
+as TensorFlow's executor does; :mod:`~lms_tf.simulate.allocator` models TensorFlow's BFC allocator,
+after the pool's history (:mod:`~lms_tf.simulate.pool`). :func:`simulate` is the entry point.
 
 Example:
-    >>> from lms_tf.simulate import simulate, tensorflow_gpu_allocator
+    >>> from lms_tf.core import make_ir
+    >>> from lms_tf.cost import CostModel, get_device_spec
+    >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (256,))]),
+    ...               dict(name="e", type="Exp", inputs=["x:0"], outputs=[("e:0", (256,))])])
+    >>> simulate(ir, cost=CostModel(get_device_spec("v100-16gb-pcie3"))).peak_bytes
+    1024
 """
 
 from lms_tf.simulate.allocator import (
@@ -14,14 +20,9 @@ from lms_tf.simulate.allocator import (
                                        tensorflow_cpu_allocator,
                                        tensorflow_gpu_allocator,
 )
-from lms_tf.simulate.simulator import (
-                                       Simulation,
-                                       pool_history,
-                                       resident_buffers,
-                                       resident_bytes,
-                                       simulate,
-                                       simulate_tie_orders,
-)
+from lms_tf.simulate.pool import pool_history, resident_buffers, resident_bytes
+from lms_tf.simulate.replay import Simulation
+from lms_tf.simulate.simulator import simulate, simulate_tie_orders
 
 __all__ = ["BFCAllocatorModel", "Simulation", "pool_history", "replay_allocations", "resident_buffers",
            "resident_bytes", "simulate", "simulate_tie_orders", "tensorflow_cpu_allocator",

@@ -28,11 +28,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, List, Optional, Tuple
 
-import numpy as np
 import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.core.op_kinds import FORWARDING_TYPES
+from lms_tf.tf.variables import variable_bytes_by_device
 
 _VIRTUAL_GPU = "/job:localhost/replica:0/task:0/device:GPU:0"
 _VIRTUAL_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -44,39 +44,6 @@ def _same_device(a: str, b: str) -> bool:
     sa, sb = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
     return (sa.device_type or "").upper() == (sb.device_type or "").upper() and \
         (sa.device_index or 0) == (sb.device_index or 0)
-
-
-def variable_device(variable) -> str:
-    """The device of a TF variable, or of the TF variable behind a Keras 3 variable (``.value``).
-
-    Example:
-        >>> with tf.device("/CPU:0"):
-        ...     v = tf.Variable(1.0)
-        >>> variable_device(v)
-        '/job:localhost/replica:0/task:0/device:CPU:0'
-    """
-    device = getattr(variable, "device", None)
-    if device is None:
-        device = getattr(getattr(variable, "value", None), "device", None)
-    return device or ""
-
-
-def variable_bytes_by_device(variables) -> Dict[str, int]:
-    """Bytes of ``variables`` per device they live on (full device names).
-
-    Example:
-        >>> with tf.device("/CPU:0"):
-        ...     v = tf.Variable(tf.zeros((4,)))
-        >>> variable_bytes_by_device([v])
-        {'/job:localhost/replica:0/task:0/device:CPU:0': 16}
-    """
-    totals: Dict[str, int] = {}
-    for variable in variables:
-        # Keras 3 variables give shape as a tuple and dtype as a string; tf.Variable as TF types.
-        nbytes = int(np.prod(tuple(variable.shape), dtype=np.int64)) * tf.as_dtype(variable.dtype).size
-        device = variable_device(variable)
-        totals[device] = totals.get(device, 0) + nbytes
-    return totals
 
 
 def virtual_gpu_peak(concrete_function, *, host: str = "/CPU:1", gpu_memory_bytes: int = 16 * 2**30,

@@ -21,7 +21,7 @@ from typing import Callable, List
 import tensorflow as tf
 
 from lms_tf.core.errors import warn_once
-from lms_tf.tf.diagnostics import variable_bytes_by_device, variable_device
+from lms_tf.tf.variables import variable_bytes_by_device, variable_device
 
 logger = logging.getLogger("lms_tf")
 
@@ -48,7 +48,7 @@ def variables_off_device(variables, device: str) -> List[str]:
 
 
 def host_update_hook(host: str, api: str) -> Callable:
-    """An optimizer-update hook (see ``_compat.intercept_optimizer_updates``) that updates on ``host``.
+    """An optimizer-update hook (see ``intercept_optimizer_updates``) that updates on ``host``.
 
     Args:
         host: The host device, e.g. ``"/CPU:0"``.

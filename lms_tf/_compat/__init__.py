@@ -1,0 +1,56 @@
+"""Every use of a private TensorFlow or Keras API in lms-tf lives in this package, by subject.
+
+- :mod:`~lms_tf._compat.graph`: editing a graph while it is traced, op attributes, shape inference;
+- :mod:`~lms_tf._compat.keras`: Keras internals (XLA flag, name scopes, fit's batch size, the
+  optimizer classes whose update methods receive the gradients);
+- :mod:`~lms_tf._compat.grappler`: Grappler's virtual cluster (the GPU memory oracle);
+- :mod:`~lms_tf._compat.profiler`: TensorFlow's profiler trace (executed ops, allocations).
+
+A TensorFlow or Keras release that changes one of these breaks here, loudly, and is tested in
+``tests/test_compat.py``. The names are re-exported, so callers write ``_compat.string_attr``.
+
+Example:
+    >>> from lms_tf import _compat
+    >>> _compat.check_private_apis()  # raises LMSError if this TF lacks an API we need
+"""
+
+from lms_tf._compat.graph import (
+                                  add_control_input,
+                                  automatic_control_dependencies,
+                                  check_private_apis,
+                                  clone_op,
+                                  current_graph,
+                                  infer_shapes_with_inputs,
+                                  is_function_graph,
+                                  set_bool_attr,
+                                  set_int_attr,
+                                  set_string_attr,
+                                  string_attr,
+                                  update_input,
+)
+from lms_tf._compat.grappler import (
+                                  GRAPPLER_RECOMPUTED_PREFIX,
+                                  GRAPPLER_SWAP_OPS,
+                                  grappler_accumulated_sums,
+                                  grappler_memory_optimized,
+                                  grappler_peak_live_tensors,
+                                  grappler_peak_memory,
+)
+from lms_tf._compat.keras import (
+                                  fit_batch_size,
+                                  get_jit_compile,
+                                  keras_module,
+                                  layer_scope_aliases,
+                                  optimizer_entry_points,
+                                  set_jit_compile,
+                                  using_legacy_keras,
+)
+from lms_tf._compat.profiler import onednn_enabled, profile_allocations, profile_executed_ops
+
+__all__ = ["GRAPPLER_RECOMPUTED_PREFIX", "GRAPPLER_SWAP_OPS", "add_control_input", "automatic_control_dependencies",
+           "check_private_apis", "clone_op", "current_graph", "fit_batch_size", "get_jit_compile",
+           "grappler_accumulated_sums", "grappler_memory_optimized", "grappler_peak_live_tensors",
+           "grappler_peak_memory", "infer_shapes_with_inputs", "is_function_graph", "keras_module",
+           "layer_scope_aliases", "onednn_enabled", "optimizer_entry_points", "profile_allocations",
+           "profile_executed_ops", "set_bool_attr", "set_int_attr", "set_jit_compile", "set_string_attr",
+           "string_attr", "update_input", "using_legacy_keras"]

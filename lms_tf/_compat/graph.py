@@ -1,0 +1,129 @@
+"""Private TensorFlow graph APIs: editing a graph while it is traced, op attributes, shape inference.
+
+Example:
+    >>> from lms_tf._compat import graph
+    >>> graph.check_private_apis()  # raises LMSError if this TF lacks an API lms-tf needs
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+
+from lms_tf.core.errors import LMSError
+
+
+def check_private_apis() -> None:
+    """Raises LMSError naming each private API this TensorFlow no longer provides.
+
+    Example:
+        >>> check_private_apis()
+    """
+    missing = [name for name in ("_update_input", "_add_control_input", "_set_attr", "_get_attr_type")
+               if not hasattr(tf.Operation, name)]
+    from tensorflow.python.framework import func_graph  # noqa: F401 - import is the check
+
+    if missing:
+        raise LMSError(
+            f"TensorFlow {tf.__version__} lacks tf.Operation.{', '.join(missing)}, which lms-tf uses to "
+            f"rewrite graphs. Install a tested version (see README) or report the TF version."
+        )
+
+
+def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
+    """Re-points input ``index`` of ``op`` to ``tensor`` (in place, during tracing)."""
+    op._update_input(index, tensor)  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def automatic_control_dependencies():
+    """Adds ``tf.function``'s automatic control edges between the stateful ops created in the
+    block when it ends, instead of when the trace ends. Yields ``mark_as_return``, which must
+    wrap the block's results."""
+    from tensorflow.python.framework import auto_control_deps
+
+    with auto_control_deps.AutomaticControlDependencies() as deps:
+        yield lambda structure: tf.nest.map_structure(
+            lambda t: deps.mark_as_return(t) if isinstance(t, tf.Tensor) else t, structure)
+
+
+def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
+    """Adds the control edge ``control -> op``."""
+    op._add_control_input(control)  # pylint: disable=protected-access
+
+
+def set_string_attr(op: tf.Operation, name: str, value: str) -> None:
+    """Sets a string attribute such as ``_lms`` on ``op``."""
+    op._set_attr(name, attr_value_pb2.AttrValue(s=value.encode()))  # pylint: disable=protected-access
+
+
+def set_bool_attr(op: tf.Operation, name: str, value: bool) -> None:
+    """Sets a boolean attribute such as ``_grappler_do_not_remove`` on ``op``."""
+    op._set_attr(name, attr_value_pb2.AttrValue(b=value))  # pylint: disable=protected-access
+
+
+def set_int_attr(op: tf.Operation, name: str, value: int) -> None:
+    """Sets an integer attribute such as ``_lms_serial`` on ``op``."""
+    op._set_attr(name, attr_value_pb2.AttrValue(i=value))  # pylint: disable=protected-access
+
+
+def string_attr(op: tf.Operation, name: str) -> Optional[str]:
+    """Returns the string attribute ``name`` of ``op``, or None when absent."""
+    try:
+        value = op.get_attr(name)
+    except ValueError:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def clone_op(graph: tf.Graph, op: tf.Operation, inputs: List[tf.Tensor], name: str) -> tf.Operation:
+    """Creates a copy of ``op`` (same type and attributes, on the same device) reading ``inputs``.
+
+    The copy has no control inputs; colocation constraints of the original are dropped.
+    """
+    attrs = {key: value for key, value in op.node_def.attr.items() if key != "_class"}
+    with graph.device(op.device):
+        return graph._create_op_internal(  # pylint: disable=protected-access
+            op.type, inputs, dtypes=[out.dtype for out in op.outputs], name=name, attrs=attrs, op_def=op.op_def)
+
+
+def is_function_graph(graph: tf.Graph) -> bool:
+    """Whether ``graph`` is a ``FuncGraph`` (the graph of a ``tf.function`` being traced)."""
+    from tensorflow.python.framework import func_graph
+
+    return isinstance(graph, func_graph.FuncGraph)
+
+
+def current_graph() -> tf.Graph:
+    """The graph ops are being added to: the FuncGraph while a ``tf.function`` traces."""
+    return tf.compat.v1.get_default_graph()
+
+
+def infer_shapes_with_inputs(graph: tf.Graph, tensor_shapes: Dict[str, tf.TensorShape]
+                             ) -> Dict[str, tf.TensorShape]:
+    """Re-runs TensorFlow's shape inference with concrete shapes for some tensors.
+
+    The graph is exported and imported into a scratch graph in which the tensors named in
+    ``tensor_shapes`` (placeholders, iterator outputs) are replaced by placeholders of those
+    shapes; TensorFlow infers every other op's shape again while importing.
+
+    Returns:
+        Tensor name -> inferred shape, for every tensor of the graph.
+    """
+    graph_def = graph.as_graph_def()
+    scratch = tf.Graph()
+    with scratch.as_default():
+        input_map = {}
+        for i, (name, shape) in enumerate(sorted(tensor_shapes.items())):
+            dtype = graph.get_tensor_by_name(name).dtype
+            input_map[name] = tf.compat.v1.placeholder(dtype, shape=shape, name=f"lms_input_{i}")
+        tf.graph_util.import_graph_def(graph_def, input_map=input_map, name="s")
+    shapes = {}
+    for op in scratch.get_operations():
+        if op.name.startswith("s/"):
+            for out in op.outputs:
+                shapes[out.name[2:]] = out.shape
+    return shapes

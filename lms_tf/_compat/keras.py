@@ -1,0 +1,133 @@
+"""Keras internals: which Keras runs, a model's XLA flag, layer name scopes, fit's batch size, and the
+private optimizer classes whose update methods receive the gradients.
+
+Example:
+    >>> from lms_tf._compat import keras
+    >>> keras.keras_module().__name__ in ("keras", "tf_keras")
+    True
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from typing import Dict, List, Optional, Tuple
+
+import tensorflow as tf
+
+
+def using_legacy_keras() -> bool:
+    """Whether ``TF_USE_LEGACY_KERAS=1`` selects tf-keras (Keras 2) instead of Keras 3."""
+    return os.environ.get("TF_USE_LEGACY_KERAS", "0").lower() in ("1", "true", "yes")
+
+
+def keras_module():
+    """The Keras package models are built with: ``tf_keras`` under legacy mode, else ``keras``."""
+    if using_legacy_keras():
+        import tf_keras
+
+        return tf_keras
+    import keras
+
+    return keras
+
+
+def get_jit_compile(model) -> bool:
+    """The model's effective ``jit_compile`` setting (True, False or resolved "auto")."""
+    value = getattr(model, "jit_compile", None)
+    if value is None:
+        value = getattr(model, "_jit_compile", None)
+    return bool(value) if value not in ("auto",) else True
+
+
+def set_jit_compile(model, value: bool) -> None:
+    """Sets the model's resolved ``jit_compile`` (``_jit_compile`` in Keras 3 and tf-keras).
+
+    The attribute is written directly: Keras 3's property setter re-validates against
+    the current machine and would refuse to restore a value resolved on a GPU.
+    """
+    if hasattr(model, "_jit_compile"):
+        model._jit_compile = value  # pylint: disable=protected-access
+    else:
+        model.jit_compile = value
+
+
+def layer_scope_aliases(model, graph: tf.Graph) -> Dict[str, str]:
+    """Maps each layer name of ``model`` to the name scope its ops got in ``graph``.
+
+    Keras traces the train step after other uses of the model's name scope, so TF
+    uniquifies every scope of the trace with the same suffix (``seq_cnn`` -> ``seq_cnn_1``,
+    ``conv0`` -> ``conv0_1``). The suffix is read off the model's own scope.
+    """
+    layers = model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
+    names = [layer.name for layer in layers]
+    first_segments = {op.name.split("/")[0] for op in graph.get_operations()}
+    suffix = ""
+    if model.name not in first_segments:
+        for segment in first_segments:
+            tail = segment[len(model.name):]
+            if segment.startswith(model.name + "_") and tail[1:].isdigit():
+                suffix = tail
+                break
+    return {name: name + suffix for name in names}
+
+
+def fit_batch_size() -> Optional[int]:
+    """The batch size of the ``Model.fit`` call that is running, read from its frame.
+
+    Keras does not hand callbacks the batch size; ``fit`` holds it in its epoch iterator
+    (Keras 3: ``epoch_iterator.data_adapter.batch_size``; tf-keras: ``data_handler._batch_size``)
+    or its ``batch_size`` argument. Returns None when no such frame is found.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "fit" and "self" in frame.f_locals:
+                local = frame.f_locals
+                it = local.get("epoch_iterator")
+                adapter = getattr(it, "data_adapter", None) or getattr(it, "_data_adapter", None)
+                size = getattr(adapter, "batch_size", None)
+                if size is None:
+                    handler = local.get("data_handler")
+                    size = getattr(handler, "_batch_size", None)
+                if size is None:
+                    size = local.get("batch_size")
+                return int(size) if size else None
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+# The methods through which a train step hands (gradients, variables) to a Keras optimizer.
+# Keras 3: apply_gradients() calls apply(); LossScaleOptimizer/MultiOptimizer override apply()
+# and call their inner optimizers' apply(). tf-keras: apply_gradients() on both optimizer bases.
+_KERAS3_APPLY = ("keras.src.optimizers.base_optimizer:BaseOptimizer",
+                 "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer",
+                 "keras.src.optimizers.multi_optimizer:MultiOptimizer")
+
+
+_TF_KERAS_APPLY_GRADIENTS = ("tf_keras.src.optimizers.optimizer:Optimizer",
+                             "tf_keras.src.optimizers.legacy.optimizer_v2:OptimizerV2",
+                             "tf_keras.src.mixed_precision.loss_scale_optimizer:LossScaleOptimizer",
+                             "tf_keras.src.mixed_precision.loss_scale_optimizer:LossScaleOptimizerV3")
+
+
+def optimizer_entry_points() -> List[Tuple[type, str]]:
+    """(class, method) pairs that receive gradients, for the Keras packages that are importable."""
+    import importlib
+
+    entries = []
+    for paths, method in ((_KERAS3_APPLY, "apply"), (_TF_KERAS_APPLY_GRADIENTS, "apply_gradients")):
+        for path in paths:
+            module_name, class_name = path.split(":")
+            if module_name.split(".")[0] not in sys.modules:
+                continue  # a Keras package nobody imported cannot be running the step
+            try:
+                cls = getattr(importlib.import_module(module_name), class_name)
+            except (ImportError, AttributeError):
+                continue
+            if method in cls.__dict__:
+                entries.append((cls, method))
+    return entries

@@ -1,0 +1,254 @@
+"""Which forward tensors a plan may move: the ones a backward op reads that are eligible, and the gates.
+
+A forward tensor is a candidate when a backward op reads its value. It is eligible to be
+swapped or recomputed unless it is a variable read, a function input, a host-resident value,
+a control-flow value, derived from variables or constants only, read by an update op, placed on
+another device, or excluded by the user (the reason is kept with its KEEP decision). Gates are
+the backward ops that may trigger a swap-in or start a recomputation: they carry gradient data,
+so they run in the backward pass, after the forward pass ended.
+
+Example:
+    >>> from lms_tf.core import Policies, make_ir
+    >>> collect_candidates(make_ir([]), Policies(), device="/device:GPU:0").eligible
+    ()
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import fnmatch
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from lms_tf.core.errors import GraphAnalysisError, LMSOptionError
+from lms_tf.core.ir import GraphIR, OpInfo, Phase, device_kind_and_index, layer_of
+from lms_tf.core.op_kinds import (
+    CONTROL_FLOW_OP_TYPES,
+    FUSABLE_GATE_TYPES,
+    HOST_DTYPES,
+    LAYER_OP_TYPES,
+    METADATA_READER_TYPES,
+    NEVER_CLONED_TYPES,
+    VARIABLE_READ_TYPES,
+)
+from lms_tf.core.plan import Decision, TensorDecision
+from lms_tf.core.policy import Policies
+
+_GLOB_CHARS = set("*?[")
+
+
+def clonable(op: OpInfo) -> bool:
+    """Whether the recompute pass may clone ``op``: not stateful, not in :data:`NEVER_CLONED_TYPES`.
+
+    Example:
+        >>> from lms_tf.core.ir import OpInfo, Phase
+        >>> clonable(OpInfo("p", "MaxPool", 0, Phase.FORWARD, "", (), (), ())), clonable(OpInfo("r", "Relu", 0, Phase.FORWARD, "", (), (), ()))
+        (False, True)
+    """
+    return not op.stateful and op.type not in NEVER_CLONED_TYPES
+
+
+def _is_glob(entry: str) -> bool:
+    return bool(_GLOB_CHARS & set(entry))
+
+
+def exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mapping[str, str]):
+    """Returns op name -> matching exclude entry; raises for entries that match nothing.
+
+    A plain entry names a name-scope segment (a layer) or an op; ``scope_aliases`` maps a
+    Keras layer name to the scope it got in this trace (Keras/TF may suffix it, e.g. ``_1``).
+    """
+    scopes: Set[str] = set()
+    for op in ir.ops:
+        scopes.update(op.name.split("/")[:-1])
+    targets = {entry: scope_aliases.get(entry, entry) for entry in exclude}
+    for entry in exclude:
+        if _is_glob(entry):
+            if not any(fnmatch.fnmatchcase(op.name, entry) for op in ir.ops):
+                raise LMSOptionError(
+                    f"exclude pattern {entry!r} matches no op of the traced step. Patterns are matched "
+                    f"against op names such as {ir.ops[len(ir.ops) // 2].name!r}; fix or remove it.")
+        elif targets[entry] not in scopes and not any(op.name == entry for op in ir.ops):
+            layers = sorted({layer_of(op.name).split("/")[-1] for op in ir.ops
+                             if op.phase is Phase.FORWARD and op.type in LAYER_OP_TYPES} - {""})
+            raise LMSOptionError(
+                f"exclude entry {entry!r} is not a layer name or op name of the traced step. "
+                f"Layers with compute ops in this trace: {', '.join(layers[:20])}"
+                f"{' ...' if len(layers) > 20 else ''}. Use a layer name, an op name or a glob pattern "
+                f"like '*/{entry}*/*'.")
+
+    def match(op_name: str) -> Optional[str]:
+        segments = op_name.split("/")
+        for entry in exclude:
+            if _is_glob(entry):
+                if fnmatch.fnmatchcase(op_name, entry):
+                    return entry
+            elif entry == op_name or targets[entry] in segments[:-1]:
+                return entry
+        return None
+
+    return match
+
+
+def reads_value_in_backward(op: OpInfo) -> bool:
+    """Whether ``op`` is a backward op that needs the values it reads (not only their shape)."""
+    return op.phase is Phase.BACKWARD and op.type not in METADATA_READER_TYPES
+
+
+def _after_the_forward_pass(ir: GraphIR) -> Set[str]:
+    """Backward ops that have a forward ancestor at the end of the forward pass.
+
+    Depth is the longest chain of data edges from the step's inputs. The end of the forward
+    pass is the deepest level that at least half of the backward ops descend from: the gradient
+    chain descends from the logits' side (the cross-entropy, the last activations), while the
+    loss's own reductions feed only a few backward ops, and gradient-scoped shape bookkeeping or
+    label handling descends from shallow ops only. Only ops at that level are sure to run after
+    the forward pass; the others may run while it is still going.
+    """
+    depth: Dict[str, int] = {}
+    reach: Dict[str, int] = {}  # deepest forward ancestor of each op
+    for op in ir.ops:
+        depth[op.name] = 1 + max((depth.get(ir.tensors[t].producer, 0) for t in op.inputs), default=0)
+        levels = []
+        for t in op.inputs:
+            producer = ir.op(ir.tensors[t].producer)
+            forward = producer.phase is Phase.FORWARD and producer.name in ir.data_dependent
+            levels.append(depth[producer.name] if forward else reach.get(producer.name, 0))
+        reach[op.name] = max(levels, default=0)
+    backward_levels = sorted((reach[op.name] for op in ir.ops
+                              if op.phase is Phase.BACKWARD and reach[op.name] > 0), reverse=True)
+    if not backward_levels:
+        return set()
+    level = backward_levels[(len(backward_levels) - 1) // 2]  # at least half reach this deep
+    return {op.name for op in ir.ops if op.phase is Phase.BACKWARD and reach[op.name] >= level}
+
+
+def _gate_candidates(ir: GraphIR) -> List[OpInfo]:
+    """Backward ops that can trigger a swap-in: they carry gradient data, so they run in the backward pass."""
+    candidates = []
+    after_forward = _after_the_forward_pass(ir)
+    for op in ir.ops:
+        if (op.phase is not Phase.BACKWARD or op.type in ("Const", "NoOp") or op.type in CONTROL_FLOW_OP_TYPES
+                or op.type in FUSABLE_GATE_TYPES or op.name not in after_forward):
+            continue
+        gradient_input = any(ir.op(ir.tensors[t].producer).phase is Phase.BACKWARD
+                             and ir.op(ir.tensors[t].producer).type != "Const" for t in op.inputs)
+        numeric_output = any(ir.tensors[t].dtype not in ("resource", "variant", "string") for t in op.outputs)
+        if gradient_input and numeric_output:
+            candidates.append(op)
+    return candidates
+
+
+def _same_device(op_device: str, device: str) -> bool:
+    """An op without a requested device is placed on the accelerator by TF's placer."""
+    return not op_device or device_kind_and_index(op_device) == device_kind_and_index(device)
+
+
+def _ineligible(ir: GraphIR, op: OpInfo, tensor, readers, device: str, excluded_by) -> Optional[str]:
+    """Why a forward tensor may be neither swapped nor recomputed, or None."""
+    exclusion = excluded_by(op.name)
+    if op.name in ir.function_inputs:
+        return "function input"
+    if op.type in VARIABLE_READ_TYPES or tensor.dtype == "resource":
+        return "variable read"
+    if op.name not in ir.data_dependent:
+        return "derived from variables or constants only"
+    if tensor.dtype in HOST_DTYPES:
+        return f"host-resident dtype ({tensor.dtype})"
+    if not _same_device(op.device, device):
+        return f"placed on {op.device}, not the managed device"
+    if op.type in CONTROL_FLOW_OP_TYPES or any(c.type in CONTROL_FLOW_OP_TYPES for c in readers):
+        return "control-flow value (while/cond bodies stay untouched)"
+    if exclusion is not None:
+        return f"excluded by {exclusion!r}"
+    if any(c.phase is Phase.UPDATE for c in readers):
+        return "read by an update op"
+    if tensor.shape is None:
+        return "rank unknown to TensorFlow's own shape inference (op-internal scratch output)"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidates:
+    """The forward tensors a backward op reads, and which of them a plan may move.
+
+    Attributes:
+        order: Every such tensor, in execution order.
+        eligible: Those that may be swapped or recomputed.
+        kept: Decisions (KEEP, with the reason) for the others.
+        backward_of: Tensor -> its backward consumers.
+        distance: Tensor -> ops between its producer and its first backward consumer.
+        gates: Backward ops that can trigger a swap-in or gate a recompute.
+        gate_positions: Their execution indices.
+
+    Example:
+        >>> from lms_tf.core.ir import GraphIR
+        >>> collect_candidates(GraphIR((), {}, frozenset(), {}), Policies(), device="/device:GPU:0").eligible
+        ()
+    """
+
+    order: Tuple[str, ...]
+    eligible: Tuple[str, ...]
+    kept: Mapping[str, TensorDecision]
+    backward_of: Mapping[str, Tuple[OpInfo, ...]]
+    distance: Mapping[str, int]
+    gates: Tuple[OpInfo, ...]
+    gate_positions: Tuple[int, ...]
+
+    def gates_before(self, index: int) -> int:
+        """How many gates run before the op at execution index ``index`` (``gates[n - 1]`` is the last).
+
+        Example:
+            >>> from lms_tf.core.ir import GraphIR
+            >>> collect_candidates(GraphIR((), {}, frozenset(), {}), Policies(), device="/device:GPU:0").gates_before(5)
+            0
+        """
+        return bisect.bisect_left(self.gate_positions, index)
+
+
+def collect_candidates(ir: GraphIR, policies: Policies, *, device: str,
+                       scope_aliases: Optional[Mapping[str, str]] = None) -> Candidates:
+    """Finds the forward tensors the backward pass reads and which of them may be moved.
+
+    Raises:
+        LMSOptionError: An ``exclude`` entry matches nothing in the step.
+        GraphAnalysisError: A movable tensor has an unresolvable size.
+
+    Example:
+        >>> from lms_tf.core.ir import GraphIR
+        >>> collect_candidates(GraphIR((), {}, frozenset(), {}), Policies(), device="/device:GPU:0").order
+        ()
+    """
+    excluded_by = exclusion_matcher(ir, policies.exclude, scope_aliases or {})
+    gates = _gate_candidates(ir)
+    order: List[str] = []
+    kept: Dict[str, TensorDecision] = {}
+    backward_of: Dict[str, Tuple[OpInfo, ...]] = {}
+    distances: Dict[str, int] = {}
+    eligible: List[str] = []
+    for op in ir.ops:
+        if op.phase is not Phase.FORWARD:
+            continue
+        for name in op.outputs:
+            tensor = ir.tensors[name]
+            readers = [ir.op(c) for c in tensor.consumers]
+            backward = tuple(c for c in readers if reads_value_in_backward(c))
+            if not backward:
+                continue
+            order.append(name)
+            backward_of[name] = backward
+            distances[name] = distance = min(c.index for c in backward) - op.index
+            reason = _ineligible(ir, op, tensor, readers, device, excluded_by)
+            if reason is None and tensor.nbytes is None:
+                raise GraphAnalysisError(
+                    f"cannot size tensor {name!r} (shape {tensor.shape}, dtype {tensor.dtype}): a dimension is "
+                    f"unknown and could not be resolved from the traced inputs "
+                    f"(resolved: {dict(ir.resolved_dims) or 'none'}). Pass batch_size=<int> to lms-tf, or "
+                    f"trace the step with a fully defined input_signature.")
+            if reason is not None:
+                kept[name] = TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes,
+                                            Decision.KEEP, reason, distance, ())
+            else:
+                eligible.append(name)
+    return Candidates(tuple(order), tuple(eligible), kept, backward_of, distances, tuple(gates),
+                      tuple(op.index for op in gates))

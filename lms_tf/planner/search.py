@@ -1,0 +1,186 @@
+"""The budget search: KEEP / SWAP / RECOMPUTE per tensor so the simulated step fits a budget, fastest first.
+
+Recompute bases are tried cheapest first (:mod:`~lms_tf.planner.bases`). On top of each, greedy
+rounds swap what sits idle in device memory at the simulated peak (produced before it, first read
+after it), cheapest per byte first (:mod:`~lms_tf.planner.timing`), until the bytes over budget
+are covered; the step is replayed (:mod:`~lms_tf.planner.fit_check`) and the rounds repeat until
+it fits or the link is saturated. When no swap lowers the peak, two backward branches alive at it
+are made to run one after the other (:mod:`~lms_tf.planner.ordering`). The fitting plan with the
+least predicted step time wins, and is then refined (:mod:`~lms_tf.planner.refine`).
+
+Example:
+    >>> MAX_ROUNDS, LOWER_AIMS
+    (40, 2)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Mapping, Optional, Set, Tuple
+
+from lms_tf.core.errors import PlanCycleError
+from lms_tf.core.plan import Ordering, Plan, TensorDecision
+from lms_tf.planner.bases import compute_floor, recompute_bases
+from lms_tf.planner.fit_check import FitCheck
+from lms_tf.planner.ordering import ORDERING_PAIRS, BranchOrdering
+from lms_tf.planner.refine import lower_the_lowest, recompute_checkpoints, recomputed_checkpoints_label, retime_swap_ins
+from lms_tf.planner.step import PlanningStep
+from lms_tf.planner.timing import Tools, assemble, swap_round
+from lms_tf.simulate import Simulation
+
+logger = logging.getLogger("lms_tf")
+
+#: Rounds of simulate-and-free before the planner gives up.
+MAX_ROUNDS = 40
+#: When nothing fits, how many times the planner searches again aiming below the budget by the
+#: lowest plan's excess: the greedy search stops where a plan first fits, so a lower aim can reach
+#: plans a search at the budget itself never visits.
+LOWER_AIMS = 2
+
+
+class BudgetSearch:
+    """Searches the plans of one step for the fastest that fits a budget.
+
+    Example:
+        >>> from lms_tf.core import Policies, make_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> step = PlanningStep.build(make_ir([]), Policies(budget=1024), device="/device:GPU:0",
+        ...                           cost=CostModel(get_device_spec("v100-16gb-pcie3")))
+        >>> BudgetSearch(step).plan(1024)[2]
+        'none'
+    """
+
+    def __init__(self, step: PlanningStep):
+        self.step = step
+        self.check = FitCheck(step)
+        self.branches = BranchOrdering(step.ir)
+        self.bases, self.base_policies = recompute_bases(step)
+
+    def add_swaps(self, budget_bytes: int, recomputed: Mapping[str, TensorDecision],
+                  tools: Tools = Tools(), start: Optional[Tuple[Plan, Simulation]] = None
+                  ) -> Tuple[Plan, Simulation]:
+        """Greedy rounds on top of a recompute base: swap the kept tensors idle at the simulated
+        peak, cheapest per byte first, until the bytes over budget are covered; replay; repeat.
+        With ``tools.order``, when no swap lowers the peak, run two backward branches alive at it
+        one after the other (:meth:`order_branches`) and go on (see :class:`Tools`). ``start``
+        (a plan on this base and its simulation) continues from that plan's swaps and orderings."""
+        if start is None:
+            swap: Set[str] = set()
+            orderings: Tuple[Ordering, ...] = ()
+            plan = assemble(self.step, swap, recomputed, tools)
+            sim = self.check.simulate(plan)
+        else:
+            (plan, sim), swap, orderings = start, {d.tensor for d in start[0].swapped}, start[0].orderings
+        link_busy = sum(self.step.cost.transfer_time(self.step.ir.tensors[t].nbytes or 0, "device_to_host") for t in swap)
+        for _ in range(MAX_ROUNDS):
+            if sim.held_bytes <= budget_bytes:
+                break
+            swapped = swap_round(self.step, budget_bytes, sim, swap, recomputed, link_busy) if self.step.policies.swap else None
+            if swapped is not None:
+                candidate = assemble(self.step, swapped[0], recomputed, tools, orderings)
+                candidate_sim = self.check.simulate(candidate)
+                logger.debug("planner round: peak %d -> %d swapping %d tensors", sim.peak_bytes,
+                             candidate_sim.peak_bytes, len(swapped[0]))
+                # When the link is saturated, more swaps only slow the step down.
+                if candidate_sim.held_bytes < sim.held_bytes or candidate_sim.step_time_s <= sim.step_time_s:
+                    swap, link_busy = swapped
+                    plan, sim = candidate, candidate_sim
+                    continue
+            ordered = self.order_branches(sim, swap, recomputed, tools, orderings) if tools.order else None
+            if ordered is None:
+                break
+            logger.debug("planner round: peak %d -> %d ordering backward branches", sim.peak_bytes,
+                         ordered[1].peak_bytes)
+            plan, sim = ordered
+            orderings = plan.orderings
+        return plan, sim
+
+    def order_branches(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
+                       tools: Tools, orderings: Tuple[Ordering, ...]) -> Optional[Tuple[Plan, Simulation]]:
+        """Lowers the peak by running two backward branches alive at it one after the other
+        (either order, whichever simulates lower); None if no ordering lowers it."""
+        best = None
+        for a, b in self.branches.branch_pairs(sim)[:ORDERING_PAIRS]:
+            for first, then in ((a, b), (b, a)):
+                ordering = self.branches.ordering(first, then)
+                if ordering is None:
+                    continue
+                plan = assemble(self.step, swap, recomputed, tools, orderings + (ordering,))
+                try:
+                    candidate = self.check.simulate(plan)
+                except PlanCycleError:
+                    continue  # the order conflicts with a recompute gate or a swap-in trigger
+                if candidate.peak_bytes < (best or (None, sim))[1].peak_bytes:
+                    best = (plan, candidate)
+            if best is not None:
+                return best
+        return None
+
+    def plan(self, budget_bytes: int) -> Tuple[Plan, Simulation, str]:
+        """The fastest plan that fits, trying recompute bases in order; else the lowest peak found."""
+        self.check.budget_bytes, self.check.time_to_beat = budget_bytes, None
+        best: Optional[Tuple[Plan, Simulation, str]] = None
+        lowest: Optional[Tuple[Plan, Simulation, str]] = None
+        every_base = bases = self.bases
+        # Swapping alone frees at most what the link can copy out during the forward pass
+        # (unless the forward pass waits for the copies).
+        link_capacity = self.step.forward_seconds * self.step.cost.device.device_to_host_bytes_per_s
+        if len(bases) > 1 and self.step.baseline.peak_bytes - budget_bytes > link_capacity:
+            bases = [b for b in bases if b[0] != "none"]
+        # Cheapest tools first; the others only when nothing fits without them (each pass
+        # simulates the step again many times).
+        passes = [(bases, Tools(), ""), (bases, Tools(late_swap_ins=True), " + late swap-ins"),
+                  (bases, Tools(late_swap_ins=True, order=True), " + late swap-ins + orderings")]
+        if self.step.policies.swap:
+            passes.append((every_base, Tools(order=True, throttle=True), " + orderings + waits for copies out"))
+        floors = {label: compute_floor(self.step, recomputed) for label, recomputed in every_base}
+        for candidates, tools, suffix in passes:
+            for label, recomputed in sorted(candidates, key=lambda base: floors[base[0]]):
+                if best is not None and floors[label] * (1 - 1e-9) >= best[1].step_time_s:
+                    break  # this base, and every one after it, computes longer than the best plan takes
+                plan, sim = self.add_swaps(budget_bytes, recomputed, tools)
+                logger.debug("lms-tf planner: %s%s holds %.1f MiB", label, suffix, sim.held_bytes / 2**20)
+                if lowest is None or sim.held_bytes < lowest[1].held_bytes:
+                    lowest = (plan, sim, label + suffix)
+                    lowest_from = (label, tools)
+                if sim.held_bytes <= budget_bytes and (best is None or sim.step_time_s < best[1].step_time_s):
+                    best = (plan, sim, label + suffix)
+                    best_from = (label, tools)
+                    self.check.time_to_beat = sim.step_time_s
+                if best is not None and label in ("none", "cheap"):
+                    break  # no recompute (or only cheap ops) fits: nothing faster to find
+            if best is not None:
+                plan, sim, recomputed = recompute_checkpoints(self, budget_bytes, best[0], best[1], *best_from)
+                best = (plan, sim, best[2] + recomputed_checkpoints_label(recomputed))
+                if tools.late_swap_ins:
+                    best = retime_swap_ins(self, budget_bytes, *best, tools)
+                break
+        if best is None and lowest is not None:
+            lowest = lower_the_lowest(self, budget_bytes, *lowest, *lowest_from)
+            if lowest[1].held_bytes <= budget_bytes:
+                best = lowest
+        plan, sim, label = best or lowest
+        return plan, sim, label
+
+    def fit(self, budget_bytes: int) -> Tuple[Plan, Simulation, str, Optional[int]]:
+        """:meth:`plan` for ``budget_bytes``; when nothing fits, up to :data:`LOWER_AIMS` more
+        searches aiming below it by the lowest plan's excess. Returns the plan, its simulation,
+        its label and, when it does not fit, the least budget of the lowest plan found (its chunks
+        counted in graph order and the checked tie orders, whatever its tensors' peak: a plan
+        whose tensors exceeded the budget was never replayed through the allocator model)."""
+        plan, sim, label = self.plan(budget_bytes)
+        floor, aim = None, budget_bytes
+        for attempt in range(LOWER_AIMS + 1):
+            if sim.held_bytes <= aim:  # fits what it was planned for, chunks counted
+                break
+            self.check.budget_bytes, self.check.time_to_beat = 2 * sim.peak_bytes, None  # any budget its tensors fit
+            sim = self.check.simulate(plan)
+            floor = sim.held_bytes if floor is None else min(floor, sim.held_bytes)
+            excess = sim.held_bytes - budget_bytes
+            if excess <= 0 or attempt == LOWER_AIMS or aim <= excess:
+                break
+            aim -= excess
+            logger.info("lms-tf planner: nothing fits %.1f MiB (lowest plan %.1f MiB); searching again aiming at "
+                        "%.1f MiB", budget_bytes / 2**20, sim.held_bytes / 2**20, aim / 2**20)
+            plan, sim, label = self.plan(aim)
+        return plan, sim, label, floor

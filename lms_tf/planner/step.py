@@ -1,0 +1,82 @@
+"""The step being planned, with what every part of the budget search reads about it.
+
+Example:
+    >>> from lms_tf.core import Policies, make_ir
+    >>> from lms_tf.cost import CostModel, get_device_spec
+    >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (256,))])])
+    >>> step = PlanningStep.build(ir, Policies(budget="50%"), device="/device:GPU:0",
+    ...                           cost=CostModel(get_device_spec("v100-16gb-pcie3")))
+    >>> step.found.eligible, step.resident
+    ((), 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, FrozenSet, List, Mapping, Optional, Tuple
+
+from lms_tf.core.ir import GraphIR
+from lms_tf.core.policy import Policies
+from lms_tf.cost.model import CostModel
+from lms_tf.planner.candidates import Candidates, collect_candidates
+from lms_tf.simulate import Simulation, pool_history, resident_buffers, simulate
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanningStep:
+    """A traced step, the policies and device it is planned for, and its plain simulation.
+
+    Attributes:
+        ir: The step's IR.
+        policies: What the planner is asked to do.
+        device: The managed accelerator.
+        cost: The cost model of the device planned for.
+        scope_aliases: Keras layer name -> its name scope in this trace (for names in policies).
+        found: The forward tensors the backward pass reads, which may move, and the gates.
+        eligible: ``found.eligible`` as a set.
+        op_times: Predicted time of every op.
+        baseline: The plain step's simulation.
+        forward_seconds: When the backward pass starts in the plain step (its first gate).
+        resident: Bytes of the variables resident on the device.
+        pool_history: What the process allocated before its first step (the allocator's free chunks
+            depend on it: Keras builds each kernel through two temporaries of its size).
+
+    Example:
+        >>> PlanningStep.build.__doc__.splitlines()[0]
+        'Simulates the plain step once and finds the candidates.'
+    """
+
+    ir: GraphIR
+    policies: Policies
+    device: str
+    cost: CostModel
+    scope_aliases: Mapping[str, str]
+    found: Candidates
+    eligible: FrozenSet[str]
+    op_times: Mapping[str, float]
+    baseline: Simulation
+    forward_seconds: float
+    resident: int
+    pool_history: List[Tuple[str, str, int]]
+
+    @classmethod
+    def build(cls, ir: GraphIR, policies: Policies, *, device: str, cost: CostModel,
+              scope_aliases: Optional[Mapping[str, str]] = None) -> "PlanningStep":
+        """Simulates the plain step once and finds the candidates.
+
+        Example:
+            >>> from lms_tf.core import Policies, make_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> PlanningStep.build(make_ir([]), Policies(), device="/device:GPU:0",
+            ...                    cost=CostModel(get_device_spec("v100-16gb-pcie3"))).forward_seconds
+            0.0
+        """
+        aliases = dict(scope_aliases or {})
+        found = collect_candidates(ir, policies, device=device, scope_aliases=aliases)
+        op_times: Dict[str, float] = {op.name: cost.op_time(ir, op) for op in ir.ops}
+        baseline = simulate(ir, None, cost=cost, top=None, op_times=op_times)
+        backward_starts = [baseline.op_intervals[g.name][0] for g in found.gates if g.name in baseline.op_intervals]
+        return cls(ir=ir, policies=policies, device=device, cost=cost, scope_aliases=aliases, found=found,
+                   eligible=frozenset(found.eligible), op_times=op_times, baseline=baseline,
+                   forward_seconds=min(backward_starts, default=baseline.compute_time_s),
+                   resident=sum(nbytes for _, nbytes in resident_buffers(ir)), pool_history=pool_history(ir))

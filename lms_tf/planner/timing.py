@@ -1,0 +1,212 @@
+"""Swap timing: when each swap-in starts, what a swap costs, and how a set of choices becomes a plan.
+
+A swap's cost is the copy time the compute between producer and reader cannot hide, plus any
+copy-out time past the end of the forward pass (a copy still running at the peak frees nothing).
+When the link is the bottleneck, the forward pass waits for its copies out (TFLMS's synchronous
+swap-out) and swap-ins start a fixed number of reader groups ahead.
+
+Example:
+    >>> Tools().late_swap_ins, SWAP_OUT_LAG
+    (False, 2)
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from typing import Dict, List, Mapping, Optional, Set, Tuple
+
+from lms_tf.core.ir import layer_of
+from lms_tf.core.plan import Decision, Ordering, Plan, SwapIn, TensorDecision
+from lms_tf.planner.step import PlanningStep
+from lms_tf.simulate import Simulation
+
+logger = logging.getLogger("lms_tf")
+
+#: With synchronous swap-outs, how many copies out may still be pending when the forward pass
+#: starts the producer of the next swapped tensor (some slack keeps the link and compute overlapped).
+SWAP_OUT_LAG = 2
+#: With synchronous swap-outs (a link-bound step), how many swap-ins may run ahead of the compute.
+SWAP_IN_LAG = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Tools:
+    """What a planning pass may use beyond swaps on a recompute base.
+
+    Attributes:
+        late_swap_ins: Trigger each swap-in by the backward op just before its consumers instead
+            of early enough to hide the copy (slower, but the swapped bytes return later).
+        order: Make backward branches alive together at the peak run one after the other.
+        throttle: Make the forward pass wait for the copies out; swap-ins run a fixed number of
+            groups ahead of their consumers.
+
+    Example:
+        >>> Tools(order=True).order
+        True
+    """
+
+    late_swap_ins: bool = False
+    order: bool = False
+    throttle: bool = False
+
+
+def timed_swap(step: PlanningStep, tensor: str, distance: int, lead: float = 1.0) -> Optional[TensorDecision]:
+    """A SWAP decision whose swap-ins start just early enough for the copy back to end
+    before their consumers (by the baseline's predicted times; ``lead`` scales that head
+    start, 0 = right before them); None if no backward op runs early enough to trigger one."""
+    ir, found = step.ir, step.found
+    info = ir.tensors[tensor]
+    copy_back = step.cost.transfer_time(info.nbytes or 0, "host_to_device")
+    intervals = step.baseline.op_intervals
+    groups: List[List] = []
+    for consumer in sorted(found.backward_of[tensor], key=lambda c: c.index):
+        if groups and consumer.index - groups[-1][0].index <= step.policies.swapin_groupby:
+            groups[-1].append(consumer)
+        else:
+            groups.append([consumer])
+    swap_ins = []
+    for group in groups:
+        position = found.gates_before(group[0].index) - 1
+        if position < 0:
+            return None
+        deadline = intervals.get(group[0].name, (0.0, 0.0))[0] - lead * copy_back
+        # Alias ops (Reshape, Identity) take no time of their own and have no interval: walk past them.
+        while lead > 0 and position > 0 and \
+                intervals.get(found.gates[position].name, (0.0, float("inf")))[1] > deadline:
+            position -= 1
+        swap_ins.append(SwapIn(found.gates[position].name, tuple(c.name for c in group)))
+    reason = ("swap (copy hidden behind compute)" if swap_exposed(step, tensor) <= 0 else
+              "swap (cheapest per byte freed)")
+    return TensorDecision(tensor, layer_of(info.producer), info.shape, info.nbytes, Decision.SWAP, reason,
+                          distance, tuple(swap_ins))
+
+
+def window(step: PlanningStep, tensor: str) -> float:
+    """Baseline compute time between the tensor's producer and its first backward reader."""
+    intervals = step.baseline.op_intervals
+    producer = intervals.get(step.ir.tensors[tensor].producer)
+    first = min((intervals[c.name][0] for c in step.found.backward_of[tensor] if c.name in intervals),
+                default=None)
+    if producer is None or first is None:
+        return 0.0
+    return max(0.0, first - producer[1])
+
+
+def swap_exposed(step: PlanningStep, tensor: str) -> float:
+    nbytes = step.ir.tensors[tensor].nbytes or 0
+    copies = step.cost.transfer_time(nbytes, "device_to_host") + step.cost.transfer_time(nbytes, "host_to_device")
+    return copies - window(step, tensor)
+
+
+def swap_cost(step: PlanningStep, tensor: str, link_busy: float) -> float:
+    """Predicted slowdown of swapping: the copies the compute cannot hide, plus any copy-out
+    time past the forward pass (copies out must drain while it runs, or the bytes they free
+    stay on the device through the peak at the start of the backward pass)."""
+    nbytes = step.ir.tensors[tensor].nbytes or 0
+    one_way = step.cost.transfer_time(nbytes, "device_to_host")
+    window = step.forward_seconds
+    over = max(0.0, link_busy + one_way - window) - max(0.0, link_busy - window)
+    return max(0.0, swap_exposed(step, tensor)) + over
+
+
+def lagged_swap_ins(step: PlanningStep, swapped: List[TensorDecision]) -> Dict[str, TensorDecision]:
+    """When the link is the bottleneck, swap-ins timed by the plain step's clock all start at
+    the top of the backward pass and pile up on the device. Instead, the swap-in feeding the
+    i-th consumer group is triggered just before the (i - :data:`SWAP_IN_LAG`)-th group's
+    consumers run: at most that many copies back are ahead of the compute."""
+    found = step.found
+    groups = sorted(((step.ir.op(s.consumers[0]).index, d.tensor, k)
+                     for d in swapped for k, s in enumerate(d.swap_ins)))
+    triggers: Dict[Tuple[str, int], str] = {}
+    for i, (first, tensor, k) in enumerate(groups):
+        if i < SWAP_IN_LAG:
+            continue
+        position = found.gates_before(groups[i - SWAP_IN_LAG][0]) - 1
+        if position >= 0:
+            triggers[(tensor, k)] = found.gates[position].name
+    lagged = {}
+    for d in swapped:
+        swap_ins = tuple(dataclasses.replace(s, trigger=triggers.get((d.tensor, k), s.trigger))
+                         for k, s in enumerate(d.swap_ins))
+        if swap_ins != d.swap_ins:
+            lagged[d.tensor] = dataclasses.replace(d, swap_ins=swap_ins)
+    return lagged
+
+
+def swap_out_waits(step: PlanningStep, swapped: List[TensorDecision]) -> Dict[str, TensorDecision]:
+    """TFLMS's synchronous swap-out, with some slack: the producer of the swapped tensor
+    :data:`SWAP_OUT_LAG` swaps later waits until this tensor's copy out has ended. The forward
+    pass then runs at the link's pace, and at most that many copies are pending when it ends."""
+    ir = step.ir
+    swapped = sorted(swapped, key=lambda d: ir.op(ir.tensors[d.tensor].producer).index)
+    producers = [ir.op(ir.tensors[d.tensor].producer).index for d in swapped]
+    waits = {}
+    for i, d in enumerate(swapped):
+        later = bisect.bisect_right(producers, producers[i])  # a later op, never the producer itself
+        j = max(i + SWAP_OUT_LAG, later)
+        if j < len(swapped):
+            waits[d.tensor] = dataclasses.replace(
+                d, swap_out_before=ir.tensors[swapped[j].tensor].producer,
+                reason=d.reason + "; the forward pass waits for the copy out")
+    return waits
+
+
+def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, TensorDecision], tools: Tools = Tools(),
+             orderings: Tuple[Ordering, ...] = (), leads: Optional[Mapping[str, float]] = None) -> Plan:
+    ir, found, policies = step.ir, step.found, step.policies
+    decisions: Dict[str, TensorDecision] = dict(found.kept)
+    for name in found.eligible:
+        if name in recomputed:
+            decisions[name] = recomputed[name]
+            continue
+        info = ir.tensors[name]
+        lead = (leads or {}).get(name, 0.0 if tools.late_swap_ins else 1.0)
+        decision = timed_swap(step, name, found.distance[name], lead) if name in swap else None
+        decisions[name] = decision or TensorDecision(
+            name, layer_of(info.producer), info.shape, info.nbytes, Decision.KEEP, "fits the budget",
+            found.distance[name], ())
+    if tools.throttle:
+        swapped = [d for d in decisions.values() if d.decision is Decision.SWAP]
+        decisions.update(swap_out_waits(step, swapped))
+        decisions.update(lagged_swap_ins(step, [decisions[d.tensor] for d in swapped]))
+    return Plan(decisions=tuple(decisions[n] for n in found.order), device=step.device, host=policies.host,
+                policies=policies.to_dict(), phase_counts=ir.phase_counts(), orderings=orderings)
+
+
+def swap_round(step: PlanningStep, budget_bytes: int, sim: Simulation, swap: Set[str],
+               recomputed: Mapping[str, TensorDecision], link_busy: float) -> Optional[Tuple[Set[str], float]]:
+    """The swap set grown by the tensors idle at the peak, cheapest per byte first, until they
+    cover the bytes over budget (and the link time they add); None if nothing is idle.
+
+    A tensor is idle at the peak when it was produced before it and is first read by the backward
+    pass after it: swapping anything else would not lower this peak.
+
+    Example:
+        >>> swap_round.__name__
+        'swap_round'
+    """
+    excess = sim.held_bytes - budget_bytes
+    idle = []
+    for name, nbytes in sim.live_at_peak:
+        if (name not in step.eligible or name in swap or name in recomputed or not nbytes
+                or nbytes < step.policies.min_swap_bytes):
+            continue
+        producer = sim.op_intervals.get(step.ir.tensors[name].producer)
+        readers = [sim.op_intervals[c.name][0] for c in step.found.backward_of[name]
+                   if c.name in sim.op_intervals]
+        if producer is None or not readers or not producer[1] <= sim.peak_time_s < min(readers):
+            continue  # in use at the peak: moving it would not lower this peak
+        idle.append((swap_cost(step, name, link_busy) / nbytes, name, nbytes))
+    if not idle:
+        logger.debug("planner round: peak %d at %s, nothing idle to swap", sim.peak_bytes, sim.peak_op)
+        return None
+    grown, freed = set(swap), 0
+    for _, name, nbytes in sorted(idle):
+        grown.add(name)
+        link_busy += step.cost.transfer_time(nbytes, "device_to_host")
+        freed += nbytes
+        if freed >= 1.05 * excess:
+            break
+    return grown, link_busy

@@ -1,0 +1,343 @@
+"""Lowering a step and a plan to events: compute ops, copies out and back, recompute clones, with the
+buffers each reads and writes under TensorFlow's memory rules (aliasing, in-place kernels, kernel
+workspaces, copy-on-write of variables).
+
+Example:
+    >>> KERNEL_LIBRARIES
+    ('cudnn', 'eigen', 'onednn')
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+
+from lms_tf.core.errors import LMSOptionError
+from lms_tf.core.ir import GraphIR, OpInfo
+from lms_tf.core.op_kinds import (
+    ALIAS_TYPES,
+    COMMUTATIVE_TYPES,
+    FORWARDING_TYPES,
+    MAXPOOL_GRAD_TYPES,
+    MAXPOOL_TYPES,
+    RESIDENT_TYPES,
+    SWAP_IN_PREFIX,
+    VARIABLE_UPDATE_PREFIXES,
+    WORKSPACE_TYPES,
+    recompute_clone_name,
+)
+from lms_tf.core.plan import Decision, Plan
+from lms_tf.cost.model import CostModel
+
+#: Kernel libraries whose scratch memory :func:`simulate` models (``kernels=``). ``"cudnn"`` (a GPU)
+#: and ``"eigen"`` (TensorFlow's CPU kernels with ``TF_ENABLE_ONEDNN_OPTS=0``) take convolution
+#: scratch from TensorFlow's allocator; ``"onednn"`` (TensorFlow's default CPU kernels on x86)
+#: takes none, and gives a max pool a workspace output its gradient reads (one byte per
+#: element: TensorFlow's allocation trace shows ``[12845056]`` beside a ``[16,112,112,64]``
+#: float32 pool output).
+KERNEL_LIBRARIES = ("cudnn", "eigen", "onednn")
+
+
+#: Suffix of the buffer key of a max pool's oneDNN workspace (``<pool output key>#workspace``).
+POOL_WORKSPACE = "#workspace"
+
+
+COMPUTE_STREAM, TO_HOST_STREAM, TO_DEVICE_STREAM = 0, 1, 2
+
+
+@dataclasses.dataclass(slots=True)
+class Event:
+    name: str
+    stream: int
+    duration: float
+    reads: List[str]
+    writes: List[Tuple[str, int]]
+    deps: List[int]
+    forwarding: bool = False
+    updates: Optional[str] = None  # variable handle tensor
+    order: float = 0.0
+    trigger: Optional[str] = None  # IR op after which a copy may start
+    workspace: int = 0  # scratch bytes the kernel holds while it runs
+
+
+class Lowered:
+    """Turns the IR plus a plan into simulator ops with buffer keys."""
+
+    def __init__(self, ir: GraphIR, cost: CostModel):
+        self.ir = ir
+        self.cost = cost
+        self.ops: List[Event] = []
+        self.index_of: Dict[str, int] = {}
+        self.replace: Dict[Tuple[str, str], str] = {}
+        self.buffer_producer: Dict[str, int] = {}
+        self.accumulated_sums: frozenset = frozenset()
+        self.read_handles: Dict[str, str] = {}  # read buffer -> variable handle tensor
+
+    def source(self, consumer: str, tensor: str) -> str:
+        """The buffer ``consumer`` really reads for input ``tensor`` (aliases and re-pointing resolved)."""
+        ir = self.ir
+        while True:
+            key = self.replace.get((consumer, tensor))
+            if key is not None:
+                return key
+            producer = ir.op(ir.tensors[tensor].producer)
+            if producer.type not in ALIAS_TYPES or not producer.inputs:
+                return tensor
+            position = producer.outputs.index(tensor) if producer.type == "IdentityN" else 0
+            consumer, tensor = producer.name, producer.inputs[min(position, len(producer.inputs) - 1)]
+
+    def counted(self, tensor: str) -> bool:
+        cache = self.ir.__dict__.get("_counted")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self.ir, "_counted", cache)
+        known = cache.get(tensor)
+        if known is None:
+            known = cache[tensor] = self._counted(tensor)
+        return known
+
+    def _counted(self, tensor: str) -> bool:
+        info = self.ir.tensors.get(tensor)
+        if info is None:
+            return True  # a buffer the plan introduced
+        producer = self.ir.op(info.producer)
+        return not (producer.type in RESIDENT_TYPES or producer.name in self.ir.function_inputs
+                    or info.dtype in ("resource", "variant", "string") or not info.nbytes)
+
+    def add(self, op: Event) -> int:
+        self.ops.append(op)
+        index = len(self.ops) - 1
+        for key, _ in op.writes:
+            self.buffer_producer[key] = index
+        return index
+
+    def indices_of(self, name: str) -> List[int]:
+        """The simulator ops an IR op's name stands for: itself, or for an alias op (which the
+        simulator does not run) the ops it waits for."""
+        if name in self.index_of:
+            return [self.index_of[name]]
+        return [self.index_of[n] for n in self.producer_deps(self.ir.op(name))]
+
+    def producer_deps(self, op: OpInfo) -> List[str]:
+        """Names of the non-alias ops an IR op waits for: producers of the buffers it reads (through
+        aliases, output by output) and its control inputs (an alias op as a control input waits for
+        all of its inputs)."""
+        ir, names = self.ir, []
+        for t in op.inputs:
+            key = self.source(op.name, t)
+            if key in ir.tensors:
+                names.append(ir.tensors[key].producer)
+        stack, seen = list(op.control_inputs), set()
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            dep = ir.op(name)
+            if dep.type in ALIAS_TYPES:
+                stack.extend(ir.tensors[t].producer for t in dep.inputs)
+                stack.extend(dep.control_inputs)
+            else:
+                names.append(name)
+        return names
+
+
+def ALIAS_OP_NAMES(ir: GraphIR) -> frozenset:  # noqa: N802 - a cached constant of the IR
+    """Names of the IR's alias ops (cached on the IR)."""
+    cached = ir.__dict__.get("_alias_op_names")
+    if cached is None:
+        cached = frozenset(op.name for op in ir.ops if op.type in ALIAS_TYPES)
+        object.__setattr__(ir, "_alias_op_names", cached)
+    return cached
+
+
+def READS_ALIAS(ir: GraphIR) -> frozenset:  # noqa: N802 - a cached constant of the IR
+    """Names of the IR's ops that read an alias op's output (cached on the IR)."""
+    cached = ir.__dict__.get("_reads_alias")
+    if cached is None:
+        aliases = ALIAS_OP_NAMES(ir)
+        cached = frozenset(op.name for op in ir.ops if any(ir.tensors[t].producer in aliases for t in op.inputs))
+        object.__setattr__(ir, "_reads_alias", cached)
+    return cached
+
+
+def _plain_structure(ir: GraphIR) -> Dict[str, Tuple[Tuple[str, ...], List[Tuple[str, int]], Tuple[str, ...]]]:
+    """Per non-alias op of the plain step: buffers read, buffers written, ops waited for.
+    Cached on the IR: planners replay one step many times and a plan changes few ops."""
+    cached = ir.__dict__.get("_plain_structure")
+    if cached is None:
+        b = Lowered(ir, None)
+        cached = {}
+        for op in ir.ops:
+            if op.type not in ALIAS_TYPES:
+                cached[op.name] = (tuple(b.source(op.name, t) for t in op.inputs),
+                                   [(t, ir.tensors[t].nbytes or 0) for t in op.outputs],
+                                   tuple(b.producer_deps(op)))
+        object.__setattr__(ir, "_plain_structure", cached)
+    return cached
+
+
+def _canonical_reads(op: OpInfo, reads: Iterable[str]) -> List[str]:
+    """``reads`` (one buffer per input of ``op``) in the order TensorFlow runs them: Grappler's
+    canonicalizer sorts a commutative op's inputs by their names (``"x"`` for output 0, ``"x:1"``),
+    and the kernel forwards into the first one it may reuse."""
+    reads = list(reads)
+    if op.type not in COMMUTATIVE_TYPES or len(reads) != len(op.inputs):
+        return reads
+
+    def grappler_name(tensor: str) -> str:
+        return tensor[:-2] if tensor.endswith(":0") else tensor
+
+    order = sorted(range(len(reads)), key=lambda i: grappler_name(op.inputs[i]))
+    return [reads[i] for i in order]
+
+
+def _workspace(ir: GraphIR, op: OpInfo, kernels: str) -> int:
+    """Scratch bytes a convolution kernel holds while it runs: about its largest operand (cuDNN's
+    workspace, or the im2col buffers of TensorFlow's Eigen kernels; oneDNN takes its scratchpad
+    from elsewhere)."""
+    if op.type not in WORKSPACE_TYPES or kernels == "onednn":
+        return 0
+    return max([ir.tensors[t].nbytes or 0 for t in op.inputs] or [0])
+
+
+def _pool_workspace_bytes(ir: GraphIR, tensor: str) -> int:
+    """oneDNN's max-pool workspace for the pool output ``tensor``: one byte per element (0 when
+    its size is unknown)."""
+    info = ir.tensors[tensor]
+    if not info.nbytes:
+        return 0
+    count = 1
+    for d in info.shape:
+        count *= d
+    return count
+
+
+def _pooled_for_gradient(b: "Lowered") -> frozenset:
+    """Names of the max pools whose output a max-pool gradient reads (oneDNN gives those a
+    workspace); aliases between them resolved by the builder, before any plan re-points reads."""
+    ir, pools = b.ir, set()
+    for op in ir.ops:
+        if op.type in MAXPOOL_GRAD_TYPES and len(op.inputs) > 1:
+            producer = ir.op(ir.tensors[b.source(op.name, op.inputs[1])].producer)
+            if producer.type in MAXPOOL_TYPES:
+                pools.add(producer.name)
+    return frozenset(pools)
+
+
+def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional[Mapping[str, float]] = None,
+           kernels: str = "cudnn", accumulated_sums: frozenset = frozenset()) -> Lowered:
+    if kernels not in KERNEL_LIBRARIES:
+        raise LMSOptionError(f"simulate(kernels=...) must be one of {', '.join(map(repr, KERNEL_LIBRARIES))} "
+                             f"(the kernel library whose scratch memory to model); got {kernels!r}.")
+    b = Lowered(ir, cost)
+    b.accumulated_sums = accumulated_sums
+    pooled = _pooled_for_gradient(b) if kernels == "onednn" else frozenset()
+    op_time = (lambda op: op_times[op.name]) if op_times is not None else (lambda op: cost.op_time(ir, op))  # noqa
+    ir_names = {op.name for op in ir.ops if op.type not in ALIAS_TYPES}
+    decisions = {d.tensor: d for d in plan.decisions} if plan is not None else {}
+    swapped = {t for t, d in decisions.items() if d.decision is Decision.SWAP}
+    # Re-pointing decided by the plan: backward consumers read swap-ins and clones.
+    for d in decisions.values():
+        if d.decision is Decision.SWAP:
+            for i, s in enumerate(d.swap_ins):
+                for consumer in s.consumers:
+                    b.replace[(consumer, d.tensor)] = f"{SWAP_IN_PREFIX}{d.tensor}/{i}"
+        elif d.decision is Decision.RECOMPUTE:
+            for consumer in d.consumers:
+                b.replace[(consumer, d.tensor)] = recompute_clone_name(d.gate, d.tensor)
+
+    extra_after: Dict[str, List[Event]] = collections.defaultdict(list)  # ops gated by an IR op
+    extra_deps: Dict[str, List[str]] = collections.defaultdict(list)  # IR op -> names of extra ops it waits for
+    for t in sorted(swapped, key=lambda t: ir.op(ir.tensors[t].producer).index):
+        d, nbytes = decisions[t], decisions[t].nbytes or 0
+        extra_after[ir.tensors[t].producer].append(Event(
+            f"swap_out/{t}", TO_HOST_STREAM, cost.transfer_time(nbytes, "device_to_host"), [b.source("", t)],
+            [(f"host/{t}", 0)], []))
+        if d.swap_out_before is not None:
+            extra_deps[d.swap_out_before].append(f"swap_out/{t}")
+        for i, s in enumerate(d.swap_ins):
+            key = f"{SWAP_IN_PREFIX}{t}/{i}"
+            extra_after[s.trigger].append(Event(key, TO_DEVICE_STREAM, cost.transfer_time(nbytes, "host_to_device"),
+                                              [f"host/{t}"], [(key, nbytes)], [], trigger=s.trigger))
+            for consumer in s.consumers:
+                extra_deps[consumer].append(key)
+    cloned = set()
+    for d in decisions.values():
+        if d.decision is not Decision.RECOMPUTE:
+            continue
+        region = set(d.recompute_ops)
+        for name in d.recompute_ops:
+            if (name, d.gate) in cloned:
+                continue
+            cloned.add((name, d.gate))
+            op = ir.op(name)
+            reads = []
+            for t in op.inputs:
+                producer = ir.tensors[t].producer
+                if producer in region:
+                    reads.append(recompute_clone_name(d.gate, t))
+                elif t in swapped:
+                    key = f"{SWAP_IN_PREFIX}{t}/@{d.gate}"
+                    if not any(o.name == key for o in extra_after[d.gate]):
+                        nbytes = decisions[t].nbytes or 0
+                        extra_after[d.gate].append(Event(key, TO_DEVICE_STREAM, cost.transfer_time(nbytes, "host_to_device"),
+                                                       [f"host/{t}"], [(key, nbytes)], [], trigger=d.gate))
+                    reads.append(key)
+                else:
+                    reads.append(b.source(name, t))
+            writes = [(recompute_clone_name(d.gate, t), ir.tensors[t].nbytes or 0) for t in op.outputs]
+            extra_after[d.gate].append(Event(recompute_clone_name(d.gate, name), COMPUTE_STREAM, op_time(op),
+                                           _canonical_reads(op, reads),
+                                           writes, [], forwarding=op.type in FORWARDING_TYPES, trigger=d.gate))
+        for consumer in d.consumers:
+            extra_deps[consumer].append(recompute_clone_name(d.gate, ir.tensors[d.tensor].producer))
+
+    for ordering in plan.orderings if plan is not None else ():
+        for waiter in ordering.waiters:
+            extra_deps[waiter].extend(ordering.after)
+
+    plain = _plain_structure(ir)
+    reads_alias = READS_ALIAS(ir)
+    # Ops whose reads and waits differ from the plain step's: re-pointed consumers, and readers of
+    # an alias (whose source may now be a swap-in or a clone). The others reuse the cached structure.
+    rebuilt = {consumer for consumer, _ in b.replace} | reads_alias if b.replace else set()
+    for op in ir.ops:
+        if op.type in ALIAS_TYPES:
+            for extra in extra_after.get(op.name, ()):
+                extra.order = op.index + 0.5
+                b.index_of[extra.name] = b.add(extra)
+            continue
+        cached_reads, writes, _ = plain[op.name]
+        reads = _canonical_reads(op, [b.source(op.name, t) for t in op.inputs] if op.name in rebuilt else cached_reads)
+        if op.name in pooled:
+            writes = writes + [(op.outputs[0] + POOL_WORKSPACE, _pool_workspace_bytes(ir, op.outputs[0]))]
+        if op.type in MAXPOOL_GRAD_TYPES and len(cached_reads) > 1 and ir.tensors[cached_reads[1]].producer in pooled:
+            # Max pools are never cloned (NEVER_CLONED_TYPES): the gradient reads the workspace its
+            # forward pool wrote, also when it reads the pool output itself from a swap-in.
+            reads.append(cached_reads[1] + POOL_WORKSPACE)
+        updates = op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None
+        index = b.add(Event(op.name, COMPUTE_STREAM, op_time(op), reads, writes, [],
+                          forwarding=op.type in FORWARDING_TYPES and op.name not in accumulated_sums,
+                          updates=updates, order=op.index,
+                          workspace=_workspace(ir, op, kernels)))
+        b.index_of[op.name] = index
+        if op.type == "ReadVariableOp" and op.inputs:
+            b.read_handles[op.outputs[0]] = op.inputs[0]
+        for extra in extra_after.get(op.name, ()):
+            extra.order = op.index + 0.5
+            b.index_of[extra.name] = b.add(extra)
+
+    # Dependencies: producers of every buffer read, control edges, triggers (gates) and swap-ins.
+    for index, sim in enumerate(b.ops):
+        deps = {b.buffer_producer[k] for k in sim.reads if k in b.buffer_producer}
+        if sim.trigger is not None:
+            deps.update(b.indices_of(sim.trigger))
+        if sim.name in ir_names:
+            names = b.producer_deps(ir.op(sim.name)) if sim.name in rebuilt else plain[sim.name][2]
+            deps.update(b.index_of[n] for n in names)
+            for n in extra_deps.get(sim.name, ()):
+                deps.update(b.indices_of(n))
+        sim.deps = sorted(deps - {index})
+    return b

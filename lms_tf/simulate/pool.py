@@ -1,0 +1,82 @@
+"""What lives on the device besides the step: resident variables, and the pool's history before the first step.
+
+Example:
+    >>> from lms_tf.core import make_ir
+    >>> resident_bytes(make_ir([]))
+    0
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Tuple
+
+from lms_tf.core.ir import GraphIR
+
+
+def resident_buffers(ir: GraphIR) -> List[Tuple[str, int]]:
+    """The variables the step reads (weights, optimizer slots), ``(handle, bytes)`` in graph
+    order: resident for the whole step.
+
+    Example:
+        >>> from lms_tf.core.ir import GraphIR
+        >>> resident_buffers(GraphIR((), {}, frozenset(), {}))
+        []
+    """
+    sizes: Dict[str, int] = {}
+    for op in ir.ops:
+        if op.type == "ReadVariableOp" and op.inputs:
+            sizes[op.inputs[0]] = max(sizes.get(op.inputs[0], 0), ir.tensors[op.outputs[0]].nbytes or 0)
+    return list(sizes.items())
+
+
+def pool_history(ir: GraphIR, accumulated_sums: Iterable[str] = ()) -> List[Tuple[str, str, int]]:
+    """What a Keras training process asks the allocator for before its first step, as
+    ``("alloc" | "free", key, bytes)`` events (:func:`replay_allocations`' ``history``).
+
+    The free chunks the first step finds decide where its tensors land, so the order matters:
+
+    1. each variable the step reads, in graph order, as Keras creates it: a kernel (rank 2 or
+       more) through a random initializer (Glorot, He: a draw, scaled, then shifted, each a
+       buffer of the variable's size; the first two are freed), a vector from a constant;
+    2. the step's inputs;
+    3. for each of ``accumulated_sums``, the zeros constant its temporary variable starts from
+       (kept while the step's function lives).
+
+    TensorFlow's allocation trace shows this sequence (``StatelessRandomUniformV2``, ``Mul``,
+    ``AddV2`` per kernel; ``AddN_98/tmp_var_zeros`` on ResNet-50).
+
+    Example:
+        >>> from lms_tf.core.ir import GraphIR
+        >>> pool_history(GraphIR((), {}, frozenset(), {}))
+        []
+    """
+    events: List[Tuple[str, str, int]] = []
+    ranks: Dict[str, int] = {}
+    for op in ir.ops:
+        if op.type == "ReadVariableOp" and op.inputs:
+            ranks[op.inputs[0]] = max(ranks.get(op.inputs[0], 0), len(ir.tensors[op.outputs[0]].shape or ()))
+    for handle, nbytes in resident_buffers(ir):
+        if ranks.get(handle, 0) >= 2:
+            draw, scaled = f"{handle}#initializer_draw", f"{handle}#initializer_scaled"
+            events += [("alloc", draw, nbytes), ("alloc", scaled, nbytes), ("alloc", handle, nbytes),
+                       ("free", scaled, 0), ("free", draw, 0)]
+        else:
+            events.append(("alloc", handle, nbytes))
+    for op in ir.ops:
+        if op.type in ("Placeholder", "_Arg") and op.outputs and ir.tensors[op.outputs[0]].dtype != "resource":
+            events.append(("alloc", op.outputs[0], ir.tensors[op.outputs[0]].nbytes or 0))
+    for name in sorted(accumulated_sums):
+        if f"{name}:0" in ir.tensors:
+            events.append(("alloc", f"{name}/tmp_var_zeros", ir.tensors[f"{name}:0"].nbytes or 0))
+    return events
+
+
+def resident_bytes(ir: GraphIR) -> int:
+    """Bytes of the variables the step reads (weights, optimizer slots): resident for the whole step.
+
+    Example:
+        >>> from lms_tf.core.ir import GraphIR
+        >>> resident_bytes(GraphIR((), {}, frozenset(), {}))
+        0
+    """
+    return sum(nbytes for _, nbytes in resident_buffers(ir))

@@ -1,0 +1,250 @@
+"""The replay engine: runs lowered events as TensorFlow's executor does (one compute stream, first ready
+first run, one copy stream per direction) and tracks live buffers, the peak and the step time.
+
+Example:
+    >>> EDGE_SET_INLINE
+    8
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import random
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from lms_tf.core.errors import PlanCycleError
+from lms_tf.core.op_kinds import RECOMPUTE_PREFIX, SWAP_IN_PREFIX
+from lms_tf.simulate.allocator import BFCAllocatorModel, replay_allocations
+from lms_tf.simulate.lower import COMPUTE_STREAM, TO_DEVICE_STREAM, TO_HOST_STREAM, Lowered
+from lms_tf.simulate.pool import pool_history
+
+#: How many out-edges TensorFlow keeps in insertion order (``EdgeSet``'s inline array: 64 bytes
+#: of pointers); a node with more keeps them in a hash set of pointers, whose order changes from
+#: one process to the next, and the executor queues the ops it makes ready in that order.
+EDGE_SET_INLINE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+    """The outcome of replaying one step.
+
+    Attributes:
+        peak_bytes: Peak device bytes of the step's transient tensors (resident
+            variables and inputs excluded).
+        peak_op: The op running when the peak was reached.
+        live_at_peak: The largest buffers alive at the peak, ``(name, bytes)``.
+        step_time_s: Predicted step time, stalls for swap-ins included.
+        compute_time_s: Sum of compute-stream op times (recompute clones included).
+        swap_out_bytes: Bytes copied device -> host.
+        swap_in_bytes: Bytes copied host -> device.
+        timeline: ``(seconds, bytes in use, bytes in flight to host, bytes in flight to device)``
+            after every allocation or free.
+        peak_time_s: When the peak was reached.
+        op_intervals: Op name -> (start, end) seconds, for every op the simulation ran.
+        allocations: With ``log_allocations=True``, every device allocation, free and in-place
+            hand-over in the order the step ran them (``("alloc", key, bytes)``,
+            ``("free", key, 0)``, ``("rename", old key, new key)``), kernel scratch included:
+            what :func:`lms_tf.simulate.allocator.replay_allocations` feeds to a model of
+            TensorFlow's allocator.
+        allocator_peak_bytes: With ``allocator=``, the step's peak as TensorFlow's allocator
+            counts it (whole chunks, after a warm-up step): the figure to compare with
+            ``lms_tf.measure_peak_memory`` on a real run.
+
+    Example:
+        >>> Simulation(10, "a", (), 1.0, 1.0, 0, 0, ()).peak_bytes
+        10
+    """
+
+    peak_bytes: int
+    peak_op: str
+    live_at_peak: Tuple[Tuple[str, int], ...]
+    step_time_s: float
+    compute_time_s: float
+    swap_out_bytes: int
+    swap_in_bytes: int
+    timeline: Tuple[Tuple[float, int, int, int], ...]
+    peak_time_s: float = 0.0
+    op_intervals: Mapping[str, Tuple[float, float]] = dataclasses.field(default_factory=dict)
+    allocations: Tuple[Tuple[str, str, object], ...] = ()
+    allocator_peak_bytes: Optional[int] = None
+
+    @property
+    def held_bytes(self) -> int:
+        """What device memory must hold at the peak: the tensors, or the allocator's whole
+        chunks when the allocations were replayed through a model of it (whichever is larger).
+
+        Example:
+            >>> Simulation(10, "a", (), 1.0, 1.0, 0, 0, (), allocator_peak_bytes=12).held_bytes
+            12
+        """
+        return max(self.peak_bytes, self.allocator_peak_bytes or 0)
+
+
+def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str, float]],
+            log_allocations: bool, allocator: Optional[BFCAllocatorModel], tie_seed: Optional[int]) -> Simulation:
+    """Runs the built step on the compute and copy streams (see :func:`simulate`). Leaves
+    ``builder`` as it found it unless ``priority`` is given, so a step built once can be replayed
+    in several tie orders."""
+    ops, read_handles, counted = builder.ops, builder.read_handles, builder.counted
+    if priority is not None:
+        # Ops the ranking does not name (clones, copies) rank right after their trigger, others
+        # right after the op before them in graph order.
+        previous = 0.0
+        for op in ops:
+            if op.name in priority:
+                op.order = previous = priority[op.name]
+            elif op.trigger is not None and op.trigger in priority:
+                op.order = priority[op.trigger] + 1e-9
+            else:
+                op.order = previous = previous + 1e-9
+    uses: Dict[str, int] = collections.Counter()
+    for op in ops:
+        for key in set(op.reads):
+            uses[key] += 1
+    handle_reads: Dict[str, List[str]] = collections.defaultdict(list)
+    for key, handle in read_handles.items():
+        handle_reads[handle].append(key)
+    successors: List[List[int]] = [[] for _ in ops]
+    pending = [len(op.deps) for op in ops]
+    for i, op in enumerate(ops):
+        for d in op.deps:
+            successors[d].append(i)
+    if tie_seed is not None:
+        rng = random.Random(tie_seed)
+        for ready_together in successors:
+            if len(ready_together) > EDGE_SET_INLINE:
+                rng.shuffle(ready_together)
+
+    alive: Dict[str, int] = {}
+    copy_on_write: Dict[str, List[str]] = {}  # cow buffer -> reads it waits for
+    in_use = peak = 0
+    peak_op, live_at_peak = "", ()
+    in_flight = [0, 0, 0]
+    timeline: List[Tuple[float, int, int, int]] = []
+    now = peak_time = 0.0
+    intervals: Dict[str, Tuple[float, float]] = {}
+    compute_time = 0.0
+    swap_bytes = [0, 0, 0]
+
+    def record(t: float) -> None:
+        timeline.append((t, in_use, in_flight[TO_HOST_STREAM], in_flight[TO_DEVICE_STREAM]))
+
+    allocations: Optional[List[Tuple[str, str, object]]] = [] if log_allocations or allocator else None
+
+    def allocate(key: str, nbytes: int) -> None:
+        nonlocal in_use
+        alive[key] = nbytes
+        in_use += nbytes
+        if allocations is not None:
+            allocations.append(("alloc", key, nbytes))
+
+    def free(key: str) -> None:
+        nonlocal in_use
+        size = alive.pop(key, None)
+        if size is not None:
+            in_use -= size
+            if allocations is not None:
+                allocations.append(("free", key, 0))
+
+    ready: List[collections.deque] = [collections.deque(), collections.deque(), collections.deque()]
+    initial = sorted((i for i, n in enumerate(pending) if n == 0), key=lambda i: ops[i].order)
+    for i in initial:
+        ready[ops[i].stream].append(i)
+    busy = [False, False, False]
+    events: List[Tuple[float, int, int]] = []
+
+    def start(stream: int, at: float) -> None:
+        nonlocal peak, peak_op, live_at_peak, compute_time, peak_time
+        i = ready[stream].popleft()
+        op = ops[i]
+        busy[stream] = True
+        for key, nbytes in op.writes:
+            if stream == TO_HOST_STREAM or not counted(key) and not key.startswith((SWAP_IN_PREFIX, RECOMPUTE_PREFIX)):
+                continue
+            reuse = None
+            if op.forwarding:
+                reuse = next((r for r in op.reads if r in alive and uses[r] == 1 and alive[r] == nbytes), None)
+            if reuse is not None:
+                alive[key] = alive.pop(reuse)
+                uses[reuse] = 0
+                if allocations is not None:
+                    allocations.append(("rename", reuse, key))
+                continue
+            allocate(key, nbytes)
+        if op.updates is not None:
+            pending_reads = [r for r in handle_reads.get(op.updates, ()) if uses[r] > 0]
+            if pending_reads:
+                key = f"copy_on_write/{op.name}"
+                allocate(key, builder.ir.tensors[pending_reads[0]].nbytes or 0)
+                copy_on_write[key] = pending_reads
+        if allocations is not None and op.workspace:
+            allocations.append(("alloc", f"workspace/{op.name}", op.workspace))
+        if stream == COMPUTE_STREAM:
+            compute_time += op.duration
+        else:
+            nbytes = sum(builder.ir.tensors[r[len("host/"):]].nbytes or 0 for r in op.reads if r.startswith("host/")) \
+                if stream == TO_DEVICE_STREAM else sum(builder.ir.tensors[r].nbytes or 0 for r in op.reads)
+            in_flight[stream] += nbytes
+            swap_bytes[stream] += nbytes
+        intervals[op.name] = (at, at + op.duration)
+        if in_use + op.workspace > peak:
+            peak, peak_op, peak_time = in_use + op.workspace, op.name, at
+            live_at_peak = tuple(sorted(alive.items(), key=lambda kv: -kv[1])[:top])
+        record(at)
+        heapq.heappush(events, (at + op.duration, i, stream))
+
+    def finish(i: int, at: float) -> None:
+        op = ops[i]
+        busy[op.stream] = False
+        if allocations is not None and op.workspace:
+            allocations.append(("free", f"workspace/{op.name}", 0))
+        if op.stream != COMPUTE_STREAM:
+            in_flight[op.stream] -= sum(builder.ir.tensors[r[len("host/"):]].nbytes or 0 for r in op.reads
+                                        if r.startswith("host/")) if op.stream == TO_DEVICE_STREAM else \
+                sum(builder.ir.tensors[r].nbytes or 0 for r in op.reads)
+        for key in dict.fromkeys(op.reads):  # TensorFlow's executor releases inputs in order
+            uses[key] -= 1
+            if uses[key] <= 0:
+                free(key)
+        for key, _ in op.writes:
+            if uses[key] <= 0:
+                free(key)
+        for key in [k for k, reads in copy_on_write.items() if all(uses[r] <= 0 for r in reads)]:
+            del copy_on_write[key]
+            free(key)
+        record(at)
+        for s in successors[i]:
+            pending[s] -= 1
+            if pending[s] == 0:
+                if priority is None:
+                    ready[ops[s].stream].append(s)
+                else:  # keep the ready queue sorted by the given rank
+                    queue = ready[ops[s].stream]
+                    queue.append(s)
+                    if len(queue) > 1 and ops[queue[-2]].order > ops[s].order:
+                        ready[ops[s].stream] = collections.deque(sorted(queue, key=lambda j: ops[j].order))
+
+    while True:
+        for stream in (COMPUTE_STREAM, TO_HOST_STREAM, TO_DEVICE_STREAM):
+            if not busy[stream] and ready[stream]:
+                start(stream, now)
+        if not events:
+            break
+        now, i, _ = heapq.heappop(events)
+        finish(i, now)
+        while events and events[0][0] <= now:
+            _, j, _ = heapq.heappop(events)
+            finish(j, now)
+    if len(intervals) < len(ops):
+        stuck = [op.name for op in ops if op.name not in intervals][:5]
+        raise PlanCycleError(
+            f"the plan makes {len(ops) - len(intervals)} ops of the step wait for each other, e.g. {stuck}: "
+            f"its gates, orderings or waits for copies out form a cycle. Drop the plan's added waits for these ops.")
+    return Simulation(peak_bytes=peak, peak_op=peak_op, live_at_peak=live_at_peak, step_time_s=now,
+                      compute_time_s=compute_time, swap_out_bytes=swap_bytes[TO_HOST_STREAM],
+                      swap_in_bytes=swap_bytes[TO_DEVICE_STREAM], timeline=tuple(timeline), peak_time_s=peak_time,
+                      op_intervals=intervals, allocations=tuple(allocations or ()) if log_allocations else (),
+                      allocator_peak_bytes=None if allocator is None else replay_allocations(
+                          allocations, allocator, history=pool_history(builder.ir, builder.accumulated_sums)))
