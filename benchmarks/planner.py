@@ -43,12 +43,18 @@ tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfigur
 import keras  # noqa: E402
 
 import lms_tf  # noqa: E402
+from lms_tf.cli.max_batch import largest_batch  # noqa: E402
+from lms_tf.cli.plots import plot_timeline  # noqa: E402
 from lms_tf.core.errors import InfeasibleBudgetError  # noqa: E402
 from lms_tf.core.policy import Policies  # noqa: E402
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
 from lms_tf.planner import make_budget_plan  # noqa: E402
-from lms_tf.planning_cli import largest_batch, link_lower_bound, plot_timeline  # noqa: E402
-from lms_tf.simulate import simulate, tensorflow_cpu_allocator, tensorflow_gpu_allocator  # noqa: E402
+from lms_tf.simulate import (  # noqa: E402
+    link_lower_bound,  # noqa: E402
+    simulate,
+    tensorflow_cpu_allocator,
+    tensorflow_gpu_allocator,
+)
 from lms_tf.tf.diagnostics import (  # noqa: E402
     cpu_kernel_library,
     grappler_accumulated_sums,

@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/lms-tf explain --model ResNet50 --batch-size 32 --image-size 224 "$@"
+exec .venv/bin/lms-tf explain --model ResNet50 --batch 32 --input-shape 224x224 "$@"

@@ -32,8 +32,8 @@ def test_example_runs_on_cpu_and_swaps(example):
 
 @pytest.mark.timeout(300)
 def test_cli_explain_json_reports_a_lower_virtual_gpu_peak():
-    done, _ = _run(["-m", "lms_tf.cli", "explain", "--model", "MobileNetV2", "--batch-size", "8",
-                    "--image-size", "96", "--classes", "10", "--json"], timeout=280)
+    done, _ = _run(["-m", "lms_tf.cli", "explain", "--model", "MobileNetV2", "--batch", "8",
+                    "--input-shape", "96x96", "--classes", "10", "--json"], timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["swapped_tensors"] > 0 and result["swap_ins"] >= result["swapped_tensors"]
@@ -43,20 +43,40 @@ def test_cli_explain_json_reports_a_lower_virtual_gpu_peak():
 
 @pytest.mark.timeout(120)
 def test_cli_reports_bad_input_without_a_traceback():
-    done, _ = _run(["-m", "lms_tf.cli", "explain", "--model", "NoSuchNet"], timeout=110)
+    done, _ = _run(["-m", "lms_tf.cli", "explain", "--model", "NoSuchNet", "--batch", "2"], timeout=110)
     assert done.returncode == 2
     assert "lms-tf: error: model 'NoSuchNet' is not a keras.applications name" in done.stderr
     assert "Traceback" not in done.stderr
-    done, _ = _run(["-m", "lms_tf.cli", "explain", "--swapin-ahead", "0"], timeout=110)
-    assert done.returncode == 2 and "swapin_ahead must be an int >= 1; received 0" in done.stderr
+    done, _ = _run(["-m", "lms_tf.cli", "explain", "--model", "resnet50", "--batch", "2", "--swapin-ahead", "0"],
+                   timeout=110)
+    assert done.returncode == 2 and "argument --swapin-ahead: must be an int >= 1; received '0'" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.timeout(300)
 def test_cli_explain_recompute_only():
-    done, _ = _run(["-m", "lms_tf.cli", "explain", "--model", "MobileNetV2", "--batch-size", "4",
-                    "--image-size", "64", "--classes", "10", "--recompute", "sqrt", "--no-swap",
-                    "--device", "/CPU:0", "--json"], timeout=280)
+    done, _ = _run(["-m", "lms_tf.cli", "explain", "--model", "MobileNetV2", "--batch", "4",
+                    "--input-shape", "64x64", "--classes", "10", "--recompute", "sqrt", "--no-swap", "--json"], timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["swapped_tensors"] == 0 and result["recomputed_tensors"] > 0
     assert result["recompute_clones"] >= result["recomputed_tensors"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, message", [
+    (["--help"], None),
+    (["plan", "--model", "resnet50", "--batch", "0"], "argument --batch: must be an int >= 1; received '0'"),
+    (["plan", "--model", "resnet50", "--batch", "8", "--budget", "abc"], "argument --budget: budget must be"),
+    (["plan", "--model", "resnet50", "--batch", "8", "--budget", "200%"], "budget must be at most 100%"),
+    (["explain", "--model", "resnet50", "--batch", "8", "--device", "v200"], "argument --device:"),
+    (["max-batch", "--model", "resnet50", "--input-shape", "32x64"], "must be HxW with H == W"),
+])
+def test_help_and_bad_values_answer_before_tensorflow_is_imported(argv, message):
+    """Usage is checked while parsing: exit code 2 and the rule broken, with TensorFlow never imported."""
+    script = (f"import sys\nfrom lms_tf.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit as e:\n"
+              f"    code = e.code\nprint('exit', code, 'tensorflow' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert done.stdout.strip().splitlines()[-1] == f"exit {0 if message is None else 2} False", done.stderr[-2000:]
+    if message is not None:
+        assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
