@@ -15,7 +15,7 @@ profiled steps. Two tables:
    to the next. The real peak is shown as its range over the processes, beside the same blind
    prediction and the simulation replaying each process's real order (the memory rules alone).
 
-    .venv/bin/python benchmarks/allocator_validation.py     # writes benchmarks/out/allocator_validation.md
+    .venv/bin/python benchmarks/allocator_validation.py     # tables into docs/benchmarks/planner.md
 """
 
 import json
@@ -27,6 +27,7 @@ log = logging.getLogger("benchmark")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from tests.allocator_runs import run_allocator_worker  # noqa: E402
+from publish import OUT, publish  # noqa: E402 - benchmarks/publish.py, beside this script
 
 ZOO = ["ResNet50,224,32", "VGG16,224,16", "MobileNetV2,224,32", "UNet,256,8", "TransformerEncoder,512,16"]
 MiB = 2**20
@@ -103,11 +104,9 @@ def main():
         runs.append(rows)
     text = ("Serialized (the simulator's order imposed):\n\n" + serialized_table(runs)
             + "\n\nFree order (TensorFlow's CPU executor picks):\n\n" + table(runs))
-    out = os.path.join(ROOT, "benchmarks", "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "allocator_validation.md"), "w") as handle:
-        handle.write(text + "\n")
-    with open(os.path.join(out, "allocator_validation.json"), "w") as handle:
+    publish("allocator_validation", text, page="planner")
+    OUT.mkdir(exist_ok=True)
+    with open(OUT / "allocator_validation.json", "w") as handle:
         json.dump(runs, handle, indent=1)
     print(text)
 

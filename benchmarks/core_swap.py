@@ -7,7 +7,7 @@
    after warm-up, plain and lms-tf steps interleaved in blocks.
 3. ResNet-152 train step: time lms-tf takes to analyse and rewrite it / time TF takes to trace it.
 
-    .venv/bin/python benchmarks/core_swap.py            # writes benchmarks/out/core_swap.{md,json}
+    .venv/bin/python benchmarks/core_swap.py            # tables into docs/benchmarks/swap.md; raw figures in benchmarks/out/
 """
 
 import json
@@ -32,6 +32,7 @@ import keras  # noqa: E402
 import lms_tf  # noqa: E402
 from lms_tf.tf.diagnostics import virtual_gpu_peak  # noqa: E402
 from lms_tf.tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
+from publish import OUT, publish  # noqa: E402 - benchmarks/publish.py, beside this script
 
 LMS = dict(device="/CPU:0", host="/CPU:1")
 GiB, MiB = 2**30, 2**20
@@ -125,11 +126,9 @@ def main():
                  f"({oracle['swapped_bytes'] / GiB:.2f} GiB each way per step), {oracle['swap_ins']} swap-ins. "
                  f"Grappler reads low in absolute terms on this model (docs/design.md): compare the ratio.")
     table = "\n".join(lines)
-    os.makedirs(os.path.join(os.path.dirname(__file__), "out"), exist_ok=True)
-    base = os.path.join(os.path.dirname(__file__), "out", "core_swap")
-    with open(base + ".md", "w") as handle:
-        handle.write(table + "\n")
-    with open(base + ".json", "w") as handle:
+    publish("core_swap", table, page="swap")
+    OUT.mkdir(exist_ok=True)
+    with open(OUT / "core_swap.json", "w") as handle:
         json.dump({"oracle": oracle, "timing": timing, "rewrite": rewrite, "tf": tf.__version__,
                    "keras": keras.__version__}, handle, indent=1)
     print(table)

@@ -10,10 +10,10 @@ step) in two configurations, timed after warm-up:
 The 2 cores are shared fairly: each rank gets cores / ranks intra-op threads. Rank 0 of the
 2-process run also records one step's timeline: TensorFlow's executed ops (profiler) and
 Horovod's own allreduce intervals (Horovod timeline, on the same clock; 256 KiB buckets), drawn to
-``benchmarks/out/horovod_timeline.png``; a bucket whose allreduce ends before the last
+``docs/horovod_timeline.png``; a bucket whose allreduce ends before the last
 backward op ends overlapped the backward pass.
 
-    .venv/bin/python benchmarks/data_parallel.py   # writes benchmarks/out/horovod.{md,json} and horovod_timeline.png
+    .venv/bin/python benchmarks/data_parallel.py   # tables into docs/benchmarks/data_parallel.md, docs/horovod_timeline.png
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ import sys
 import time
 from pathlib import Path
 
+from publish import publish  # benchmarks/publish.py, beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "out"
+DOCS_PLOT = REPO / "docs" / "horovod_timeline.png"
 CORES = os.cpu_count() or 2
 LOCAL_BATCH, IMAGE, STEPS, WARMUP = 16, 48, 12, 3
 TIMELINE_BUCKET_BYTES = 256 * 1024  # smaller than the timed runs' 1 MiB, so the plot shows more buckets
@@ -219,7 +222,7 @@ def main() -> None:
         for ranks in (1, 2):
             run_ranks(ranks, OUT)
     one, two = (json.loads((OUT / f"ranks{r}.json").read_text()) for r in (1, 2))
-    overlap = plot_timeline(two["timeline"], OUT / "horovod_timeline.png")
+    overlap = plot_timeline(two["timeline"], DOCS_PLOT)
     rows = ["| configuration | processes | threads/process | step time (ms) | steps/s | samples/s | "
             "samples/s vs 1 process |", "|---|---|---|---|---|---|---|"]
     for name in one["configs"]:
@@ -232,14 +235,14 @@ def main() -> None:
     summary = (f"Timeline (2 processes, rank 0, 256 KiB buckets): {overlap['buckets']} allreduce buckets, "
                f"{overlap['started_before_backward_end']} started and {overlap['ended_before_backward_end']} "
                f"finished before the last backward op ended.")
-    (OUT / "horovod.md").write_text(table + "\n\n" + summary + "\n")
+    publish("data_parallel", table + "\n\n" + summary, page="data_parallel")
     (OUT / "horovod.json").write_text(json.dumps({"one": {k: v for k, v in one.items()},
                                                   "two": {k: v for k, v in two.items() if k != "timeline"},
                                                   "overlap": overlap}, indent=1))
     print(table)
     print()
     print(summary)
-    print(f"timeline plot: {OUT / 'horovod_timeline.png'}")
+    print(f"timeline plot: {DOCS_PLOT}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ batch, on the presets v100-16gb-pcie3 and h100-80gb-pcie5:
 plus the largest ResNet-50 224x224 batch without and with lms-tf on v100-16gb-pcie3, the time
 to plan the ResNet-152 step, and a memory-timeline PNG.
 
-    .venv/bin/python benchmarks/planner.py      # writes benchmarks/out/planner.{md,json}, docs/planner_timeline.png
+    .venv/bin/python benchmarks/planner.py      # tables into docs/benchmarks/planner.md, docs/planner_timeline.png
 """
 
 import json
@@ -64,6 +64,7 @@ from lms_tf.tf.diagnostics import (  # noqa: E402
 )
 from lms_tf.tf.trace import build_ir  # noqa: E402
 from lms_tf.tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
+from publish import OUT, publish  # noqa: E402 - benchmarks/publish.py, beside this script
 
 log = logging.getLogger("benchmark")
 MiB = 2**20
@@ -369,11 +370,9 @@ def main():
     batch_row = max_batch_row()
     r152 = resnet152_planning_seconds()
     text = table(rows, batch_row, r152)
-    out = os.path.join(ROOT, "benchmarks", "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "planner.md"), "w") as handle:
-        handle.write(text + "\n")
-    with open(os.path.join(out, "planner.json"), "w") as handle:
+    publish("planner", text, page="planner")
+    OUT.mkdir(exist_ok=True)
+    with open(OUT / "planner.json", "w") as handle:
         json.dump({"rows": rows, "max_batch": batch_row, "resnet152_plan_seconds": r152[0]}, handle, indent=1)
     print(text)
 

@@ -7,7 +7,7 @@ keras.RematScope(mode="activations"), keras.RematScope(mode="full") and tf.recom
 around each residual block, on a 32-block residual conv net (32x32, batch 16) and on
 ResNet-50 (keras.applications, 96x96, batch 8; batch 32 for context).
 
-    .venv/bin/python benchmarks/recompute.py        # writes benchmarks/out/recompute.{md,json}
+    .venv/bin/python benchmarks/recompute.py        # tables into docs/benchmarks/recompute.md; raw figures in benchmarks/out/
 """
 
 import json
@@ -27,6 +27,7 @@ import tensorflow as tf  # noqa: E402
 
 import lms_tf  # noqa: E402
 from lms_tf.tf.workloads import build_model  # noqa: E402
+from publish import OUT, publish  # noqa: E402 - benchmarks/publish.py, beside this script
 
 log = logging.getLogger("benchmark")
 STEPS = 10
@@ -178,11 +179,9 @@ def main():
                          f"{r['time'] * 1000:.0f} | **{r['time_ratio']:.2f}** |")
         lines.append("")
     table = "\n".join(lines)
-    out = os.path.join(os.path.dirname(__file__), "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "recompute.md"), "w") as handle:
-        handle.write(table + "\n")
-    with open(os.path.join(out, "recompute.json"), "w") as handle:
+    publish("recompute", table, page="recompute")
+    OUT.mkdir(exist_ok=True)
+    with open(OUT / "recompute.json", "w") as handle:
         json.dump({f"{m}/{c}": r for (m, c), r in results.items()}, handle, indent=1)
     print(table)
 

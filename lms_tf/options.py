@@ -83,7 +83,7 @@ class LMSOptions:
             recomputes only, which also works when the only device is the CPU
             (``device="/CPU:0"``).
         recompute: ``False`` (default), ``"cheap"`` (recompute outputs of cheap op
-            types, see ``lms_tf.planner.CHEAP_OP_TYPES``), ``"sqrt"`` (keep every
+            types, see ``lms_tf.core.op_kinds.CHEAP_OP_TYPES``), ``"sqrt"`` (keep every
             ceil(sqrt(n))-th activation as a checkpoint and recompute the rest, Chen et
             al. 2016), or a list of layer names / op-name patterns to recompute.
         optimizer_on_host: Keep the optimizer's slot variables (e.g. Adam's two moments)

@@ -8,7 +8,7 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
 # oneDNN's CPU graph rewrites are on or off by CPU model (on with AVX512-VNNI/BF16): its fusions
 # differ between a plain and a rewritten graph in the last bit and rename kernels, so the suite
-# runs without them for machine-independent numbers; tests/test_onednn.py covers them on purpose.
+# runs without them for machine-independent numbers; tests/test_tf_onednn.py covers them on purpose.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import tensorflow as tf  # noqa: E402
@@ -19,10 +19,10 @@ tf.config.set_logical_device_configuration(
 
 import pytest  # noqa: E402
 
-#: Options every test uses so that swaps cross a real device boundary on a CPU-only machine.
-CPU_LMS = dict(device="/CPU:0", host="/CPU:1")
+from tests.helpers import CPU_LMS  # noqa: E402
 
 
 @pytest.fixture
 def cpu_lms():
+    """The device and host every rewriting test uses (a fresh dict per test)."""
     return dict(CPU_LMS)

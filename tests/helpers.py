@@ -8,6 +8,10 @@ import lms_tf
 from lms_tf import _compat
 from tests.zoo import BATCH
 
+#: Options every test uses so that swaps cross a real device boundary on a CPU-only machine: two
+#: logical CPUs (tests/conftest.py) stand in for the accelerator and the host.
+CPU_LMS = dict(device="/CPU:0", host="/CPU:1")
+
 
 class LossRecorder(keras.callbacks.Callback):
     def __init__(self):

@@ -1,4 +1,4 @@
-"""One Horovod rank of the data-parallel tests; started by ``horovodrun --gloo -np 2`` from test_horovod.py.
+"""One Horovod rank of the data-parallel tests; started by ``horovodrun --gloo -np 2`` from test_frontends_horovod.py.
 
 Usage: python horovod_worker.py SCENARIO OUTDIR
 

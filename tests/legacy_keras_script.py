@@ -1,4 +1,4 @@
-"""Run by tests/test_legacy_keras.py with TF_USE_LEGACY_KERAS=1: LMSCallback on tf-keras (Keras 2)."""
+"""Run by tests/test_frontends_legacy_keras.py with TF_USE_LEGACY_KERAS=1: LMSCallback on tf-keras (Keras 2)."""
 
 import json
 import os

@@ -7,7 +7,7 @@
 - :mod:`~lms_tf._compat.profiler`: TensorFlow's profiler trace (executed ops, allocations).
 
 A TensorFlow or Keras release that changes one of these breaks here, loudly, and is tested in
-``tests/test_compat.py``. The names are re-exported, so callers write ``_compat.string_attr``.
+``tests/test_tf_compat.py``. The names are re-exported, so callers write ``_compat.string_attr``.
 
 Example:
     >>> from lms_tf import _compat

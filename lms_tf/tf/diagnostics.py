@@ -399,7 +399,7 @@ def grappler_accumulated_sums(concrete_function, *, device_memory_bytes: int = C
     the traced step, as the runtime does before the first run, and reads the rewrite off its
     result. It named the same sums as the runtime on those five models' plain and
     recompute-only steps and on a Keras MLP either side of the threshold
-    (``tests/test_executor_memory.py``, ``benchmarks/allocator_validation.py``). It can differ
+    (``tests/test_simulate_executor_rules.py``, ``benchmarks/allocator_validation.py``). It can differ
     where the offline estimate does: variable reads are given to it as constants of their
     shape, and on a hand-written elementwise step with a 64 MiB input and no layers it stayed
     under the threshold where the runtime's estimate went over.

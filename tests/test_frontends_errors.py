@@ -12,9 +12,8 @@ from lms_tf.core import errors as lms_errors
 from lms_tf.core.errors import GraphAnalysisError, LMSError, LMSOptionError, LMSWarning
 from lms_tf.tf.rewrite import count_lms_ops
 from tests import zoo
-from tests.conftest import CPU_LMS
-from tests.helpers import assert_same_numbers, custom_loop, fit_steps, lms_function
-from tests.test_numbers import SMALL
+from tests.helpers import CPU_LMS, assert_same_numbers, custom_loop, fit_steps, lms_function
+from tests.test_frontends_numbers import SMALL
 
 
 @pytest.mark.parametrize("kwargs, fragment", [

@@ -1,6 +1,6 @@
 """optimizer_on_host, and the in-process parts of the Horovod integration (one rank).
 
-The two-rank behaviour (averaging, broadcast, pipelining, failure) is in test_horovod.py.
+The two-rank behaviour (averaging, broadcast, pipelining, failure) is in test_frontends_horovod.py.
 """
 
 import warnings
@@ -18,8 +18,7 @@ from lms_tf.keras.step_hooks import add_step_hook
 from lms_tf.tf.diagnostics import virtual_gpu_peak
 from lms_tf.tf.variables import variable_bytes_by_device
 from tests import zoo
-from tests.conftest import CPU_LMS
-from tests.helpers import assert_same_numbers, custom_loop, fit_steps, graph_probe, lms_function
+from tests.helpers import CPU_LMS, assert_same_numbers, custom_loop, fit_steps, graph_probe, lms_function
 
 HOST = "/job:localhost/replica:0/task:0/device:CPU:1"
 DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"

@@ -13,7 +13,7 @@ from lms_tf.tf.diagnostics import executed_ops, find_executed, virtual_gpu_peak
 from lms_tf.tf.rewrite import LMS_ATTR, apply_plan, count_lms_ops
 from lms_tf.tf.trace import build_ir
 from tests import zoo
-from tests.conftest import CPU_LMS
+from tests.helpers import CPU_LMS
 
 
 def toy_cnn():

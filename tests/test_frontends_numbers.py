@@ -5,8 +5,7 @@ import tensorflow as tf
 
 import lms_tf
 from tests import zoo
-from tests.conftest import CPU_LMS
-from tests.helpers import assert_same_numbers, custom_loop, fit_steps, lms_function
+from tests.helpers import CPU_LMS, assert_same_numbers, custom_loop, fit_steps, lms_function
 
 # Small thresholds so that the small zoo models really swap.
 SMALL = dict(CPU_LMS, swapout_threshold=4, min_swap_bytes=1024, swapin_ahead=2)

@@ -13,8 +13,7 @@ from lms_tf.core.errors import LMSOptionError
 from lms_tf.tf.diagnostics import executed_ops, find_executed
 from lms_tf.tf.rewrite import LMS_ATTR, count_lms_ops
 from tests import zoo
-from tests.conftest import CPU_LMS
-from tests.helpers import assert_same_numbers, custom_loop, fit_steps, lms_function
+from tests.helpers import CPU_LMS, assert_same_numbers, custom_loop, fit_steps, lms_function
 
 RECOMPUTE_ONLY = dict(device="/CPU:0", swap=False)
 SWAP_AND_RECOMPUTE = dict(CPU_LMS, swapout_threshold=4, min_swap_bytes=1024, recompute="sqrt")

@@ -80,7 +80,7 @@ def test_every_model_family_serializes_to_the_same_numbers(name, capfd):
 
 def _check_serialized_numbers(builder, recompute, capfd):
     """Plain: bit-identical. With recompute: within the recompute pass's own tolerance (Grappler
-    optimises a cloned subgraph on its own, tests/test_recompute.py). Grappler accepts the graph:
+    optimises a cloned subgraph on its own, tests/test_tf_recompute.py). Grappler accepts the graph:
     a chain against the graph's edges would make its optimizers fail their topological sort."""
     options = dict(device="/CPU:0", swap=False, serialize=True, device_spec=SPEC)
     if recompute:

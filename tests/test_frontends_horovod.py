@@ -176,8 +176,8 @@ def test_dockerfile_builds_only_with_scripts_the_tests_run():
     """Docker has no engine here: the Dockerfile must do its work through the scripts CI runs."""
     text = (REPO / "Dockerfile").read_text()
     named = set(re.findall(r"scripts/[\w.]+\.sh", text)) | set(re.findall(r"examples/[\w.]+\.py", text))
-    assert named == {"scripts/setup.sh", "scripts/install_horovod.sh", "scripts/launch.sh", "scripts/test.sh",
-                     "examples/horovod_fit.py"}
+    assert named == {"scripts/install.sh", "scripts/launch.sh", "scripts/test.sh", "examples/horovod_fit.py"}
     assert all((REPO / path).exists() for path in named)
+    # scripts/install.sh (setup + the Horovod build) is what the test command runs first
     test_sources = (REPO / "scripts" / "test.sh").read_text() + Path(__file__).read_text()
     assert all(path in test_sources for path in named - {"scripts/test.sh"})

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import lms_tf
 from lms_tf.core.errors import PlanCycleError
-from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo
+from lms_tf.core.ir import Phase, make_ir
 from lms_tf.core.plan import Decision, Ordering, Plan, Predictions, SwapIn, TensorDecision
 from lms_tf.core.policy import Policies
 from lms_tf.cost import CostModel, get_device_spec
@@ -32,7 +32,7 @@ from lms_tf.planner.timing import Tools, assemble
 from lms_tf.simulate import simulate
 from tests import zoo
 from tests.helpers import assert_same_numbers, custom_loop
-from tests.test_budget_planner import _chain_ir
+from tests.test_planner_budget import _chain_ir
 
 MiB = 2**20
 PCIE3 = CostModel(get_device_spec("v100-16gb-pcie3"))
@@ -41,27 +41,21 @@ PCIE3 = CostModel(get_device_spec("v100-16gb-pcie3"))
 def _branches_ir():
     """One gradient g (4 MiB) feeds two independent backward branches A and B; each computes
     u = Exp(g), v = Sin(g), w = u * v (4 MiB each); the join adds wA, wB and g."""
-    t = lambda name, consumers, n=4 * MiB: TensorInfo(name + ":0", "float32", (n // 4,), n, name, consumers)  # noqa
-    ops, tensors = [OpInfo("x", "Placeholder", 0, Phase.FORWARD, "", (), (), ("x:0",))], {}
-    tensors["x:0"] = t("x", ("gradient_tape/g",))
-    ops.append(OpInfo("gradient_tape/g", "Exp", 1, Phase.BACKWARD, "", ("x:0",), (), ("gradient_tape/g:0",)))
-    readers_of_g = []
+    mib4 = (MiB,)
+    ops = [dict(name="x", type="Placeholder", outputs=[("x:0", mib4)]),
+           dict(name="gradient_tape/g", type="Exp", phase="backward", inputs=["x:0"],
+                outputs=[("gradient_tape/g:0", mib4)])]
     for branch in "AB":
         scope = f"gradient_tape/{branch}"
-        for kind in ("u", "v"):
-            ops.append(OpInfo(f"{scope}/{kind}", "Exp" if kind == "u" else "Sin", len(ops), Phase.BACKWARD, "",
-                              ("gradient_tape/g:0",), (), (f"{scope}/{kind}:0",)))
-            tensors[f"{scope}/{kind}:0"] = t(f"{scope}/{kind}", (f"{scope}/w",))
-            readers_of_g.append(f"{scope}/{kind}")
-        ops.append(OpInfo(f"{scope}/w", "Mul", len(ops), Phase.BACKWARD, "", (f"{scope}/u:0", f"{scope}/v:0"), (),
-                          (f"{scope}/w:0",)))
-        tensors[f"{scope}/w:0"] = t(f"{scope}/w", ("gradient_tape/join",))
-    ops.append(OpInfo("gradient_tape/join", "AddN", len(ops), Phase.BACKWARD, "",
-                      ("gradient_tape/A/w:0", "gradient_tape/B/w:0", "gradient_tape/g:0"), (),
-                      ("gradient_tape/join:0",)))
-    tensors["gradient_tape/g:0"] = t("gradient_tape/g", tuple(readers_of_g) + ("gradient_tape/join",))
-    tensors["gradient_tape/join:0"] = t("gradient_tape/join", ())
-    return GraphIR(tuple(ops), tensors, frozenset({"x"}), {}, frozenset(o.name for o in ops))
+        for kind, op_type in (("u", "Exp"), ("v", "Sin")):
+            ops.append(dict(name=f"{scope}/{kind}", type=op_type, phase="backward", inputs=["gradient_tape/g:0"],
+                            outputs=[(f"{scope}/{kind}:0", mib4)]))
+        ops.append(dict(name=f"{scope}/w", type="Mul", phase="backward", inputs=[f"{scope}/u:0", f"{scope}/v:0"],
+                        outputs=[(f"{scope}/w:0", mib4)]))
+    ops.append(dict(name="gradient_tape/join", type="AddN", phase="backward",
+                    inputs=["gradient_tape/A/w:0", "gradient_tape/B/w:0", "gradient_tape/g:0"],
+                    outputs=[("gradient_tape/join:0", mib4)]))
+    return make_ir(ops, function_inputs=["x"])
 
 
 def test_simulator_branches_run_interleaved_unless_ordered():

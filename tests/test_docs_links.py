@@ -57,3 +57,18 @@ def test_the_repository_names_no_design_file_it_does_not_have():
         if "DESIGN.md" in open(path, encoding="utf-8", errors="replace").read():
             offenders.append(os.path.relpath(path, ROOT))
     assert not offenders, offenders
+
+
+def test_every_benchmark_has_its_block_in_a_committed_page():
+    """Each benchmark writes its tables into a marked block of a page under docs/benchmarks/."""
+    calls = []
+    for script in glob.glob(os.path.join(ROOT, "benchmarks", "*.py")):
+        calls += re.findall(r'publish\("(\w+)", [^)]*page="(\w+)"\)', open(script, encoding="utf-8").read())
+    assert {block for block, _ in calls} == {"core_swap", "recompute", "planner", "allocator_validation",
+                                             "data_parallel"}
+    for block, page in calls:
+        text = open(os.path.join(ROOT, "docs", "benchmarks", f"{page}.md"), encoding="utf-8").read()
+        begin, end = text.find(f"<!-- benchmark:{block} begin -->"), text.find(f"<!-- benchmark:{block} end -->")
+        assert 0 <= begin < end and "|---" in text[begin:end], (block, page)
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert "docs/benchmarks/" in readme

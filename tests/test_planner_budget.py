@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import lms_tf
 from lms_tf.core.errors import InfeasibleBudgetError
-from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo
+from lms_tf.core.ir import make_ir
 from lms_tf.core.plan import Decision, Plan, SwapIn, TensorDecision
 from lms_tf.core.policy import Policies, parse_budget
 from lms_tf.cost import PRESETS, CostModel, get_device_spec, op_cost
@@ -58,19 +58,17 @@ def test_conv_and_matmul_flops_are_exact():
 
 def _chain_ir():
     """x -> a -> b -> c (forward, 4 MiB each) -> loss; backward reads a, b, c in reverse."""
-    t = lambda name, consumers, n=4 * MiB: TensorInfo(name + ":0", "float32", (n // 4,), n, name, consumers)  # noqa
-    ops = [OpInfo("x", "Placeholder", 0, Phase.FORWARD, "", (), (), ("x:0",)),
-           OpInfo("a", "Exp", 1, Phase.FORWARD, "", ("x:0",), (), ("a:0",)),
-           OpInfo("b", "Exp", 2, Phase.FORWARD, "", ("a:0",), (), ("b:0",)),
-           OpInfo("c", "Exp", 3, Phase.FORWARD, "", ("b:0",), (), ("c:0",)),
-           OpInfo("loss", "Sum", 4, Phase.FORWARD, "", ("c:0",), (), ("loss:0",)),
-           OpInfo("g3", "Mul", 5, Phase.BACKWARD, "", ("loss:0", "c:0"), (), ("g3:0",)),
-           OpInfo("g2", "Mul", 6, Phase.BACKWARD, "", ("g3:0", "b:0"), (), ("g2:0",)),
-           OpInfo("g1", "Mul", 7, Phase.BACKWARD, "", ("g2:0", "a:0"), (), ("g1:0",))]
-    tensors = {"x:0": t("x", ("a",)), "a:0": t("a", ("b", "g1")), "b:0": t("b", ("c", "g2")),
-               "c:0": t("c", ("loss", "g3")), "loss:0": t("loss", ("g3",), 4),
-               "g3:0": t("g3", ("g2",)), "g2:0": t("g2", ("g1",)), "g1:0": t("g1", ())}
-    return GraphIR(tuple(ops), tensors, frozenset({"x"}), {}, frozenset(o.name for o in ops))
+    mib4, scalar = (MiB,), (1,)  # float32: 4 MiB and 4 bytes
+    return make_ir([
+        dict(name="x", type="Placeholder", outputs=[("x:0", mib4)]),
+        dict(name="a", type="Exp", inputs=["x:0"], outputs=[("a:0", mib4)]),
+        dict(name="b", type="Exp", inputs=["a:0"], outputs=[("b:0", mib4)]),
+        dict(name="c", type="Exp", inputs=["b:0"], outputs=[("c:0", mib4)]),
+        dict(name="loss", type="Sum", inputs=["c:0"], outputs=[("loss:0", scalar)]),
+        dict(name="g3", type="Mul", phase="backward", inputs=["loss:0", "c:0"], outputs=[("g3:0", mib4)]),
+        dict(name="g2", type="Mul", phase="backward", inputs=["g3:0", "b:0"], outputs=[("g2:0", mib4)]),
+        dict(name="g1", type="Mul", phase="backward", inputs=["g2:0", "a:0"], outputs=[("g1:0", mib4)]),
+    ], function_inputs=["x"])
 
 
 def test_simulator_liveness_on_a_hand_built_chain():
@@ -114,15 +112,12 @@ def test_simulator_recompute_clone_runs_after_its_gate():
 def _fan_out_ir(readers=8):
     """``a`` (4 MiB) read by ``readers`` sums and then ``q``, an elementwise op that can write
     into ``a``'s buffer once nobody else will read it."""
-    t = lambda name, consumers, n=4 * MiB: TensorInfo(name + ":0", "float32", (n // 4,), n, name, consumers)  # noqa
-    sums = [f"s{i}" for i in range(readers)]
-    ops = [OpInfo("x", "Placeholder", 0, Phase.FORWARD, "", (), (), ("x:0",)),
-           OpInfo("a", "Exp", 1, Phase.FORWARD, "", ("x:0",), (), ("a:0",))]
-    ops += [OpInfo(name, "Sum", 2 + i, Phase.FORWARD, "", ("a:0",), (), (name + ":0",)) for i, name in enumerate(sums)]
-    ops.append(OpInfo("q", "Exp", 2 + readers, Phase.FORWARD, "", ("a:0",), (), ("q:0",)))
-    tensors = {"x:0": t("x", ("a",)), "a:0": t("a", (*sums, "q")), "q:0": t("q", ()),
-               **{name + ":0": t(name, (), 4) for name in sums}}
-    return GraphIR(tuple(ops), tensors, frozenset({"x"}), {}, frozenset(o.name for o in ops))
+    mib4 = (MiB,)
+    return make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", mib4)]),
+                    dict(name="a", type="Exp", inputs=["x:0"], outputs=[("a:0", mib4)]),
+                    *(dict(name=f"s{i}", type="Sum", inputs=["a:0"], outputs=[(f"s{i}:0", (1,))])
+                      for i in range(readers)),
+                    dict(name="q", type="Exp", inputs=["a:0"], outputs=[("q:0", mib4)])], function_inputs=["x"])
 
 
 def test_tie_order_of_ops_made_ready_together_can_change_the_peak():
