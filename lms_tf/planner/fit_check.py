@@ -51,7 +51,21 @@ class FitCheck:
         chunks get reused depends on the order of ops that become ready together, which the
         executor does not keep from one process to the next for nodes with many readers, so a
         plan that fits in graph order is replayed in :data:`TIE_ORDERS_CHECKED` random tie
-        orders too and held to the largest."""
+        orders too and held to the largest.
+
+        Example:
+            >>> from lms_tf.core import Policies
+            >>> from lms_tf.core.examples import MiB, chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> from lms_tf.planner.timing import assemble
+            >>> check = FitCheck(step)
+            >>> check.budget_bytes = 16 * MiB
+            >>> check.simulate(assemble(step, {"a:0"}, {})).peak_bytes // MiB
+            12
+        """
         self.simulations += 1
         sim = simulate(self.step.ir, plan, cost=self.step.cost, top=None, op_times=self.step.op_times,
                        log_allocations=self.budget_bytes is not None)
@@ -72,6 +86,21 @@ class FitCheck:
         return sim
 
     def held_in_chunks(self, sim: Simulation) -> int:
-        """The simulated step's peak as TensorFlow's GPU allocator would hold it (whole chunks)."""
+        """The simulated step's peak as TensorFlow's GPU allocator would hold it (whole chunks).
+
+        Example:
+            >>> from lms_tf.core import Policies
+            >>> from lms_tf.core.examples import MiB, chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> check = FitCheck(step)
+            >>> check.budget_bytes = 16 * MiB
+            >>> from lms_tf.planner.timing import assemble
+            >>> sim = check.simulate(assemble(step, set(), {}))
+            >>> sim.held_bytes >= sim.peak_bytes
+            True
+        """
         region = max(self.step.cost.device.memory_bytes, self.step.resident + 4 * self.budget_bytes)
         return replay_allocations(sim.allocations, tensorflow_gpu_allocator(region), history=self.step.pool_history)

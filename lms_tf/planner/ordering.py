@@ -70,7 +70,18 @@ class BranchOrdering:
 
     def branch_pairs(self, sim: Simulation) -> List[Tuple[Tuple[str, ...], Tuple[str, ...]]]:
         """Pairs of backward branches (name scopes) whose temporaries are alive together at the peak,
-        largest first. A branch is the scope where the two producers' name paths part."""
+        largest first. A branch is the scope where the two producers' name paths part.
+
+        Example:
+            >>> from lms_tf.core import Policies
+            >>> from lms_tf.core.examples import MiB, chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> BranchOrdering(step.ir).branch_pairs(step.baseline)   # a chain has no two branches
+            []
+        """
         ir = self.ir
         _, paths = self._backward_graph()
         live = [(nbytes, ir.tensors[name].producer) for name, nbytes in sim.live_at_peak
@@ -90,7 +101,18 @@ class BranchOrdering:
         return pairs
 
     def ordering(self, first: Tuple[str, ...], then: Tuple[str, ...]) -> Optional[Ordering]:
-        """``then``'s first backward ops wait for ``first``'s last ones, if that makes no cycle."""
+        """``then``'s first backward ops wait for ``first``'s last ones, if that makes no cycle.
+
+        Example:
+            >>> from lms_tf.core import Policies
+            >>> from lms_tf.core.examples import MiB, chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> BranchOrdering(step.ir).ordering(("g3",), ("g2",)) is None   # g3 already runs before g2
+            True
+        """
         ir = self.ir
         successors, paths = self._backward_graph()
         in_first = {n for n, p in paths.items() if tuple(p[:len(first)]) == first}

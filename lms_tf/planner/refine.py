@@ -48,7 +48,22 @@ def recompute_checkpoints(search: "BudgetSearch", budget_bytes: int, plan: Plan,
     recomputed, behind the first of its :func:`checkpoint_gates` with which the plan still
     fits and the step gets shorter (``fitting=False``, for a plan that does not fit: with which
     the peak gets lower). Returns the plan, its simulation and how many checkpoints it
-    recomputes."""
+    recomputes.
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import MiB, chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> from lms_tf.planner.search import BudgetSearch
+        >>> from lms_tf.planner.timing import Tools
+        >>> search = BudgetSearch(step)
+        >>> plan, sim = search.add_swaps(9 * MiB, {})
+        >>> recompute_checkpoints(search, 9 * MiB, plan, sim, "none", Tools())[2]   # no recompute base: nothing to do
+        0
+    """
     policy = search.base_policies.get(base)
     if policy is None:
         return plan, sim, 0
@@ -56,8 +71,9 @@ def recompute_checkpoints(search: "BudgetSearch", budget_bytes: int, plan: Plan,
     for d in plan.recomputed:
         for name in d.recompute_ops:
             read_by_clones.update(search.step.ir.op(name).inputs)
+    ir = search.step.ir
     tries = sorted((d for d in plan.swapped if d.tensor in read_by_clones and
-                    clonable(search.step.ir.op(search.step.ir.tensors[d.tensor].producer))), key=lambda d: -(d.nbytes or 0))
+                    clonable(ir.op(ir.tensors[d.tensor].producer))), key=lambda d: -(d.nbytes or 0))
     base_decisions = list(plan.recomputed)
     dropped: Dict[str, str] = {}
     for decision in tries[:RECOMPUTED_CHECKPOINTS_TRIED]:
@@ -85,7 +101,22 @@ def lower_the_lowest(search: "BudgetSearch", budget_bytes: int, plan: Plan, sim:
                      tools: Tools) -> Tuple[Plan, Simulation, str]:
     """Nothing fits: the lowest plan found, with swapped checkpoints recomputed where that lowers
     its peak, and then more swap rounds from there. It may fit now; if not, the error names a
-    smaller feasible budget."""
+    smaller feasible budget.
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import MiB, chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> from lms_tf.planner.search import BudgetSearch
+        >>> from lms_tf.planner.timing import Tools
+        >>> search = BudgetSearch(step)
+        >>> plan, sim = search.add_swaps(9 * MiB, {})
+        >>> lower_the_lowest(search, 9 * MiB, plan, sim, "none", "none", Tools())[2]
+        'none'
+    """
     lowered, lowered_sim, recomputed = recompute_checkpoints(search, budget_bytes, plan, sim, base, tools,
                                                                   fitting=False)
     if not recomputed:
@@ -102,7 +133,22 @@ def retime_swap_ins(search: "BudgetSearch", budget_bytes: int, plan: Plan, sim: 
                     tools: Tools) -> Tuple[Plan, Simulation, str]:
     """A fitting plan with late swap-ins, made faster: one swapped tensor at a time (largest
     first), its swap-ins get the whole head start the copy needs, or half of it, whichever
-    is the first to keep the peak within budget and shorten the step."""
+    is the first to keep the peak within budget and shorten the step.
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import MiB, chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> from lms_tf.planner.search import BudgetSearch
+        >>> from lms_tf.planner.timing import Tools
+        >>> search = BudgetSearch(step)
+        >>> plan, sim = search.add_swaps(9 * MiB, {}, Tools(late_swap_ins=True))
+        >>> retime_swap_ins(search, 16 * MiB, plan, sim, "late", Tools(late_swap_ins=True))[2]  # nothing to gain
+        'late'
+    """
     swap = {d.tensor for d in plan.swapped}
     recomputed = {d.tensor: d for d in plan.recomputed}
     leads: Dict[str, float] = {}

@@ -63,7 +63,19 @@ class BudgetSearch:
         peak, cheapest per byte first, until the bytes over budget are covered; replay; repeat.
         With ``tools.order``, when no swap lowers the peak, run two backward branches alive at it
         one after the other (:meth:`order_branches`) and go on (see :class:`Tools`). ``start``
-        (a plan on this base and its simulation) continues from that plan's swaps and orderings."""
+        (a plan on this base and its simulation) continues from that plan's swaps and orderings.
+
+        Example:
+            >>> from lms_tf.core import Policies
+            >>> from lms_tf.core.examples import MiB, chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> plan, sim = BudgetSearch(step).add_swaps(9 * MiB, {})
+            >>> [d.tensor for d in plan.swapped]
+            ['a:0']
+        """
         if start is None:
             swap: Set[str] = set()
             orderings: Tuple[Ordering, ...] = ()
@@ -71,11 +83,13 @@ class BudgetSearch:
             sim = self.check.simulate(plan)
         else:
             (plan, sim), swap, orderings = start, {d.tensor for d in start[0].swapped}, start[0].orderings
-        link_busy = sum(self.step.cost.transfer_time(self.step.ir.tensors[t].nbytes or 0, "device_to_host") for t in swap)
+        ir, cost = self.step.ir, self.step.cost
+        link_busy = sum(cost.transfer_time(ir.tensors[t].nbytes or 0, "device_to_host") for t in swap)
         for _ in range(MAX_ROUNDS):
             if sim.held_bytes <= budget_bytes:
                 break
-            swapped = swap_round(self.step, budget_bytes, sim, swap, recomputed, link_busy) if self.step.policies.swap else None
+            swapped = (swap_round(self.step, budget_bytes, sim, swap, recomputed, link_busy)
+                       if self.step.policies.swap else None)
             if swapped is not None:
                 candidate = assemble(self.step, swapped[0], recomputed, tools, orderings)
                 candidate_sim = self.check.simulate(candidate)
@@ -98,7 +112,19 @@ class BudgetSearch:
     def order_branches(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
                        tools: Tools, orderings: Tuple[Ordering, ...]) -> Optional[Tuple[Plan, Simulation]]:
         """Lowers the peak by running two backward branches alive at it one after the other
-        (either order, whichever simulates lower); None if no ordering lowers it."""
+        (either order, whichever simulates lower); None if no ordering lowers it.
+
+        Example:
+            >>> from lms_tf.core import Policies
+            >>> from lms_tf.core.examples import MiB, chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> from lms_tf.planner.timing import Tools
+            >>> BudgetSearch(step).order_branches(step.baseline, set(), {}, Tools(order=True), ()) is None
+            True
+        """
         best = None
         for a, b in self.branches.branch_pairs(sim)[:ORDERING_PAIRS]:
             for first, then in ((a, b), (b, a)):
@@ -117,7 +143,19 @@ class BudgetSearch:
         return None
 
     def plan(self, budget_bytes: int) -> Tuple[Plan, Simulation, str]:
-        """The fastest plan that fits, trying recompute bases in order; else the lowest peak found."""
+        """The fastest plan that fits, trying recompute bases in order; else the lowest peak found.
+
+        Example:
+            >>> from lms_tf.core import Policies
+            >>> from lms_tf.core.examples import MiB, chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> plan, sim, label = BudgetSearch(step).plan(12 * MiB + 4)
+            >>> label, sim.held_bytes <= 12 * MiB + 4
+            ('none', True)
+        """
         self.check.budget_bytes, self.check.time_to_beat = budget_bytes, None
         best: Optional[Tuple[Plan, Simulation, str]] = None
         lowest: Optional[Tuple[Plan, Simulation, str]] = None
@@ -167,7 +205,19 @@ class BudgetSearch:
         searches aiming below it by the lowest plan's excess. Returns the plan, its simulation,
         its label and, when it does not fit, the least budget of the lowest plan found (its chunks
         counted in graph order and the checked tie orders, whatever its tensors' peak: a plan
-        whose tensors exceeded the budget was never replayed through the allocator model)."""
+        whose tensors exceeded the budget was never replayed through the allocator model).
+
+        Example:
+            >>> from lms_tf.core import Policies
+            >>> from lms_tf.core.examples import MiB, chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> plan, sim, label, floor = BudgetSearch(step).fit(12 * MiB + 4)
+            >>> floor is None   # it fits: there is no smaller floor to name
+            True
+        """
         plan, sim, label = self.plan(budget_bytes)
         floor, aim = None, budget_bytes
         for attempt in range(LOWER_AIMS + 1):

@@ -55,7 +55,19 @@ class Tools:
 def timed_swap(step: PlanningStep, tensor: str, distance: int, lead: float = 1.0) -> Optional[TensorDecision]:
     """A SWAP decision whose swap-ins start just early enough for the copy back to end
     before their consumers (by the baseline's predicted times; ``lead`` scales that head
-    start, 0 = right before them); None if no backward op runs early enough to trigger one."""
+    start, 0 = right before them); None if no backward op runs early enough to trigger one.
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import MiB, chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> decision = timed_swap(step, "a:0", distance=6)
+        >>> decision.swap_ins, decision.reason
+        ((SwapIn(trigger='g2', consumers=('g1',)),), 'swap (copy hidden behind compute)')
+    """
     ir, found = step.ir, step.found
     info = ir.tensors[tensor]
     copy_back = step.cost.transfer_time(info.nbytes or 0, "host_to_device")
@@ -84,7 +96,18 @@ def timed_swap(step: PlanningStep, tensor: str, distance: int, lead: float = 1.0
 
 
 def window(step: PlanningStep, tensor: str) -> float:
-    """Baseline compute time between the tensor's producer and its first backward reader."""
+    """Baseline compute time between the tensor's producer and its first backward reader.
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import MiB, chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> window(step, "a:0") > window(step, "c:0")   # a is read last: the longest window
+        True
+    """
     intervals = step.baseline.op_intervals
     producer = intervals.get(step.ir.tensors[tensor].producer)
     first = min((intervals[c.name][0] for c in step.found.backward_of[tensor] if c.name in intervals),
@@ -95,6 +118,19 @@ def window(step: PlanningStep, tensor: str) -> float:
 
 
 def swap_exposed(step: PlanningStep, tensor: str) -> float:
+    """Copy time, out and back, that the compute between the producer and its first backward reader
+    cannot hide (negative: it hides with time to spare).
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import MiB, chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> swap_exposed(step, "a:0") < 0   # on NVLink-C2C both copies fit in a's window
+        True
+    """
     nbytes = step.ir.tensors[tensor].nbytes or 0
     copies = step.cost.transfer_time(nbytes, "device_to_host") + step.cost.transfer_time(nbytes, "host_to_device")
     return copies - window(step, tensor)
@@ -103,7 +139,18 @@ def swap_exposed(step: PlanningStep, tensor: str) -> float:
 def swap_cost(step: PlanningStep, tensor: str, link_busy: float) -> float:
     """Predicted slowdown of swapping: the copies the compute cannot hide, plus any copy-out
     time past the forward pass (copies out must drain while it runs, or the bytes they free
-    stay on the device through the peak at the start of the backward pass)."""
+    stay on the device through the peak at the start of the backward pass).
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import MiB, chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> swap_cost(step, "a:0", link_busy=0.0)
+        0.0
+    """
     nbytes = step.ir.tensors[tensor].nbytes or 0
     one_way = step.cost.transfer_time(nbytes, "device_to_host")
     window = step.forward_seconds
@@ -115,7 +162,18 @@ def lagged_swap_ins(step: PlanningStep, swapped: List[TensorDecision]) -> Dict[s
     """When the link is the bottleneck, swap-ins timed by the plain step's clock all start at
     the top of the backward pass and pile up on the device. Instead, the swap-in feeding the
     i-th consumer group is triggered just before the (i - :data:`SWAP_IN_LAG`)-th group's
-    consumers run: at most that many copies back are ahead of the compute."""
+    consumers run: at most that many copies back are ahead of the compute.
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import MiB, chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> lagged_swap_ins(step, [timed_swap(step, "a:0", 6)])   # one swap-in: nothing to hold back
+        {}
+    """
     found = step.found
     groups = sorted(((step.ir.op(s.consumers[0]).index, d.tensor, k)
                      for d in swapped for k, s in enumerate(d.swap_ins)))
@@ -138,7 +196,18 @@ def lagged_swap_ins(step: PlanningStep, swapped: List[TensorDecision]) -> Dict[s
 def swap_out_waits(step: PlanningStep, swapped: List[TensorDecision]) -> Dict[str, TensorDecision]:
     """TFLMS's synchronous swap-out, with some slack: the producer of the swapped tensor
     :data:`SWAP_OUT_LAG` swaps later waits until this tensor's copy out has ended. The forward
-    pass then runs at the link's pace, and at most that many copies are pending when it ends."""
+    pass then runs at the link's pace, and at most that many copies are pending when it ends.
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import MiB, chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> swap_out_waits(step, [timed_swap(step, "a:0", 6)])   # one swap: no later producer waits for it
+        {}
+    """
     ir = step.ir
     swapped = sorted(swapped, key=lambda d: ir.op(ir.tensors[d.tensor].producer).index)
     producers = [ir.op(ir.tensors[d.tensor].producer).index for d in swapped]
@@ -155,6 +224,20 @@ def swap_out_waits(step: PlanningStep, swapped: List[TensorDecision]) -> Dict[st
 
 def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, TensorDecision], tools: Tools = Tools(),
              orderings: Tuple[Ordering, ...] = (), leads: Optional[Mapping[str, float]] = None) -> Plan:
+    """The plan of these choices: ``swap`` swapped (timed by :func:`timed_swap`, with ``leads`` scaling
+    their head starts), ``recomputed`` recomputed, the rest kept; with ``tools.throttle`` the forward pass
+    waits for its copies out and swap-ins lag behind the compute.
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import MiB, chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> [(d.tensor, d.decision.value) for d in assemble(step, {"a:0"}, {}).decisions]
+        [('a:0', 'swap'), ('b:0', 'keep'), ('c:0', 'keep'), ('loss:0', 'keep')]
+    """
     ir, found, policies = step.ir, step.found, step.policies
     decisions: Dict[str, TensorDecision] = dict(found.kept)
     for name in found.eligible:
@@ -186,6 +269,16 @@ def swap_round(step: PlanningStep, budget_bytes: int, sim: Simulation, swap: Set
     Example:
         >>> swap_round.__name__
         'swap_round'
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import MiB, chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> sorted(swap_round(step, 9 * MiB, step.baseline, set(), {}, link_busy=0.0)[0])
+        ['a:0']
     """
     excess = sim.held_bytes - budget_bytes
     idle = []

@@ -176,7 +176,8 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
         LMSOptionError: A given plan does not match the traced step.
 
     Example:
-        >>> rewrite_traced_step(RewriteRequest(Policies(host="/CPU:1"), "/device:CPU:0"), api="doc")  # doctest: +ELLIPSIS
+        >>> request = RewriteRequest(Policies(host="/CPU:1"), "/device:CPU:0")
+        >>> rewrite_traced_step(request, api="doc")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         lms_tf.LMSError: doc: the step runs eagerly...
