@@ -185,5 +185,5 @@ def test_plan_json_round_trips_every_field():
     )
     plan = Plan(decisions, "/device:GPU:0", "/device:CPU:0", {"budget": 0.25}, {"forward": 3}, budget_bytes=99,
                 device_spec="v100-16gb-pcie3", orderings=(Ordering(("w",), ("a1", "a2"), "why"),),
-                predictions=Predictions(10, 5, 6, 1.0, 1.5, True))
+                predictions=Predictions(10, 5, 6, 1.0, 1.5, True, bytes_to_host=24, bytes_to_device=48))
     assert Plan.from_json(plan.to_json()) == plan

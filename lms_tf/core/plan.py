@@ -132,6 +132,8 @@ class Predictions:
         baseline_step_time_s: Predicted time of the plain step with unlimited memory.
         predicted_step_time_s: Predicted time with the plan (swap stalls, recompute included).
         feasible: Whether the simulated peak fits the budget.
+        bytes_to_host: Bytes the planned step copies from the device to the host.
+        bytes_to_device: Bytes it copies back (a tensor read in several windows comes back once per window).
 
     Example:
         >>> Predictions(baseline_step_time_s=2.0, predicted_step_time_s=2.5).overhead
@@ -144,6 +146,8 @@ class Predictions:
     baseline_step_time_s: Optional[float] = None
     predicted_step_time_s: Optional[float] = None
     feasible: Optional[bool] = None
+    bytes_to_host: Optional[int] = None
+    bytes_to_device: Optional[int] = None
 
     @property
     def overhead(self) -> Optional[float]:

@@ -138,4 +138,5 @@ def _make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, scope_ali
     return dataclasses.replace(plan, budget_bytes=budget_bytes, device_spec=spec.name, predictions=Predictions(
         baseline_peak_bytes=baseline.peak_bytes, planned_peak_bytes=sim.peak_bytes,
         planned_allocator_peak_bytes=sim.allocator_peak_bytes, baseline_step_time_s=baseline.step_time_s,
-        predicted_step_time_s=sim.step_time_s, feasible=True))
+        predicted_step_time_s=sim.step_time_s, feasible=True, bytes_to_host=sim.swap_out_bytes,
+        bytes_to_device=sim.swap_in_bytes))
