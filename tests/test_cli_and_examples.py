@@ -69,6 +69,7 @@ def test_cli_explain_recompute_only():
     (["plan", "--model", "resnet50", "--batch", "0"], "argument --batch: must be an int >= 1; received '0'"),
     (["plan", "--model", "resnet50", "--batch", "8", "--budget", "abc"], "argument --budget: budget must be"),
     (["plan", "--model", "resnet50", "--batch", "8", "--budget", "200%"], "budget must be at most 100%"),
+    (["plan", "--model", "resnet50", "--batch", "8", "--budget", "0"], "argument --budget: budget must be > 0"),
     (["explain", "--model", "resnet50", "--batch", "8", "--device", "v200"], "argument --device:"),
     (["max-batch", "--model", "resnet50", "--input-shape", "32x64"], "must be HxW with H == W"),
 ])
@@ -80,3 +81,15 @@ def test_help_and_bad_values_answer_before_tensorflow_is_imported(argv, message)
     assert done.stdout.strip().splitlines()[-1] == f"exit {0 if message is None else 2} False", done.stderr[-2000:]
     if message is not None:
         assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_cli_infeasible_text_says_so_without_a_planned_figure():
+    done, _ = _run(["-m", "lms_tf.cli", "plan", "--model", "UNet", "--input-shape", "32x32", "--batch", "2",
+                    "--budget", "1KiB"], timeout=280)
+    assert done.returncode == 3, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("infeasible: budget 1.0 KiB (1024 bytes) is infeasible"), lines[0]
+    assert "no plan fits" in lines[2] and "nan" not in done.stdout
+    assert all("planned" not in line for line in lines[2:]), lines[2:]  # no planned figure for a plan that is not
+    assert lines[3].startswith("Grappler virtual GPU:") and lines[3].endswith("MiB plain")

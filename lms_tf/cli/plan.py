@@ -58,6 +58,7 @@ def run(args) -> int:
     """
     import tensorflow as tf
 
+    from lms_tf.core.policy import format_bytes as human_bytes
     from lms_tf.cli.plots import plot_timeline
     from lms_tf.cli.workload import devices
     from lms_tf.core.errors import InfeasibleBudgetError
@@ -141,17 +142,19 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
+        budget_text = f"budget {human_bytes(result['budget_bytes'])}, resident variables " \
+                      f"{human_bytes(result['resident_bytes'])}"
         if plan is not None:
             print(plan.summary(max_rows=args.max_rows))
+            print(f"\nsimulated peak: {human_bytes(baseline.peak_bytes)} plain -> {human_bytes(planned.peak_bytes)} "
+                  f"planned, {human_bytes(plan.predictions.planned_allocator_peak_bytes)} in the GPU allocator's "
+                  f"chunks ({budget_text})")
         else:
             print(f"infeasible: {error}")
-        print(f"\nsimulated peak: {baseline.peak_bytes / MiB:.1f} MiB plain -> "
-              f"{(planned.peak_bytes / MiB) if planned else float('nan'):.1f} MiB planned, "
-              f"{(plan.predictions.planned_allocator_peak_bytes / MiB) if plan else float('nan'):.1f} MiB in the GPU allocator's chunks "
-              f"(budget {result['budget_bytes'] / MiB:.1f} MiB, resident variables {result['resident_bytes'] / MiB:.1f} MiB)")
+            print(f"\nsimulated peak: {human_bytes(baseline.peak_bytes)} plain; no plan fits ({budget_text})")
         if oracle_plain is not None:
-            print(f"Grappler virtual GPU: {oracle_plain / MiB:.1f} MiB plain -> "
-                  f"{(oracle_planned or 0) / MiB:.1f} MiB planned")
+            planned_text = f" -> {human_bytes(oracle_planned)} planned" if oracle_planned is not None else ""
+            print(f"Grappler virtual GPU: {human_bytes(oracle_plain)} plain{planned_text}")
         if planned is not None:
             print(f"predicted step: {baseline.step_time_s * 1e3:.1f} ms -> {planned.step_time_s * 1e3:.1f} ms "
                   f"({result['predicted_overhead']:.2f}x); planning took {plan_seconds:.2f} s")

@@ -72,6 +72,39 @@ def parse_bytes(value: Any) -> Optional[int]:
         return None
 
 
+def _non_positive_number(value: Any) -> bool:
+    """Whether ``value`` reads as a number of bytes (with or without a unit) that is zero or negative."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value <= 0
+    if not isinstance(value, str):
+        return False
+    text = value.strip().replace(" ", "")
+    for unit in sorted(BYTE_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            text = text[: -len(unit)]
+            break
+    try:
+        return float(text) <= 0
+    except ValueError:
+        return False
+
+
+def format_bytes(nbytes: int) -> str:
+    """A byte count in the largest binary unit that keeps it at 1 or more.
+
+    Example:
+        >>> format_bytes(512), format_bytes(4 * 2**20), format_bytes(int(1.5 * 2**30))
+        ('512 B', '4.0 MiB', '1.50 GiB')
+    """
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.1f} MiB"
+    if nbytes >= 2**10:
+        return f"{nbytes / 2**10:.1f} KiB"
+    return f"{nbytes} B"
+
+
 def parse_budget(value: Any) -> Budget:
     """Validates a memory budget: bytes, ``"12GiB"``-style text, ``"25%"`` of the plain peak, or ``"auto"``.
 
@@ -107,6 +140,9 @@ def parse_budget(value: Any) -> Budget:
     nbytes = parse_bytes(value)
     if nbytes is not None:
         return nbytes
+    if _non_positive_number(value):
+        raise LMSOptionError(f"budget must be > 0; received {describe(value)}. Pass a size such as '12GiB', a "
+                             f"percentage such as '50%', or 'auto'.")
     raise LMSOptionError(
         f"budget must be a positive number of bytes, a size like '12GiB' or '500MB', a percentage of the plain "
         f"step's peak like '25%' (0-100], or 'auto' (device memory minus weights, optimizer slots and a safety "

@@ -58,7 +58,7 @@ from typing import Mapping, Optional
 from lms_tf.core.errors import LMSOptionError, infeasible
 from lms_tf.core.ir import GraphIR
 from lms_tf.core.plan import Plan, Predictions
-from lms_tf.core.policy import Policies, resolve_budget
+from lms_tf.core.policy import Policies, format_bytes, resolve_budget
 from lms_tf.cost.model import CostModel
 from lms_tf.planner.search import BudgetSearch
 from lms_tf.planner.step import PlanningStep
@@ -66,8 +66,8 @@ from lms_tf.planner.step import PlanningStep
 logger = logging.getLogger("lms_tf")
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.3f} GiB ({nbytes} bytes)"
+def _bytes_text(nbytes: int) -> str:
+    return f"{format_bytes(nbytes)} ({nbytes} bytes)"
 
 
 def make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, cost: CostModel,
@@ -127,9 +127,10 @@ def _make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, scope_ali
         hint = ("" if policies.swap and policies.recompute else
                 f", or allow {'recompute' if not policies.recompute else 'swap'} too")
         raise infeasible(
-            f"budget {_gib(budget_bytes)} is infeasible on {spec.name}: the plain step peaks at "
-            f"{_gib(baseline.peak_bytes)} (simulated) and {kinds or 'moving'} every movable tensor still needs "
-            f"{_gib(floor)} ({counted}). The smallest feasible budget is about {_gib(floor)}; pass budget >= that, "
+            f"budget {_bytes_text(budget_bytes)} is infeasible on {spec.name}: the plain step peaks at "
+            f"{_bytes_text(baseline.peak_bytes)} (simulated) and {kinds or 'moving'} every movable tensor still "
+            f"needs {_bytes_text(floor)} ({counted}). The smallest feasible budget is about {_bytes_text(floor)}; "
+            f"pass budget >= that, "
             f"a smaller batch{hint}.",
             budget_bytes, floor)
     logger.info("lms-tf planner: %s peak %.1f -> %.1f MiB (budget %.1f MiB; recompute %s; %d simulations) "
