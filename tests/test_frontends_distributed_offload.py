@@ -161,7 +161,11 @@ def test_horovod_step_without_an_optimizer_update_is_an_error():
         step(tf.constant(2.0))
 
 
-def test_distributed_callback_detects_a_train_step_without_optimizer():
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_distributed_callback_detects_a_train_step_without_optimizer(steps_per_execution):
+    """The check runs after the first call of the train function, whatever step number Keras reports
+    for it (with steps_per_execution=3 the first call ends at step 2)."""
+    keras.utils.set_random_seed(0)
     class ManualUpdate(keras.Model):
         def train_step(self, data):
             x, y = data
@@ -173,9 +177,10 @@ def test_distributed_callback_detects_a_train_step_without_optimizer():
 
     inputs = keras.Input((4,))
     model = ManualUpdate(inputs, keras.layers.Dense(2)(inputs))
-    model.compile("sgd", "mse")
+    model.compile("sgd", "mse", steps_per_execution=steps_per_execution)
     with pytest.raises(LMSError, match="updated no variables through a Keras optimizer"):
-        model.fit(np.ones((8, 4)), np.ones((8, 2)), epochs=1, verbose=0, callbacks=[DistributedCallback()])
+        model.fit(np.ones((8, 4)), np.ones((8, 2)), batch_size=2, epochs=1, verbose=0,
+                  callbacks=[DistributedCallback()])
 
 
 def test_distributed_callback_refuses_eager_models():

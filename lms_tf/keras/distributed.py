@@ -91,10 +91,12 @@ class DistributedCallback(_compat.keras_module().callbacks.Callback):
         self.broadcast_count = 0
         self.updates_intercepted = [0]
         self._restore = None
+        self._checked = False  # the no-update check runs after the first call of the train function
 
     def on_train_begin(self, logs=None):
         model = self.model
         check_traceable(model, _API)
+        self._checked = False  # each fit traces its step again
         optimizer = getattr(model, "optimizer", None)
         variables = list(model.variables)
         if optimizer is not None and getattr(optimizer, "built", False):
@@ -113,7 +115,15 @@ class DistributedCallback(_compat.keras_module().callbacks.Callback):
         add_step_hook(model, distributed_hook)
 
     def on_train_batch_end(self, batch, logs=None):
-        if batch == 0 and self.updates_intercepted[0] == 0 and self._restore is not None:
+        """After the first call of the train function (``batch`` is its last step: ``steps_per_execution - 1``
+        for the first), the traced step must have passed its gradients through a Keras optimizer.
+
+        Example:
+            >>> DistributedCallback.on_train_batch_end.__name__
+            'on_train_batch_end'
+        """
+        first_call, self._checked = not self._checked, True
+        if first_call and self.updates_intercepted[0] == 0 and self._restore is not None:
             raise LMSError(
                 f"{_API}: the train step of {self.model.name!r} updated no variables through a Keras optimizer "
                 f"(optimizer.apply / apply_gradients), so there was nowhere to average the gradients and the ranks "
