@@ -58,11 +58,11 @@ def run(args) -> int:
     """
     import tensorflow as tf
 
-    from lms_tf.core.policy import format_bytes as human_bytes
     from lms_tf.cli.plots import plot_timeline
     from lms_tf.cli.workload import devices
     from lms_tf.core.errors import InfeasibleBudgetError
     from lms_tf.core.policy import Policies
+    from lms_tf.core.policy import format_bytes as human_bytes
     from lms_tf.cost import CostModel, get_device_spec
     from lms_tf.planner import make_budget_plan
     from lms_tf.simulate import link_lower_bound, resident_bytes, simulate

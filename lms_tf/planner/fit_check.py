@@ -54,12 +54,9 @@ class FitCheck:
         orders too and held to the largest.
 
         Example:
-            >>> from lms_tf.core import Policies
-            >>> from lms_tf.core.examples import MiB, chain_ir
-            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
-            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
             >>> from lms_tf.planner.timing import assemble
             >>> check = FitCheck(step)
             >>> check.budget_bytes = 16 * MiB
@@ -89,12 +86,9 @@ class FitCheck:
         """The simulated step's peak as TensorFlow's GPU allocator would hold it (whole chunks).
 
         Example:
-            >>> from lms_tf.core import Policies
-            >>> from lms_tf.core.examples import MiB, chain_ir
-            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
-            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
             >>> check = FitCheck(step)
             >>> check.budget_bytes = 16 * MiB
             >>> from lms_tf.planner.timing import assemble

@@ -73,12 +73,9 @@ class BranchOrdering:
         largest first. A branch is the scope where the two producers' name paths part.
 
         Example:
-            >>> from lms_tf.core import Policies
-            >>> from lms_tf.core.examples import MiB, chain_ir
-            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
-            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
             >>> BranchOrdering(step.ir).branch_pairs(step.baseline)   # a chain has no two branches
             []
         """
@@ -104,12 +101,9 @@ class BranchOrdering:
         """``then``'s first backward ops wait for ``first``'s last ones, if that makes no cycle.
 
         Example:
-            >>> from lms_tf.core import Policies
-            >>> from lms_tf.core.examples import MiB, chain_ir
-            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
-            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
             >>> BranchOrdering(step.ir).ordering(("g3",), ("g2",)) is None   # g3 already runs before g2
             True
         """

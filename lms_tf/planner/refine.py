@@ -51,12 +51,9 @@ def recompute_checkpoints(search: "BudgetSearch", budget_bytes: int, plan: Plan,
     recomputes.
 
     Example:
-        >>> from lms_tf.core import Policies
-        >>> from lms_tf.core.examples import MiB, chain_ir
-        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
-        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
         >>> from lms_tf.planner.search import BudgetSearch
         >>> from lms_tf.planner.timing import Tools
         >>> search = BudgetSearch(step)
@@ -104,12 +101,9 @@ def lower_the_lowest(search: "BudgetSearch", budget_bytes: int, plan: Plan, sim:
     smaller feasible budget.
 
     Example:
-        >>> from lms_tf.core import Policies
-        >>> from lms_tf.core.examples import MiB, chain_ir
-        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
-        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
         >>> from lms_tf.planner.search import BudgetSearch
         >>> from lms_tf.planner.timing import Tools
         >>> search = BudgetSearch(step)
@@ -136,12 +130,9 @@ def retime_swap_ins(search: "BudgetSearch", budget_bytes: int, plan: Plan, sim: 
     is the first to keep the peak within budget and shorten the step.
 
     Example:
-        >>> from lms_tf.core import Policies
-        >>> from lms_tf.core.examples import MiB, chain_ir
-        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
-        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
         >>> from lms_tf.planner.search import BudgetSearch
         >>> from lms_tf.planner.timing import Tools
         >>> search = BudgetSearch(step)

@@ -66,12 +66,9 @@ class BudgetSearch:
         (a plan on this base and its simulation) continues from that plan's swaps and orderings.
 
         Example:
-            >>> from lms_tf.core import Policies
-            >>> from lms_tf.core.examples import MiB, chain_ir
-            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
-            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
             >>> plan, sim = BudgetSearch(step).add_swaps(9 * MiB, {})
             >>> [d.tensor for d in plan.swapped]
             ['a:0']
@@ -115,12 +112,9 @@ class BudgetSearch:
         (either order, whichever simulates lower); None if no ordering lowers it.
 
         Example:
-            >>> from lms_tf.core import Policies
-            >>> from lms_tf.core.examples import MiB, chain_ir
-            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
-            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
             >>> from lms_tf.planner.timing import Tools
             >>> BudgetSearch(step).order_branches(step.baseline, set(), {}, Tools(order=True), ()) is None
             True
@@ -146,12 +140,9 @@ class BudgetSearch:
         """The fastest plan that fits, trying recompute bases in order; else the lowest peak found.
 
         Example:
-            >>> from lms_tf.core import Policies
-            >>> from lms_tf.core.examples import MiB, chain_ir
-            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
-            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
             >>> plan, sim, label = BudgetSearch(step).plan(12 * MiB + 4)
             >>> label, sim.held_bytes <= 12 * MiB + 4
             ('none', True)
@@ -208,12 +199,9 @@ class BudgetSearch:
         whose tensors exceeded the budget was never replayed through the allocator model).
 
         Example:
-            >>> from lms_tf.core import Policies
-            >>> from lms_tf.core.examples import MiB, chain_ir
-            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
-            >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-            ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+            >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
             >>> plan, sim, label, floor = BudgetSearch(step).fit(12 * MiB + 4)
             >>> floor is None   # it fits: there is no smaller floor to name
             True

@@ -60,6 +60,20 @@ class PlanningStep:
     pool_history: List[Tuple[str, str, int]]
 
     @classmethod
+    def example(cls) -> "PlanningStep":
+        """The step of :func:`lms_tf.core.examples.chain_ir` planned for 75% of its peak on a GH200 (for examples).
+
+        Example:
+            >>> sorted(PlanningStep.example().eligible)
+            ['a:0', 'b:0', 'c:0', 'loss:0']
+        """
+        from lms_tf.core.examples import chain_ir
+        from lms_tf.cost import get_device_spec
+
+        return cls.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
+                         cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+
+    @classmethod
     def build(cls, ir: GraphIR, policies: Policies, *, device: str, cost: CostModel,
               scope_aliases: Optional[Mapping[str, str]] = None) -> "PlanningStep":
         """Simulates the plain step once and finds the candidates.

@@ -58,12 +58,9 @@ def timed_swap(step: PlanningStep, tensor: str, distance: int, lead: float = 1.0
     start, 0 = right before them); None if no backward op runs early enough to trigger one.
 
     Example:
-        >>> from lms_tf.core import Policies
-        >>> from lms_tf.core.examples import MiB, chain_ir
-        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
-        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
         >>> decision = timed_swap(step, "a:0", distance=6)
         >>> decision.swap_ins, decision.reason
         ((SwapIn(trigger='g2', consumers=('g1',)),), 'swap (copy hidden behind compute)')
@@ -99,12 +96,9 @@ def window(step: PlanningStep, tensor: str) -> float:
     """Baseline compute time between the tensor's producer and its first backward reader.
 
     Example:
-        >>> from lms_tf.core import Policies
-        >>> from lms_tf.core.examples import MiB, chain_ir
-        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
-        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
         >>> window(step, "a:0") > window(step, "c:0")   # a is read last: the longest window
         True
     """
@@ -122,12 +116,9 @@ def swap_exposed(step: PlanningStep, tensor: str) -> float:
     cannot hide (negative: it hides with time to spare).
 
     Example:
-        >>> from lms_tf.core import Policies
-        >>> from lms_tf.core.examples import MiB, chain_ir
-        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
-        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
         >>> swap_exposed(step, "a:0") < 0   # on NVLink-C2C both copies fit in a's window
         True
     """
@@ -142,12 +133,9 @@ def swap_cost(step: PlanningStep, tensor: str, link_busy: float) -> float:
     stay on the device through the peak at the start of the backward pass).
 
     Example:
-        >>> from lms_tf.core import Policies
-        >>> from lms_tf.core.examples import MiB, chain_ir
-        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
-        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
         >>> swap_cost(step, "a:0", link_busy=0.0)
         0.0
     """
@@ -165,12 +153,9 @@ def lagged_swap_ins(step: PlanningStep, swapped: List[TensorDecision]) -> Dict[s
     consumers run: at most that many copies back are ahead of the compute.
 
     Example:
-        >>> from lms_tf.core import Policies
-        >>> from lms_tf.core.examples import MiB, chain_ir
-        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
-        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
         >>> lagged_swap_ins(step, [timed_swap(step, "a:0", 6)])   # one swap-in: nothing to hold back
         {}
     """
@@ -199,12 +184,9 @@ def swap_out_waits(step: PlanningStep, swapped: List[TensorDecision]) -> Dict[st
     pass then runs at the link's pace, and at most that many copies are pending when it ends.
 
     Example:
-        >>> from lms_tf.core import Policies
-        >>> from lms_tf.core.examples import MiB, chain_ir
-        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
-        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
         >>> swap_out_waits(step, [timed_swap(step, "a:0", 6)])   # one swap: no later producer waits for it
         {}
     """
@@ -229,12 +211,9 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
     waits for its copies out and swap-ins lag behind the compute.
 
     Example:
-        >>> from lms_tf.core import Policies
-        >>> from lms_tf.core.examples import MiB, chain_ir
-        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
-        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
         >>> [(d.tensor, d.decision.value) for d in assemble(step, {"a:0"}, {}).decisions]
         [('a:0', 'swap'), ('b:0', 'keep'), ('c:0', 'keep'), ('loss:0', 'keep')]
     """
@@ -271,12 +250,9 @@ def swap_round(step: PlanningStep, budget_bytes: int, sim: Simulation, swap: Set
         'swap_round'
 
     Example:
-        >>> from lms_tf.core import Policies
-        >>> from lms_tf.core.examples import MiB, chain_ir
-        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
-        >>> step = PlanningStep.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
-        ...                           cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+        >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
         >>> sorted(swap_round(step, 9 * MiB, step.baseline, set(), {}, link_busy=0.0)[0])
         ['a:0']
     """
