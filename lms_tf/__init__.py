@@ -30,6 +30,10 @@ _LAZY = {"LMSFunction": "lms_tf.decorator", "function": "lms_tf.decorator", "LMS
          "PeakMemory": "lms_tf.tf.memory", "measure_peak_memory": "lms_tf.tf.memory", "LMSOptions": "lms_tf.options"}
 
 
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
 def __getattr__(name):
     module = _LAZY.get(name)
     if module is None:
