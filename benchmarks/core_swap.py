@@ -4,7 +4,9 @@
    virtual 16 GB V100-like GPU for the plain step and the default lms-tf plan, next to the
    real TensorFlow CPU-allocator peak of the plain step run on this machine.
 2. CPU step time with lms-tf / without: ResNet-50 at 96x96, batch 8, median of 20 steps
-   after warm-up, plain and lms-tf steps interleaved in blocks.
+   after warm-up, plain and lms-tf steps interleaved in blocks. This is the cost of the
+   rewrite's own ops only, not of swapping: two logical CPU devices share one buffer, so a swap
+   copies no bytes here; swap time is the simulator's to predict (docs/benchmarks/planner.md).
 3. ResNet-152 train step: time lms-tf takes to analyse and rewrite it / time TF takes to trace it.
 
     .venv/bin/python benchmarks/core_swap.py            # tables into docs/benchmarks/swap.md; raw figures in benchmarks/out/
@@ -114,8 +116,9 @@ def main():
          f"{oracle['base'] / GiB:.2f} GiB", f"{oracle['lms'] / GiB:.2f} GiB", f"**{ratio_peak:.2f}**", "≤ 0.50"),
         ("ResNet-50 224² b32: real CPU-allocator peak of the plain step",
          f"{oracle['real_plain'] / GiB:.2f} GiB", "–", "–", "reference"),
-        (f"ResNet-50 96² b8: CPU step time, median of {timing['steps']}",
-         f"{timing['plain'] * 1000:.0f} ms", f"{timing['lms'] * 1000:.0f} ms", f"**{ratio_time:.2f}**", "≤ 1.15"),
+        (f"ResNet-50 96² b8: CPU step time, median of {timing['steps']} (the inserted ops only: a swap "
+         f"between logical CPUs copies no bytes, so this is not a swap time)",
+         f"{timing['plain'] * 1000:.0f} ms", f"{timing['lms'] * 1000:.0f} ms", f"**{ratio_time:.2f}**", "–"),
         (f"ResNet-152: analyse + rewrite / TF trace ({rewrite['ops']} ops)",
          f"{rewrite['trace']:.2f} s", f"{rewrite['pass']:.2f} s", f"**{ratio_pass:.2f}**", "≤ 0.50"),
     ]
