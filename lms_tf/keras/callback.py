@@ -77,6 +77,19 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
         return self.plans[-1] if self.plans else None
 
     def on_train_begin(self, logs=None):
+        """Wraps the model's train step so each trace is planned and rewritten, and rebuilds the train function.
+
+        Example:
+            >>> import keras
+            >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            >>> model.compile("sgd", "mse")
+            >>> callback = LMSCallback(device="/CPU:0", host="/CPU:1")
+            >>> callback.set_model(model); callback.on_train_begin()
+            >>> "train_step" in model.__dict__   # wrapped until on_train_end
+            True
+            >>> callback.on_train_end(); "train_step" in model.__dict__
+            False
+        """
         model = self.model
         check_traceable(model, _API)
         if self.options.horovod:
@@ -109,6 +122,17 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
         add_step_hook(model, lms_hook)
 
     def on_train_end(self, logs=None):
+        """Restores the model's own train step and logs the plan of the last trace.
+
+        Example:
+            >>> import keras
+            >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            >>> model.compile("sgd", "mse")
+            >>> callback = LMSCallback(device="/CPU:0", host="/CPU:1")
+            >>> callback.set_model(model); callback.on_train_begin(); callback.on_train_end()
+            >>> model.train_function is None   # the next fit traces the plain step
+            True
+        """
         restore, self._restore = self._restore, None
         if restore is None:
             return
