@@ -203,7 +203,7 @@ class Lowered:
         return names
 
 
-def ALIAS_OP_NAMES(ir: GraphIR) -> frozenset:  # noqa: N802 - a cached constant of the IR
+def _alias_op_names(ir: GraphIR) -> frozenset:
     """Names of the IR's alias ops (cached on the IR)."""
     cached = ir.__dict__.get("_alias_op_names")
     if cached is None:
@@ -212,11 +212,11 @@ def ALIAS_OP_NAMES(ir: GraphIR) -> frozenset:  # noqa: N802 - a cached constant 
     return cached
 
 
-def READS_ALIAS(ir: GraphIR) -> frozenset:  # noqa: N802 - a cached constant of the IR
+def _ops_reading_an_alias(ir: GraphIR) -> frozenset:
     """Names of the IR's ops that read an alias op's output (cached on the IR)."""
     cached = ir.__dict__.get("_reads_alias")
     if cached is None:
-        aliases = ALIAS_OP_NAMES(ir)
+        aliases = _alias_op_names(ir)
         cached = frozenset(op.name for op in ir.ops if any(ir.tensors[t].producer in aliases for t in op.inputs))
         object.__setattr__(ir, "_reads_alias", cached)
     return cached
@@ -368,7 +368,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
             extra_deps[waiter].extend(ordering.after)
 
     plain = _plain_structure(ir)
-    reads_alias = READS_ALIAS(ir)
+    reads_alias = _ops_reading_an_alias(ir)
     # Ops whose reads and waits differ from the plain step's: re-pointed consumers, and readers of
     # an alias (whose source may now be a swap-in or a clone). The others reuse the cached structure.
     rebuilt = {consumer for consumer, _ in b.replace} | reads_alias if b.replace else set()
