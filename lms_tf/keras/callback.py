@@ -21,7 +21,13 @@ from lms_tf.core.errors import LMSOptionError, warn_once
 from lms_tf.core.plan import Plan
 from lms_tf.keras.step_hooks import add_step_hook, check_traceable, detach, turn_jit_off
 from lms_tf.options import LMSOptions
-from lms_tf.tf.driver import call_step_for_rewrite, no_accelerator_message, resolve_device, rewrite_traced_step
+from lms_tf.tf.driver import (
+    call_step_for_rewrite,
+    check_visible,
+    no_accelerator_message,
+    resolve_device,
+    rewrite_traced_step,
+)
 from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
 from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
 
@@ -97,7 +103,9 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
                 f"{_API}(horovod=True): for model.fit, add lms_tf.keras.DistributedCallback() to the callbacks "
                 f"beside LMSCallback (it also broadcasts the variables and averages the metrics); horovod=True "
                 f"is the option of lms_tf.function for custom loops.")
-        device = resolve_device(self.options.device)
+        device = resolve_device(self.options.device, api=_API)
+        if device is not None:
+            check_visible(self.options.host, role="host", api=_API)
         if device is None:
             warn_once(f"no-accelerator:{_API}", no_accelerator_message(_API))
             return
