@@ -26,7 +26,13 @@ import tensorflow as tf
 from lms_tf.core.errors import LMSOptionError, warn_once
 from lms_tf.core.plan import Plan
 from lms_tf.options import LMSOptions
-from lms_tf.tf.driver import call_step_for_rewrite, no_accelerator_message, resolve_device, rewrite_traced_step
+from lms_tf.tf.driver import (
+    call_step_for_rewrite,
+    check_visible,
+    no_accelerator_message,
+    resolve_device,
+    rewrite_traced_step,
+)
 from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
 from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
 
@@ -101,7 +107,7 @@ class LMSFunction:
 
             stack.enter_context(intercept_optimizer_updates(
                 gradient_allreduce_hook(DEFAULT_BUCKET_BYTES, updates), order=ALLREDUCE_ORDER))
-        if self.options.optimizer_on_host and resolve_device(self.options.device) is not None:
+        if self.options.optimizer_on_host and resolve_device(self.options.device, api=_API) is not None:
             stack.enter_context(intercept_optimizer_updates(
                 host_update_hook(self.options.host, api=_API), order=HOST_UPDATE_ORDER))
         return stack
@@ -131,7 +137,9 @@ class LMSFunction:
                 if (isinstance(sym, tf.Tensor) and shape is not None and sym.op.type == "Placeholder"
                         and not sym.shape.is_fully_defined() and sym.shape.is_compatible_with(shape)):
                     input_shapes[sym.op.name] = shape
-        device = resolve_device(self.options.device)
+        device = resolve_device(self.options.device, api=_API)
+        if device is not None:
+            check_visible(self.options.host, role="host", api=_API)
         if device is None:
             warn_once(f"no-accelerator:{_API}", no_accelerator_message(_API))
             self.plans.append(None)

@@ -1,5 +1,6 @@
 """Errors say what was wrong and how to fix it; front-ends leave what they must untouched."""
 
+import re
 import warnings
 
 import keras
@@ -206,3 +207,19 @@ def test_callback_without_accelerator_leaves_fit_untouched_and_warns():
         untouched = fit_steps(zoo.sequential_cnn, callbacks=[callback])
     assert callback.plan is None and "train_step" not in untouched[2].__dict__
     assert_same_numbers(plain, untouched)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("devices, named", [(dict(device="/GPU:7", host="/CPU:1"), "device='/device:GPU:7'"),
+                                            (dict(device="/CPU:0", host="/CPU:5"), "host='/device:CPU:5'")])
+def test_a_device_tensorflow_cannot_see_is_refused_listing_the_visible_ones(devices, named):
+    """A typo in device= or host= must not plan and train silently on nothing."""
+    rule = re.escape(named) + r" names no device TensorFlow can see; visible: /device:CPU:0, /device:CPU:1"
+    model, (x, y) = zoo.sequential_cnn()
+    weights = [w.copy() for w in model.get_weights()]
+    with pytest.raises(LMSOptionError, match=rule):
+        model.fit(x, y, batch_size=zoo.BATCH, epochs=1, verbose=0, callbacks=[lms_tf.LMSCallback(**devices)])
+    assert "train_step" not in model.__dict__  # nothing was wrapped, nothing trained
+    assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
+    with pytest.raises(LMSOptionError, match=rule):
+        lms_tf.function(lambda v: v * 2.0, **devices)(tf.constant(1.0))

@@ -34,7 +34,17 @@ def check_private_apis() -> None:
 
 
 def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
-    """Re-points input ``index`` of ``op`` to ``tensor`` (in place, during tracing)."""
+    """Re-points input ``index`` of ``op`` to ``tensor`` (in place, during tracing).
+
+    Example:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     a, b = tf.constant(1.0, name="a"), tf.constant(2.0, name="b")
+        ...     c = tf.identity(a, name="c")
+        >>> update_input(c.op, 0, b); [t.name for t in c.op.inputs]
+        ['b:0']
+    """
     op._update_input(index, tensor)  # pylint: disable=protected-access
 
 
@@ -42,7 +52,17 @@ def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
 def automatic_control_dependencies():
     """Adds ``tf.function``'s automatic control edges between the stateful ops created in the
     block when it ends, instead of when the trace ends. Yields ``mark_as_return``, which must
-    wrap the block's results."""
+    wrap the block's results.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> @tf.function
+        ... def step(v):
+        ...     with automatic_control_dependencies() as mark_as_return:
+        ...         return mark_as_return(v * 2.0)
+        >>> float(step(tf.constant(3.0)))
+        6.0
+    """
     from tensorflow.python.framework import auto_control_deps
 
     with auto_control_deps.AutomaticControlDependencies() as deps:
@@ -51,27 +71,77 @@ def automatic_control_dependencies():
 
 
 def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
-    """Adds the control edge ``control -> op``."""
+    """Adds the control edge ``control -> op``.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     a, b = tf.constant(1.0, name="a"), tf.constant(2.0, name="b")
+        ...     c = tf.identity(a, name="c")
+        >>> add_control_input(c.op, b.op); [op.name for op in c.op.control_inputs]
+        ['b']
+    """
     op._add_control_input(control)  # pylint: disable=protected-access
 
 
 def set_string_attr(op: tf.Operation, name: str, value: str) -> None:
-    """Sets a string attribute such as ``_lms`` on ``op``."""
+    """Sets a string attribute such as ``_lms`` on ``op``.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     a, b = tf.constant(1.0, name="a"), tf.constant(2.0, name="b")
+        ...     c = tf.identity(a, name="c")
+        >>> set_string_attr(c.op, "_lms", "swap_in"); string_attr(c.op, "_lms")
+        'swap_in'
+    """
     op._set_attr(name, attr_value_pb2.AttrValue(s=value.encode()))  # pylint: disable=protected-access
 
 
 def set_bool_attr(op: tf.Operation, name: str, value: bool) -> None:
-    """Sets a boolean attribute such as ``_grappler_do_not_remove`` on ``op``."""
+    """Sets a boolean attribute such as ``_grappler_do_not_remove`` on ``op``.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     a, b = tf.constant(1.0, name="a"), tf.constant(2.0, name="b")
+        ...     c = tf.identity(a, name="c")
+        >>> set_bool_attr(c.op, "_grappler_do_not_remove", True); c.op.get_attr("_grappler_do_not_remove")
+        True
+    """
     op._set_attr(name, attr_value_pb2.AttrValue(b=value))  # pylint: disable=protected-access
 
 
 def set_int_attr(op: tf.Operation, name: str, value: int) -> None:
-    """Sets an integer attribute such as ``_lms_serial`` on ``op``."""
+    """Sets an integer attribute such as ``_lms_serial`` on ``op``.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     a, b = tf.constant(1.0, name="a"), tf.constant(2.0, name="b")
+        ...     c = tf.identity(a, name="c")
+        >>> set_int_attr(c.op, "_lms_serial", 7); c.op.get_attr("_lms_serial")
+        7
+    """
     op._set_attr(name, attr_value_pb2.AttrValue(i=value))  # pylint: disable=protected-access
 
 
 def string_attr(op: tf.Operation, name: str) -> Optional[str]:
-    """Returns the string attribute ``name`` of ``op``, or None when absent."""
+    """Returns the string attribute ``name`` of ``op``, or None when absent.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     a, b = tf.constant(1.0, name="a"), tf.constant(2.0, name="b")
+        ...     c = tf.identity(a, name="c")
+        >>> string_attr(c.op, "_lms") is None   # not set
+        True
+    """
     try:
         value = op.get_attr(name)
     except ValueError:
@@ -83,6 +153,17 @@ def clone_op(graph: tf.Graph, op: tf.Operation, inputs: List[tf.Tensor], name: s
     """Creates a copy of ``op`` (same type and attributes, on the same device) reading ``inputs``.
 
     The copy has no control inputs; colocation constraints of the original are dropped.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     a, b = tf.constant(1.0, name="a"), tf.constant(2.0, name="b")
+        ...     c = tf.identity(a, name="c")
+        ...     d = tf.square(a, name="d")
+        ...     clone = clone_op(g, d.op, [b], name="d_clone")
+        >>> clone.name, [t.name for t in clone.inputs]
+        ('d_clone', ['b:0'])
     """
     attrs = {key: value for key, value in op.node_def.attr.items() if key != "_class"}
     with graph.device(op.device):
@@ -91,14 +172,29 @@ def clone_op(graph: tf.Graph, op: tf.Operation, inputs: List[tf.Tensor], name: s
 
 
 def is_function_graph(graph: tf.Graph) -> bool:
-    """Whether ``graph`` is a ``FuncGraph`` (the graph of a ``tf.function`` being traced)."""
+    """Whether ``graph`` is a ``FuncGraph`` (the graph of a ``tf.function`` being traced).
+
+    Example:
+        >>> import tensorflow as tf
+        >>> graph = tf.function(lambda x: x + 1.0).get_concrete_function(tf.TensorSpec(())).graph
+        >>> is_function_graph(graph), is_function_graph(tf.Graph())
+        (True, False)
+    """
     from tensorflow.python.framework import func_graph
 
     return isinstance(graph, func_graph.FuncGraph)
 
 
 def current_graph() -> tf.Graph:
-    """The graph ops are being added to: the FuncGraph while a ``tf.function`` traces."""
+    """The graph ops are being added to: the FuncGraph while a ``tf.function`` traces.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     print(current_graph() is g)
+        True
+    """
     return tf.compat.v1.get_default_graph()
 
 
@@ -112,6 +208,13 @@ def infer_shapes_with_inputs(graph: tf.Graph, tensor_shapes: Dict[str, tf.Tensor
 
     Returns:
         Tensor name -> inferred shape, for every tensor of the graph.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> graph = tf.function(lambda x: x * 2.0).get_concrete_function(tf.TensorSpec((None, 3))).graph
+        >>> shapes = infer_shapes_with_inputs(graph, {graph.inputs[0].name: tf.TensorShape((5, 3))})
+        >>> shapes[graph.outputs[0].name].as_list()
+        [5, 3]
     """
     graph_def = graph.as_graph_def()
     scratch = tf.Graph()

@@ -20,6 +20,16 @@ def grappler_peak_memory(graph_def, fetch_names: Sequence[str], devices: Sequenc
         graph_def: A GraphDef whose nodes all carry a full device name.
         fetch_names: Node names the step must compute (the graph's outputs and stateful ops).
         devices: ``(full_name, type, memory_bytes)`` for each virtual device.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> graph = tf.function(lambda x: tf.nn.relu(x) * 2.0).get_concrete_function(tf.ones((256, 256))).graph
+        >>> graph_def, gpu = graph.as_graph_def(), "/job:localhost/replica:0/task:0/device:GPU:0"
+        >>> for node in graph_def.node:
+        ...     node.device = gpu
+        >>> peaks = grappler_peak_memory(graph_def, [t.op.name for t in graph.outputs], [(gpu, "GPU", 2**30)])
+        >>> peaks[gpu] >= 256 * 256 * 4
+        True
     """
     return {dev: peak for dev, (peak, _) in grappler_peak_live_tensors(graph_def, fetch_names, devices).items()}
 
@@ -30,6 +40,16 @@ def grappler_peak_live_tensors(graph_def, fetch_names: Sequence[str], devices: S
 
     Returns:
         Device -> (peak bytes, ``(node, output index, bytes)`` of each tensor live at the peak).
+
+    Example:
+        >>> import tensorflow as tf
+        >>> graph = tf.function(lambda x: tf.nn.relu(x) * 2.0).get_concrete_function(tf.ones((256, 256))).graph
+        >>> graph_def, gpu = graph.as_graph_def(), "/job:localhost/replica:0/task:0/device:GPU:0"
+        >>> for node in graph_def.node:
+        ...     node.device = gpu
+        >>> peak, live = grappler_peak_live_tensors(graph_def, [t.op.name for t in graph.outputs], [(gpu, "GPU", 2**30)])[gpu]
+        >>> peak >= 256 * 256 * 4 and len(live) >= 1
+        True
     """
     from tensorflow.core.protobuf import device_properties_pb2, meta_graph_pb2
     from tensorflow.python.grappler import cluster as gcluster
@@ -81,6 +101,19 @@ def grappler_memory_optimized(graph_def, fetch_names: Sequence[str], devices: Se
         swap-out's output as GPU memory, though its kernel allocates it on the host. On the
         host, the swapped tensor comes back into GPU memory when the gated swap-in runs. This
         is how the swap-in would run, and how lms-tf's own swap-ins are judged.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> graph = tf.function(lambda x: tf.nn.relu(x) * 2.0).get_concrete_function(tf.ones((256, 256))).graph
+        >>> graph_def, gpu = graph.as_graph_def(), "/job:localhost/replica:0/task:0/device:GPU:0"
+        >>> for node in graph_def.node:
+        ...     node.device = gpu
+        >>> cpu = "/job:localhost/replica:0/task:0/device:CPU:0"
+        >>> optimized, peaks = grappler_memory_optimized(graph_def, [t.op.name for t in graph.outputs],
+        ...                                              [(gpu, "GPU", 2**30), (cpu, "CPU", 2**30)],
+        ...                                              "SWAPPING_HEURISTICS")
+        >>> len(optimized.node) >= len(graph_def.node)   # nothing to swap in a step this small
+        True
     """
     from tensorflow.core.protobuf import config_pb2, device_properties_pb2, meta_graph_pb2, rewriter_config_pb2
     from tensorflow.python.grappler import cluster as gcluster
@@ -133,6 +166,15 @@ def grappler_accumulated_sums(graph_def, fetch_names: Sequence[str], device: Tup
 
     Returns:
         The rewritten nodes' names, sorted.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> graph = tf.function(lambda x: tf.nn.relu(x) * 2.0).get_concrete_function(tf.ones((256, 256))).graph
+        >>> graph_def, gpu = graph.as_graph_def(), "/job:localhost/replica:0/task:0/device:GPU:0"
+        >>> for node in graph_def.node:
+        ...     node.device = gpu
+        >>> grappler_accumulated_sums(graph_def, [t.op.name for t in graph.outputs], (gpu, "GPU", 2**30))
+        []
     """
     from tensorflow.core.protobuf import config_pb2, device_properties_pb2, meta_graph_pb2
     from tensorflow.python.grappler import cluster as gcluster

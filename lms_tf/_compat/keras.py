@@ -18,12 +18,22 @@ import tensorflow as tf
 
 
 def using_legacy_keras() -> bool:
-    """Whether ``TF_USE_LEGACY_KERAS=1`` selects tf-keras (Keras 2) instead of Keras 3."""
+    """Whether ``TF_USE_LEGACY_KERAS=1`` selects tf-keras (Keras 2) instead of Keras 3.
+
+    Example:
+        >>> using_legacy_keras()   # TF_USE_LEGACY_KERAS is not set here
+        False
+    """
     return os.environ.get("TF_USE_LEGACY_KERAS", "0").lower() in ("1", "true", "yes")
 
 
 def keras_module():
-    """The Keras package models are built with: ``tf_keras`` under legacy mode, else ``keras``."""
+    """The Keras package models are built with: ``tf_keras`` under legacy mode, else ``keras``.
+
+    Example:
+        >>> keras_module().__name__
+        'keras'
+    """
     if using_legacy_keras():
         import tf_keras
 
@@ -34,7 +44,15 @@ def keras_module():
 
 
 def get_jit_compile(model) -> bool:
-    """The model's effective ``jit_compile`` setting (True, False or resolved "auto")."""
+    """The model's effective ``jit_compile`` setting (True, False or resolved "auto").
+
+    Example:
+        >>> keras = keras_module()
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> model.compile("sgd", "mse", jit_compile=False)
+        >>> get_jit_compile(model)
+        False
+    """
     value = getattr(model, "jit_compile", None)
     if value is None:
         value = getattr(model, "_jit_compile", None)
@@ -46,6 +64,13 @@ def set_jit_compile(model, value: bool) -> None:
 
     The attribute is written directly: Keras 3's property setter re-validates against
     the current machine and would refuse to restore a value resolved on a GPU.
+
+    Example:
+        >>> keras = keras_module()
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> model.compile("sgd", "mse")
+        >>> set_jit_compile(model, False); get_jit_compile(model)
+        False
     """
     if hasattr(model, "_jit_compile"):
         model._jit_compile = value  # pylint: disable=protected-access
@@ -59,6 +84,14 @@ def layer_scope_aliases(model, graph: tf.Graph) -> Dict[str, str]:
     Keras traces the train step after other uses of the model's name scope, so TF
     uniquifies every scope of the trace with the same suffix (``seq_cnn`` -> ``seq_cnn_1``,
     ``conv0`` -> ``conv0_1``). The suffix is read off the model's own scope.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> keras = keras_module()
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="d")], name="seq")
+        >>> graph = tf.function(lambda x: model(x)).get_concrete_function(tf.TensorSpec((1, 2))).graph
+        >>> layer_scope_aliases(model, graph)["d"]
+        'd_1'
     """
     layers = model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
     names = [layer.name for layer in layers]
@@ -79,6 +112,10 @@ def fit_batch_size() -> Optional[int]:
     Keras does not hand callbacks the batch size; ``fit`` holds it in its epoch iterator
     (Keras 3: ``epoch_iterator.data_adapter.batch_size``; tf-keras: ``data_handler._batch_size``)
     or its ``batch_size`` argument. Returns None when no such frame is found.
+
+    Example:
+        >>> fit_batch_size() is None   # not inside model.fit
+        True
     """
     frame = inspect.currentframe()
     try:
@@ -115,7 +152,13 @@ _TF_KERAS_APPLY_GRADIENTS = ("tf_keras.src.optimizers.optimizer:Optimizer",
 
 
 def optimizer_entry_points() -> List[Tuple[type, str]]:
-    """(class, method) pairs that receive gradients, for the Keras packages that are importable."""
+    """(class, method) pairs that receive gradients, for the Keras packages that are importable.
+
+    Example:
+        >>> import keras
+        >>> ("BaseOptimizer", "apply") in [(cls.__name__, method) for cls, method in optimizer_entry_points()]
+        True
+    """
     import importlib
 
     entries = []

@@ -44,6 +44,14 @@ def profile_executed_ops(run_step) -> List[Tuple[str, str, int, int]]:
     Returns:
         ``(node_name, op_type, start_ps, end_ps)`` per executed kernel, sorted by start; times
         in picoseconds since the Unix epoch.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> f = tf.function(lambda x: tf.nn.relu(tf.matmul(x, x)))
+        >>> _ = f(tf.ones((8, 8)))
+        >>> nodes = [event[0] for event in profile_executed_ops(lambda: f(tf.ones((8, 8))))]
+        >>> nodes.index("MatMul") < nodes.index("Relu")
+        True
     """
     space = _profiled_xspace(run_step)
     # Line timestamps count from the session start, which the "Task Environment" plane records
@@ -80,6 +88,14 @@ def profile_allocations(run_step) -> List[Tuple[str, str, str, int, int, int, st
         ``(kind, op, region_type, requested_bytes, chunk_bytes, address, shape)`` per event in
         time order; ``kind`` is ``"alloc"`` or ``"free"``; ``op`` and ``region_type``
         (``"output"``, ``"temp"``, ...) are empty on frees.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> f = tf.function(lambda x: tf.nn.relu(x) * 2.0)
+        >>> _ = f(tf.ones((64, 64)))
+        >>> events = profile_allocations(lambda: f(tf.ones((64, 64))))
+        >>> isinstance(events, list)
+        True
     """
     space = _profiled_xspace(run_step)
     events = []
@@ -106,7 +122,12 @@ def profile_allocations(run_step) -> List[Tuple[str, str, str, int, int, int, st
 
 
 def onednn_enabled() -> bool:
-    """Whether TensorFlow's CPU kernels are oneDNN's (``TF_ENABLE_ONEDNN_OPTS``; on by default on x86)."""
+    """Whether TensorFlow's CPU kernels are oneDNN's (``TF_ENABLE_ONEDNN_OPTS``; on by default on x86).
+
+    Example:
+        >>> onednn_enabled() in (True, False)
+        True
+    """
     from tensorflow.python.util import _pywrap_util_port
 
     return bool(_pywrap_util_port.IsMklEnabled())

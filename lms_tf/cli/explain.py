@@ -47,6 +47,13 @@ def run(args) -> int:
 
     Returns:
         0.
+
+    Example:
+        >>> from lms_tf.cli import build_parser
+        >>> run(build_parser().parse_args(["explain", "--model", "mobilenetv2", "--input-shape", "32x32", "--classes", "10",
+        ...                                "--batch", "2", "--json"]))  # doctest: +ELLIPSIS
+        {"model": "mobilenetv2", "batch": 2, ..., "swapped_tensors": ...}
+        0
     """
     import tensorflow as tf
 

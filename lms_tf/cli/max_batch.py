@@ -44,7 +44,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def fits(ir_for_batch, batch: int, policies: Policies, cost: CostModel, with_lms: bool, *,
          device: str) -> Tuple[bool, int]:
-    """Whether ``batch`` fits the device (plain, or planned with ``budget="auto"``), and its peak."""
+    """Whether ``batch`` fits the device (plain, or planned with ``budget="auto"``), and its peak.
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> fits(lambda mib: chain_ir(mib=mib), 8, Policies(), CostModel(get_device_spec("v100-16gb-pcie3")), False,
+        ...      device="/device:GPU:0")   # three 8 MiB activations fit a 16 GB V100
+        (True, 25165828)
+    """
     ir = ir_for_batch(batch)
     baseline = simulate(ir, cost=cost)
     budget = resolve_budget("auto", baseline_peak_bytes=baseline.peak_bytes, memory_bytes=cost.device.memory_bytes,
@@ -60,7 +69,16 @@ def fits(ir_for_batch, batch: int, policies: Policies, cost: CostModel, with_lms
 
 def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper: int, *,
                   device: str) -> Tuple[int, Optional[int]]:
-    """Doubling then bisection over batch sizes; returns (largest fitting batch, its peak)."""
+    """Doubling then bisection over batch sizes; returns (largest fitting batch, its peak).
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> largest_batch(lambda mib: chain_ir(mib=mib), Policies(), CostModel(get_device_spec("v100-16gb-pcie3")), False,
+        ...               64, device="/device:GPU:0")[0]   # every size up to the cap fits
+        64
+    """
     label = "with lms-tf" if with_lms else "plain"
     good, good_peak, bad = 0, None, None
     batch = 1
@@ -90,6 +108,13 @@ def run(args) -> int:
 
     Returns:
         0.
+
+    Example:
+        >>> from lms_tf.cli import build_parser
+        >>> run(build_parser().parse_args(["max-batch", "--model", "resnet50", "--input-shape", "32x32", "--classes", "10",
+        ...                                "--max", "2", "--json"]))  # doctest: +ELLIPSIS
+        {"model": "resnet50", "device": "v100-16gb-pcie3", "max_batch_plain": 2, "max_batch_lms": 2, ...}
+        0
     """
     from lms_tf.cli.workload import devices, trace_unbatched
     from lms_tf.cost import CostModel, get_device_spec

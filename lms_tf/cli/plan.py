@@ -55,6 +55,14 @@ def run(args) -> int:
 
     Returns:
         0 when the plan fits, 3 when the budget is infeasible.
+
+    Example:
+        >>> from lms_tf.cli import build_parser
+        >>> args = build_parser().parse_args(["plan", "--model", "unet", "--input-shape", "32x32", "--batch", "2",
+        ...                                   "--budget", "1KiB", "--no-oracle", "--json"])
+        >>> run(args)  # doctest: +ELLIPSIS
+        {"model": "unet", "step": "custom", "batch": 2, ..., "feasible": false, ...}
+        3
     """
     import tensorflow as tf
 

@@ -38,6 +38,13 @@ def trace_unbatched(args):
 
     Returns:
         ``(model, step, graph, x_spec, y_spec)``.
+
+    Example:
+        >>> from lms_tf.cli import build_parser
+        >>> args = build_parser().parse_args(["max-batch", "--model", "unet", "--input-shape", "32x32"])
+        >>> model, step, graph, x_spec, y_spec = trace_unbatched(args)
+        >>> graph.inputs[0].shape.as_list()
+        [None, 32, 32, 3]
     """
     from lms_tf.tf.workloads import build_model, train_step
 

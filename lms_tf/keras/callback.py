@@ -21,7 +21,13 @@ from lms_tf.core.errors import LMSOptionError, warn_once
 from lms_tf.core.plan import Plan
 from lms_tf.keras.step_hooks import add_step_hook, check_traceable, detach, turn_jit_off
 from lms_tf.options import LMSOptions
-from lms_tf.tf.driver import call_step_for_rewrite, no_accelerator_message, resolve_device, rewrite_traced_step
+from lms_tf.tf.driver import (
+    call_step_for_rewrite,
+    check_visible,
+    no_accelerator_message,
+    resolve_device,
+    rewrite_traced_step,
+)
 from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
 from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
 
@@ -77,6 +83,19 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
         return self.plans[-1] if self.plans else None
 
     def on_train_begin(self, logs=None):
+        """Wraps the model's train step so each trace is planned and rewritten, and rebuilds the train function.
+
+        Example:
+            >>> import keras
+            >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            >>> model.compile("sgd", "mse")
+            >>> callback = LMSCallback(device="/CPU:0", host="/CPU:1")
+            >>> callback.set_model(model); callback.on_train_begin()
+            >>> "train_step" in model.__dict__   # wrapped until on_train_end
+            True
+            >>> callback.on_train_end(); "train_step" in model.__dict__
+            False
+        """
         model = self.model
         check_traceable(model, _API)
         if self.options.horovod:
@@ -84,7 +103,9 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
                 f"{_API}(horovod=True): for model.fit, add lms_tf.keras.DistributedCallback() to the callbacks "
                 f"beside LMSCallback (it also broadcasts the variables and averages the metrics); horovod=True "
                 f"is the option of lms_tf.function for custom loops.")
-        device = resolve_device(self.options.device)
+        device = resolve_device(self.options.device, api=_API)
+        if device is not None:
+            check_visible(self.options.host, role="host", api=_API)
         if device is None:
             warn_once(f"no-accelerator:{_API}", no_accelerator_message(_API))
             return
@@ -109,6 +130,17 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
         add_step_hook(model, lms_hook)
 
     def on_train_end(self, logs=None):
+        """Restores the model's own train step and logs the plan of the last trace.
+
+        Example:
+            >>> import keras
+            >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            >>> model.compile("sgd", "mse")
+            >>> callback = LMSCallback(device="/CPU:0", host="/CPU:1")
+            >>> callback.set_model(model); callback.on_train_begin(); callback.on_train_end()
+            >>> model.train_function is None   # the next fit traces the plain step
+            True
+        """
         restore, self._restore = self._restore, None
         if restore is None:
             return

@@ -94,6 +94,18 @@ class DistributedCallback(_compat.keras_module().callbacks.Callback):
         self._checked = False  # the no-update check runs after the first call of the train function
 
     def on_train_begin(self, logs=None):
+        """Broadcasts the variables from the root rank and hooks the gradient averaging into the train step.
+
+        Example:
+            >>> import keras
+            >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            >>> model.compile("sgd", "mse")
+            >>> callback = DistributedCallback()
+            >>> callback.set_model(model); callback.on_train_begin()
+            >>> callback.broadcast_count   # the Dense kernel and bias
+            2
+            >>> callback.on_train_end()
+        """
         model = self.model
         check_traceable(model, _API)
         self._checked = False  # each fit traces its step again
@@ -130,6 +142,14 @@ class DistributedCallback(_compat.keras_module().callbacks.Callback):
                 f"would drift apart. Use a Keras optimizer in train_step, or average with hvd.allreduce yourself.")
 
     def on_epoch_end(self, epoch, logs=None):
+        """Averages the epoch's numeric logs across ranks, in place (the local ones are kept in ``local_logs``).
+
+        Example:
+            >>> callback = DistributedCallback()
+            >>> logs = {"loss": 0.5}
+            >>> callback.on_epoch_end(0, logs); logs, callback.local_logs   # one rank: the average is the value
+            ({'loss': 0.5}, [{'loss': 0.5}])
+        """
         if logs is None:
             return
         self.local_logs.append(dict(logs))
@@ -137,6 +157,17 @@ class DistributedCallback(_compat.keras_module().callbacks.Callback):
             logs.update(average_logs(logs, name=f"lms_tf_metrics_epoch_{epoch}"))
 
     def on_train_end(self, logs=None):
+        """Removes the averaging hook; the model's own train step is back.
+
+        Example:
+            >>> import keras
+            >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            >>> model.compile("sgd", "mse")
+            >>> callback = DistributedCallback()
+            >>> callback.set_model(model); callback.on_train_begin(); callback.on_train_end()
+            >>> "train_step" in model.__dict__
+            False
+        """
         restore, self._restore = self._restore, None
         if restore is None:
             return

@@ -57,6 +57,12 @@ def exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappin
 
     A plain entry names a name-scope segment (a layer) or an op; ``scope_aliases`` maps a
     Keras layer name to the scope it got in this trace (Keras/TF may suffix it, e.g. ``_1``).
+
+    Example:
+        >>> from lms_tf.core.examples import chain_ir
+        >>> match = exclusion_matcher(chain_ir(), ["b", "g*"], {})
+        >>> match("b"), match("g1"), match("a")
+        ('b', 'g*', None)
     """
     scopes: Set[str] = set()
     for op in ir.ops:
@@ -91,7 +97,14 @@ def exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappin
 
 
 def reads_value_in_backward(op: OpInfo) -> bool:
-    """Whether ``op`` is a backward op that needs the values it reads (not only their shape)."""
+    """Whether ``op`` is a backward op that needs the values it reads (not only their shape).
+
+    Example:
+        >>> from lms_tf.core.examples import chain_ir
+        >>> ir = chain_ir()
+        >>> reads_value_in_backward(ir.op("g1")), reads_value_in_backward(ir.op("b"))
+        (True, False)
+    """
     return op.phase is Phase.BACKWARD and op.type not in METADATA_READER_TYPES
 
 

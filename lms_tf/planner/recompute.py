@@ -110,6 +110,13 @@ def recompute_targets(ir: GraphIR, eligible: Sequence[str], policies: Policies,
     about sqrt(n) of the n articulation tensors, spaced for equal activation bytes per
     segment, are kept as checkpoints and the rest of the activations are recomputed; with "cheap" and named policies every
     articulation tensor is a checkpoint that bounds a segment.
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import chain_ir
+        >>> segments, _ = recompute_targets(chain_ir(), ["a:0", "b:0", "c:0"], Policies(recompute="sqrt"), {})
+        >>> segments   # b is kept as the checkpoint; a and c are recomputed, each in its segment
+        {'a:0': 0, 'c:0': 1}
     """
     clonable_tensors = [t for t in eligible if clonable(ir.op(ir.tensors[t].producer))]
     eligible_set = set(clonable_tensors)
@@ -142,7 +149,13 @@ def recompute_targets(ir: GraphIR, eligible: Sequence[str], policies: Policies,
 
 class RegionFinder:
     """Forward ops to clone to produce a tensor again from its nearest checkpoints, memoised per
-    op: regions of one segment overlap, so each op's own region is found once."""
+    op: regions of one segment overlap, so each op's own region is found once.
+
+    Example:
+        >>> from lms_tf.core.examples import chain_ir
+        >>> RegionFinder(chain_ir(), {"b:0", "c:0"}, through=lambda op: True).region("c:0")
+        ('b', 'c')
+    """
 
     def __init__(self, ir: GraphIR, targets: Set[str], through):
         self.ir, self.targets, self.through = ir, targets, through
@@ -162,6 +175,13 @@ class RegionFinder:
                 and self.through(producer))  # a pure intermediate: recompute it too
 
     def op_region(self, name: str) -> frozenset:
+        """The forward ops that recompute op ``name`` from the nearest checkpoints (memoised).
+
+        Example:
+            >>> from lms_tf.core.examples import chain_ir
+            >>> sorted(RegionFinder(chain_ir(), {"b:0", "c:0"}, through=lambda op: True).op_region("c"))
+            ['b', 'c']
+        """
         ir, memo = self.ir, self.memo
         stack = [(name, False)]
         while stack:
@@ -180,6 +200,13 @@ class RegionFinder:
         return memo[name]
 
     def region(self, tensor: str) -> Tuple[str, ...]:
+        """The ops to clone to produce ``tensor`` again, in execution order.
+
+        Example:
+            >>> from lms_tf.core.examples import chain_ir
+            >>> RegionFinder(chain_ir(), {"c:0"}, through=lambda op: True).region("c:0")
+            ('c',)
+        """
         ir = self.ir
         return tuple(sorted(self.op_region(ir.tensors[tensor].producer), key=lambda n: ir.op(n).index))
 
@@ -213,6 +240,18 @@ def checkpoint_gates(ir: GraphIR, found: Candidates, tensor: str,
 
 
 def check_also_recompute(ir: GraphIR, found: Candidates, deeper: Mapping[str, str]) -> None:
+    """Raises the library's error for an ``also_recompute`` entry that cannot be recomputed in time.
+
+    Example:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import chain_ir
+        >>> from lms_tf.planner.candidates import collect_candidates
+        >>> ir = chain_ir()
+        >>> check_also_recompute(ir, collect_candidates(ir, Policies(), device="/device:GPU:0"), {"x:0": "g2"})
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSOptionError: also_recompute: 'x:0' cannot be recomputed: it is not a forward tensor the backward pass reads that may be moved, made by a clonable op. Name one of Candidates.eligible whose producer is stateless.
+    """
     eligible = set(found.eligible)
     gate_index = {g.name: g.index for g in found.gates}
     for tensor, gate in deeper.items():

@@ -118,7 +118,13 @@ class BFCAllocatorModel:
         self._regions = 0
 
     def allocate(self, key: str, nbytes: int) -> None:
-        """Serves ``nbytes`` for ``key`` (a zero-byte request takes no memory, as in TF)."""
+        """Serves ``nbytes`` for ``key`` (a zero-byte request takes no memory, as in TF).
+
+        Example:
+            >>> allocator = tensorflow_gpu_allocator(2**30)
+            >>> allocator.allocate("t", 1000); allocator.in_use_bytes   # rounded to 256 bytes
+            1024
+        """
         if key in self._allocated:
             raise LMSError(f"allocator model: {key!r} is allocated twice; free it first.")
         if nbytes <= 0:
@@ -137,7 +143,13 @@ class BFCAllocatorModel:
         self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
 
     def free(self, key: str) -> None:
-        """Returns ``key``'s chunk; it merges with free neighbours of its region."""
+        """Returns ``key``'s chunk; it merges with free neighbours of its region.
+
+        Example:
+            >>> allocator = tensorflow_gpu_allocator(2**30)
+            >>> allocator.allocate("t", 1000); allocator.free("t"); allocator.in_use_bytes, allocator.peak_bytes
+            (0, 1024)
+        """
         entry = self._allocated.pop(key, None)
         if entry is None:
             return
@@ -155,16 +167,34 @@ class BFCAllocatorModel:
         self._bin(chunk)
 
     def rename(self, old: str, new: str) -> None:
-        """``new`` takes over ``old``'s buffer (a kernel writing its output into an input)."""
+        """``new`` takes over ``old``'s buffer (a kernel writing its output into an input).
+
+        Example:
+            >>> allocator = tensorflow_gpu_allocator(2**30)
+            >>> allocator.allocate("t", 1000); allocator.rename("t", "u"); allocator.keys()
+            ['u']
+        """
         if old in self._allocated:
             self._allocated[new] = self._allocated.pop(old)
 
     def reset_peak(self) -> None:
-        """Starts a new peak from the bytes in use now."""
+        """Starts a new peak from the bytes in use now.
+
+        Example:
+            >>> allocator = tensorflow_gpu_allocator(2**30)
+            >>> allocator.allocate("t", 4096); allocator.free("t"); allocator.reset_peak(); allocator.peak_bytes
+            0
+        """
         self.peak_bytes = self.in_use_bytes
 
     def keys(self) -> List[str]:
-        """The keys allocated now."""
+        """The keys allocated now.
+
+        Example:
+            >>> allocator = tensorflow_gpu_allocator(2**30)
+            >>> allocator.allocate("b", 8); allocator.allocate("a", 8); allocator.keys()
+            ['b', 'a']
+        """
         return list(self._allocated)
 
     # --- free lists ---------------------------------------------------------------------------

@@ -48,6 +48,16 @@ COMPUTE_STREAM, TO_HOST_STREAM, TO_DEVICE_STREAM = 0, 1, 2
 
 @dataclasses.dataclass(slots=True)
 class Event:
+    """One thing the simulator runs: a compute op, a copy or a clone, with the buffers it reads and writes.
+
+    Example:
+        >>> from lms_tf.core.examples import chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
+        >>> event = lowered.ops[1]
+        >>> event.name, event.reads, event.writes
+        ('a', ['x:0'], [('a:0', 4194304)])
+    """
     name: str
     stream: int
     duration: float
@@ -62,7 +72,15 @@ class Event:
 
 
 class Lowered:
-    """Turns the IR plus a plan into simulator ops with buffer keys."""
+    """Turns the IR plus a plan into simulator ops with buffer keys.
+
+    Example:
+        >>> from lms_tf.core.examples import chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
+        >>> [event.name for event in lowered.ops]
+        ['x', 'a', 'b', 'c', 'loss', 'g3', 'g2', 'g1']
+    """
 
     def __init__(self, ir: GraphIR, cost: CostModel):
         self.ir = ir
@@ -75,7 +93,15 @@ class Lowered:
         self.read_handles: Dict[str, str] = {}  # read buffer -> variable handle tensor
 
     def source(self, consumer: str, tensor: str) -> str:
-        """The buffer ``consumer`` really reads for input ``tensor`` (aliases and re-pointing resolved)."""
+        """The buffer ``consumer`` really reads for input ``tensor`` (aliases and re-pointing resolved).
+
+        Example:
+            >>> from lms_tf.core.examples import chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
+            >>> lowered.source("g1", "a:0")   # no alias and no plan: g1 reads a's own buffer
+            'a:0'
+        """
         ir = self.ir
         while True:
             key = self.replace.get((consumer, tensor))
@@ -88,6 +114,15 @@ class Lowered:
             consumer, tensor = producer.name, producer.inputs[min(position, len(producer.inputs) - 1)]
 
     def counted(self, tensor: str) -> bool:
+        """Whether ``tensor``'s buffer counts as step memory (variables, constants and inputs are resident).
+
+        Example:
+            >>> from lms_tf.core.examples import chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
+            >>> lowered.counted("a:0"), lowered.counted("x:0")   # x is the step's input
+            (True, False)
+        """
         cache = self.ir.__dict__.get("_counted")
         if cache is None:
             cache = {}
@@ -106,6 +141,15 @@ class Lowered:
                     or info.dtype in ("resource", "variant", "string") or not info.nbytes)
 
     def add(self, op: Event) -> int:
+        """Appends ``op`` and records it as the producer of the buffers it writes; returns its index.
+
+        Example:
+            >>> from lms_tf.core.examples import chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
+            >>> lowered.add(Event("extra", COMPUTE_STREAM, 0.0, [], [("extra:0", 4)], [])), lowered.buffer_producer["extra:0"]
+            (8, 8)
+        """
         self.ops.append(op)
         index = len(self.ops) - 1
         for key, _ in op.writes:
@@ -114,7 +158,15 @@ class Lowered:
 
     def indices_of(self, name: str) -> List[int]:
         """The simulator ops an IR op's name stands for: itself, or for an alias op (which the
-        simulator does not run) the ops it waits for."""
+        simulator does not run) the ops it waits for.
+
+        Example:
+            >>> from lms_tf.core.examples import chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
+            >>> lowered.indices_of("g1")
+            [7]
+        """
         if name in self.index_of:
             return [self.index_of[name]]
         return [self.index_of[n] for n in self.producer_deps(self.ir.op(name))]
@@ -122,7 +174,15 @@ class Lowered:
     def producer_deps(self, op: OpInfo) -> List[str]:
         """Names of the non-alias ops an IR op waits for: producers of the buffers it reads (through
         aliases, output by output) and its control inputs (an alias op as a control input waits for
-        all of its inputs)."""
+        all of its inputs).
+
+        Example:
+            >>> from lms_tf.core.examples import chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
+            >>> lowered.producer_deps(lowered.ir.op("g1"))
+            ['g2', 'a']
+        """
         ir, names = self.ir, []
         for t in op.inputs:
             key = self.source(op.name, t)
@@ -143,7 +203,7 @@ class Lowered:
         return names
 
 
-def ALIAS_OP_NAMES(ir: GraphIR) -> frozenset:  # noqa: N802 - a cached constant of the IR
+def _alias_op_names(ir: GraphIR) -> frozenset:
     """Names of the IR's alias ops (cached on the IR)."""
     cached = ir.__dict__.get("_alias_op_names")
     if cached is None:
@@ -152,11 +212,11 @@ def ALIAS_OP_NAMES(ir: GraphIR) -> frozenset:  # noqa: N802 - a cached constant 
     return cached
 
 
-def READS_ALIAS(ir: GraphIR) -> frozenset:  # noqa: N802 - a cached constant of the IR
+def _ops_reading_an_alias(ir: GraphIR) -> frozenset:
     """Names of the IR's ops that read an alias op's output (cached on the IR)."""
     cached = ir.__dict__.get("_reads_alias")
     if cached is None:
-        aliases = ALIAS_OP_NAMES(ir)
+        aliases = _alias_op_names(ir)
         cached = frozenset(op.name for op in ir.ops if any(ir.tensors[t].producer in aliases for t in op.inputs))
         object.__setattr__(ir, "_reads_alias", cached)
     return cached
@@ -228,6 +288,15 @@ def _pooled_for_gradient(b: "Lowered") -> frozenset:
 
 def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional[Mapping[str, float]] = None,
            kernels: str = "cudnn", accumulated_sums: frozenset = frozenset()) -> Lowered:
+    """Lowers ``ir`` with ``plan`` (None: the plain step) to the events :func:`~lms_tf.simulate.replay.replay` runs.
+
+    Example:
+        >>> from lms_tf.core.examples import chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
+        >>> len(lowered.ops), lowered.ops[-1].deps   # g1 waits for a and g2
+        (8, [1, 6])
+    """
     if kernels not in KERNEL_LIBRARIES:
         raise LMSOptionError(f"simulate(kernels=...) must be one of {', '.join(map(repr, KERNEL_LIBRARIES))} "
                              f"(the kernel library whose scratch memory to model); got {kernels!r}.")
@@ -299,7 +368,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
             extra_deps[waiter].extend(ordering.after)
 
     plain = _plain_structure(ir)
-    reads_alias = READS_ALIAS(ir)
+    reads_alias = _ops_reading_an_alias(ir)
     # Ops whose reads and waits differ from the plain step's: re-pointed consumers, and readers of
     # an alias (whose source may now be a swap-in or a clone). The others reuse the cached structure.
     rebuilt = {consumer for consumer, _ in b.replace} | reads_alias if b.replace else set()

@@ -115,7 +115,12 @@ class OraclePeak:
 
     @property
     def peak_bytes_counting_in_place_once(self) -> int:
-        """The peak with each input/output pair of an in-place kernel counted once."""
+        """The peak with each input/output pair of an in-place kernel counted once.
+
+        Example:
+            >>> OraclePeak(300, (), 100).peak_bytes_counting_in_place_once
+            200
+        """
         return self.peak_bytes - self.in_place_bytes
 
 

@@ -68,15 +68,46 @@ class RewriteRequest:
         return CostModel(get_device_spec(self.device_spec or "auto"))
 
 
-def resolve_device(device: Optional[str]) -> Optional[str]:
-    """The accelerator to manage: ``device`` if given, else the first GPU, else None.
+def check_visible(device: str, *, role: str, api: str) -> str:
+    """``device`` if TensorFlow can see it, else the library's error listing the devices it can see.
+
+    Args:
+        device: A device string (``/GPU:0``, ``/device:CPU:1``).
+        role: What the device is for, for the message (``device`` or ``host``).
+        api: The front-end's name, for the message.
 
     Example:
-        >>> resolve_device("/GPU:1")
-        '/device:GPU:1'
+        >>> check_visible("/CPU:0", role="host", api="doc")
+        '/device:CPU:0'
+        >>> check_visible("/GPU:7", role="device", api="doc")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSOptionError: doc: device='/GPU:7' names no device TensorFlow can see; visible: /device:CPU:0, ...
+    """
+    wanted = tf.DeviceSpec.from_string(device)
+    visible = [tf.DeviceSpec.from_string(d.name) for d in tf.config.list_logical_devices()]
+    names = [d.replace(job=None, replica=None, task=None).to_string() for d in visible]
+    if not any((d.device_type or "").upper() == (wanted.device_type or "").upper()
+               and (d.device_index or 0) == (wanted.device_index or 0) for d in visible):
+        raise LMSOptionError(
+            f"{api}: {role}={device!r} names no device TensorFlow can see; visible: {', '.join(names)}. "
+            f"Name one of them (on a machine without a GPU, split the CPU into two logical devices and pass "
+            f"device='/CPU:0', host='/CPU:1').")
+    return wanted.replace(job=None, replica=None, task=None).to_string()
+
+
+def resolve_device(device: Optional[str], *, api: str = "lms-tf") -> Optional[str]:
+    """The accelerator to manage: ``device`` if given (and visible), else the first GPU, else None.
+
+    Raises:
+        LMSOptionError: ``device`` names no device TensorFlow can see.
+
+    Example:
+        >>> resolve_device("/CPU:1")
+        '/device:CPU:1'
     """
     if device is not None:
-        return tf.DeviceSpec.from_string(device).to_string()
+        return check_visible(device, role="device", api=api)
     gpus = tf.config.list_logical_devices("GPU")
     if gpus:
         return tf.DeviceSpec.from_string(gpus[0].name).replace(job=None, replica=None, task=None).to_string()

@@ -81,6 +81,18 @@ def intercept_optimizer_updates(hook, order: int = 0):
     Only the outermost call of a nested chain (LossScaleOptimizer -> inner optimizer) is
     intercepted. The class-level patch (the step's optimizer is unknown before it runs) is
     installed while any hook is active, i.e. while a step is being traced.
+
+    Example:
+        >>> import keras, tensorflow as tf
+        >>> seen = []
+        >>> def halve(optimizer, grads, variables, update):
+        ...     seen.append(len(grads))
+        ...     return update([g * 0.5 for g in grads], variables)
+        >>> v = keras.Variable(1.0)
+        >>> with intercept_optimizer_updates(halve):
+        ...     _ = keras.optimizers.SGD(1.0).apply([tf.constant(1.0)], [v])
+        >>> seen, float(v.numpy())   # the update applied half the gradient
+        ([1], 0.5)
     """
     if not hasattr(_intercept_state, "hooks"):
         _intercept_state.hooks, _intercept_state.depth, _intercept_state.serial = [], 0, 0

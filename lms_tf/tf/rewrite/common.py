@@ -74,6 +74,16 @@ def is_rewritten(graph: tf.Graph) -> bool:
 
 
 def mark(op: tf.Operation, kind: str) -> None:
+    """Marks an op lms-tf inserted: its kind in ``_lms``, and kept from Grappler's dependency optimizer.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     op = tf.constant(1.0, name="a").op
+        >>> mark(op, "swap_in"); _compat.string_attr(op, LMS_ATTR)
+        'swap_in'
+    """
     _compat.set_string_attr(op, LMS_ATTR, kind)
     _compat.set_bool_attr(op, _DO_NOT_REMOVE, True)
 
@@ -83,6 +93,17 @@ def repoint_consumers(graph: tf.Graph, consumers, original: str, replacement: tf
 
     Returns:
         The number of inputs re-pointed.
+
+    Example:
+        >>> import collections
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.constant(1.0, name="x")
+        ...     y, t = tf.square(x, name="y"), tf.negative(x, name="t")
+        ...     z = tf.multiply(y, t, name="z")
+        >>> repoint_consumers(g, ["z"], "y:0", t), [i.name for i in z.op.inputs]
+        (1, ['t:0', 't:0'])
     """
     count = 0
     for consumer_name in consumers:
@@ -95,6 +116,23 @@ def repoint_consumers(graph: tf.Graph, consumers, original: str, replacement: tf
 
 
 def check_acyclic(graph: tf.Graph) -> None:
+    """Raises RewriteError if the rewritten graph has a cycle (data or control edges).
+
+    Example:
+        >>> import collections
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.constant(1.0, name="x")
+        ...     y, t = tf.square(x, name="y"), tf.negative(x, name="t")
+        ...     z = tf.multiply(y, t, name="z")
+        >>> check_acyclic(g)
+        >>> _compat.add_control_input(x.op, z.op)   # x now waits for z, which reads x
+        >>> check_acyclic(g)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lms_tf.RewriteError: postcondition failed: the rewritten graph has a cycle through [...
+    """
     ops = graph.get_operations()
     indegree = {op.name: 0 for op in ops}
     succs: Dict[str, List[str]] = {op.name: [] for op in ops}
@@ -118,7 +156,13 @@ def check_acyclic(graph: tf.Graph) -> None:
 
 def check_postconditions(graph: tf.Graph, plan: Plan, forward_inputs_before) -> None:
     """Raises RewriteError unless the rewritten graph is acyclic, gated, forward-unchanged (inputs; waits
-    for copies out are control inputs) and every wait the plan asks for is in place."""
+    for copies out are control inputs) and every wait the plan asks for is in place.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> from lms_tf.core.plan import Plan
+        >>> check_postconditions(tf.Graph(), Plan((), "/device:GPU:0", "/device:CPU:0", {}, {}), {})
+    """
     check_acyclic(graph)
     for op_name, inputs in forward_inputs_before.items():
         now = tuple(t.name for t in graph.get_operation_by_name(op_name).inputs)

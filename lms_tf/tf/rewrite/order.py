@@ -25,6 +25,22 @@ def insert_orderings(graph: tf.Graph, plan: Plan, inserted: Dict[str, int]) -> N
     """Makes every ordering's waiters start after all of its ``after`` ops.
 
     Must run inside ``graph.as_default()`` under the lms-tf name scope.
+
+    Example:
+        >>> import collections
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.constant(1.0, name="x")
+        ...     y, t = tf.square(x, name="y"), tf.negative(x, name="t")
+        ...     z = tf.multiply(y, t, name="z")
+        >>> from lms_tf.core.plan import Ordering, Plan
+        >>> plan = Plan((), "/device:CPU:0", "/device:CPU:1", {}, {}, orderings=(Ordering(("t",), ("y",), "why"),))
+        >>> inserted = collections.Counter()
+        >>> with g.as_default():
+        ...     insert_orderings(g, plan, inserted)
+        >>> [op.name for op in t.op.control_inputs], dict(inserted)
+        (['order_0'], {'order': 1})
     """
     for i, ordering in enumerate(plan.orderings):
         waiters = [graph.get_operation_by_name(n) for n in ordering.waiters]

@@ -61,6 +61,23 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
 
     Returns:
         The number of backward-op inputs re-pointed to a clone.
+
+    Example:
+        >>> import collections
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.constant(1.0, name="x")
+        ...     y, t = tf.square(x, name="y"), tf.negative(x, name="t")
+        ...     z = tf.multiply(y, t, name="z")
+        >>> from lms_tf.core.plan import Decision, Plan, TensorDecision
+        >>> again = TensorDecision("y:0", "", (), 4, Decision.RECOMPUTE, "recompute", 2, (), recompute_ops=("y",),
+        ...                        gate="t", consumers=("z",))
+        >>> with g.as_default():
+        ...     rerouted = insert_recomputes(g, Plan((again,), "/device:CPU:0", "/device:CPU:1", {}, {}), {},
+        ...                                  collections.Counter())
+        >>> rerouted, [i.name for i in z.op.inputs]
+        (1, ['recompute/y:0', 't:0'])
     """
     clones: Dict[Tuple[str, str], tf.Operation] = {}
     swap_ins: Dict[Tuple[str, str], tf.Tensor] = {}

@@ -63,6 +63,20 @@ def gated_swap_in(graph: tf.Graph, swap_out: tf.Tensor, trigger: tf.Operation, h
 
     The gate reaches the host as a data edge: ``Shape(trigger output)`` on the trigger's
     device, received by a host ``Identity``, which is the swap-in's (host -> host) control input.
+
+    Example:
+        >>> import collections
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.constant(1.0, name="x")
+        ...     y, t = tf.square(x, name="y"), tf.negative(x, name="t")
+        ...     z = tf.multiply(y, t, name="z")
+        >>> with g.as_default():
+        ...     swap_out = tf.identity(y, name="swap_out")
+        ...     swap_in = gated_swap_in(g, swap_out, t.op, "/device:CPU:1", "swap_in")
+        >>> swap_in.name, [op.name for op in swap_in.op.control_inputs]
+        ('swap_in:0', ['swap_in_gate'])
     """
     gate = _signal(graph, _gate_source(trigger), host, f"{name}_gate", "swap_gate")
     with graph.colocate_with(None, ignore_existing=True), graph.device(host), graph.control_dependencies([gate]):
@@ -72,7 +86,22 @@ def gated_swap_in(graph: tf.Graph, swap_out: tf.Tensor, trigger: tf.Operation, h
 
 
 def wait_for_swap_out(graph: tf.Graph, swap_out: tf.Tensor, waiter: tf.Operation, name: str) -> None:
-    """Makes forward op ``waiter`` start only after the copy ``swap_out`` has reached the host."""
+    """Makes forward op ``waiter`` start only after the copy ``swap_out`` has reached the host.
+
+    Example:
+        >>> import collections
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.constant(1.0, name="x")
+        ...     y, t = tf.square(x, name="y"), tf.negative(x, name="t")
+        ...     z = tf.multiply(y, t, name="z")
+        >>> with g.as_default():
+        ...     swap_out = tf.identity(y, name="swap_out")
+        ...     wait_for_swap_out(g, swap_out, z.op, "z_waits")
+        >>> [op.name for op in z.op.control_inputs]
+        ['z_waits']
+    """
     _compat.add_control_input(waiter, _signal(graph, swap_out, waiter, name, "swap_out_done"))
 
 
@@ -83,6 +112,22 @@ def insert_swaps(graph: tf.Graph, plan: Plan, inserted: Dict[str, int]) -> Tuple
 
     Returns:
         Swapped tensor name -> its swap-out (host) tensor, and the number of re-pointed inputs.
+
+    Example:
+        >>> import collections
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.constant(1.0, name="x")
+        ...     y, t = tf.square(x, name="y"), tf.negative(x, name="t")
+        ...     z = tf.multiply(y, t, name="z")
+        >>> from lms_tf.core.plan import Decision, Plan, SwapIn, TensorDecision
+        >>> swap = TensorDecision("y:0", "", (), 4, Decision.SWAP, "swap", 2, (SwapIn("t", ("z",)),))
+        >>> with g.as_default():
+        ...     swap_outs, rerouted = insert_swaps(g, Plan((swap,), "/device:CPU:0", "/device:CPU:1", {}, {}),
+        ...                                        collections.Counter())
+        >>> rerouted, [i.name for i in z.op.inputs], swap_outs["y:0"].name
+        (1, ['swap_in_0_0:0', 't:0'], 'swap_out_0:0')
     """
     rerouted = 0
     swap_outs: Dict[str, tf.Tensor] = {}
