@@ -153,7 +153,7 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
     fi
     # The one change: drop XLA's MPI ops, whose XLA headers moved in TF >= 2.16.
     sed -i '/xla_mpi_ops\.cc/d' "$CMAKELISTS"
-    say "building the wheel (about 8 minutes on 2 cores; compiler output in $WORK/build.log)"
+    say "building the wheel (1.5-3 minutes on 2 cores here; compiler output in $WORK/build.log)"
     mkdir -p "$WHEEL_DIR.partial"
     if ! env "${BUILD_ENV[@]}" MAKEFLAGS="-j$(nproc)" "$PYTHON" -m pip wheel --no-deps \
             --no-build-isolation -w "$WHEEL_DIR.partial" "$SRC" >"$WORK/build.log" 2>&1; then
