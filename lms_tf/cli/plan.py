@@ -80,11 +80,13 @@ def run(args) -> int:
     device, host = devices()
     spec = get_device_spec(args.device)
     cost = CostModel(spec)
-    from lms_tf.tf.workloads import build_model, fit_step, synthetic_batch, train_step
+    from lms_tf.tf.workloads import build_model, compile_for_fit, fit_step, synthetic_batch, train_step
 
     model = build_model(args.model, image_size=args.input_shape, classes=args.classes)
     # --step fit: Keras's own train step, as model.fit traces it (a plan for LMSCallback(plan=));
     # --step custom: a GradientTape step (a plan for lms_tf.function(plan=)).
+    if args.step == "fit":
+        compile_for_fit(model)  # once: the traced step and the oracle's share the optimizer
     step = fit_step(model) if args.step == "fit" else train_step(model)
     batch = synthetic_batch(model, args.batch)
     step_args = (batch,) if args.step == "fit" else batch

@@ -165,22 +165,33 @@ def train_step(model, optimizer=None) -> Callable:
     return step
 
 
-def fit_step(model, optimizer=None, *, inner: Optional[Callable] = None) -> Callable:
-    """The step ``model.fit`` traces, as a function of one batch ``(x, y)`` to wrap in a tf.function.
-
-    Compiles ``model`` (SGD, sparse categorical cross-entropy) and runs Keras's own ``train_step``
-    (or ``inner``, a function wrapping it) under the model's distribution strategy, as Keras's train
-    function does, so a plan made for this trace applies to ``model.fit`` with ``LMSCallback(plan=...)``.
+def compile_for_fit(model, optimizer=None) -> None:
+    """Compiles ``model`` as the CLI's workloads train: SGD (or ``optimizer``), sparse categorical cross-entropy.
 
     Example:
         >>> m = build_model("MobileNetV2", image_size=32, classes=10)
-        >>> step = tf.function(fit_step(m))
-        >>> sorted(step(synthetic_batch(m, 2)))
-        ['loss']
+        >>> compile_for_fit(m); type(m.optimizer).__name__
+        'SGD'
     """
     keras = _compat.keras_module()
     model.compile(optimizer=optimizer or keras.optimizers.SGD(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=False))
+
+
+def fit_step(model, *, inner: Optional[Callable] = None) -> Callable:
+    """The step ``model.fit`` traces, as a function of one batch ``(x, y)`` to wrap in a tf.function.
+
+    Runs the compiled model's own ``train_step`` (or ``inner``, a function wrapping it) under its
+    distribution strategy, as Keras's train function does, so a plan made for this trace applies
+    to ``model.fit`` with ``LMSCallback(plan=...)``.
+
+    Example:
+        >>> m = build_model("MobileNetV2", image_size=32, classes=10)
+        >>> compile_for_fit(m)
+        >>> step = tf.function(fit_step(m))
+        >>> sorted(step(synthetic_batch(m, 2)))
+        ['loss']
+    """
     run = inner or model.train_step
 
     @tf.autograph.experimental.do_not_convert
