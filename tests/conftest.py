@@ -6,9 +6,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Real allocator peaks on the CPU need the BFC allocator (lms_tf.measure_peak_memory).
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
-# oneDNN's CPU graph rewrites are on or off by CPU model (on with AVX512-VNNI/BF16): its fusions
-# differ between a plain and a rewritten graph in the last bit and rename kernels, so the suite
-# runs without them for machine-independent numbers; tests/test_tf_onednn.py covers them on purpose.
+# oneDNN's CPU graph rewrites are on or off by CPU model (on with AVX512-VNNI/BF16) and rename
+# kernels, so the suite runs without them for machine-independent numbers and simulator rules;
+# tests/test_tf_onednn.py covers them on purpose.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import tensorflow as tf  # noqa: E402

@@ -23,25 +23,32 @@ SCRIPT = textwrap.dedent("""
     import numpy as np, tensorflow as tf, keras
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    tf.config.experimental.enable_op_determinism()
     sys.path.insert(0, {root!r})
     import lms_tf
     from lms_tf.tf.workloads import build_model, synthetic_batch, train_step
+    from tests.test_tf_recompute import residual_mlp
 
-    def losses(decorate):
+    def run(name, decorate):
         keras.utils.set_random_seed(0)
-        model = build_model("VGG16", image_size=64, classes=100)
-        x, y = synthetic_batch(model, 2)
-        step = decorate(train_step(model))
-        return [float(step(x, y)) for _ in range(3)], step
+        if name == "VGG16":
+            model, steps, batch = build_model("VGG16", image_size=64, classes=100), 3, 2
+        else:
+            model, steps, batch = residual_mlp(), 8, 32
+        x, y = synthetic_batch(model, batch)
+        step = decorate(train_step(model, keras.optimizers.SGD(0.1 if name == "residual_mlp" else 0.01)))
+        return [float(step(x, y)) for _ in range(steps)], [w.numpy() for w in model.weights], step
 
-    plain, _ = losses(tf.function)
-    for options in (dict(device="/CPU:0", swap=False, recompute="sqrt"),
-                    dict(device="/CPU:0", host="/CPU:1", recompute="sqrt", min_swap_bytes=1, swapout_threshold=1),
-                    dict(device="/CPU:0", host="/CPU:1", min_swap_bytes=1, swapout_threshold=1)):
-        got, step = losses(lambda f: lms_tf.function(f, **options))
-        np.testing.assert_allclose(got, plain, rtol=1e-5)
-        assert step.plan.recomputed or step.plan.swapped
-        print("OK", options, len(step.plan.recomputed), len(step.plan.swapped))
+    for name in ("VGG16", "residual_mlp"):
+        plain_losses, plain_weights, _ = run(name, tf.function)
+        for options in (dict(device="/CPU:0", swap=False, recompute="sqrt"),
+                        dict(device="/CPU:0", host="/CPU:1", recompute="sqrt", min_swap_bytes=1, swapout_threshold=1),
+                        dict(device="/CPU:0", host="/CPU:1", min_swap_bytes=1, swapout_threshold=1)):
+            losses, weights, step = run(name, lambda f: lms_tf.function(f, **options))
+            assert losses == plain_losses, (name, options, losses, plain_losses)
+            assert all(np.array_equal(a, b) for a, b in zip(weights, plain_weights)), (name, options)
+            assert step.plan.recomputed or step.plan.swapped
+            print("OK", name, options, len(step.plan.recomputed), len(step.plan.swapped))
 """)
 
 
@@ -51,4 +58,4 @@ def test_rewritten_vgg_steps_run_with_onednn_rewrites_on():
     out = subprocess.run([sys.executable, "-c", SCRIPT.format(root=ROOT)], capture_output=True, text=True,
                          timeout=580, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("OK") == 3, out.stdout
+    assert out.stdout.count("OK") == 6, out.stdout

@@ -87,7 +87,7 @@ def _check_serialized_numbers(builder, recompute, capfd):
         options["recompute"] = recompute
     plain = custom_loop(builder, tf.function)
     serialized = custom_loop(builder, lms_function(**options))
-    assert_same_numbers(plain, serialized, rtol=1e-6 if recompute else 0.0)
+    assert_same_numbers(plain, serialized, rtol=0.0)
     graph = serialized[2].get_concrete_function(*_first_batch(builder)).graph
     assert len(serial_chain(graph)) > 20
     if recompute:

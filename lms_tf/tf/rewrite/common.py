@@ -73,8 +73,13 @@ def is_rewritten(graph: tf.Graph) -> bool:
                for op in graph.get_operations() if op.name.startswith(SCOPE))
 
 
-def mark(op: tf.Operation, kind: str) -> None:
-    """Marks an op lms-tf inserted: its kind in ``_lms``, and kept from Grappler's dependency optimizer.
+def mark(op: tf.Operation, kind: str, *, keep: bool = True) -> None:
+    """Marks an op lms-tf inserted: its kind in ``_lms`` and, with ``keep``, kept from Grappler.
+
+    ``keep`` puts the op in Grappler's preserve set (``_grappler_do_not_remove``), so the
+    dependency optimizer cannot bypass a gate. Recompute clones are not kept: the remapper
+    never fuses a preserved op, and a clone must fuse exactly as the op it copies does, or
+    its results differ in the last bits from the forward pass's.
 
     Example:
         >>> import tensorflow as tf
@@ -85,7 +90,8 @@ def mark(op: tf.Operation, kind: str) -> None:
         'swap_in'
     """
     _compat.set_string_attr(op, LMS_ATTR, kind)
-    _compat.set_bool_attr(op, _DO_NOT_REMOVE, True)
+    if keep:
+        _compat.set_bool_attr(op, _DO_NOT_REMOVE, True)
 
 
 def repoint_consumers(graph: tf.Graph, consumers, original: str, replacement: tf.Tensor) -> int:
@@ -172,8 +178,8 @@ def check_postconditions(graph: tf.Graph, plan: Plan, forward_inputs_before) -> 
         kind = _compat.string_attr(op, LMS_ATTR)
         if kind == "swap_in" and not any(_compat.string_attr(c, LMS_ATTR) == "swap_gate" for c in op.control_inputs):
             raise RewriteError(f"postcondition failed: swap-in {op.name!r} has no gate.")
-        if kind == "recompute" and not op.control_inputs and not any(
-                _compat.string_attr(t.op, LMS_ATTR) in ("recompute", "swap_in") for t in op.inputs):
+        if kind == "recompute" and not any(
+                _compat.string_attr(t.op, LMS_ATTR) in ("recompute", "recompute_gate", "swap_in") for t in op.inputs):
             raise RewriteError(f"postcondition failed: recompute clone {op.name!r} is not gated.")
     for decision in plan.swapped:
         if decision.swap_out_before is not None and not any(

@@ -3,8 +3,10 @@
 For a tensor ``t`` the plan marks RECOMPUTE with clone region ``ops`` and gate ``g``
 (the backward op just before ``t``'s first backward consumer)::
 
-    checkpoints -> clone(op_1) -> ... -> clone(producer of t) -> backward consumers of t
-    g -^ (control edge into every clone with no cloned input: the region cannot start early)
+    checkpoint -> Identity -> clone(op_1) -> ... -> clone(producer of t) -> backward consumers of t
+             g -^ (a clone with no cloned input reads one input through a kept Identity that
+                  waits for g, so the region cannot start early; the clone itself has no control
+                  input, which would stop Grappler's remapper fusing it as it fuses the original)
 
 The original forward ops still run for the forward pass; ``t`` is freed after its last
 forward consumer instead of living until the backward pass. A checkpoint the clones read
@@ -105,10 +107,10 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
                     from_clone = True
                 else:
                     inputs.append(tensor)
-            clone = _compat.clone_op(graph, original, inputs, name=f"recompute/{op_name.replace('/', '_')}")
             if not from_clone:
-                _compat.add_control_input(clone, gate)
-            mark(clone, "recompute")
+                inputs[0] = _gated_input(graph, inputs[0], gate, original.device, inserted)
+            clone = _compat.clone_op(graph, original, inputs, name=f"recompute/{op_name.replace('/', '_')}")
+            mark(clone, "recompute", keep=False)
             # Which op this clones and behind which gate: the simulator names the clone
             # "recompute/<gate>/<op>", and diagnostics map executed clones back with these.
             _compat.set_string_attr(clone, CLONE_OF_ATTR, op_name)
@@ -119,3 +121,19 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
         replacement = clones[(producer.op.name, decision.gate)].outputs[producer.value_index]
         rerouted += repoint_consumers(graph, decision.consumers, decision.tensor, replacement)
     return rerouted
+
+
+def _gated_input(graph: tf.Graph, tensor: tf.Tensor, gate: tf.Operation, device: str,
+                 inserted: Dict[str, int]) -> tf.Tensor:
+    """``tensor`` through an Identity that cannot run before ``gate``: a region's first clone reads it.
+
+    The gate is a control edge into this (kept) Identity, not into the clone: Grappler's remapper
+    does not fuse an op that has a control input (MatMul + BiasAdd + Relu, Conv2D + BiasAdd...),
+    and an unfused clone would compute in a different order than the fused original.
+    """
+    with graph.colocate_with(None, ignore_existing=True), graph.device(device), \
+            graph.control_dependencies([gate]):
+        gated = tf.identity(tensor, name="recompute_gate")
+    mark(gated.op, "recompute_gate")
+    inserted["recompute_gate"] += 1
+    return gated
