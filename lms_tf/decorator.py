@@ -53,6 +53,13 @@ def _concrete_shapes(structure) -> List[Optional[tuple]]:
     return shapes
 
 
+def _largest(shape: Optional[tuple], other: Optional[tuple]) -> Optional[tuple]:
+    """Dimension-wise maximum of two concrete shapes of the same rank (``shape`` if they cannot be compared)."""
+    if shape is None or other is None or len(shape) != len(other) or None in shape or None in other:
+        return shape
+    return tuple(max(a, b) for a, b in zip(shape, other))
+
+
 class LMSFunction:
     """A ``tf.function`` whose traces are rewritten by the lms-tf swap pass.
 
@@ -81,6 +88,7 @@ class LMSFunction:
         self._bound: "weakref.WeakKeyDictionary[Any, LMSFunction]" = weakref.WeakKeyDictionary()
         self._broadcast_ids: set = set()
         self._broadcast_keepalive: list = []  # ids stay unique while the variables are referenced
+        self._largest_shapes: Dict[tuple, Optional[tuple]] = {}  # (leaf, leaves) -> largest shape called with
         functools.update_wrapper(self, python_function)
 
         @functools.wraps(python_function)
@@ -131,6 +139,11 @@ class LMSFunction:
     def _after_trace(self, args, kwargs) -> None:
         symbolic = tf.nest.flatten((args, kwargs))
         concrete = getattr(_call_shapes, "stack", [None])[-1]
+        if concrete is not None:
+            # A trace that generalised a dimension (reduce_retracing, or a shorter last batch) serves
+            # every call of this structure: plan it for the largest shape called with so far.
+            concrete = [_largest(shape, self._largest_shapes.get((i, len(concrete))))
+                        for i, shape in enumerate(concrete)]
         input_shapes = {}
         if not tf.executing_eagerly() and concrete is not None and len(concrete) == len(symbolic):
             for sym, shape in zip(symbolic, concrete):
@@ -164,7 +177,11 @@ class LMSFunction:
         stack = getattr(_call_shapes, "stack", None)
         if stack is None:
             stack = _call_shapes.stack = []
-        stack.append(_concrete_shapes((args, kwargs)))
+        shapes = _concrete_shapes((args, kwargs))
+        for i, shape in enumerate(shapes):
+            key = (i, len(shapes))
+            self._largest_shapes[key] = _largest(shape, self._largest_shapes.get(key))
+        stack.append(shapes)
         try:
             return method(*args, **kwargs)
         finally:

@@ -14,6 +14,7 @@ Example:
     >>> _compat.check_private_apis()  # raises LMSError if this TF lacks an API we need
 """
 
+from lms_tf._compat.data import dataset_batch_size
 from lms_tf._compat.graph import (
                                   add_control_input,
                                   automatic_control_dependencies,
@@ -48,7 +49,7 @@ from lms_tf._compat.keras import (
 from lms_tf._compat.profiler import onednn_enabled, profile_allocations, profile_executed_ops
 
 __all__ = ["GRAPPLER_RECOMPUTED_PREFIX", "GRAPPLER_SWAP_OPS", "add_control_input", "automatic_control_dependencies",
-           "check_private_apis", "clone_op", "current_graph", "fit_batch_size", "get_jit_compile",
+           "check_private_apis", "clone_op", "current_graph", "dataset_batch_size", "fit_batch_size", "get_jit_compile",
            "grappler_accumulated_sums", "grappler_memory_optimized", "grappler_peak_live_tensors",
            "grappler_peak_memory", "infer_shapes_with_inputs", "is_function_graph", "keras_module",
            "layer_scope_aliases", "onednn_enabled", "optimizer_entry_points", "profile_allocations",

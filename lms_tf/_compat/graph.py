@@ -217,10 +217,16 @@ def infer_shapes_with_inputs(graph: tf.Graph, tensor_shapes: Dict[str, tf.Tensor
         [5, 3]
     """
     graph_def = graph.as_graph_def()
+    # An imported graph loses its resource handles' shape data, so variable reads come back with an
+    # unknown shape and every shape downstream of a weight degrades: feed the reads' traced shapes too.
+    known = dict(tensor_shapes)
+    for op in graph.get_operations():
+        if op.type == "ReadVariableOp" and op.outputs[0].shape.is_fully_defined():
+            known.setdefault(op.outputs[0].name, op.outputs[0].shape)
     scratch = tf.Graph()
     with scratch.as_default():
         input_map = {}
-        for i, (name, shape) in enumerate(sorted(tensor_shapes.items())):
+        for i, (name, shape) in enumerate(sorted(known.items())):
             dtype = graph.get_tensor_by_name(name).dtype
             input_map[name] = tf.compat.v1.placeholder(dtype, shape=shape, name=f"lms_input_{i}")
         tf.graph_util.import_graph_def(graph_def, input_map=input_map, name="s")

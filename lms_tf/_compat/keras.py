@@ -16,6 +16,8 @@ from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
+from lms_tf._compat.data import dataset_batch_size
+
 
 def using_legacy_keras() -> bool:
     """Whether ``TF_USE_LEGACY_KERAS=1`` selects tf-keras (Keras 2) instead of Keras 3.
@@ -107,11 +109,15 @@ def layer_scope_aliases(model, graph: tf.Graph) -> Dict[str, str]:
 
 
 def fit_batch_size() -> Optional[int]:
-    """The batch size of the ``Model.fit`` call that is running, read from its frame.
+    """The (largest) batch size of the ``Model.fit`` call that is running, read from its frame.
 
     Keras does not hand callbacks the batch size; ``fit`` holds it in its epoch iterator
     (Keras 3: ``epoch_iterator.data_adapter.batch_size``; tf-keras: ``data_handler._batch_size``)
-    or its ``batch_size`` argument. Returns None when no such frame is found.
+    or its ``batch_size`` argument. Those say None for a ``tf.data.Dataset`` batched without
+    ``drop_remainder``: its pipeline's last ``batch`` gives the size then
+    (:func:`~lms_tf._compat.data.dataset_batch_size`). A ``keras.utils.PyDataset`` gives it
+    from its first batch (random access, as Keras itself reads it). Returns None when no
+    such frame is found or the size cannot be read.
 
     Example:
         >>> fit_batch_size() is None   # not inside model.fit
@@ -121,20 +127,36 @@ def fit_batch_size() -> Optional[int]:
     try:
         while frame is not None:
             if frame.f_code.co_name == "fit" and "self" in frame.f_locals:
-                local = frame.f_locals
-                it = local.get("epoch_iterator")
-                adapter = getattr(it, "data_adapter", None) or getattr(it, "_data_adapter", None)
-                size = getattr(adapter, "batch_size", None)
-                if size is None:
-                    handler = local.get("data_handler")
-                    size = getattr(handler, "_batch_size", None)
-                if size is None:
-                    size = local.get("batch_size")
-                return int(size) if size else None
+                return _batch_size_in_fit(frame.f_locals)
             frame = frame.f_back
         return None
     finally:
         del frame
+
+
+def _batch_size_in_fit(local) -> Optional[int]:
+    it = local.get("epoch_iterator")
+    adapter = getattr(it, "data_adapter", None) or getattr(it, "_data_adapter", None)
+    size = getattr(adapter, "batch_size", None)
+    if size is None:
+        size = getattr(local.get("data_handler"), "_batch_size", None)
+    if size is None and isinstance(local.get("x"), tf.data.Dataset):
+        size = dataset_batch_size(local["x"])
+    if size is None and getattr(adapter, "py_dataset", None) is not None:
+        size = _first_batch_size(adapter.py_dataset)
+    if size is None:
+        size = local.get("batch_size")
+    return int(size) if size else None
+
+
+def _first_batch_size(py_dataset) -> Optional[int]:
+    try:
+        first = py_dataset[0]
+    except Exception:  # noqa: BLE001 - a dataset that cannot be indexed here just gives no size
+        return None
+    leaves = tf.nest.flatten(first)
+    shape = getattr(leaves[0], "shape", None) if leaves else None
+    return int(shape[0]) if shape is not None and len(shape) and shape[0] is not None else None
 
 
 # The methods through which a train step hands (gradients, variables) to a Keras optimizer.

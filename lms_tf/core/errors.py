@@ -51,6 +51,22 @@ class GraphAnalysisError(LMSError):
     """
 
 
+class UnknownSizeError(GraphAnalysisError):
+    """A tensor's size depends on a dimension the trace leaves unknown and nothing resolved.
+
+    The front-ends catch it and leave that trace untouched with a warning; ``tensor`` and
+    ``shape`` name the first tensor that could not be sized.
+
+    Example:
+        >>> issubclass(UnknownSizeError, GraphAnalysisError)
+        True
+    """
+
+    def __init__(self, message: str, tensor: str = "", shape=None):
+        super().__init__(message)
+        self.tensor, self.shape = tensor, shape
+
+
 class RewriteError(LMSError):
     """A rewrite precondition or postcondition failed; the graph is left unusable for LMS.
 

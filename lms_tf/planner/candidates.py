@@ -20,7 +20,7 @@ import dataclasses
 import fnmatch
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from lms_tf.core.errors import GraphAnalysisError, LMSOptionError
+from lms_tf.core.errors import LMSOptionError, UnknownSizeError
 from lms_tf.core.ir import GraphIR, OpInfo, Phase, device_kind_and_index, layer_of
 from lms_tf.core.op_kinds import (
     CONTROL_FLOW_OP_TYPES,
@@ -253,11 +253,11 @@ def collect_candidates(ir: GraphIR, policies: Policies, *, device: str,
             distances[name] = distance = min(c.index for c in backward) - op.index
             reason = _ineligible(ir, op, tensor, readers, device, excluded_by)
             if reason is None and tensor.nbytes is None:
-                raise GraphAnalysisError(
+                raise UnknownSizeError(
                     f"cannot size tensor {name!r} (shape {tensor.shape}, dtype {tensor.dtype}): a dimension is "
                     f"unknown and could not be resolved from the traced inputs "
                     f"(resolved: {dict(ir.resolved_dims) or 'none'}). Pass batch_size=<int> to lms-tf, or "
-                    f"trace the step with a fully defined input_signature.")
+                    f"trace the step with a fully defined input_signature.", tensor=name, shape=tensor.shape)
             if reason is not None:
                 kept[name] = TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes,
                                             Decision.KEEP, reason, distance, ())

@@ -18,7 +18,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.core.errors import LMSError, LMSOptionError
+from lms_tf.core.errors import LMSError, LMSOptionError, UnknownSizeError, warn_once
 from lms_tf.core.ir import GraphIR
 from lms_tf.core.plan import Plan
 from lms_tf.core.policy import Policies
@@ -186,7 +186,7 @@ def check_plan_matches(plan: Plan, ir: GraphIR, *, api: str) -> None:
 def rewrite_traced_step(request: RewriteRequest, *, api: str,
                         input_shapes: Optional[Mapping[str, Sequence[Optional[int]]]] = None,
                         scope_aliases: Optional[Mapping[str, str]] = None,
-                        irs: Optional[list] = None) -> Plan:
+                        irs: Optional[list] = None) -> Optional[Plan]:
     """Plans (or checks the given plan) and applies it to the ``tf.function`` graph being traced now.
 
     Call it inside the traced body, after the gradients and the update were built. It plans once;
@@ -200,7 +200,9 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
         irs: If given, the IR of the step before the rewrite is appended to it (to simulate the plan).
 
     Returns:
-        The plan applied.
+        The plan applied, or None when the step's sizes depend on a dimension nothing resolved
+        (a batch dimension the trace leaves unknown and no batch size was given or found): the
+        trace is then left untouched, with a warning saying why and what to pass.
 
     Raises:
         LMSError: Not inside a ``tf.function`` trace (eager execution), or the pass failed.
@@ -225,17 +227,39 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
     if request.plan is not None:
         check_plan_matches(request.plan, ir, api=api)
         plan = request.plan
-    elif request.policies.budget is not None:
-        plan = make_budget_plan(ir, request.policies, device=request.device, cost=request.cost_model(),
-                                scope_aliases=scope_aliases)
     else:
-        plan = make_plan(ir, request.policies, device=request.device, scope_aliases=scope_aliases)
+        try:
+            plan = _make_plan(ir, request, scope_aliases)
+        except UnknownSizeError as err:
+            warn_once(f"unknown-size:{api}:{err.shape}", unknown_size_message(api, err))
+            return None
     report = apply_plan(graph, ir, plan)
     logger.info("%s (graph %s; inserted %s)", plan.one_line(), graph.name, report.inserted)
     if request.serialize:
         edges = impose_order(graph, simulated_ranks(graph, ir, plan, request.cost_model()))
         logger.info("serialized graph %s in the simulated order (%d control edges)", graph.name, edges)
     return plan
+
+
+def _make_plan(ir: GraphIR, request: RewriteRequest, scope_aliases) -> Plan:
+    if request.policies.budget is not None:
+        return make_budget_plan(ir, request.policies, device=request.device, cost=request.cost_model(),
+                                scope_aliases=scope_aliases)
+    return make_plan(ir, request.policies, device=request.device, scope_aliases=scope_aliases)
+
+
+def unknown_size_message(api: str, err: UnknownSizeError) -> str:
+    """The warning for a trace left untouched because a tensor could not be sized.
+
+    Example:
+        >>> err = UnknownSizeError("...", tensor="dense/Relu:0", shape=(None, 8))
+        >>> print(unknown_size_message("LMSCallback", err))  # doctest: +ELLIPSIS
+        LMSCallback: tensor 'dense/Relu:0' has shape (None, 8) ... left untouched ...
+    """
+    return (f"{api}: tensor {err.tensor!r} has shape {tuple(err.shape)} in the traced step and lms-tf found "
+            f"no batch size to plan with, so this trace is left untouched (it trains as without lms-tf). "
+            f"Pass batch_size=<largest batch> to {api}, or batch a tf.data pipeline with Dataset.batch(n) "
+            f"as its last batching step (lms-tf reads n from it).")
 
 
 def simulated_ranks(graph: tf.Graph, ir: GraphIR, plan: Plan, cost: CostModel) -> Dict[str, float]:
