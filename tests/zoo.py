@@ -137,6 +137,73 @@ def shared_multi_input_residual():
     return model, ((xa, xb), y)
 
 
+def _sequences(features=16, steps=20, seed=8):
+    rng = np.random.RandomState(seed)
+    return rng.rand(3 * BATCH, steps, features).astype("float32"), rng.randint(0, 5, 3 * BATCH).astype("int32")
+
+
+def gru_model():
+    _seed()
+    model = keras.Sequential([keras.Input((20, 16)), layers.GRU(32), layers.Dense(5)], name="gru")
+    return _compile(model), _sequences()
+
+
+def bidirectional_text():
+    """Embedding + Bidirectional GRU: the recurrent model of the "everyday inputs" report."""
+    _seed()
+    rng = np.random.RandomState(9)
+    x = rng.randint(0, 200, (3 * BATCH, 24)).astype("int32")
+    y = rng.randint(0, 5, 3 * BATCH).astype("int32")
+    model = keras.Sequential([keras.Input((24,), dtype="int32"), layers.Embedding(200, 16),
+                              layers.Bidirectional(layers.GRU(24, return_sequences=True)),
+                              layers.GlobalAveragePooling1D(), layers.Dense(5)], name="bigru")
+    return _compile(model), (x, y)
+
+
+def stacked_recurrent():
+    _seed()
+    inputs = keras.Input((20, 16))
+    x = layers.GRU(32, return_sequences=True, name="gru_a")(inputs)
+    x = layers.LSTM(32, return_sequences=True, name="lstm_b")(x)
+    x = layers.GRU(32, return_sequences=True, name="gru_c")(x)
+    outputs = layers.Dense(5)(layers.GlobalAveragePooling1D()(x))
+    return _compile(keras.Model(inputs, outputs, name="stacked_recurrent")), _sequences()
+
+
+class MinimalRNNCell(layers.Layer):
+    """A hand-written cell, as in Keras's RNN guide: h = tanh(x W + h U)."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.state_size = units, units
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units), initializer="glorot_uniform", name="kernel")
+        self.recurrent = self.add_weight(shape=(self.units, self.units), initializer="orthogonal", name="recurrent")
+
+    def call(self, inputs, states):
+        import keras.ops as ops
+        h = ops.tanh(ops.matmul(inputs, self.kernel) + ops.matmul(states[0], self.recurrent))
+        return h, [h]
+
+
+def custom_cell():
+    _seed()
+    model = keras.Sequential([keras.Input((20, 16)), layers.RNN(MinimalRNNCell(32), return_sequences=True),
+                              layers.GlobalAveragePooling1D(), layers.Dense(5)], name="custom_cell")
+    return _compile(model), _sequences()
+
+
+#: Recurrent families: each layer is a While loop whose gradient reads its accumulated per-step values.
+RECURRENT_ZOO = {
+    "lstm": lstm_model,
+    "gru": gru_model,
+    "bidirectional_text": bidirectional_text,
+    "stacked_recurrent": stacked_recurrent,
+    "custom_cell": custom_cell,
+}
+
+
 FIT_ZOO = {
     "sequential_cnn": sequential_cnn,
     "resnet_style": resnet_style,

@@ -1,6 +1,7 @@
 """Every use of a private TensorFlow or Keras API in lms-tf lives in this package, by subject.
 
 - :mod:`~lms_tf._compat.graph`: editing a graph while it is traced, op attributes, shape inference;
+- :mod:`~lms_tf._compat.data`: the batch size of a ``tf.data`` pipeline;
 - :mod:`~lms_tf._compat.keras`: Keras internals (XLA flag, name scopes, fit's batch size, the
   optimizer classes whose update methods receive the gradients);
 - :mod:`~lms_tf._compat.grappler`: Grappler's virtual cluster (the GPU memory oracle);
@@ -21,8 +22,10 @@ from lms_tf._compat.graph import (
                                   check_private_apis,
                                   clone_op,
                                   current_graph,
+                                  function_def,
                                   infer_shapes_with_inputs,
                                   is_function_graph,
+                                  op_is_stateful,
                                   set_bool_attr,
                                   set_int_attr,
                                   set_string_attr,
@@ -49,9 +52,9 @@ from lms_tf._compat.keras import (
 from lms_tf._compat.profiler import onednn_enabled, profile_allocations, profile_executed_ops
 
 __all__ = ["GRAPPLER_RECOMPUTED_PREFIX", "GRAPPLER_SWAP_OPS", "add_control_input", "automatic_control_dependencies",
-           "check_private_apis", "clone_op", "current_graph", "dataset_batch_size", "fit_batch_size", "get_jit_compile",
+           "check_private_apis", "clone_op", "current_graph", "dataset_batch_size", "function_def", "fit_batch_size", "get_jit_compile",
            "grappler_accumulated_sums", "grappler_memory_optimized", "grappler_peak_live_tensors",
            "grappler_peak_memory", "infer_shapes_with_inputs", "is_function_graph", "keras_module",
-           "layer_scope_aliases", "onednn_enabled", "optimizer_entry_points", "profile_allocations",
+           "layer_scope_aliases", "onednn_enabled", "op_is_stateful", "optimizer_entry_points", "profile_allocations",
            "profile_executed_ops", "set_bool_attr", "set_int_attr", "set_jit_compile", "set_string_attr",
            "string_attr", "update_input", "using_legacy_keras"]

@@ -236,3 +236,39 @@ def infer_shapes_with_inputs(graph: tf.Graph, tensor_shapes: Dict[str, tf.Tensor
             for out in op.outputs:
                 shapes[out.name[2:]] = out.shape
     return shapes
+
+
+def function_def(graph: tf.Graph, name: str):
+    """The ``FunctionDef`` of function ``name`` registered in ``graph`` (or an outer graph), or None.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> f = tf.function(lambda x: tf.while_loop(lambda i: i < 3, lambda i: i + 1, [x]))
+        >>> g = f.get_concrete_function(tf.constant(0)).graph
+        >>> loop = [op for op in g.get_operations() if "While" in op.type][0]
+        >>> function_def(g, loop.get_attr("body").name).signature.name == loop.get_attr("body").name
+        True
+    """
+    while graph is not None:
+        found = graph._get_function(name)  # pylint: disable=protected-access
+        if found is not None:
+            for attribute in ("cached_definition", "definition"):
+                definition = getattr(found, attribute, None)
+                if definition is not None:
+                    return definition
+            return None
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
+def op_is_stateful(op_type: str) -> bool:
+    """Whether TensorFlow registers ``op_type`` as stateful (True for a type it does not know).
+
+    Example:
+        >>> op_is_stateful("ReadVariableOp"), op_is_stateful("Relu")
+        (True, False)
+    """
+    from tensorflow.python.framework import op_def_registry
+
+    op_def = op_def_registry.get(op_type)
+    return True if op_def is None else bool(op_def.is_stateful)

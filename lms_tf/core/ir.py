@@ -44,7 +44,11 @@ class TensorInfo:
         shape: Dimensions after resolution; ``None`` entries are still unknown; ``None``
             when even the rank is unknown.
         nbytes: Size in bytes, or ``None`` when a dimension is unknown or the dtype
-            has no fixed size (resource, variant, string).
+            has no fixed size (resource, variant, string). A ``While`` loop's TensorList
+            accumulator (the per-iteration values its gradient loop reads) is the exception:
+            it is described by its elements, ``dtype`` the element dtype and ``shape``
+            ``(iterations, *element_shape)``, when both are known statically (``nbytes`` 0 when
+            the elements are reads of a variable: they share its buffer).
         producer: Name of the op that produces it.
         consumers: Names of the ops that read it (data edges), in execution order.
 
@@ -76,6 +80,8 @@ class OpInfo:
         outputs: Output tensor names.
         stateful: Whether TensorFlow declares the op stateful (variable access,
             random ops with hidden state, I/O): such ops are never recomputed.
+        reads_state_only: A functional op (``While``, ``If``) that is stateful only because its
+            functions read variables: it may be recomputed while nothing writes those variables.
 
     Example:
         >>> OpInfo("a", "Relu", 0, Phase.FORWARD, "", (), (), ("a:0",)).type
@@ -91,6 +97,7 @@ class OpInfo:
     control_inputs: Tuple[str, ...]
     outputs: Tuple[str, ...]
     stateful: bool = False
+    reads_state_only: bool = False
 
 
 def layer_of(op_name: str) -> str:
@@ -228,7 +235,8 @@ def make_ir(ops: Sequence[Mapping[str, Any]], *, data_dependent: Optional[Sequen
                             phase=Phase(spec.get("phase", "forward")), device=spec.get("device", ""),
                             inputs=tuple(spec.get("inputs", ())),
                             control_inputs=tuple(spec.get("control_inputs", ())),
-                            outputs=tuple(outputs), stateful=bool(spec.get("stateful", False))))
+                            outputs=tuple(outputs), stateful=bool(spec.get("stateful", False)),
+                            reads_state_only=bool(spec.get("reads_state_only", False))))
     dependent = frozenset(data_dependent if data_dependent is not None else (op.name for op in infos))
     return GraphIR(ops=tuple(infos), tensors=tensors, function_inputs=frozenset(function_inputs),
                    resolved_dims={}, data_dependent=dependent)

@@ -20,12 +20,23 @@ DATA_SOURCE_OP_TYPES = frozenset({
     "IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue", "MultiDeviceIteratorGetNextFromShard",
 })
 
-#: Control-flow ops: values entering or leaving them are never swapped (their bodies are functions).
+#: Functional loops. A forward loop's TensorList accumulators (the per-iteration values its
+#: gradient loop reads) are planned like other activations: swapped, or the loop recomputed.
+WHILE_OP_TYPES = frozenset({"While", "StatelessWhile"})
+#: Ops that make the empty TensorList a loop accumulates into (input 1: how many elements).
+LIST_CONSTRUCTOR_TYPES = frozenset({"EmptyTensorList", "TensorListReserve"})
+
+#: Control-flow ops: values entering or leaving them are never swapped (their bodies are functions),
+#: except a forward loop's accumulators (:data:`WHILE_OP_TYPES`).
 CONTROL_FLOW_OP_TYPES = frozenset({
     "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
     "Enter", "Exit", "Switch", "Merge", "NextIteration", "LoopCond", "RefEnter", "RefExit",
     "RefSwitch", "RefMerge",
 })
+
+#: Stateful op types that only read state: a function whose stateful ops are all of these computes
+#: the same values when run again, as long as nothing writes the variables in between.
+STATE_READ_TYPES = frozenset({"ReadVariableOp", "VariableShape", "VarIsInitializedOp"})
 
 #: Reads of variables: their outputs are the variable's own buffer, never swapped or cloned.
 VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "VariableV2", "ResourceGather",
@@ -81,9 +92,11 @@ FUSABLE_GATE_TYPES = frozenset({"BiasAddGrad"})
 
 # --- Memory rules of TensorFlow's executor and kernels (the simulator) ------------------------
 
-#: Ops whose outputs share their input's buffer.
+#: Ops whose outputs share their input's buffer. ``TensorListFromTensor`` splits a tensor into
+#: a list of slices that share its buffer: the tensor lives as long as the list (a loop's input
+#: sequence, or the gradient of its output sequence read by the gradient loop).
 ALIAS_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "Snapshot", "Reshape", "Squeeze", "ExpandDims",
-                         "EnsureShape", "PreventGradient"})
+                         "EnsureShape", "PreventGradient", "TensorListFromTensor"})
 #: Ops whose outputs are resident or live outside the step's transient memory.
 RESIDENT_TYPES = frozenset({"ReadVariableOp", "Const", "VarHandleOp", "Placeholder", "_Arg", "HostConst"})
 #: Elementwise kernels that write into an input buffer nobody else reads.

@@ -57,9 +57,10 @@ from typing import Mapping, Optional
 
 from lms_tf.core.errors import LMSOptionError, infeasible
 from lms_tf.core.ir import GraphIR
-from lms_tf.core.plan import Plan, Predictions
+from lms_tf.core.plan import Decision, Plan, Predictions
 from lms_tf.core.policy import Policies, format_bytes, resolve_budget
 from lms_tf.cost.model import CostModel
+from lms_tf.planner.candidates import UNSIZED_LOOP_REASON
 from lms_tf.planner.search import BudgetSearch
 from lms_tf.planner.step import PlanningStep
 
@@ -68,6 +69,24 @@ logger = logging.getLogger("lms_tf")
 
 def _bytes_text(nbytes: int) -> str:
     return f"{format_bytes(nbytes)} ({nbytes} bytes)"
+
+
+def _what_stays(plan: Plan, top: int = 3) -> str:
+    """The largest activations the lowest plan still keeps and why, and the loops whose values
+    could not be sized (their memory is missing from every figure)."""
+    resident = ("variable read", "derived from variables or constants only", "function input")
+    kept = sorted((d for d in plan.decisions if d.decision is Decision.KEEP and d.nbytes and d.reason not in resident),
+                  key=lambda d: -d.nbytes)
+    unsized = sorted({d.tensor.rsplit(":", 1)[0] for d in plan.decisions if d.reason.startswith(UNSIZED_LOOP_REASON)})
+    text = ""
+    if unsized:
+        text += (f" Loops {', '.join(map(repr, unsized))} keep per-iteration values whose size is not static (a "
+                 f"trip count or element shape known only at run time): they are not counted above and may set the "
+                 f"real floor; give the loop a static maximum_iterations or fixed shapes.")
+    if kept:
+        text += " The largest activations that stay: " + "; ".join(
+            f"{d.tensor!r} {format_bytes(d.nbytes)} ({d.reason})" for d in kept[:top]) + "."
+    return text
 
 
 def make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, cost: CostModel,
@@ -131,7 +150,7 @@ def _make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, scope_ali
             f"{_bytes_text(baseline.peak_bytes)} (simulated) and {kinds or 'moving'} every movable tensor still "
             f"needs {_bytes_text(floor)} ({counted}). The smallest feasible budget is about {_bytes_text(floor)}; "
             f"pass budget >= that, "
-            f"a smaller batch{hint}.",
+            f"a smaller batch{hint}.{_what_stays(plan)}",
             budget_bytes, floor)
     logger.info("lms-tf planner: %s peak %.1f -> %.1f MiB (budget %.1f MiB; recompute %s; %d simulations) "
                 "in %.2f s", spec.name, baseline.peak_bytes / 2**20, sim.peak_bytes / 2**20, budget_bytes / 2**20,

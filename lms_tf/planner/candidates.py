@@ -27,14 +27,18 @@ from lms_tf.core.op_kinds import (
     FUSABLE_GATE_TYPES,
     HOST_DTYPES,
     LAYER_OP_TYPES,
+    LIST_CONSTRUCTOR_TYPES,
     METADATA_READER_TYPES,
     NEVER_CLONED_TYPES,
     VARIABLE_READ_TYPES,
+    WHILE_OP_TYPES,
 )
 from lms_tf.core.plan import Decision, TensorDecision
 from lms_tf.core.policy import Policies
 
 _GLOB_CHARS = set("*?[")
+#: How a decision's reason starts for a loop's accumulator that cannot be sized.
+UNSIZED_LOOP_REASON = "unsized loop values"
 
 
 def clonable(op: OpInfo) -> bool:
@@ -45,7 +49,25 @@ def clonable(op: OpInfo) -> bool:
         >>> clonable(OpInfo("p", "MaxPool", 0, Phase.FORWARD, "", (), (), ())), clonable(OpInfo("r", "Relu", 0, Phase.FORWARD, "", (), (), ()))
         (False, True)
     """
-    return not op.stateful and op.type not in NEVER_CLONED_TYPES
+    return (not op.stateful or op.reads_state_only) and op.type not in NEVER_CLONED_TYPES
+
+
+def is_loop_accumulator(ir: GraphIR, tensor: str) -> bool:
+    """Whether ``tensor`` is a forward loop's sized TensorList accumulator that only loops read.
+
+    The trace describes such a list by its elements (element dtype, ``(iterations, *shape)``); its
+    readers are the gradient loop (and nothing that would need the list inside a forward op).
+
+    Example:
+        >>> from lms_tf.core import make_ir
+        >>> ir = make_ir([dict(name="loop", type="While", outputs=[("loop:1", (20, 4, 16))]),
+        ...               dict(name="grad", type="StatelessWhile", inputs=["loop:1"], phase="backward")])
+        >>> is_loop_accumulator(ir, "loop:1")
+        True
+    """
+    info = ir.tensors[tensor]
+    return (ir.op(info.producer).type in WHILE_OP_TYPES and info.nbytes is not None and bool(info.shape)
+            and all(ir.op(c).type in WHILE_OP_TYPES for c in info.consumers))
 
 
 def _is_glob(entry: str) -> bool:
@@ -152,6 +174,22 @@ def _gate_candidates(ir: GraphIR) -> List[OpInfo]:
     return candidates
 
 
+def _accumulates(ir: GraphIR, op: OpInfo, tensor: str) -> bool:
+    """Whether ``tensor`` is a loop output that starts as an empty (or reserved) TensorList: values
+    the loop appends to, as opposed to a list it only passes through."""
+    if op.type not in WHILE_OP_TYPES or tensor not in op.outputs:
+        return False
+    index = op.outputs.index(tensor)
+    return index < len(op.inputs) and ir.op(ir.tensors[op.inputs[index]].producer).type in LIST_CONSTRUCTOR_TYPES
+
+
+def _loop_is_recomputable(ir: GraphIR, loop: OpInfo) -> bool:
+    """A loop whose functions only read variables that nothing writes before the loop's gradient
+    (the trace checks both: ``reads_state_only``), so running it again in the backward pass gives
+    the same values. A loop that fails this is left alone altogether."""
+    return clonable(loop)
+
+
 def _same_device(op_device: str, device: str) -> bool:
     """An op without a requested device is placed on the accelerator by TF's placer."""
     return not op_device or device_kind_and_index(op_device) == device_kind_and_index(device)
@@ -166,12 +204,18 @@ def _ineligible(ir: GraphIR, op: OpInfo, tensor, readers, device: str, excluded_
         return "variable read"
     if op.name not in ir.data_dependent:
         return "derived from variables or constants only"
+    if tensor.dtype == "variant" and _accumulates(ir, op, tensor.name) and any(c.type in WHILE_OP_TYPES for c in readers):
+        return (f"{UNSIZED_LOOP_REASON}: the trip count or element shape of loop {op.name!r} is not static, "
+                f"so its per-iteration values are neither counted nor moved")
     if tensor.dtype in HOST_DTYPES:
         return f"host-resident dtype ({tensor.dtype})"
     if not _same_device(op.device, device):
         return f"placed on {op.device}, not the managed device"
-    if op.type in CONTROL_FLOW_OP_TYPES or any(c.type in CONTROL_FLOW_OP_TYPES for c in readers):
-        return "control-flow value (while/cond bodies stay untouched)"
+    if (op.type in CONTROL_FLOW_OP_TYPES or any(c.type in CONTROL_FLOW_OP_TYPES for c in readers)) and not (
+            is_loop_accumulator(ir, tensor.name) and _loop_is_recomputable(ir, op)):
+        return ("control-flow value (a loop whose per-iteration values are not TensorLists of a static size, "
+                "whose functions change state, or whose variables are written before its gradient; while/cond "
+                "bodies stay untouched)")
     if exclusion is not None:
         return f"excluded by {exclusion!r}"
     if any(c.phase is Phase.UPDATE for c in readers):

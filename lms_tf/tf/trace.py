@@ -37,7 +37,14 @@ import tensorflow as tf
 from lms_tf import _compat
 from lms_tf.core.errors import GraphAnalysisError
 from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo, is_gradient_scoped
-from lms_tf.core.op_kinds import DATA_SOURCE_OP_TYPES
+from lms_tf.core.op_kinds import (
+    DATA_SOURCE_OP_TYPES,
+    LIST_CONSTRUCTOR_TYPES,
+    STATE_READ_TYPES,
+    VARIABLE_READ_TYPES,
+    VARIABLE_UPDATE_PREFIXES,
+    WHILE_OP_TYPES,
+)
 
 
 def _execution_order(ops: Sequence[tf.Operation]) -> List[tf.Operation]:
@@ -184,6 +191,7 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
         | {op.name for op in tf_ops if op.type in DATA_SOURCE_OP_TYPES})
     data_dependent = _data_dependent(order, sources)
     phases = _classify(order, {op.name: i for i, op in enumerate(tf_ops)}, data_dependent)
+    after_gradient = _ordered_after_the_gradient(tf_ops, phases)
 
     # Concrete shapes for the batch-carrying tensors, by tensor name.
     resolution: Dict[str, Tuple[Optional[int], ...]] = {}
@@ -225,16 +233,146 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
             if not shape.is_fully_defined() and out.name in inferred:
                 shape = shape.merge_with(inferred[out.name]) if shape.is_compatible_with(inferred[out.name]) else shape
             dims = _static_shape(shape)
+            dtype, nbytes = out.dtype, _nbytes(out.dtype, dims)
+            accumulator = _loop_accumulator(op, out, batch_size) if op.type in WHILE_OP_TYPES else None
+            if accumulator is not None:
+                dtype, dims, shares_a_variable = accumulator
+                # A variable read pushed every iteration: the elements are the variable's own buffer.
+                nbytes = 0 if shares_a_variable else _nbytes(dtype, dims)
             tensors[out.name] = TensorInfo(
-                name=out.name, dtype=out.dtype.name, shape=dims, nbytes=_nbytes(out.dtype, dims),
+                name=out.name, dtype=dtype.name, shape=dims, nbytes=nbytes,
                 producer=op.name, consumers=tuple(consumers.get(out.name, ())))
         ops.append(OpInfo(
             name=op.name, type=op.type, index=index, phase=phases[op.name], device=op.device,
             inputs=tuple(t.name for t in op.inputs),
             control_inputs=tuple(c.name for c in op.control_inputs),
-            outputs=tuple(t.name for t in op.outputs), stateful=bool(op.op_def.is_stateful)))
+            outputs=tuple(t.name for t in op.outputs), stateful=bool(op.op_def.is_stateful),
+            reads_state_only=(op.type in _FUNCTIONAL_TYPES and _functions_read_state_only(graph, op)
+                              and _variables_unwritten_before_gradient(op, after_gradient))))
     return GraphIR(ops=tuple(ops), tensors=tensors, function_inputs=inputs, resolved_dims=resolution,
                    data_dependent=data_dependent)
+
+
+_FUNCTIONAL_TYPES = WHILE_OP_TYPES | {"If", "StatelessIf"}
+
+
+def _static_int(tensor: tf.Tensor) -> Optional[int]:
+    """The value of a scalar int tensor computed from constants (Keras's ``Max`` of the time steps)."""
+    value = tf.get_static_value(tensor)
+    op = tensor.op
+    if value is None and op.type in ("Max", "Min", "Identity"):
+        source = tf.get_static_value(op.inputs[0])
+        if source is not None and getattr(source, "ndim", 1) == 0:  # a reduction of a scalar is the scalar
+            value = source
+    try:
+        return int(value) if value is not None and getattr(value, "ndim", 0) == 0 else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _loop_accumulator(op: tf.Operation, out: tf.Tensor, batch_size: Optional[int]):
+    """(element dtype, (iterations, *element shape), whether the elements are a variable's reads) of a
+    ``While`` output that is a TensorList accumulator built by ``EmptyTensorList``/``TensorListReserve``
+    with a static size, else None.
+
+    The gradient of a ``While`` loop reads per-iteration values of the forward loop from such
+    lists, which the forward loop fills (one element per iteration) and returns as outputs.
+    """
+    if out.dtype != tf.variant or out.value_index >= len(op.inputs):
+        return None
+    shares_a_variable = _pushed_values(op).get(out.value_index) in VARIABLE_READ_TYPES
+    init = op.inputs[out.value_index].op
+    if init.type not in LIST_CONSTRUCTOR_TYPES:
+        return None
+    count = _static_int(init.inputs[1])
+    element = tf.get_static_value(init.inputs[0])
+    if count is None or count < 0 or element is None or getattr(element, "ndim", 0) != 1:
+        return None
+    dims = [int(d) for d in element]
+    if dims and dims[0] == -1 and batch_size is not None:
+        dims[0] = batch_size  # traced with an unknown batch dimension
+    if any(d < 0 for d in dims):
+        return None
+    return tf.as_dtype(init.get_attr("element_dtype")), (count, *dims), shares_a_variable
+
+
+def _ordered_after_the_gradient(ops: Sequence[tf.Operation], phases: Mapping[str, Phase]) -> FrozenSet[str]:
+    """Ops that run after some backward op: its data descendants, and what ``tf.function``'s
+    automatic control dependencies will order after them when the trace ends (not yet in the graph
+    now): an op reading a variable runs after the writes to it created before it. So Keras's
+    momentum SGD and Adam, which write a slot and then add a read of it to the weight, update the
+    weight after the gradient."""
+    after = set()
+    last_write: Dict[int, bool] = {}  # variable handle (tensor id) -> whether its latest write is after
+    for op in ops:  # creation order, as the automatic control dependencies use
+        handles = [t for t in op.inputs if t.dtype == tf.resource]
+        late = (phases.get(op.name) is Phase.BACKWARD or any(t.op.name in after for t in op.inputs)
+                or any(c.name in after for c in op.control_inputs)
+                or any(last_write.get(id(h)) for h in handles))
+        if late:
+            after.add(op.name)
+        if op.type.startswith(VARIABLE_UPDATE_PREFIXES):
+            for h in handles[:1]:
+                last_write[id(h)] = late
+    return frozenset(after)
+
+
+def _variables_unwritten_before_gradient(op: tf.Operation, after_gradient: FrozenSet[str]) -> bool:
+    """Whether every write to a variable ``op`` reads runs after the gradient (so a copy of ``op``
+    run in the backward pass reads the values the original read)."""
+    for handle in (t for t in op.inputs if t.dtype == tf.resource):
+        for reader in handle.consumers():
+            if reader.type.startswith(VARIABLE_UPDATE_PREFIXES) and reader.name not in after_gradient:
+                return False
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _pushed_values_of(graph: tf.Graph, body_name: str) -> Dict[int, str]:
+    definition = _compat.function_def(graph, body_name)
+    if definition is None:
+        return {}
+    args = {arg.name: i for i, arg in enumerate(definition.signature.input_arg)}
+    nodes = {node.name: node for node in definition.node_def}
+
+    def source_type(reference: str) -> str:
+        name = reference.split(":")[0]
+        while name in nodes and nodes[name].op == "Identity":
+            name = nodes[name].input[0].split(":")[0]
+        return nodes[name].op if name in nodes else "_Arg"
+
+    return {args[node.input[0].split(":")[0]]: source_type(node.input[1])
+            for node in definition.node_def
+            if node.op == "TensorListPushBack" and node.input[0].split(":")[0] in args}
+
+
+def _pushed_values(loop: tf.Operation) -> Dict[int, str]:
+    """Loop variable index -> type of the op whose value the body pushes onto that TensorList
+    (``"_Arg"`` for a loop variable itself, i.e. the previous iteration's value)."""
+    return _pushed_values_of(loop.graph, loop.get_attr("body").name)
+
+
+def _functions_read_state_only(graph: tf.Graph, op: tf.Operation) -> bool:
+    """Whether every stateful op in ``op``'s functions (and the functions they call) only reads state."""
+    pending = [attr.func.name for attr in op.node_def.attr.values() if attr.HasField("func")]
+    seen = set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        definition = _compat.function_def(graph, name)
+        if definition is None:
+            return False
+        for node in definition.node_def:
+            for attr in node.attr.values():
+                if attr.HasField("func"):
+                    pending.append(attr.func.name)
+            if node.op in _FUNCTIONAL_TYPES or node.op in ("PartitionedCall", "StatefulPartitionedCall"):
+                continue  # its functions are checked in turn
+            if _compat.op_is_stateful(node.op) and node.op not in STATE_READ_TYPES:
+                return False
+    return True
 
 
 def trace_step_ir(step: Callable, *args, wrap: Optional[Callable[[Callable], Callable]] = None,

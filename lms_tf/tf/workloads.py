@@ -70,18 +70,40 @@ def transformer_encoder(seq_len: int = 128, vocab: int = 1000, dim: int = 256, h
     return keras.Model(inputs, outputs, name="transformer_encoder")
 
 
+def stacked_rnn(seq_len: int = 100, vocab: int = 1000, dim: int = 64, units: int = 128, classes: int = 10):
+    """A stacked recurrent classifier: embedding, bidirectional GRU, LSTM and GRU, all returning sequences.
+
+    On a CPU (and on a GPU when cuDNN's conditions are not met) each recurrent layer is a
+    ``While`` loop whose gradient reads the per-step values the forward loop accumulated.
+
+    Example:
+        >>> stacked_rnn(seq_len=8, dim=8, units=8).output_shape
+        (None, 10)
+    """
+    keras = _compat.keras_module()
+    layers = keras.layers
+    inputs = keras.Input((seq_len,), dtype="int32")
+    x = layers.Embedding(vocab, dim, name="embedding")(inputs)
+    x = layers.Bidirectional(layers.GRU(units // 2, return_sequences=True), name="bigru")(x)
+    x = layers.LSTM(units, return_sequences=True, name="lstm")(x)
+    x = layers.GRU(units, return_sequences=True, name="gru")(x)
+    outputs = layers.Dense(classes, activation="softmax", name="head")(layers.GlobalAveragePooling1D()(x))
+    return keras.Model(inputs, outputs, name="stacked_rnn")
+
+
 #: Built-in workloads beside ``keras.applications`` (name -> builder taking image_size, classes).
 BUILTIN_MODELS = {
     "UNet": lambda image_size, classes: unet(image_size=image_size, classes=min(classes, 16)),
     "TransformerEncoder": lambda image_size, classes: transformer_encoder(seq_len=image_size, classes=classes),
+    "StackedRNN": lambda image_size, classes: stacked_rnn(seq_len=image_size, classes=classes),
 }
 
 
 def build_model(spec: str, *, image_size: int = 224, classes: int = 1000):
     """Builds an untrained model from a ``keras.applications`` name, a built-in workload, a ``.keras`` file or ``module:factory``.
 
-    Built-in workloads: ``"UNet"`` (``image_size`` x ``image_size`` segmentation) and
-    ``"TransformerEncoder"`` (``image_size`` is the sequence length).
+    Built-in workloads: ``"UNet"`` (``image_size`` x ``image_size`` segmentation),
+    ``"TransformerEncoder"`` and ``"StackedRNN"`` (``image_size`` is the sequence length).
 
     Args:
         spec: e.g. ``"ResNet50"``, ``"UNet"``, ``"model.keras"`` or ``"my_pkg.models:build"``.

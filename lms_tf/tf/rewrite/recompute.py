@@ -25,7 +25,7 @@ from typing import Dict, Tuple
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.core.op_kinds import recompute_clone_name
+from lms_tf.core.op_kinds import WHILE_OP_TYPES, recompute_clone_name
 from lms_tf.core.plan import Plan
 from lms_tf.tf.rewrite.common import mark, repoint_consumers
 from lms_tf.tf.rewrite.swap import gated_swap_in
@@ -109,6 +109,8 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
                     inputs.append(tensor)
             if not from_clone:
                 inputs[0] = _gated_input(graph, inputs[0], gate, original.device, inserted)
+            if original.type in WHILE_OP_TYPES:
+                inputs = _loop_handles_from_outputs(original, inputs)
             clone = _compat.clone_op(graph, original, inputs, name=f"recompute/{op_name.replace('/', '_')}")
             mark(clone, "recompute", keep=False)
             # Which op this clones and behind which gate: the simulator names the clone
@@ -137,3 +139,16 @@ def _gated_input(graph: tf.Graph, tensor: tf.Tensor, gate: tf.Operation, device:
     mark(gated.op, "recompute_gate")
     inserted["recompute_gate"] += 1
     return gated
+
+
+def _loop_handles_from_outputs(loop: tf.Operation, inputs):
+    """A loop clone's variable handles, taken from the loop's own outputs (loop variable i leaves as
+    output i, and a handle passes through unchanged).
+
+    tf.function's automatic control dependencies order every op that reads a variable handle after
+    the latest op written before it that writes it: read from the captured handle, the clone would
+    wait for the optimizer's writes, which wait for the gradient the clone feeds (a cycle). Nothing
+    writes through the loop's outputs. The planner recomputes a loop only when nothing writes its
+    variables before its gradient has run, so the values read are the forward loop's.
+    """
+    return [loop.outputs[i] if t.dtype == tf.resource else t for i, t in enumerate(inputs)]
