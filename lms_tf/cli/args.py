@@ -101,10 +101,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, batch: bool = True) 
         224
     """
     parser.add_argument("--model", required=True, help="keras.applications name (any case, e.g. resnet50), UNet, "
-                                                      "TransformerEncoder, a .keras file or module:factory")
+                                                      "TransformerEncoder, StackedRNN, a .keras file or module:factory")
     parser.add_argument("--input-shape", type=input_size, default=224, metavar="HxW",
                         help="input size of keras.applications / built-in models, e.g. 224x224 (sequence length "
-                             "for TransformerEncoder); default 224")
+                             "for TransformerEncoder and StackedRNN); default 224")
     parser.add_argument("--classes", type=positive_int, default=1000)
     if batch:
         parser.add_argument("--batch", type=positive_int, required=True, help="batch size of the traced step")
