@@ -67,6 +67,7 @@ def test_cli_explain_recompute_only():
 @pytest.mark.parametrize("argv, message", [
     (["--help"], None),
     (["plan", "--model", "resnet50", "--batch", "0"], "argument --batch: must be an int >= 1; received '0'"),
+    (["plan", "--model", "resnet50", "--batch", "-1"], "argument --batch: must be an int >= 1; received '-1'"),
     (["plan", "--model", "resnet50", "--batch", "8", "--budget", "abc"], "argument --budget: budget must be"),
     (["plan", "--model", "resnet50", "--batch", "8", "--budget", "200%"], "budget must be at most 100%"),
     (["plan", "--model", "resnet50", "--batch", "8", "--budget", "0"], "argument --budget: budget must be > 0"),
