@@ -82,6 +82,8 @@ class OpInfo:
             random ops with hidden state, I/O): such ops are never recomputed.
         reads_state_only: A functional op (``While``, ``If``) that is stateful only because its
             functions read variables: it may be recomputed while nothing writes those variables.
+        inner_kernels: Kernels a loop runs per call (its body's times its trip count; 0 when
+            unknown or not a loop): each costs a launch, which dominates a small recurrent step.
 
     Example:
         >>> OpInfo("a", "Relu", 0, Phase.FORWARD, "", (), (), ("a:0",)).type
@@ -98,6 +100,7 @@ class OpInfo:
     outputs: Tuple[str, ...]
     stateful: bool = False
     reads_state_only: bool = False
+    inner_kernels: int = 0
 
 
 def layer_of(op_name: str) -> str:
@@ -236,7 +239,8 @@ def make_ir(ops: Sequence[Mapping[str, Any]], *, data_dependent: Optional[Sequen
                             inputs=tuple(spec.get("inputs", ())),
                             control_inputs=tuple(spec.get("control_inputs", ())),
                             outputs=tuple(outputs), stateful=bool(spec.get("stateful", False)),
-                            reads_state_only=bool(spec.get("reads_state_only", False))))
+                            reads_state_only=bool(spec.get("reads_state_only", False)),
+                            inner_kernels=int(spec.get("inner_kernels", 0))))
     dependent = frozenset(data_dependent if data_dependent is not None else (op.name for op in infos))
     return GraphIR(ops=tuple(infos), tensors=tensors, function_inputs=frozenset(function_inputs),
                    resolved_dims={}, data_dependent=dependent)

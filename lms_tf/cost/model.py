@@ -171,7 +171,10 @@ class CostModel:
             >>> CostModel(get_device_spec("v100-16gb-pcie3")).op_time(GraphIR((op,), {}, frozenset(), {}), op)
             0.0
         """
-        return self.time_of(op_cost(ir, op))
+        # A loop runs its body's kernels once per step: their launches, which the loop's own
+        # cost (a pass over the values it accumulates) does not include.
+        launches = op.inner_kernels * self.device.launch_overhead_s * self.scale.get("elementwise", 1.0)
+        return self.time_of(op_cost(ir, op)) + launches
 
     def transfer_time(self, nbytes: int, direction: str) -> float:
         """Seconds to copy ``nbytes`` over the host link (``"device_to_host"`` or ``"host_to_device"``).

@@ -248,7 +248,8 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
             control_inputs=tuple(c.name for c in op.control_inputs),
             outputs=tuple(t.name for t in op.outputs), stateful=bool(op.op_def.is_stateful),
             reads_state_only=(op.type in _FUNCTIONAL_TYPES and _functions_read_state_only(graph, op)
-                              and _variables_unwritten_before_gradient(op, after_gradient))))
+                              and _variables_unwritten_before_gradient(op, after_gradient)),
+            inner_kernels=_loop_kernels(op) if op.type in WHILE_OP_TYPES else 0))
     return GraphIR(ops=tuple(ops), tensors=tensors, function_inputs=inputs, resolved_dims=resolution,
                    data_dependent=data_dependent)
 
@@ -350,6 +351,19 @@ def _pushed_values(loop: tf.Operation) -> Dict[int, str]:
     """Loop variable index -> type of the op whose value the body pushes onto that TensorList
     (``"_Arg"`` for a loop variable itself, i.e. the previous iteration's value)."""
     return _pushed_values_of(loop.graph, loop.get_attr("body").name)
+
+
+_NOT_KERNELS = frozenset({"Const", "Identity", "NoOp", "_Arg", "_Retval"})
+
+
+def _loop_kernels(loop: tf.Operation) -> int:
+    """Kernels a loop runs: its body's (the cheap bookkeeping ops left out) times its static trip
+    count (the ``maximum_iterations`` input), or 0 when either is unknown."""
+    trips = _static_int(loop.inputs[1]) if len(loop.inputs) > 1 else None
+    definition = _compat.function_def(loop.graph, loop.get_attr("body").name)
+    if not trips or trips < 0 or definition is None:
+        return 0
+    return trips * sum(node.op not in _NOT_KERNELS for node in definition.node_def)
 
 
 def _functions_read_state_only(graph: tf.Graph, op: tf.Operation) -> bool:
