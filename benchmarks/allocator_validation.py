@@ -26,8 +26,9 @@ import sys
 log = logging.getLogger("benchmark")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tests.allocator_runs import run_allocator_worker  # noqa: E402
 from publish import OUT, publish  # noqa: E402 - benchmarks/publish.py, beside this script
+
+from tests.allocator_runs import run_allocator_worker  # noqa: E402
 
 ZOO = ["ResNet50,224,32", "VGG16,224,16", "MobileNetV2,224,32", "UNet,256,8", "TransformerEncoder,512,16"]
 MiB = 2**20

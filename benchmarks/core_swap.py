@@ -30,11 +30,11 @@ tf.config.set_logical_device_configuration(
     [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
 
 import keras  # noqa: E402
+from publish import OUT, publish  # noqa: E402 - benchmarks/publish.py, beside this script
 
 import lms_tf  # noqa: E402
 from lms_tf.tf.diagnostics import virtual_gpu_peak  # noqa: E402
 from lms_tf.tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
-from publish import OUT, publish  # noqa: E402 - benchmarks/publish.py, beside this script
 
 LMS = dict(device="/CPU:0", host="/CPU:1")
 GiB, MiB = 2**30, 2**20

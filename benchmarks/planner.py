@@ -41,6 +41,7 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import keras  # noqa: E402
+from publish import OUT, publish  # noqa: E402 - benchmarks/publish.py, beside this script
 
 import lms_tf  # noqa: E402
 from lms_tf.cli.max_batch import largest_batch  # noqa: E402
@@ -64,7 +65,6 @@ from lms_tf.tf.diagnostics import (  # noqa: E402
 )
 from lms_tf.tf.trace import build_ir  # noqa: E402
 from lms_tf.tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
-from publish import OUT, publish  # noqa: E402 - benchmarks/publish.py, beside this script
 
 log = logging.getLogger("benchmark")
 MiB = 2**20

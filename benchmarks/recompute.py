@@ -4,8 +4,9 @@ Real CPU-allocator peak of one training step (median of 3 steps) and median step
 (after warm-up, timed in blocks alternating with the plain step), each
 relative to the plain step, for: lms-tf recompute="sqrt", lms-tf recompute="cheap",
 keras.RematScope(mode="activations"), keras.RematScope(mode="full") and tf.recompute_grad
-around each residual block, on a 32-block residual conv net (32x32, batch 16) and on
-ResNet-50 (keras.applications, 96x96, batch 8; batch 32 for context).
+around each residual block, on a 32-block residual conv net (32x32, batch 16), on
+ResNet-50 (keras.applications, 96x96, batch 8; batch 32 for context) and on a stacked recurrent
+model (the built-in StackedRNN workload, 100 steps, batch 64).
 
     .venv/bin/python benchmarks/recompute.py        # tables into docs/benchmarks/recompute.md; raw figures in benchmarks/out/
 """
@@ -24,10 +25,10 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # the CPU allocator r
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from publish import OUT, publish  # noqa: E402 - benchmarks/publish.py, beside this script
 
 import lms_tf  # noqa: E402
 from lms_tf.tf.workloads import build_model  # noqa: E402
-from publish import OUT, publish  # noqa: E402 - benchmarks/publish.py, beside this script
 
 log = logging.getLogger("benchmark")
 STEPS = 10
@@ -71,6 +72,14 @@ def residual_net(recompute_grad=False):
 def resnet50():
     keras.utils.set_random_seed(0)
     return build_model("ResNet50", image_size=96, classes=100)
+
+
+def stacked_rnn():
+    keras.utils.set_random_seed(0)
+    return build_model("StackedRNN", image_size=100, classes=10)
+
+
+BUILDERS = {"residual32": residual_net, "resnet50": resnet50, "resnet50_b32": resnet50, "stacked_rnn": stacked_rnn}
 
 
 def train_step(model, from_logits):
@@ -117,7 +126,7 @@ def interleaved_times(fn, plain, batch):
 
 def columns(model_name):
     lms = lambda policy: (lambda f: lms_tf.function(f, recompute=policy, swap=False, device="/CPU:0"))  # noqa: E731
-    build = residual_net if model_name == "residual32" else resnet50
+    build = BUILDERS[model_name]
 
     def under_remat(mode):
         def built():
@@ -146,6 +155,10 @@ def main():
         "resnet50_b32": ((tf.constant(rng.rand(32, 96, 96, 3).astype("float32")),
                           tf.constant(rng.randint(0, 100, 32))), False,
                          "ResNet-50, 96x96, batch 32 (context, not a target)"),
+        "stacked_rnn": ((tf.constant(rng.randint(0, 1000, (64, 100)).astype("int32")),
+                         tf.constant(rng.randint(0, 10, 64))), False,
+                        "StackedRNN (embedding, bidirectional GRU, LSTM, GRU; 100 steps), batch 64: "
+                        "lms-tf recomputes whole loops"),
     }
     results = {}
     for model_name, (batch, from_logits, title) in workloads.items():

@@ -155,6 +155,7 @@ def _function_inputs(graph: tf.Graph) -> FrozenSet[str]:
     return frozenset(op.name for op in graph.get_operations() if op.type in ("Placeholder", "PlaceholderV2"))
 
 
+@tf.autograph.experimental.do_not_convert  # also called from inside traced steps (tests, tools)
 def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Optional[int]]]] = None,
              batch_size: Optional[int] = None) -> GraphIR:
     """Builds the IR of a traced graph.
