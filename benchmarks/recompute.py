@@ -175,7 +175,8 @@ def main():
             except Exception as err:  # a competitor that fails on a model is reported, not hidden
                 log.warning("%s / %s failed: %s", title, label, err)
                 lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(err).splitlines()]
-                lines = [line for line in lines if line and not line.startswith(("File ", "raise ", "in user code"))]
+                lines = [line for line in lines if line and not line.startswith(
+                    ("File ", "raise ", "in user code", "•", "Arguments received", "Exception encountered"))]
                 reason = next((line for line in lines if "custom_gradient" in line), lines[-1] if lines else "")
                 results[(model_name, label)] = {"error": f"{type(err).__name__}: {reason}"}
     lines = []

@@ -17,7 +17,7 @@ from lms_tf import _compat
 from lms_tf.core import errors as lms_errors
 from lms_tf.core.errors import LMSWarning
 from tests import zoo
-from tests.helpers import CPU_LMS, assert_same_numbers
+from tests.helpers import CPU_LMS, LossRecorder, assert_same_numbers, keras_train_step
 
 BATCH = 10  # the zoo's 24 samples give batches of 10, 10 and 4
 OPTIONS = {
@@ -25,15 +25,6 @@ OPTIONS = {
     "recompute": dict(device="/CPU:0", swap=False, recompute="sqrt"),
     "budget": dict(CPU_LMS, budget="80%", device_spec="v100-16gb-pcie3"),
 }
-
-
-class BatchRecorder(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.losses = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.losses.append(float(logs["loss"]))
 
 
 def _dataset(x, y, batch):
@@ -44,7 +35,7 @@ def fit_dataset(builder, callbacks=(), epochs=2, optimizer=None, make_dataset=_d
     model, (x, y) = builder()
     if optimizer is not None:  # RMSprop's square root shows a last-bit change quickly
         model.compile(optimizer=optimizer(), loss=model.loss)
-    recorder = BatchRecorder()
+    recorder = LossRecorder()
     model.fit(make_dataset(x, y, BATCH), epochs=epochs, verbose=0, callbacks=[recorder, *callbacks])
     return recorder.losses, [np.array(w) for w in model.get_weights()], model
 
@@ -111,16 +102,7 @@ def test_a_batch_size_nothing_can_read_leaves_the_step_untouched_with_a_warning(
 @pytest.mark.timeout(300)
 def test_a_generalised_trace_of_lms_tf_function_is_planned_for_the_largest_batch():
     model, (x, y) = zoo.sequential_cnn()
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        model.optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                            model.trainable_variables))
-        return loss
-
-    fn = lms_tf.function(step, reduce_retracing=True, **OPTIONS["swap"])
+    fn = lms_tf.function(keras_train_step(model), reduce_retracing=True, **OPTIONS["swap"])
     for size in (10, 4):  # the second, shorter batch makes TensorFlow retrace with a None batch dimension
         fn(tf.constant(x[:size]), tf.constant(y[:size]))
     generalised_inputs = fn.get_concrete_function(tf.constant(x[:4]), tf.constant(y[:4])).structured_input_signature

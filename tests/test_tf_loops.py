@@ -18,7 +18,7 @@ from lms_tf.tf.rewrite.recompute import CLONE_OF_ATTR
 from lms_tf.tf.trace import build_ir
 from tests import zoo
 from tests.allocator_runs import run_allocator_worker
-from tests.helpers import CPU_LMS, assert_same_numbers, fit_steps
+from tests.helpers import CPU_LMS, assert_same_numbers, fit_steps, keras_train_step
 
 SWAP = dict(CPU_LMS, min_swap_bytes=1024, swapout_threshold=1)
 RECOMPUTE = dict(device="/CPU:0", swap=False, recompute="sqrt")
@@ -47,21 +47,9 @@ def test_recurrent_fit_with_loop_values_moved_equals_plain(name, mode):
     assert_same_numbers(plain, rewritten)
 
 
-def _loop_step(model):
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        model.optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                            model.trainable_variables))
-        return loss
-    return step
-
-
 def _traced(builder, **options):
     model, (x, y) = builder()
-    fn = lms_tf.function(_loop_step(model), **options)
+    fn = lms_tf.function(keras_train_step(model), **options)
     graph = fn.get_concrete_function(tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH])).graph
     return fn, graph, model
 
@@ -137,6 +125,14 @@ def deep_recurrent(layers=4, steps=100, features=32, units=128):
     return keras.Model(inputs, keras.layers.Dense(4)(keras.layers.GlobalAveragePooling1D()(x)))
 
 
+def small_stack():
+    """A 3-layer GRU/LSTM/GRU stack over 40 steps, compiled, and one batch of 32."""
+    model = deep_recurrent(layers=3, steps=40, features=16, units=64)
+    model.compile(keras.optimizers.SGD(0.01))
+    rng = np.random.RandomState(1)
+    return model, tf.constant(rng.rand(32, 40, 16).astype("float32")), tf.constant(rng.randint(0, 4, 32))
+
+
 @pytest.mark.timeout(300)
 def test_recomputing_stacked_loops_lowers_the_real_cpu_allocator_peak():
     rng = np.random.RandomState(0)
@@ -145,7 +141,7 @@ def test_recomputing_stacked_loops_lowers_the_real_cpu_allocator_peak():
     for name, decorate in (("plain", tf.function), ("sqrt", lambda f: lms_tf.function(f, **RECOMPUTE))):
         model = deep_recurrent()
         model.compile(keras.optimizers.SGD(0.01))
-        fn = decorate(_loop_step(model))
+        fn = decorate(keras_train_step(model))
         fn(x, y).numpy()
         fn(x, y).numpy()
         with lms_tf.measure_peak_memory("CPU:0", settle_seconds=0.3) as memory:
@@ -159,11 +155,8 @@ def test_recomputing_stacked_loops_lowers_the_real_cpu_allocator_peak():
 
 @pytest.mark.timeout(300)
 def test_a_budget_is_met_on_a_recurrent_model_by_moving_loop_values():
-    model = deep_recurrent(layers=3, steps=40, features=16, units=64)
-    model.compile(keras.optimizers.SGD(0.01))
-    rng = np.random.RandomState(1)
-    x, y = tf.constant(rng.rand(32, 40, 16).astype("float32")), tf.constant(rng.randint(0, 4, 32))
-    fn = lms_tf.function(_loop_step(model), budget="60%", device_spec="v100-16gb-pcie3", **CPU_LMS)
+    model, x, y = small_stack()
+    fn = lms_tf.function(keras_train_step(model), budget="60%", device_spec="v100-16gb-pcie3", **CPU_LMS)
     fn.get_concrete_function(x, y)
     plan = fn.plan
     assert plan.predictions.feasible and plan.predictions.planned_peak_bytes <= 0.6 * plan.predictions.baseline_peak_bytes
@@ -217,11 +210,8 @@ def test_the_simulator_shows_the_saving_of_swapping_loop_values():
     from lms_tf.cost import CostModel, get_device_spec
     from lms_tf.simulate import simulate
 
-    model = deep_recurrent(layers=3, steps=40, features=16, units=64)
-    model.compile(keras.optimizers.SGD(0.01))
-    rng = np.random.RandomState(2)
-    x, y = tf.constant(rng.rand(32, 40, 16).astype("float32")), tf.constant(rng.randint(0, 4, 32))
-    fn = lms_tf.function(_loop_step(model), **SWAP)
+    model, x, y = small_stack()
+    fn = lms_tf.function(keras_train_step(model), **SWAP)
     fn.get_concrete_function(x, y)
     loops = [d for d in fn.plan.swapped if _is_loop_value(d.tensor)]
     assert loops, lms_tf.explain(fn)
