@@ -123,12 +123,14 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_output_arguments(parser: argparse.ArgumentParser, max_rows: int) -> None:
-    """``--json`` and ``--max-rows``.
+    """``--json``, ``--max-rows`` and ``--wide``.
 
     Example:
         >>> p = argparse.ArgumentParser(); add_output_arguments(p, 30)
-        >>> p.parse_args(["--json"]).json
-        True
+        >>> p.parse_args(["--json"]).json, p.parse_args(["--wide"]).wide
+        (True, True)
     """
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--max-rows", type=positive_int, default=max_rows, help="rows of the plan table")
+    parser.add_argument("--wide", action="store_true",
+                        help="print layer and tensor names whole (by default long ones are cut in the middle)")

@@ -99,7 +99,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(plan.summary(max_rows=args.max_rows))
+        print(plan.summary(max_rows=args.max_rows, wide=args.wide))
         print(f"\nGrappler virtual GPU peak: {before / 2**20:.1f} MiB plain -> {after / 2**20:.1f} MiB with lms-tf "
               f"({100 * after / before:.1f}%)")
         print(f"trace {trace_seconds:.1f} s; analyse + rewrite {fn.pass_seconds[-1]:.2f} s")

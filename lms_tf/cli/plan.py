@@ -155,7 +155,7 @@ def run(args) -> int:
         budget_text = f"budget {human_bytes(result['budget_bytes'])}, resident variables " \
                       f"{human_bytes(result['resident_bytes'])}"
         if plan is not None:
-            print(plan.summary(max_rows=args.max_rows))
+            print(plan.summary(max_rows=args.max_rows, wide=args.wide))
             print(f"\nsimulated peak: {human_bytes(baseline.peak_bytes)} plain -> {human_bytes(planned.peak_bytes)} "
                   f"planned, {human_bytes(plan.predictions.planned_allocator_peak_bytes)} in the GPU allocator's "
                   f"chunks ({budget_text})")

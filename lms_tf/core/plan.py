@@ -162,6 +162,26 @@ class Predictions:
         return self.predicted_step_time_s / self.baseline_step_time_s
 
 
+def shorten(name: str, width: int) -> str:
+    """``name`` in at most ``width`` characters, cut in the middle with an ellipsis: the start (the
+    model) and the end (the layer and op, kept whole when they fit) are what tell rows apart.
+
+    Example:
+        >>> shorten("efficientnetb0_1/block1a_project_conv_1/convolution", 40)
+        'efficientnetb…project_conv_1/convolution'
+    """
+    if len(name) <= width:
+        return name
+    first = name.split("/", 1)[0] + "/"
+    head = min(len(first), width // 3)
+    return name[:head] + "…" + name[len(name) - (width - 1 - head):]
+
+
+def _why(kind: str, reason: str) -> str:
+    """A decision's reason, prefixed by the decision unless the reason already starts with it."""
+    return reason if reason.startswith(kind) else f"{kind}: {reason}"
+
+
 def _mib(nbytes: Optional[int]) -> str:
     return "?" if nbytes is None else f"{nbytes / 2**20:.2f}"
 
@@ -198,25 +218,34 @@ class Plan:
     predictions: Predictions = Predictions()
 
     def layer_table(self) -> List[Dict[str, Any]]:
-        """One row per layer: tensors and bytes per decision, and the most common reason.
+        """One row per layer: tensors and bytes per decision, and why, per decision the layer has.
+
+        The "why" gives, for each decision taken in the layer (most bytes first), the reason of
+        its largest tensor: a layer whose output is swapped and whose small shape tensors are kept
+        reads "swap (...); keep: derived from variables or constants only".
 
         Example:
-            >>> d = TensorDecision("c/Relu:0", "c", (8,), 32, Decision.SWAP, "swap", 40, ())
-            >>> Plan((d,), "d", "h", {}, {}).layer_table()[0]["swap_bytes"]
-            32
+            >>> d = TensorDecision("c/Relu:0", "c", (8,), 32, Decision.SWAP, "swap (read again 40 ops later)", 40, ())
+            >>> row = Plan((d,), "d", "h", {}, {}).layer_table()[0]
+            >>> row["swap_bytes"], row["why"]
+            (32, 'swap (read again 40 ops later)')
         """
         rows: Dict[str, Dict[str, Any]] = {}
         for d in self.decisions:
             row = rows.setdefault(d.layer or "(top)", {"layer": d.layer or "(top)", "keep_bytes": 0, "swap_bytes": 0,
-                                                       "recompute_bytes": 0, "tensors": 0, "reasons": []})
+                                                       "recompute_bytes": 0, "tensors": 0, "largest": {}})
             row[f"{d.decision.value}_bytes"] += d.nbytes or 0
             row["tensors"] += 1
-            row["reasons"].append(d.reason.split(" (")[0])
+            largest = row["largest"].get(d.decision.value)
+            if largest is None or (d.nbytes or 0) > (largest.nbytes or 0):
+                row["largest"][d.decision.value] = d
         table = []
         for row in rows.values():
-            decided = [k for k in ("swap", "recompute", "keep") if row[f"{k}_bytes"]]
+            decided = sorted((k for k in ("swap", "recompute", "keep") if row[f"{k}_bytes"]),
+                             key=lambda k: -row[f"{k}_bytes"])
             row["decision"] = "+".join(decided) or "keep"
-            row["why"] = collections.Counter(row.pop("reasons")).most_common(1)[0][0]
+            largest = row.pop("largest")
+            row["why"] = "; ".join(_why(kind, largest[kind].reason) for kind in (decided or list(largest)))
             table.append(row)
         return table
 
@@ -301,13 +330,18 @@ class Plan:
         line = (f"lms-tf: swapped {len(self.swapped)} of {len(self.decisions)} candidate tensors "
                 f"({_mib(self.swapped_bytes)} MiB of {_mib(total)} MiB) with {self.num_swap_ins} swap-ins, "
                 f"device {self.device} -> host {self.host}")
+        if self.device_spec:
+            line += f", planned for {self.device_spec}"
         if self.recomputed:
             line += (f"; recomputed {len(self.recomputed)} ({_mib(self.recomputed_bytes)} MiB) "
                      f"with {self.num_recompute_clones} cloned ops")
         return line
 
-    def summary(self, max_rows: int = 60) -> str:
+    def summary(self, max_rows: int = 60, wide: bool = False) -> str:
         """A table of the swapped tensors (trigger, bytes) and a tally of why others were kept.
+
+        Long layer and tensor names are cut in the middle (the model's and the layer's ends stay);
+        ``wide=True`` prints them whole.
 
         Example:
             >>> print(Plan((), "d", "h", {}, {}).summary().splitlines()[0])
@@ -316,12 +350,15 @@ class Plan:
         lines = [self.one_line()]
         if self.budget_bytes is not None:
             lines.append(self.budget_line())
-            lines.append(f"{'layer':<48} {'decision':<16} {'keep MiB':>9} {'swap MiB':>9} {'recomp MiB':>10}  why")
-            for row in self.layer_table()[:max_rows]:
-                lines.append(f"{row['layer'][-48:]:<48} {row['decision']:<16} {_mib(row['keep_bytes']):>9} "
+            table = self.layer_table()
+            width = max([48] + [len(row["layer"]) for row in table]) if wide else 48
+            lines.append(f"{'layer':<{width}} {'decision':<16} {'keep MiB':>9} {'swap MiB':>9} {'recomp MiB':>10}  why")
+            for row in table[:max_rows]:
+                layer = row["layer"] if wide else shorten(row["layer"], width)
+                lines.append(f"{layer:<{width}} {row['decision']:<16} {_mib(row['keep_bytes']):>9} "
                              f"{_mib(row['swap_bytes']):>9} {_mib(row['recompute_bytes']):>10}  {row['why']}")
-            if len(self.layer_table()) > max_rows:
-                lines.append(f"... {len(self.layer_table()) - max_rows} more layers")
+            if len(table) > max_rows:
+                lines.append(f"... {len(table) - max_rows} more layers")
             waits = sum(1 for d in self.swapped if d.swap_out_before is not None)
             if waits:
                 lines.append(f"the forward pass waits for {waits} copies out (the link sets its pace)")
@@ -329,11 +366,12 @@ class Plan:
                 lines.append(f"order: {ordering.reason}")
             return "\n".join(lines)
         rows = self.swapped
+        name = (lambda text: text) if wide else (lambda text: shorten(text, 52))  # noqa: E731
         if rows:
             lines.append(f"{'tensor':<52} {'shape':<22} {'MiB':>8} {'dist':>5}  trigger -> consumers")
             for d in rows[:max_rows]:
                 for i, s in enumerate(d.swap_ins):
-                    head = (f"{d.tensor[-52:]:<52} {str(d.shape)[:22]:<22} {_mib(d.nbytes):>8} {d.distance:>5}"
+                    head = (f"{name(d.tensor):<52} {str(d.shape)[:22]:<22} {_mib(d.nbytes):>8} {d.distance:>5}"
                             if i == 0 else " " * 90)
                     lines.append(f"{head}  {s.trigger} -> {len(s.consumers)} op(s)")
             if len(rows) > max_rows:
@@ -341,7 +379,7 @@ class Plan:
         if self.recomputed:
             lines.append(f"{'recomputed tensor':<52} {'shape':<22} {'MiB':>8} {'ops':>5}  gate")
             for d in self.recomputed[:max_rows]:
-                lines.append(f"{d.tensor[-52:]:<52} {str(d.shape)[:22]:<22} {_mib(d.nbytes):>8} "
+                lines.append(f"{name(d.tensor):<52} {str(d.shape)[:22]:<22} {_mib(d.nbytes):>8} "
                              f"{len(d.recompute_ops):>5}  {d.gate}")
             if len(self.recomputed) > max_rows:
                 lines.append(f"... {len(self.recomputed) - max_rows} more recomputed tensors")

@@ -70,8 +70,8 @@ def _swap_decision(ir: GraphIR, op: OpInfo, tensor, backward, distance, policies
             return keep("no backward op runs before its first backward consumer to trigger a swap-in")
         trigger = gates[max(0, before - policies.swapin_ahead)]
         swap_ins.append(SwapIn(trigger.name, tuple(c.name for c in group)))
-    return TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes, Decision.SWAP, "swap", distance,
-                          tuple(swap_ins))
+    return TensorDecision(name, layer_of(op.name), tensor.shape, tensor.nbytes, Decision.SWAP,
+                          f"swap (read again {distance} ops later, over the threshold)", distance, tuple(swap_ins))
 
 
 def make_plan(ir: GraphIR, policies: Policies, *, device: str,
