@@ -224,3 +224,17 @@ def test_a_device_tensorflow_cannot_see_is_refused_listing_the_visible_ones(devi
     assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
     with pytest.raises(LMSOptionError, match=rule):
         lms_tf.function(lambda v: v * 2.0, **devices)(tf.constant(1.0))
+
+
+@pytest.mark.timeout(120)
+def test_a_fit_logs_its_plan_once(caplog):
+    import logging
+
+    from lms_tf.tf import driver
+
+    driver._last_logged[0] = ""  # noqa: SLF001 - a clean slate: "once" compares with the last line logged
+    callback = lms_tf.LMSCallback(**SMALL)
+    with caplog.at_level(logging.INFO, logger="lms_tf"):
+        fit_steps(zoo.sequential_cnn, callbacks=[callback])  # Keras traces the step twice
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lms-tf: swapped")]
+    assert len(lines) == 1 and callback.plan.one_line() in lines[0], lines

@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import List, Optional
 
 from lms_tf import _compat
@@ -31,7 +30,6 @@ from lms_tf.tf.driver import (
 from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
 from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
 
-logger = logging.getLogger("lms_tf")
 _API = "LMSCallback"
 
 
@@ -130,7 +128,7 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
         add_step_hook(model, lms_hook)
 
     def on_train_end(self, logs=None):
-        """Restores the model's own train step and logs the plan of the last trace.
+        """Restores the model's own train step (the plan was logged when the step was traced).
 
         Example:
             >>> import keras
@@ -145,5 +143,3 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
         if restore is None:
             return
         detach(self.model, restore)
-        if self.plan is not None:
-            logger.info(self.plan.one_line())

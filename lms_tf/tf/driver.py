@@ -234,11 +234,22 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
             warn_once(f"unknown-size:{api}:{err.shape}", unknown_size_message(api, err))
             return None
     report = apply_plan(graph, ir, plan)
-    logger.info("%s (graph %s; inserted %s)", plan.one_line(), graph.name, report.inserted)
+    _log_once(f"{plan.one_line()} (inserted {report.inserted})")
     if request.serialize:
         edges = impose_order(graph, simulated_ranks(graph, ir, plan, request.cost_model()))
         logger.info("serialized graph %s in the simulated order (%d control edges)", graph.name, edges)
     return plan
+
+
+_last_logged = [""]
+
+
+def _log_once(message: str) -> None:
+    """Logs a plan's line unless it is the line logged last: Keras traces a train step twice
+    (once more when the optimizer creates its variables), and each trace plans the same."""
+    if message != _last_logged[0]:
+        _last_logged[0] = message
+        logger.info("%s", message)
 
 
 def _make_plan(ir: GraphIR, request: RewriteRequest, scope_aliases) -> Plan:
