@@ -8,8 +8,8 @@ KERAS_VERSION = "3.15.1"
 setup(
     name="lms-tf",
     version="0.1.0",
-    description="Large Model Support for TensorFlow 2.16+ / Keras 3: swap activations to host memory "
-                "so training fits in less GPU memory.",
+    description="Large Model Support for TensorFlow / Keras 3 (tested on TensorFlow 2.21 with Keras 3.15): "
+                "swap and recompute activations so training fits in less GPU memory.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
