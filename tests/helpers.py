@@ -32,15 +32,15 @@ def fit_steps(builder, callbacks=(), steps_per_execution=1, **compile_kwargs):
     return recorder.losses, [np.array(w) for w in model.get_weights()], model
 
 
-def keras_train_step(model):
-    """A hand-written step for a compiled zoo model (logits out): tape, gradients, its optimizer."""
+def keras_train_step(model, optimizer=None):
+    """A hand-written step for a zoo model (logits out): tape, gradients, ``optimizer`` (default: the model's)."""
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
-        model.optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                            model.trainable_variables))
+        (optimizer or model.optimizer).apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                                           model.trainable_variables))
         return loss
     return step
 

@@ -18,7 +18,15 @@ from lms_tf.keras.step_hooks import add_step_hook
 from lms_tf.tf.diagnostics import virtual_gpu_peak
 from lms_tf.tf.variables import variable_bytes_by_device
 from tests import zoo
-from tests.helpers import CPU_LMS, assert_same_numbers, custom_loop, fit_steps, graph_probe, lms_function
+from tests.helpers import (
+    CPU_LMS,
+    assert_same_numbers,
+    custom_loop,
+    fit_steps,
+    graph_probe,
+    keras_train_step,
+    lms_function,
+)
 
 HOST = "/job:localhost/replica:0/task:0/device:CPU:1"
 DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -73,16 +81,7 @@ def _adam_step_concrete(decorate):
     """The traced custom-loop Adam step of resnet_style (the optimizer's slots created in it)."""
     model, (x, y) = zoo.resnet_style()
     optimizer = keras.optimizers.Adam()
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    def step(images, labels):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(labels, model(images, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    concrete = decorate(step).get_concrete_function(tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH]))
+    concrete = decorate(keras_train_step(model, optimizer)).get_concrete_function(tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH]))
     return concrete, (model, optimizer)  # the function holds its variables weakly
 
 

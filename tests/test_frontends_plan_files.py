@@ -21,7 +21,7 @@ from lms_tf.core.plan import Decision, Plan
 from lms_tf.keras.step_hooks import add_step_hook, remove_step_hook
 from lms_tf.tf.workloads import build_model, synthetic_batch, train_step
 from tests import zoo
-from tests.helpers import assert_same_numbers, graph_probe
+from tests.helpers import LossRecorder, assert_same_numbers, graph_probe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = dict(image_size=32, classes=10)
@@ -79,7 +79,7 @@ def _fit(**lms):
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy())
     x = np.concatenate([b[0].numpy() for b in _batches(model)])
     y = np.concatenate([b[1].numpy() for b in _batches(model)])
-    facts, recorder = {}, _LossRecorder()
+    facts, recorder = {}, LossRecorder()
     probe = graph_probe(facts)
     add_step_hook(model, probe)
     callback = lms_tf.LMSCallback(device="/CPU:0", host="/CPU:1", **lms)
@@ -88,15 +88,6 @@ def _fit(**lms):
     finally:
         remove_step_hook(model, probe)
     return recorder.losses, [np.array(w) for w in model.get_weights()], callback.plan, facts["graph"]
-
-
-class _LossRecorder(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.losses = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.losses.append(float(logs["loss"]))
 
 
 @pytest.mark.timeout(600)

@@ -183,13 +183,6 @@ def _accumulates(ir: GraphIR, op: OpInfo, tensor: str) -> bool:
     return index < len(op.inputs) and ir.op(ir.tensors[op.inputs[index]].producer).type in LIST_CONSTRUCTOR_TYPES
 
 
-def _loop_is_recomputable(ir: GraphIR, loop: OpInfo) -> bool:
-    """A loop whose functions only read variables that nothing writes before the loop's gradient
-    (the trace checks both: ``reads_state_only``), so running it again in the backward pass gives
-    the same values. A loop that fails this is left alone altogether."""
-    return clonable(loop)
-
-
 def _same_device(op_device: str, device: str) -> bool:
     """An op without a requested device is placed on the accelerator by TF's placer."""
     return not op_device or device_kind_and_index(op_device) == device_kind_and_index(device)
@@ -212,7 +205,7 @@ def _ineligible(ir: GraphIR, op: OpInfo, tensor, readers, device: str, excluded_
     if not _same_device(op.device, device):
         return f"placed on {op.device}, not the managed device"
     if (op.type in CONTROL_FLOW_OP_TYPES or any(c.type in CONTROL_FLOW_OP_TYPES for c in readers)) and not (
-            is_loop_accumulator(ir, tensor.name) and _loop_is_recomputable(ir, op)):
+            is_loop_accumulator(ir, tensor.name) and clonable(op)):
         return ("control-flow value (a loop whose per-iteration values are not TensorLists of a static size, "
                 "whose functions change state, or whose variables are written before its gradient; while/cond "
                 "bodies stay untouched)")
