@@ -111,10 +111,10 @@ class LMSFunction:
         """Hooks on the optimizer update while tracing: Horovod averaging, host placement."""
         stack = contextlib.ExitStack()
         if self.options.horovod:
-            from lms_tf.horovod import ALLREDUCE_ORDER, DEFAULT_BUCKET_BYTES, gradient_allreduce_hook
+            from lms_tf.horovod import ALLREDUCE_ORDER, gradient_allreduce_hook
 
             stack.enter_context(intercept_optimizer_updates(
-                gradient_allreduce_hook(DEFAULT_BUCKET_BYTES, updates), order=ALLREDUCE_ORDER))
+                gradient_allreduce_hook(self.options.bucket_bytes, updates), order=ALLREDUCE_ORDER))
         if self.options.optimizer_on_host and resolve_device(self.options.device, api=_API) is not None:
             stack.enter_context(intercept_optimizer_updates(
                 host_update_hook(self.options.host, api=_API), order=HOST_UPDATE_ORDER))
@@ -245,6 +245,7 @@ def function(func: Optional[Callable] = None, *, input_signature=None, autograph
             ``exclude``, ``batch_size``, ``swap``, ``recompute``, ``optimizer_on_host``,
             ``horovod`` (data-parallel: average the gradients across Horovod ranks before
             the optimizer update, broadcast the variables from rank 0 before a trace first runs),
+            ``bucket_bytes`` (with ``horovod``: bytes of gradients per allreduce; None for one),
             ``serialize`` (run the compute ops one at a time in the simulator's order).
 
     Returns:

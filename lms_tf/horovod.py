@@ -36,10 +36,10 @@ import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.core.errors import LMSError
+from lms_tf.core.policy import DEFAULT_BUCKET_BYTES
 
 logger = logging.getLogger("lms_tf")
 
-DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 # Outside the optimizer_on_host hook (order 1): average on the device, then update on the host.
 ALLREDUCE_ORDER = 0
 

@@ -16,7 +16,18 @@ from typing import Any, Mapping, Optional, Tuple, Union
 
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.plan import Plan
-from lms_tf.core.policy import Policies, check_int, describe, parse_budget, parse_exclude, parse_recompute
+from lms_tf.core.policy import (
+    DEFAULT_BUCKET_BYTES,
+    Policies,
+    check_bucket_bytes,
+    check_int,
+    describe,
+    parse_budget,
+    parse_exclude,
+    parse_recompute,
+)
+
+_UNSET = object()  # bucket_bytes not given: its default, and no complaint without horovod=True
 
 _DEVICE_TYPES = ("CPU", "GPU", "TPU")
 
@@ -95,6 +106,9 @@ class LMSOptions:
             ranks between the gradient and the optimizer update (pipelined in buckets, see
             :mod:`lms_tf.horovod`) and broadcast the variables from rank 0 before the first
             step. ``model.fit`` uses :class:`lms_tf.keras.DistributedCallback` instead.
+        bucket_bytes: With ``horovod=True``: bytes of gradients per allreduce, in the order the
+            backward pass makes them (4 MiB by default); ``None`` for one allreduce after the whole
+            backward pass. The same argument as ``DistributedCallback(bucket_bytes=...)``.
         budget: Device memory the step's tensors may use; the planner then decides KEEP /
             SWAP / RECOMPUTE per tensor so the simulated peak fits at the least predicted
             slowdown. Bytes, ``"12GiB"``, ``"25%"`` (of the plain step's simulated peak) or
@@ -133,6 +147,7 @@ class LMSOptions:
     recompute: Union[bool, str, Tuple[str, ...]] = False
     optimizer_on_host: bool = False
     horovod: bool = False
+    bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES
     budget: Union[None, int, float, str] = None
     device_spec: Any = None
     serialize: bool = False
@@ -140,7 +155,7 @@ class LMSOptions:
 
     def __init__(self, *, device=None, host="/CPU:0", swapout_threshold=32, swapin_ahead=8,
                  swapin_groupby=4, min_swap_bytes=64 * 1024, exclude=(), batch_size=None, swap=True,
-                 recompute=None, optimizer_on_host=False, horovod=False, budget=None, device_spec=None,
+                 recompute=None, optimizer_on_host=False, horovod=False, bucket_bytes=_UNSET, budget=None, device_spec=None,
                  serialize=False, plan=None):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass init
         set_("device", None if device is None else _check_device("device", device))
@@ -174,6 +189,13 @@ class LMSOptions:
             if not isinstance(value, bool):
                 raise LMSOptionError(f"{name} must be True or False; received {describe(value)}.")
             set_(name, value)
+        if bucket_bytes is not _UNSET and not horovod:
+            raise LMSOptionError(
+                f"bucket_bytes={bucket_bytes!r} sizes the gradient allreduces of horovod=True, which is not set. "
+                f"Pass horovod=True with it (lms_tf.function), or for model.fit give it to "
+                f"lms_tf.keras.DistributedCallback(bucket_bytes=...).")
+        set_("bucket_bytes", DEFAULT_BUCKET_BYTES if bucket_bytes is _UNSET
+             else check_bucket_bytes(bucket_bytes))
         set_("plan", _load_plan(plan))
         if self.plan is not None and budget is not None:
             raise LMSOptionError(

@@ -59,10 +59,12 @@ def assert_same_numbers(plain, rewritten, rtol=0.0):
             np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-7)
 
 
-def custom_loop(builder, decorate, steps=3, use_tf_gradients=False):
-    """Trains a zoo model with a hand-written step; returns (losses, weights, step_function)."""
+def custom_loop(builder, decorate, steps=3, use_tf_gradients=False, optimizer=None):
+    """Trains a zoo model with a hand-written step; returns (losses, weights, step_function).
+
+    Batch i is rows [i * BATCH, (i + 1) * BATCH) of the builder's data, cycling over it."""
     model, (x, y) = builder()
-    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    optimizer = optimizer or keras.optimizers.SGD(0.05, momentum=0.9)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def step(xb, yb):
@@ -78,8 +80,9 @@ def custom_loop(builder, decorate, steps=3, use_tf_gradients=False):
 
     fn = decorate(step)
     losses = []
+    batches = len(y) // BATCH
     for i in range(steps):
-        sl = slice(i * BATCH, (i + 1) * BATCH)
+        sl = slice((i % batches) * BATCH, (i % batches + 1) * BATCH)
         xb = tuple(tf.constant(a[sl]) for a in x) if isinstance(x, tuple) else tf.constant(x[sl])
         losses.append(float(fn(xb, tf.constant(y[sl]))))
     return losses, [np.array(w) for w in model.get_weights()], fn

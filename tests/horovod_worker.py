@@ -8,9 +8,10 @@ Scenarios:
         rank 0 also writes the single-process references it computes on the two ranks'
         batches concatenated. LMS_TF_SCENARIOS=a,b limits the job to some of them:
         fit_lms_first, fit_dist_first (LMSCallback with optimizer_on_host), custom
-        (lms_tf.function(horovod=True)), pipelined (executed-op order of PROFILED_STEPS steps,
-        each profiled alone, with one bucket per gradient), one_bucket (the same with a single
-        allreduce).
+        (lms_tf.function(horovod=True)), custom_buckets (the same with bucket_bytes=1024),
+        pipelined (executed-op order of PROFILED_STEPS steps, each profiled alone, with one
+        bucket per gradient), one_bucket (the same with a single allreduce), pipelined_lms
+        (pipelined, with LMSCallback planning the step for a budget, serialized).
     raise: rank 1 raises in its third training batch; rank 0 keeps training. The job must stop.
 
 Each rank initialises its model from a different seed, so equal weights prove the broadcast.
@@ -48,6 +49,9 @@ RANK, SIZE = hvd.rank(), hvd.size()
 CPU_LMS = dict(device="/CPU:0", host="/CPU:1", min_swap_bytes=0)
 LOCAL_BATCH, STEPS = 4, 3
 PROFILED_STEPS = 5
+# The budget planner at 51% of the plain simulated peak (it then swaps and recomputes; 50.7% is the
+# smallest feasible), serialized.
+LMS_BUDGET = dict(CPU_LMS, budget="51%", device_spec="v100-16gb-pcie3", serialize=True, batch_size=32 // SIZE)
 
 
 def progress(message: str) -> None:
@@ -111,7 +115,7 @@ def fit_scenario(name: str, lms_first: bool, results: dict, weights: dict) -> No
         weights[f"{name}/reference"] = [w.numpy() for w in reference.weights]
 
 
-def custom_loop_scenario(results: dict, weights: dict) -> None:
+def custom_loop_scenario(results: dict, weights: dict, key: str = "custom", **options) -> None:
     x, y = global_data(LOCAL_BATCH * SIZE * STEPS)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -127,13 +131,13 @@ def custom_loop_scenario(results: dict, weights: dict) -> None:
 
     model = conv_model(seed=200 + RANK)
     initial = [w.numpy() for w in model.weights]
-    step = make_step(model, keras.optimizers.Adam(1e-2), lms_tf.function(horovod=True, **CPU_LMS))
+    step = make_step(model, keras.optimizers.Adam(1e-2), lms_tf.function(horovod=True, **CPU_LMS, **options))
     xs, ys = shard(x, y)
     losses = [float(step(xs[k * LOCAL_BATCH:(k + 1) * LOCAL_BATCH], ys[k * LOCAL_BATCH:(k + 1) * LOCAL_BATCH]))
               for k in range(STEPS)]
-    weights["custom/dist"] = [w.numpy() for w in model.weights]
+    weights[f"{key}/dist"] = [w.numpy() for w in model.weights]
     graph = step.get_concrete_function(xs[:LOCAL_BATCH], ys[:LOCAL_BATCH]).graph
-    results["custom"] = dict(losses=losses, plan_swapped=len(step.plan.swapped),
+    results[key] = dict(losses=losses, plan_swapped=len(step.plan.swapped),
                              allreduce_ops=sum(op.type.startswith("HorovodGroupedAllreduce")
                                                for op in graph.get_operations()))
     if RANK == 0:
@@ -143,36 +147,90 @@ def custom_loop_scenario(results: dict, weights: dict) -> None:
         global_batch = LOCAL_BATCH * SIZE
         for k in range(STEPS):
             plain(x[k * global_batch:(k + 1) * global_batch], y[k * global_batch:(k + 1) * global_batch])
-        weights["custom/reference"] = [w.numpy() for w in reference.weights]
+        weights[f"{key}/reference"] = [w.numpy() for w in reference.weights]
 
 
-def pipelined_scenario(results: dict, bucket_bytes, key: str) -> None:
-    """Executed-op order of one step of a deeper net, with the given gradient buckets."""
+def deep_model() -> keras.Model:
     keras.utils.set_random_seed(7)
-    model = keras.Sequential([keras.Input((32, 32, 3))]
-                             + [keras.layers.Conv2D(32, 3, padding="same", activation="relu", name=f"conv{i}")
-                                for i in range(8)]
-                             + [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10, name="head")],
-                             name="deep")
-    compile_(model)
-    images = np.random.RandomState(RANK).rand(16, 32, 32, 3).astype("float32")
-    labels = np.arange(16, dtype="int32") % 10
-    iterator = iter(tf.data.Dataset.from_tensor_slices((images, labels)).batch(16).repeat())
-    # Drive the callback by hand to profile single steps of fit's own train function.
-    dist = DistributedCallback(bucket_bytes=bucket_bytes)
-    dist.set_model(model)
+    return keras.Sequential([keras.Input((32, 32, 3))]
+                            + [keras.layers.Conv2D(32, 3, padding="same", activation="relu", name=f"conv{i}")
+                               for i in range(8)]
+                            + [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10, name="head")],
+                            name="deep")
+
+
+def deep_data(rows: slice):
+    """Rows of one global batch of 32 (rank r of 2 trains on rows 16r..16r+15)."""
+    images = np.random.RandomState(5).rand(32, 32, 32, 3).astype("float32")
+    labels = np.arange(32, dtype="int32") % 10
+    return iter(tf.data.Dataset.from_tensor_slices((images[rows], labels[rows])).batch(32).repeat())
+
+
+def compile_deep(model):
+    """SGD: Adam divides each update by the gradient's running magnitude, which turns the last-bit
+    difference between averaging two half-batch means and one global mean into visible weight
+    differences where a gradient is near zero (1e-3 after 7 steps of this net)."""
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def pipelined_scenario(results: dict, weights: dict, bucket_bytes, key: str, lms_options=None) -> None:
+    """Executed-op order of single steps of a deeper net, with the given gradient buckets; with
+    ``lms_options`` the step is also planned by lms-tf (its callback hooked in before Horovod's)."""
+    model = compile_deep(deep_model())
+    initial = [w.numpy() for w in model.weights]
+    local = 32 // SIZE
+    iterator = deep_data(slice(RANK * local, (RANK + 1) * local))
+    # Drive the callbacks by hand to profile single steps of fit's own train function.
+    callbacks = [DistributedCallback(bucket_bytes=bucket_bytes)]
+    if lms_options is not None:
+        callbacks.insert(0, lms_tf.LMSCallback(**lms_options))
     facts: dict = {}
     add_step_hook(model, graph_probe(facts))
-    dist.on_train_begin()
+    for callback in callbacks:
+        callback.set_model(model)
+        callback.on_train_begin()
     for _ in range(2):  # trace, then warm up
         model.train_function(iterator)
     # Overlap is a race between two processes on two cores: one profiled step can miss it when
     # the other rank lags by a whole backward pass, so several steps are profiled separately.
     steps = [executed_ops(lambda: model.train_function(iterator)) for _ in range(PROFILED_STEPS)]
-    dist.on_train_end()
-    allreduce_ops = [op for op in facts["graph"].get_operations() if op.type.startswith("HorovodGroupedAllreduce")]
+    for callback in callbacks[::-1]:
+        callback.on_train_end()
+    graph = facts["graph"]
+    allreduce_ops = [op for op in graph.get_operations() if op.type.startswith("HorovodGroupedAllreduce")]
     per_step = [_overlap(events, allreduce_ops) for events in steps]
-    results[key] = dict(allreduce_ops=len(allreduce_ops), steps=per_step)
+    results[key] = dict(allreduce_ops=len(allreduce_ops), steps=per_step, **_chain_facts(graph, allreduce_ops))
+    if lms_options is not None:
+        plan = callbacks[0].plan
+        results[key].update(plan_swapped=len(plan.swapped), plan_recomputed=len(plan.recomputed),
+                            lms_ops=count_ops(graph)["lms_ops"])
+    weights[f"{key}/dist"] = [w.numpy() for w in model.weights]
+    if RANK == 0:  # one process, the same steps on the global batch
+        reference = compile_deep(deep_model())
+        reference.set_weights(initial)
+        reference.make_train_function()
+        global_batches = deep_data(slice(0, 32))
+        for _ in range(2 + PROFILED_STEPS):
+            reference.train_function(global_batches)
+        weights[f"{key}/reference"] = [w.numpy() for w in reference.weights]
+
+
+def _chain_facts(graph, allreduce_ops) -> dict:
+    """What serialize=True chained, and whether any allreduce (or what waits on it) is in the chain."""
+    from lms_tf.tf.rewrite.serialize import serial_chain
+
+    chain = serial_chain(graph)
+    downstream, frontier = set(), list(allreduce_ops)
+    while frontier:
+        op = frontier.pop()
+        if op.name in downstream:
+            continue
+        downstream.add(op.name)
+        frontier.extend(c for t in op.outputs for c in t.consumers())
+        frontier.extend(op._control_outputs)
+    return dict(chained_ops=len(chain), chained_collective_or_after=sum(op.name in downstream for op in chain))
 
 
 def _overlap(events, allreduce_ops) -> dict:
@@ -212,12 +270,15 @@ def main() -> None:
         return
     results: dict = {"rank": RANK, "size": SIZE}
     weights: dict = {}
-    wanted = set(os.environ.get("LMS_TF_SCENARIOS", "fit_lms_first,fit_dist_first,custom,pipelined,one_bucket").split(","))
+    wanted = set(os.environ.get("LMS_TF_SCENARIOS", "fit_lms_first,fit_dist_first,custom,custom_buckets,pipelined,one_bucket,pipelined_lms").split(","))
     for name, run in [("fit_lms_first", lambda: fit_scenario("fit_lms_first", True, results, weights)),
                       ("fit_dist_first", lambda: fit_scenario("fit_dist_first", False, results, weights)),
                       ("custom", lambda: custom_loop_scenario(results, weights)),
-                      ("pipelined", lambda: pipelined_scenario(results, 1, "pipelined")),
-                      ("one_bucket", lambda: pipelined_scenario(results, None, "one_bucket"))]:
+                      ("custom_buckets", lambda: custom_loop_scenario(results, weights, "custom_buckets",
+                                                                      bucket_bytes=1024)),
+                      ("pipelined", lambda: pipelined_scenario(results, weights, 1, "pipelined")),
+                      ("one_bucket", lambda: pipelined_scenario(results, weights, None, "one_bucket")),
+                      ("pipelined_lms", lambda: pipelined_scenario(results, weights, 1, "pipelined_lms", LMS_BUDGET))]:
         if name not in wanted:
             continue
         progress(f"{name} ...")

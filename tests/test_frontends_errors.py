@@ -29,6 +29,8 @@ from tests.test_frontends_numbers import SMALL
     (dict(exclude=[1, 2]), "exclude must be a list of layer names"),
     (dict(batch_size=0), "batch_size must be an int >= 1"),
     (dict(swapin_ahaed=2), "unknown option 'swapin_ahaed'. Did you mean 'swapin_ahead'?"),
+    (dict(bucket_bytes=1024), "bucket_bytes=1024 sizes the gradient allreduces of horovod=True, which is not set"),
+    (dict(bucket_bytes=None), "bucket_bytes=None sizes the gradient allreduces of horovod=True, which is not set"),
 ])
 @pytest.mark.parametrize("front_end", ["callback", "function"])
 def test_bad_options_raise_at_construction(kwargs, fragment, front_end):
@@ -39,6 +41,12 @@ def test_bad_options_raise_at_construction(kwargs, fragment, front_end):
             lms_tf.function(lambda x: x, **kwargs)
     assert fragment in str(info.value)
     assert isinstance(info.value, LMSError)
+
+
+@pytest.mark.parametrize("bad", [0, 2.5, True, "4MiB"])
+def test_a_bad_bucket_size_is_refused(bad):
+    with pytest.raises(LMSOptionError, match=r"bucket_bytes must be None or an int >= 1 \(bytes per gradient bucket\)"):
+        lms_tf.function(lambda x: x, horovod=True, bucket_bytes=bad)
 
 
 def test_jit_compile_true_is_refused_by_the_function():

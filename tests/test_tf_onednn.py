@@ -1,11 +1,22 @@
-"""oneDNN's CPU graph rewrites (on by default on CPUs with AVX512-VNNI/BF16) with rewritten steps.
+"""Bit-identical numbers under TensorFlow's default optimizer, with oneDNN's CPU rewrites on and off.
 
-The rest of the suite runs with ``TF_ENABLE_ONEDNN_OPTS=0`` (machine-independent numbers). Here a
-subprocess turns it on and trains VGG16 (MaxPool, Conv2D+BiasAdd, fused by oneDNN with their
-gradients) with recompute, swap + recompute, and swap. Before gates had to descend from the
-deepest forward op, recompute="sqrt" on this model failed at run time with "82 nodes in a
-cycle" once oneDNN rewrote the graph (an early gate, a cloned MaxPool whose gradient oneDNN
-pairs with its workspace, and a BiasAddGrad gate oneDNN fuses into Conv2DBackpropFilter).
+oneDNN's graph rewrites are on by default on CPUs with AVX512-VNNI/BF16 and fuse more than
+Grappler's remapper (MaxPool with its workspace, BiasAddGrad into Conv2DBackpropFilter/MatMul,
+LayerNorm, bfloat16 kernels). The rest of the suite runs with ``TF_ENABLE_ONEDNN_OPTS=0``
+(machine-independent numbers); here each case runs in a subprocess with it set either way, op
+determinism on and Grappler's defaults (remapper, arithmetic optimizer), and trains for 10 steps:
+
+* plain ``tf.function`` against lms-tf with recompute="sqrt", swap + recompute, swap,
+  ``serialize=True``, and ``serialize=True`` with recompute: losses and every weight exactly
+  equal, except serialized recompute on the Transformer (see INEXACT);
+* models: VGG16 (MaxPool, Conv2D + BiasAdd + ReLU), a deep residual MLP (MatMul + BiasAdd + ReLU,
+  tanh after each add), a Transformer encoder (attention, LayerNorm, GELU), the residual MLP in
+  ``mixed_bfloat16``, and an 8-layer conv net through ``model.fit`` with Adam, serialized.
+
+What each case once caught: recompute="sqrt" on VGG16 failed with "82 nodes in a cycle" under
+oneDNN (a BiasAddGrad gate fused into Conv2DBackpropFilter); recompute clones with a control
+input ran unfused MatMul + BiasAdd (0.4% loss drift on the residual MLP after 8 steps); the
+serialization chain left Conv2D + BiasAdd + ReLU unfused (3.5e-3 weight drift on the conv net).
 """
 
 import os
@@ -16,10 +27,10 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 10
 
 SCRIPT = textwrap.dedent("""
     import os, sys
-    os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1"
     import numpy as np, tensorflow as tf, keras
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -29,33 +40,80 @@ SCRIPT = textwrap.dedent("""
     from lms_tf.tf.workloads import build_model, synthetic_batch, train_step
     from tests.test_tf_recompute import residual_mlp
 
-    def run(name, decorate):
-        keras.utils.set_random_seed(0)
-        if name == "VGG16":
-            model, steps, batch = build_model("VGG16", image_size=64, classes=100), 3, 2
-        else:
-            model, steps, batch = residual_mlp(), 8, 32
-        x, y = synthetic_batch(model, batch)
-        step = decorate(train_step(model, keras.optimizers.SGD(0.1 if name == "residual_mlp" else 0.01)))
-        return [float(step(x, y)) for _ in range(steps)], [w.numpy() for w in model.weights], step
+    CASE, STEPS, SPEC = {case!r}, {steps}, "v100-16gb-pcie3"
+    OPTIONS = [dict(device="/CPU:0", swap=False, recompute="sqrt"),
+               dict(device="/CPU:0", host="/CPU:1", recompute="sqrt", min_swap_bytes=1, swapout_threshold=1),
+               dict(device="/CPU:0", host="/CPU:1", min_swap_bytes=1, swapout_threshold=1),
+               dict(device="/CPU:0", swap=False, serialize=True, device_spec=SPEC),
+               dict(device="/CPU:0", swap=False, recompute="sqrt", serialize=True, device_spec=SPEC)]
+    # The one combination that is not bit-identical (docs/limits.md): on the Transformer, a serialized
+    # recompute-only step's losses move in the 7th digit from step 2, which Adam carries into weights
+    # near zero (the test fails if it ever becomes exact, so the docs get updated).
+    INEXACT = ("transformer", 4)
 
-    for name in ("VGG16", "residual_mlp"):
-        plain_losses, plain_weights, _ = run(name, tf.function)
-        for options in (dict(device="/CPU:0", swap=False, recompute="sqrt"),
-                        dict(device="/CPU:0", host="/CPU:1", recompute="sqrt", min_swap_bytes=1, swapout_threshold=1),
-                        dict(device="/CPU:0", host="/CPU:1", min_swap_bytes=1, swapout_threshold=1)):
-            losses, weights, step = run(name, lambda f: lms_tf.function(f, **options))
-            assert losses == plain_losses, (name, options, losses, plain_losses)
-            assert all(np.array_equal(a, b) for a, b in zip(weights, plain_weights)), (name, options)
-            assert step.plan.recomputed or step.plan.swapped
-            print("OK", name, options, len(step.plan.recomputed), len(step.plan.swapped))
+    def build():
+        keras.utils.set_random_seed(0)
+        if CASE == "VGG16":
+            return build_model("VGG16", image_size=64, classes=100), 2, keras.optimizers.SGD(0.01)
+        if CASE == "transformer":
+            return build_model("TransformerEncoder", image_size=32, classes=10), 8, keras.optimizers.Adam(1e-3)
+        if CASE == "bf16_mlp":
+            keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        return residual_mlp(), 32, keras.optimizers.SGD(0.1)
+
+    def run(decorate):
+        model, batch, optimizer = build()
+        x, y = synthetic_batch(model, batch)
+        step = decorate(train_step(model, optimizer))
+        return [float(step(x, y)) for _ in range(STEPS)], [w.numpy() for w in model.weights], step
+
+    def conv_stack_fit(callbacks):
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([keras.Input((32, 32, 3))]
+                                 + [keras.layers.Conv2D(32, 3, padding="same", activation="relu") for _ in range(8)]
+                                 + [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+        model.compile(keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rng = np.random.RandomState(5)
+        x, y = rng.rand(8 * STEPS, 32, 32, 3).astype("float32"), rng.randint(0, 10, 8 * STEPS).astype("int32")
+        losses = []
+        record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: losses.append(float(logs["loss"])))
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[record, *callbacks])
+        return losses, [w.numpy() for w in model.weights]
+
+    if CASE == "conv_stack_fit":
+        plain = conv_stack_fit([])
+        callback = lms_tf.LMSCallback(device="/CPU:0", swap=False, serialize=True, device_spec=SPEC)
+        got = conv_stack_fit([callback])
+        assert len(plain[0]) == STEPS and callback.plan is not None
+        assert got[0] == plain[0], (got[0], plain[0])
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got[1], plain[1]))
+        assert diff == 0.0, f"weights differ by up to {{diff}}"
+        print("OK", CASE, "serialize")
+        sys.exit(0)
+    plain_losses, plain_weights, _ = run(tf.function)
+    for index, options in enumerate(OPTIONS):
+        losses, weights, step = run(lambda f: lms_tf.function(f, **options))
+        drift = max(float(np.max(np.abs(a.astype("float64") - b)) / max(float(np.max(np.abs(b))), 1e-30))
+                    for a, b in zip(weights, plain_weights))
+        if (CASE, index) == INEXACT:
+            assert losses != plain_losses and np.allclose(losses, plain_losses, rtol=1e-4, atol=0), (losses, plain_losses)
+        else:
+            assert losses == plain_losses, (CASE, options, losses, plain_losses)
+            assert drift == 0.0, (CASE, options, drift)
+        assert step.plan.recomputed or step.plan.swapped or options.get("serialize"), (CASE, options)
+        print("OK", CASE, options, len(step.plan.recomputed), len(step.plan.swapped), "drift", drift)
 """)
+
+CASES = {"VGG16": 5, "residual_mlp": 5, "transformer": 5, "bf16_mlp": 5, "conv_stack_fit": 1}
 
 
 @pytest.mark.timeout(600)
-def test_rewritten_vgg_steps_run_with_onednn_rewrites_on():
-    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(root=ROOT)], capture_output=True, text=True,
-                         timeout=580, env=env, cwd=ROOT)
+@pytest.mark.parametrize("onednn", ["1", "0"], ids=["onednn", "eigen"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rewritten_steps_give_the_plain_numbers(case, onednn):
+    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": onednn, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(root=ROOT, case=case, steps=STEPS)],
+                         capture_output=True, text=True, timeout=580, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("OK") == 6, out.stdout
+    assert out.stdout.count("OK") == CASES[case], out.stdout

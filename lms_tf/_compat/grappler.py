@@ -154,9 +154,9 @@ def grappler_memory_optimized(graph_def, fetch_names: Sequence[str], devices: Se
     return optimized, {dev: int(value[0]) for dev, value in peaks.items()}
 
 
-def grappler_accumulated_sums(graph_def, fetch_names: Sequence[str], device: Tuple[str, str, int]) -> List[str]:
-    """The ``AddN`` nodes that TensorFlow's default Grappler pipeline turns into additions into a
-    temporary variable (its memory optimizer's scheduling pass), run offline on one device.
+def grappler_default_optimized(graph_def, fetch_names: Sequence[str], device: Tuple[str, str, int]):
+    """Runs TensorFlow's default Grappler pipeline offline on ``graph_def``, on one virtual device,
+    as the runtime does before a function's first run.
 
     Args:
         graph_def: A GraphDef whose nodes all carry ``device``'s full name.
@@ -165,16 +165,17 @@ def grappler_accumulated_sums(graph_def, fetch_names: Sequence[str], device: Tup
             Grappler (the device's ``memory_limit``: 256 MiB for a CPU).
 
     Returns:
-        The rewritten nodes' names, sorted.
+        The optimized GraphDef.
 
     Example:
         >>> import tensorflow as tf
         >>> graph = tf.function(lambda x: tf.nn.relu(x) * 2.0).get_concrete_function(tf.ones((256, 256))).graph
-        >>> graph_def, gpu = graph.as_graph_def(), "/job:localhost/replica:0/task:0/device:GPU:0"
+        >>> graph_def, cpu = graph.as_graph_def(), "/job:localhost/replica:0/task:0/device:CPU:0"
         >>> for node in graph_def.node:
-        ...     node.device = gpu
-        >>> grappler_accumulated_sums(graph_def, [t.op.name for t in graph.outputs], (gpu, "GPU", 2**30))
-        []
+        ...     node.device = cpu
+        >>> optimized = grappler_default_optimized(graph_def, [t.op.name for t in graph.outputs], (cpu, "CPU", 2**28))
+        >>> len(optimized.node) <= len(graph_def.node)
+        True
     """
     from tensorflow.core.protobuf import config_pb2, device_properties_pb2, meta_graph_pb2
     from tensorflow.python.grappler import cluster as gcluster
@@ -189,9 +190,33 @@ def grappler_accumulated_sums(graph_def, fetch_names: Sequence[str], device: Tup
     cluster = gcluster.Cluster(devices=[device_properties_pb2.NamedDevice(
         name=name, properties=_device_properties(dev_type, memory))])
     try:
-        optimized = tf_optimizer.OptimizeGraph(config, meta, cluster=cluster)
+        return tf_optimizer.OptimizeGraph(config, meta, cluster=cluster)
     finally:
         cluster.Shutdown()
+
+
+def grappler_accumulated_sums(graph_def, fetch_names: Sequence[str], device: Tuple[str, str, int]) -> List[str]:
+    """The ``AddN`` nodes that TensorFlow's default Grappler pipeline turns into additions into a
+    temporary variable (its memory optimizer's scheduling pass), run offline on one device.
+
+    Args:
+        graph_def: A GraphDef whose nodes all carry ``device``'s full name.
+        fetch_names: Node names the step must compute.
+        device: ``(full_name, type, memory_bytes)``, as for :func:`grappler_default_optimized`.
+
+    Returns:
+        The rewritten nodes' names, sorted.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> graph = tf.function(lambda x: tf.nn.relu(x) * 2.0).get_concrete_function(tf.ones((256, 256))).graph
+        >>> graph_def, gpu = graph.as_graph_def(), "/job:localhost/replica:0/task:0/device:GPU:0"
+        >>> for node in graph_def.node:
+        ...     node.device = gpu
+        >>> grappler_accumulated_sums(graph_def, [t.op.name for t in graph.outputs], (gpu, "GPU", 2**30))
+        []
+    """
+    optimized = grappler_default_optimized(graph_def, fetch_names, device)
     suffix = "/tmp_var"
     return sorted(node.name[:-len(suffix)] for node in optimized.node
                   if node.op == "TemporaryVariable" and node.name.endswith(suffix))

@@ -89,6 +89,15 @@ NEVER_CLONED_TYPES = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D", "LRN"})
 #: ``Conv2DBackpropFilter``/``MatMul`` next to it on CPUs; if that partner reads a tensor the gate
 #: releases, the fused node would wait for itself (seen with VGG16: "N nodes in a cycle").
 FUSABLE_GATE_TYPES = frozenset({"BiasAddGrad"})
+#: The ops such a gate is fused into (they read the same incoming gradient).
+FUSABLE_GATE_PARTNER_TYPES = frozenset({"Conv2DBackpropFilter", "MatMul"})
+
+#: Families of ops that Grappler's constant folding treats as one associative, commutative tree
+#: (``ConstantPushDown``): ``c * x`` read by a ``*`` of the backward pass is regrouped with it, which
+#: changes the rounding. A swapped or recomputed ``c * x`` hides it from that rewrite.
+CONSTANT_PUSHDOWN_FAMILIES = (frozenset({"Mul", "RealDiv", "Div"}), frozenset({"Add", "AddV2", "Sub"}))
+#: Constant producers in a traced step.
+CONSTANT_TYPES = frozenset({"Const", "HostConst"})
 
 # --- Memory rules of TensorFlow's executor and kernels (the simulator) ------------------------
 
@@ -114,6 +123,21 @@ COMMUTATIVE_TYPES = frozenset({"Add", "AddV2", "AddN", "AccumulateNV2", "Mul", "
                                "BitwiseOr", "BitwiseXor"})
 #: Ops that update a variable (input 0 is its handle) in place.
 VARIABLE_UPDATE_PREFIXES = ("Assign", "ResourceApply", "ResourceScatter", "ResourceSparseApply")
+
+#: Collective communication across processes (Horovod's ops, TensorFlow's own collectives).
+#: They wait for every rank, so nothing may be ordered behind them on one rank's compute chain.
+COLLECTIVE_OP_PREFIXES = ("Horovod", "Collective", "Nccl")
+
+
+def is_collective(op_type: str) -> bool:
+    """Whether ops of ``op_type`` exchange data with other processes (and wait for them).
+
+    Example:
+        >>> is_collective("HorovodGroupedAllreduce"), is_collective("CollectiveReduceV2"), is_collective("MatMul")
+        (True, True, False)
+    """
+    return op_type.startswith(COLLECTIVE_OP_PREFIXES)
+
 
 #: Kernels that hold scratch memory while they run (the simulator's convolution workspace).
 WORKSPACE_TYPES = frozenset({"Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D",

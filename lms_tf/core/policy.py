@@ -228,6 +228,23 @@ def check_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
+#: Bytes of gradients averaged by one allreduce in the data-parallel exchange (pipelined buckets).
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+
+
+def check_bucket_bytes(value: Any, api: str = "") -> Optional[int]:
+    """A gradient bucket size in bytes (an int >= 1), or None for one allreduce after the whole backward pass.
+
+    Example:
+        >>> check_bucket_bytes(1024, "DistributedCallback"), check_bucket_bytes(None, "DistributedCallback")
+        (1024, None)
+    """
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise LMSOptionError(f"{api + ': ' if api else ''}bucket_bytes must be None or an int >= 1 (bytes per gradient bucket); "
+                             f"received {describe(value)}. Example: bucket_bytes=4 * 1024 * 1024.")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Policies:
     """What the planner is asked to do with one step, checked when built.

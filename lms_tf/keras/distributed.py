@@ -10,6 +10,7 @@ from typing import Dict, List, Optional
 
 from lms_tf import _compat
 from lms_tf.core.errors import LMSError, LMSOptionError
+from lms_tf.core.policy import check_bucket_bytes
 from lms_tf.horovod import (
     ALLREDUCE_ORDER,
     DEFAULT_BUCKET_BYTES,
@@ -74,10 +75,7 @@ class DistributedCallback(_compat.keras_module().callbacks.Callback):
         super().__init__()
         if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank < 0:
             raise LMSOptionError(f"{_API}: root_rank must be an int >= 0; received {root_rank!r}.")
-        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
-                                         or bucket_bytes < 1):
-            raise LMSOptionError(f"{_API}: bucket_bytes must be None or an int >= 1 (bytes per gradient "
-                                 f"bucket); received {bucket_bytes!r}. Example: bucket_bytes=4 * 1024 * 1024.")
+        check_bucket_bytes(bucket_bytes, _API)
         if not isinstance(average_metrics, bool):
             raise LMSOptionError(f"{_API}: average_metrics must be True or False; received {average_metrics!r}.")
         hvd = horovod_tensorflow()

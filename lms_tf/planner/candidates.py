@@ -23,6 +23,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 from lms_tf.core.errors import LMSOptionError, UnknownSizeError
 from lms_tf.core.ir import GraphIR, OpInfo, Phase, device_kind_and_index, layer_of
 from lms_tf.core.op_kinds import (
+    CONSTANT_PUSHDOWN_FAMILIES,
+    CONSTANT_TYPES,
     CONTROL_FLOW_OP_TYPES,
     FUSABLE_GATE_TYPES,
     HOST_DTYPES,
@@ -215,7 +217,20 @@ def _ineligible(ir: GraphIR, op: OpInfo, tensor, readers, device: str, excluded_
         return "read by an update op"
     if tensor.shape is None:
         return "rank unknown to TensorFlow's own shape inference (op-internal scratch output)"
+    if _constant_pushed_into_reader(ir, op, readers):
+        return ("constant factor Grappler regroups with a backward reader (ConstantPushDown); a copy or a clone "
+                "in between would change the rounding")
     return None
+
+
+def _constant_pushed_into_reader(ir: GraphIR, op: OpInfo, readers) -> bool:
+    """Whether ``op`` is ``c * x`` (or ``c + x``) with a constant ``c`` and a backward reader of the same
+    family, which Grappler's constant folding regroups with it."""
+    family = next((f for f in CONSTANT_PUSHDOWN_FAMILIES if op.type in f), None)
+    if family is None or not any(ir.op(ir.tensors[t].producer).type in CONSTANT_TYPES for t in op.inputs
+                                 if t in ir.tensors):
+        return False
+    return any(c.type in family and c.phase is Phase.BACKWARD for c in readers)
 
 
 @dataclasses.dataclass(frozen=True)

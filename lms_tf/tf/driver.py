@@ -25,9 +25,10 @@ from lms_tf.core.policy import Policies
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.planner import make_budget_plan, make_plan
 from lms_tf.simulate import simulate
+from lms_tf.tf.diagnostics import CPU_GRAPPLER_MEMORY_BYTES
 from lms_tf.tf.rewrite import apply_plan
 from lms_tf.tf.rewrite.recompute import simulator_name
-from lms_tf.tf.rewrite.serialize import impose_order
+from lms_tf.tf.rewrite.serialize import grappler_rewritten_ops, impose_order
 from lms_tf.tf.trace import build_ir
 
 logger = logging.getLogger("lms_tf")
@@ -236,9 +237,18 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
     report = apply_plan(graph, ir, plan)
     _log_once(f"{plan.one_line()} (inserted {report.inserted})")
     if request.serialize:
-        edges = impose_order(graph, simulated_ranks(graph, ir, plan, request.cost_model()))
+        fused = grappler_rewritten_ops(graph, request.device, _grappler_memory_bytes(request))
+        edges = impose_order(graph, simulated_ranks(graph, ir, plan, request.cost_model()), leave_free=fused)
         logger.info("serialized graph %s in the simulated order (%d control edges)", graph.name, edges)
     return plan
+
+
+def _grappler_memory_bytes(request: "RewriteRequest") -> int:
+    """The memory TensorFlow's runtime tells Grappler the step's device has: a CPU's fixed 256 MiB,
+    a GPU's capacity (which decides whether its memory optimizer acts)."""
+    if (tf.DeviceSpec.from_string(request.device).device_type or "CPU") == "CPU":
+        return CPU_GRAPPLER_MEMORY_BYTES
+    return request.cost_model().device.memory_bytes
 
 
 _last_logged = [""]

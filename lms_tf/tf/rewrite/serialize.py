@@ -18,6 +18,27 @@ and what is computed from them alone. Variables created in the first trace (opti
 have their initializers lifted out of the graph after the trace, and a control input from
 the step would make that impossible.
 
+Collective ops (Horovod's allreduces) and every op downstream of one are left free too: a
+collective waits for all ranks, so an op chained behind it would stall this rank's compute on
+the slowest rank, and a gradient bucket chained into the backward order could no longer be sent
+while the backward pass goes on (the pipelining).
+
+Ops that TensorFlow fuses into one kernel are left free as well, because a control edge
+changes the kernel:
+
+- Grappler's remapper fuses Conv2D/MatMul + BiasAdd + activation (and, with oneDNN, more
+  patterns) only when no node of the pattern has a control edge. Chaining them would run
+  unfused kernels, whose results differ in the last bits: the numbers would change. Which ops
+  the default pipeline fuses or rewrites is read off running it offline on the step
+  (:func:`grappler_rewritten_ops`).
+- After Grappler, oneDNN fuses a ``BiasAddGrad`` into the ``Conv2DBackpropFilter`` or
+  ``MatMul`` beside it (only when neither has a control edge), and the fused kernel inherits
+  both ops' control edges: chaining only one of them closes a cycle when the chain put
+  anything between the two, and chaining both runs unfused kernels. Both are left free.
+- oneDNN extends a fused contraction by the elementwise op that alone reads it (MatMul +
+  BiasAdd + the residual Add, in bfloat16), where the offline pipeline shows no such fusion:
+  that reader is left free too.
+
 An ``IdentityN`` waits for all of its inputs, and Grappler prunes it. Before the chain is
 added, its readers are re-pointed to its inputs, so that a rank order that never waited for
 it stays feasible. The values are unchanged.
@@ -38,12 +59,13 @@ Example:
 from __future__ import annotations
 
 import heapq
-from typing import Dict, List, Mapping
+from typing import Collection, Dict, FrozenSet, List, Mapping
 
 import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.core.errors import RewriteError
+from lms_tf.core.op_kinds import FORWARDING_TYPES, FUSABLE_GATE_PARTNER_TYPES, FUSABLE_GATE_TYPES, is_collective
 
 SERIAL_ATTR = "_lms_serial"  # an op's position in the chain
 
@@ -128,7 +150,73 @@ def serial_chain(graph: tf.Graph) -> List[tf.Operation]:
     return sorted(chained, key=lambda op: op.get_attr(SERIAL_ATTR))
 
 
-def impose_order(graph: tf.Graph, rank: Mapping[str, float]) -> int:
+def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int) -> FrozenSet[str]:
+    """The ops of ``graph`` that TensorFlow's default Grappler pipeline fuses, folds or regroups.
+
+    Runs the pipeline offline, as the runtime will before the first run, with every op on one
+    virtual device of ``device``'s type (the remapper's patterns differ between CPU and GPU), and
+    returns the ops that are gone from its result, have another op type there, or read other
+    values (constant folding regroups ``c * (x * y)`` without renaming anything).
+
+    Args:
+        graph: The step's graph (it may still be being traced).
+        device: The step's device, e.g. ``"/device:GPU:0"``.
+        memory_bytes: The memory the runtime tells Grappler the device has.
+
+    Example:
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.compat.v1.placeholder(tf.float32, (4, 8), name="x")
+        ...     w, b = tf.compat.v1.placeholder(tf.float32, (8, 8)), tf.compat.v1.placeholder(tf.float32, (8,))
+        ...     y = tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w, name="mm"), b, name="bias"), name="act")
+        >>> sorted(grappler_rewritten_ops(g, "/device:CPU:0", 2**28) & {"mm", "bias", "act"})
+        ['act', 'bias', 'mm']
+    """
+    kind = tf.DeviceSpec.from_string(device).device_type or "CPU"
+    virtual = f"/job:localhost/replica:0/task:0/device:{kind}:0"
+    graph_def = graph.as_graph_def()
+    for node in graph_def.node:
+        node.device = virtual
+    ops = graph.get_operations()
+    sinks = [op.name for op in ops if not any(t.consumers() for t in op.outputs) and not op._control_outputs]
+    fetches = sorted(set(sinks) | {op.name for op in ops if _compat.op_is_stateful(op.type)})
+    optimized = _compat.grappler_default_optimized(graph_def, fetches, (virtual, kind, memory_bytes))
+    return frozenset(_changed_nodes(graph_def, optimized))
+
+
+_PASS_THROUGH = frozenset({"Identity", "Snapshot", "StopGradient"})
+
+
+def _changed_nodes(before, after) -> List[str]:
+    """Nodes of ``before`` missing from ``after``, of another op type there, or reading other values
+    (inputs compared as sets, through identity ops, which Grappler removes without changing a value)."""
+    def sources(graph_def):
+        nodes = {node.name: node for node in graph_def.node}
+
+        def resolve(name: str) -> str:
+            source, _, port = name.partition(":")
+            while source in nodes and nodes[source].op in _PASS_THROUGH and nodes[source].input:
+                source, _, port = nodes[source].input[0].partition(":")
+            return f"{source}:{port or 0}"
+        return nodes, {node.name: {resolve(i) for i in node.input if not i.startswith("^")} for node in graph_def.node}
+
+    old_nodes, old_inputs = sources(before)
+    new_nodes, new_inputs = sources(after)
+    return [name for name, node in old_nodes.items()
+            if name not in new_nodes or new_nodes[name].op != node.op or new_inputs[name] != old_inputs[name]]
+
+
+def _sole_elementwise_reader(graph: tf.Graph, name: str) -> List[tf.Operation]:
+    """The elementwise op that is the only reader of op ``name``'s first output, if there is one."""
+    try:
+        op = graph.get_operation_by_name(name)
+    except KeyError:
+        return []
+    readers = op.outputs[0].consumers() if op.outputs else []
+    return readers if len(readers) == 1 and readers[0].type in FORWARDING_TYPES else []
+
+
+def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collection[str] = ()) -> int:
     """Chains the ranked ops of ``graph`` with control edges, in rank order where the graph allows.
 
     Must run while ``graph`` is being traced, after the automatic control dependencies of
@@ -138,6 +226,7 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float]) -> int:
     Args:
         graph: The graph to serialize, in place.
         rank: Op name -> rank; lower runs first.
+        leave_free: Ops never chained (those Grappler fuses: :func:`grappler_rewritten_ops`).
 
     Returns:
         The number of control edges added. Each chained op carries its position in the
@@ -153,13 +242,25 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float]) -> int:
     """
     bypass_identity_n(graph)
     order = ranked_topological_order(graph, rank)
-    reads_inputs = set()
+    reads_inputs, after_collective = set(), set()
     for name in order:
         op = graph.get_operation_by_name(name)
         if (op.type == "Placeholder" and op.outputs[0].dtype != tf.resource
                 or any(t.op.name in reads_inputs for t in op.inputs)):
             reads_inputs.add(name)
-    chain = [graph.get_operation_by_name(name) for name in order if name in rank and name in reads_inputs]
+        if is_collective(op.type) or any(t.op.name in after_collective for t in op.inputs) \
+                or any(c.name in after_collective for c in op.control_inputs):
+            after_collective.add(name)
+    chain = [graph.get_operation_by_name(name) for name in order
+             if name in rank and name in reads_inputs and name not in after_collective]
+    # Fused kernels (see the module docstring): a control edge would change or deadlock them.
+    fused_after_grappler = {op.name for op in chain if op.type in FUSABLE_GATE_TYPES}
+    fused_after_grappler |= {partner.name for op in chain if op.type in FUSABLE_GATE_TYPES
+                             for partner in op.inputs[0].consumers() if partner.type in FUSABLE_GATE_PARTNER_TYPES}
+    # oneDNN also extends a fused contraction by the elementwise op that alone reads it (the residual
+    # Add of MatMul + BiasAdd + Add in bfloat16), where Grappler offline shows no such fusion.
+    fused_after_grappler |= {reader.name for name in leave_free for reader in _sole_elementwise_reader(graph, name)}
+    chain = [op for op in chain if op.name not in fused_after_grappler and op.name not in leave_free]
     for position, op in enumerate(chain):
         _compat.set_int_attr(op, SERIAL_ATTR, position)
     added = 0
