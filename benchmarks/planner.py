@@ -25,6 +25,7 @@ to plan the ResNet-152 step, and a memory-timeline PNG.
     .venv/bin/python benchmarks/planner.py      # tables into docs/benchmarks/planner.md, docs/planner_timeline.png
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -47,15 +48,16 @@ import lms_tf  # noqa: E402
 from lms_tf.cli.max_batch import largest_batch  # noqa: E402
 from lms_tf.cli.plots import plot_timeline  # noqa: E402
 from lms_tf.core.errors import InfeasibleBudgetError  # noqa: E402
+from lms_tf.core.plan import Decision  # noqa: E402
 from lms_tf.core.policy import Policies  # noqa: E402
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
 from lms_tf.planner import make_budget_plan  # noqa: E402
 from lms_tf.simulate import (  # noqa: E402
-    link_lower_bound,  # noqa: E402
     simulate,
     tensorflow_cpu_allocator,
     tensorflow_gpu_allocator,
 )
+from lms_tf.simulate.replay import EDGE_SET_INLINE  # noqa: E402
 from lms_tf.tf.diagnostics import (  # noqa: E402
     cpu_kernel_library,
     grappler_accumulated_sums,
@@ -82,6 +84,8 @@ TIE_SEEDS = 8
 #: The ResNet-152 planning time is the median of this many plans: one timing on a shared
 #: 2-core machine moves by +-25% from run to run.
 PLANNING_REPEATS = 5
+#: Budgets tried for the ResNet-152 planning time, the first whose plan swaps is timed.
+R152_BUDGETS = ("25%", "35%", "50%", "70%")
 #: Runs of each of Grappler's heuristics per model: its swap pass picks different tensors from
 #: run to run (the table gives the median and the range).
 GRAPPLER_RUNS = 3
@@ -186,7 +190,9 @@ def model_rows(name, size, batch):
         row.update(budget=plan.budget_bytes, sim_lms=planned.peak_bytes,
                    oracle_lms=virtual_gpu_peak(fn.get_concrete_function(x, y), gpu_memory_bytes=spec.memory_bytes),
                    overhead=planned.step_time_s / baseline.step_time_s,
-                   lower_bound=link_lower_bound(baseline.compute_time_s, planned, cost) / baseline.step_time_s,
+                   lower_bound=plan.predictions.least_step_time_s / baseline.step_time_s,
+                   least_traffic=plan.predictions.least_traffic_bytes,
+                   plan_traffic=plan.predictions.bytes_to_host,
                    swapped=plan.swapped_bytes, recomputed=plan.recomputed_bytes)
         log.info("  %s: oracle with variable shapes, serialized planned step", preset)
         serialized = lms_tf.function(step, device="/CPU:0", host="/CPU:1", budget=plan.budget_bytes,
@@ -195,9 +201,12 @@ def model_rows(name, size, batch):
                                          gpu_memory_bytes=spec.memory_bytes, variable_shapes=True)
         row["oracle_lms_shaped"] = report.peak_bytes
         row["oracle_lms_shaped_once"] = report.peak_bytes_counting_in_place_once
+        log.info("  %s: the plan's recompute-only part, serialized, on the real CPU allocator", preset)
+        row.update(_recompute_part_on_the_real_allocator(step, ir, plan, spec, x, y))
         ties = [simulate(ir, plan, cost=cost, tie_seed=seed, allocator=tensorflow_gpu_allocator(spec.memory_bytes))
                 for seed in range(100, 100 + TIE_SEEDS)]
-        row.update(tie_peaks=[t.peak_bytes for t in ties], tie_held=[t.held_bytes for t in ties],
+        row.update(tie_ops=sum(len(successors) > EDGE_SET_INLINE for successors in _successors(ir).values()),
+                   tie_peaks=[t.peak_bytes for t in ties], tie_held=[t.held_bytes for t in ties],
                    tie_times=[t.step_time_s / baseline.step_time_s for t in ties])
         if preset == PRESETS[0] and name == TIMELINE_MODEL:
             plot_timeline(os.path.join(ROOT, "docs", "planner_timeline.png"), baseline, planned, plan.budget_bytes,
@@ -206,6 +215,35 @@ def model_rows(name, size, batch):
         rows.append(row)
         log.info("  %s: %s", preset, {k: v for k, v in row.items() if k not in ("model", "size", "batch")})
     return rows
+
+
+def _successors(ir):
+    readers = {op.name: set() for op in ir.ops}
+    for op in ir.ops:
+        for name in op.inputs:
+            if name in ir.tensors:
+                readers[ir.tensors[name].producer].add(op.name)
+        for name in op.control_inputs:
+            readers.setdefault(name, set()).add(op.name)
+    return readers
+
+
+def _recompute_part_on_the_real_allocator(step, ir, plan, spec, x, y):
+    """The plan with its swaps dropped (a swap moves no bytes between logical CPU devices), applied
+    with ``plan=`` and ``serialize=True``: its real CPU-allocator peak against the simulator's."""
+    recompute_only = dataclasses.replace(plan, decisions=tuple(
+        d if d.decision is Decision.RECOMPUTE else dataclasses.replace(d, decision=Decision.KEEP, swap_ins=(),
+                                                                        reason="kept: swaps dropped for the CPU run")
+        for d in plan.decisions))
+    if not recompute_only.recomputed:
+        return {"real_recompute_part": None}
+    fn = lms_tf.function(step, device="/CPU:0", swap=False, plan=recompute_only, serialize=True, device_spec=spec)
+    concrete = fn.get_concrete_function(x, y)
+    real = real_peak(fn, x, y)
+    sim = simulate(ir, recompute_only, cost=CostModel(spec), allocator=tensorflow_cpu_allocator(),
+                   kernels=cpu_kernel_library(), accumulated_sums=grappler_accumulated_sums(concrete))
+    return {"real_recompute_part": real, "sim_recompute_part": sim.allocator_peak_bytes,
+            "recomputed_in_part": len(recompute_only.recomputed)}
 
 
 def max_batch_row():
@@ -227,26 +265,42 @@ def max_batch_row():
     started = time.perf_counter()
     plain, plain_peak = largest_batch(ir_for_batch, options, cost, False, 4096, device="/device:CPU:0")
     lms, lms_peak = largest_batch(ir_for_batch, options, cost, True, 4096, device="/device:CPU:0")
-    return {"plain": plain, "lms": lms, "plain_peak": plain_peak, "lms_peak": lms_peak,
-            "seconds": time.perf_counter() - started}
+    seconds = time.perf_counter() - started
+    log.info("  tracing, rewriting and judging the plan at batch %d on Grappler's virtual V100", lms)
+    spec = get_device_spec("v100-16gb-pcie3")
+    fn = lms_tf.function(train_step(model), device="/CPU:0", host="/CPU:1", budget="auto", device_spec=spec)
+    concrete = fn.get_concrete_function(tf.TensorSpec((lms, 224, 224, 3)), tf.TensorSpec((lms,), tf.int32))
+    report = virtual_gpu_peak_report(concrete, gpu_memory_bytes=spec.memory_bytes, variable_shapes=True)
+    return {"plain": plain, "lms": lms, "plain_peak": plain_peak, "lms_peak": lms_peak, "seconds": seconds,
+            "oracle_lms_peak": report.peak_bytes, "memory": spec.memory_bytes,
+            "budget": fn.plan.budget_bytes, "resident": spec.memory_bytes - fn.plan.budget_bytes}
 
 
 def resnet152_planning_seconds(repeats=PLANNING_REPEATS):
-    """Seconds to plan the ResNet-152 step, each of ``repeats`` plans (one IR), and its op count."""
+    """Seconds to plan the ResNet-152 step at the first of :data:`R152_BUDGETS` where the plan swaps,
+    each of ``repeats`` plans (one IR), its op count, the budget and what the plan moves. An
+    infeasible budget is never timed."""
     keras.utils.set_random_seed(0)
     model = build_model("ResNet152", image_size=224, classes=1000)
     x, y = synthetic_batch(model, 32)
     ir = build_ir(tf.function(train_step(model)).get_concrete_function(x, y).graph)
-    options = Policies(host="/CPU:1", budget=BUDGET, recompute="auto")
+    cost = CostModel(get_device_spec("v100-16gb-pcie3"))
+    for budget in R152_BUDGETS:
+        options = Policies(host="/CPU:1", budget=budget, recompute="auto")
+        try:
+            plan = make_budget_plan(ir, options, device="/device:CPU:0", cost=cost)
+        except InfeasibleBudgetError:
+            continue
+        if plan.swapped:
+            break
+    else:
+        raise RuntimeError(f"no budget of {R152_BUDGETS} gave a feasible ResNet-152 plan that swaps")
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()
-        try:
-            make_budget_plan(ir, options, device="/device:CPU:0", cost=CostModel(get_device_spec("v100-16gb-pcie3")))
-        except InfeasibleBudgetError:
-            pass
+        make_budget_plan(ir, options, device="/device:CPU:0", cost=cost)
         seconds.append(time.perf_counter() - started)
-    return seconds, len(ir.ops)
+    return seconds, len(ir.ops), budget, len(plan.swapped), len(plan.recomputed)
 
 
 def mib(v):
@@ -285,8 +339,8 @@ def table(rows, batch_row, r152):
         f"by the same judge.", "",
         "| model | device | real CPU plain | sim plain | sim/real | oracle plain | lms-tf sim (ratio) | lms-tf oracle "
         "(ratio) | oracle ratio − sim ratio | Grappler swap (ratio) | Grappler recompute (ratio) | predicted overhead | "
-        "link lower bound | overhead / bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "least time of any plan | overhead / least | plan's copies out (MiB) | least plan's copies out (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = f"{r['model']} {r['size']}² b{r['batch']}"
         head = (f"| {name} | {r['device']} | {mib(r['real_plain'])} | {mib(r['sim_plain'])} | "
@@ -299,7 +353,25 @@ def table(rows, batch_row, r152):
         sim_ratio, oracle_ratio = r["sim_lms"] / r["sim_plain"], r["oracle_lms"] / r["oracle_plain"]
         lines.append(head + _at_budget(r) + f"{mib(r['sim_lms'])} ({sim_ratio:.2f}) | {mib(r['oracle_lms'])} "
                      f"({oracle_ratio:.2f}) | {oracle_ratio - sim_ratio:+.2f} | " + grappler +
-                     f"{r['overhead']:.2f}x | {r['lower_bound']:.2f}x | {r['overhead'] / r['lower_bound']:.2f} |")
+                     f"{r['overhead']:.2f}x | {r['lower_bound']:.2f}x | {r['overhead'] / r['lower_bound']:.2f} | "
+                     f"{mib(r['plan_traffic'])} | {mib(r['least_traffic'])} |")
+    lines += ["", "\"least time of any plan\": no plan that fits the budget can be faster, whatever it moves "
+                  "(`lms_tf.simulate.bounds.fit_lower_bound`: at the plain step's peak, the bytes over the budget "
+                  "are swapped over the link or recomputed at their producer's time, as fractions of tensors, "
+                  "the cheapest first), relative to the plain step. It does not depend on the chosen plan's own "
+                  "copies (the last two columns: what the plan copies out, and what the least-time relaxation does)."]
+    lines += ["", "Each plan's recompute-only part (its swaps dropped: between logical CPU devices a swap moves "
+                  "no bytes), applied with `plan=` and `serialize=True` and run on this CPU: the real allocator's "
+                  "peak against the simulator's allocator model of the same plan (MiB):", "",
+              "| model | device | clones' tensors | real CPU peak | simulated (ratio) |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("real_recompute_part") is None:
+            lines.append(f"| {r['model']} {r['size']}² b{r['batch']} | {r['device']} | 0 | the plan recomputes "
+                         f"nothing | – |")
+            continue
+        lines.append(f"| {r['model']} {r['size']}² b{r['batch']} | {r['device']} | {r['recomputed_in_part']} | "
+                     f"{mib(r['real_recompute_part'])} | {mib(r['sim_recompute_part'])} "
+                     f"({r['sim_recompute_part'] / r['real_recompute_part']:.2f}) |")
     lines += ["", "Grappler's oracle told the variable shapes (`virtual_gpu_peak(..., variable_shapes=True)`), "
                   "on serialized steps (`serialize=True`: the compute ops chained in the simulator's order). "
                   "Peaks in MiB. The last three columns count once each input/output pair that Grappler holds at "
@@ -340,20 +412,30 @@ def table(rows, batch_row, r152):
                          f"{mib(recompute_peak)} ({recompute_peak / plain:.2f}) | "
                          f"{min(recompute['recomputed'])}-{max(recompute['recomputed'])} |")
     lines += ["", f"The plans replayed with {TIE_SEEDS} random orders of the ops made ready together "
-                  f"that the planner did not check (MiB):", "",
-              "| model | device | budget | planned peak | peak over tie orders: min-max | chunks (GPU allocator model) "
-              "over tie orders: max | all within budget | predicted overhead over tie orders |",
-              "|---|---|---|---|---|---|---|---|"]
+                  f"that the planner did not check (MiB). TensorFlow queues the successors of an op in an order "
+                  f"that varies between processes only when the op has more than {EDGE_SET_INLINE} of them; "
+                  f"\"such ops\" counts them (with none, every tie order is the same and min = max says "
+                  f"nothing):", "",
+              "| model | device | such ops | budget | planned peak | peak over tie orders: min-max | chunks (GPU "
+              "allocator model) over tie orders: max | all within budget | predicted overhead over tie orders |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         within = max(r["tie_held"]) <= r["budget"]
-        lines.append(f"| {r['model']} {r['size']}² b{r['batch']} | {r['device']} | {_at_budget(r)}{mib(r['budget'])} | "
+        lines.append(f"| {r['model']} {r['size']}² b{r['batch']} | {r['device']} | {r['tie_ops']} | "
+                     f"{_at_budget(r)}{mib(r['budget'])} | "
                      f"{mib(r['sim_lms'])} | {mib(min(r['tie_peaks']))}-{mib(max(r['tie_peaks']))} | "
                      f"{mib(max(r['tie_held']))} | {'yes' if within else 'no'} | "
                      f"{min(r['tie_times']):.2f}-{max(r['tie_times']):.2f}x |")
     lines += ["", f"Largest ResNet-50 224² batch on v100-16gb-pcie3 (simulated, budget \"auto\"): "
                   f"**{batch_row['plain']} plain, {batch_row['lms']} with lms-tf "
-                  f"({batch_row['lms'] / max(batch_row['plain'], 1):.1f}x)** (search took {batch_row['seconds']:.0f} s).",
-              f"Planning the ResNet-152 224² b32 step ({r152[1]} ops) at {BUDGET} on v100-16gb-pcie3: "
+                  f"({batch_row['lms'] / max(batch_row['plain'], 1):.1f}x)** (search took {batch_row['seconds']:.0f} s). "
+                  f"The plan at batch {batch_row['lms']}, traced and rewritten by `lms_tf.function(budget=\"auto\")` and "
+                  f"judged by Grappler's virtual V100 told the variable shapes: peak "
+                  f"{batch_row['oracle_lms_peak'] / 2**30:.2f} GiB against the "
+                  f"{batch_row['budget'] / 2**30:.2f} GiB budget (16 GB less the variables and the safety margin): "
+                  f"{'fits' if batch_row['oracle_lms_peak'] <= batch_row['budget'] else 'does NOT fit'}.",
+              f"Planning the ResNet-152 224² b32 step ({r152[1]} ops) at {r152[2]} on v100-16gb-pcie3 (the first of "
+              f"{', '.join(R152_BUDGETS)} whose plan swaps: {r152[3]} tensors swapped, {r152[4]} recomputed): "
               f"**{statistics.median(r152[0]):.1f} s** (median of {len(r152[0])} plans; "
               f"{min(r152[0]):.1f}-{max(r152[0]):.1f} s)."]
     return "\n".join(lines)

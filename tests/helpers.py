@@ -23,12 +23,15 @@ class LossRecorder(keras.callbacks.Callback):
 
 
 def fit_steps(builder, callbacks=(), steps_per_execution=1, **compile_kwargs):
-    """Builds a zoo model and fits it for 3 steps; returns (losses, weights, model)."""
+    """Builds a zoo model and fits it for at least :data:`NUMBERS_STEPS` steps (whole epochs over its
+    data, unshuffled); returns (losses, weights, model)."""
     model, (x, y) = builder(**compile_kwargs) if compile_kwargs else builder()
     if steps_per_execution != 1:
         model.compile(optimizer=model.optimizer, loss=model.loss, steps_per_execution=steps_per_execution)
     recorder = LossRecorder()
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder, *callbacks])
+    samples = len(x[0]) if isinstance(x, (tuple, list)) else len(x)
+    epochs = -(-NUMBERS_STEPS // -(-samples // BATCH))
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[recorder, *callbacks])
     return recorder.losses, [np.array(w) for w in model.get_weights()], model
 
 
@@ -59,7 +62,11 @@ def assert_same_numbers(plain, rewritten, rtol=0.0):
             np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-7)
 
 
-def custom_loop(builder, decorate, steps=3, use_tf_gradients=False, optimizer=None):
+#: Training steps of the numbers tests: a last-bit difference grows over steps, so a few would hide it.
+NUMBERS_STEPS = 10
+
+
+def custom_loop(builder, decorate, steps=NUMBERS_STEPS, use_tf_gradients=False, optimizer=None):
     """Trains a zoo model with a hand-written step; returns (losses, weights, step_function).
 
     Batch i is rows [i * BATCH, (i + 1) * BATCH) of the builder's data, cycling over it."""

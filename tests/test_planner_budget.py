@@ -23,7 +23,7 @@ from lms_tf.simulate import simulate, tensorflow_gpu_allocator
 from lms_tf.tf.trace import build_ir
 from tests import zoo
 from tests.allocator_runs import run_allocator_worker
-from tests.helpers import assert_same_numbers, custom_loop
+from tests.helpers import assert_same_numbers, custom_loop, fit_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V100 = CostModel(get_device_spec("v100-16gb-pcie3"))
@@ -424,3 +424,94 @@ def test_cli_max_batch_json_and_infeasible_exit_code():
     assert bad.returncode == 3
     result = json.loads(bad.stdout.strip().splitlines()[-1])
     assert result["feasible"] is False and result["smallest_feasible_budget_bytes"] > 1024
+
+
+FIT_FAMILIES = ["sequential_cnn", "resnet_style", "shared_multi_input_residual", "inception_style"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", FIT_FAMILIES)
+def test_callback_budget_through_fit(name, cpu_lms):
+    """``LMSCallback(budget="80%")`` in ``model.fit``: the plan fits its budget in the simulator,
+    moves something, and the fit trains to the plain fit's numbers (Sequential CNN, two inputs
+    through shared layers with a skip, residual blocks, parallel branches). The zoo's text, LSTM and
+    subclassed models are too small for 80%: TensorFlow's allocator rounds their tensors to chunks that
+    alone exceed it (the planner says so with the smallest feasible budget)."""
+    plain = fit_steps(zoo.FIT_ZOO[name])
+    callback = lms_tf.LMSCallback(budget="80%", device_spec="v100-16gb-pcie3", **cpu_lms)
+    planned = fit_steps(zoo.FIT_ZOO[name], callbacks=[callback])
+    plan = callback.plan
+    assert plan.budget_bytes == int(0.8 * plan.predictions.baseline_peak_bytes)
+    assert plan.predictions.feasible and plan.predictions.planned_allocator_peak_bytes <= plan.budget_bytes
+    assert plan.swapped or plan.recomputed
+    assert_same_numbers(plain, planned)
+
+
+@pytest.mark.timeout(300)
+def test_recompute_auto_plans_for_the_devices_memory(cpu_lms):
+    """``recompute="auto"`` alone means ``budget="auto"``: the device preset's memory less the
+    step's resident variables and the safety margin (10%, at least 512 MiB). On the V100 preset the
+    zoo's residual net fits that, so nothing moves. On a device made 70% of its plain peak larger than
+    the variables and the margin, the same options plan to fit that 70%, and still give the plain
+    numbers."""
+    import dataclasses
+
+    from lms_tf.core.policy import SAFETY_MARGIN_FRACTION, SAFETY_MARGIN_MIN_BYTES
+
+    plain = fit_steps(zoo.resnet_style)
+    callback = lms_tf.LMSCallback(recompute="auto", device_spec="v100-16gb-pcie3", **cpu_lms)
+    planned = fit_steps(zoo.resnet_style, callbacks=[callback])
+    assert callback.options.budget == "auto" and callback.options.recompute == "auto"
+    v100 = get_device_spec("v100-16gb-pcie3")
+    margin = max(SAFETY_MARGIN_MIN_BYTES, int(SAFETY_MARGIN_FRACTION * v100.memory_bytes))
+    resident = v100.memory_bytes - margin - callback.plan.budget_bytes
+    weights = sum(w.numpy().nbytes for w in planned[2].weights)
+    assert weights <= resident <= 4 * weights  # the variables: weights, momentum slots, counters
+    assert not callback.plan.swapped and not callback.plan.recomputed
+    assert_same_numbers(plain, planned)
+
+    baseline = callback.plan.predictions.baseline_peak_bytes
+    small = dataclasses.replace(v100, name="small", memory_bytes=SAFETY_MARGIN_MIN_BYTES + resident + int(0.7 * baseline))
+    callback = lms_tf.LMSCallback(recompute="auto", device_spec=small, **cpu_lms)
+    tight = fit_steps(zoo.resnet_style, callbacks=[callback])
+    assert callback.plan.budget_bytes == int(0.7 * baseline)
+    assert callback.plan.predictions.feasible and callback.plan.predictions.planned_allocator_peak_bytes <= int(0.7 * baseline)
+    assert callback.plan.swapped or callback.plan.recomputed
+    assert_same_numbers(plain, tight)
+
+
+@pytest.mark.timeout(300)
+def test_largest_batch_bisects_and_lms_fits_a_larger_one():
+    """The max-batch search on a device whose free memory holds about 40 samples of the zoo's residual
+    net: the doubling overshoots and the bisection finds the boundary, checked independently (the
+    answer fits, one more does not), and lms-tf's answer is larger than the plain one."""
+    import dataclasses
+
+    from lms_tf.cli.max_batch import fits, largest_batch
+    from lms_tf.core.policy import SAFETY_MARGIN_MIN_BYTES
+    from lms_tf.simulate import resident_bytes
+    from lms_tf.tf.workloads import train_step
+
+    model, (x, _) = zoo.resnet_style()
+    graph = tf.function(train_step(model)).get_concrete_function(
+        tf.TensorSpec((None, *x.shape[1:])), tf.TensorSpec((None,), tf.int32)).graph
+    irs = {}
+
+    def ir_for_batch(batch):
+        if batch not in irs:
+            irs[batch] = build_ir(graph, batch_size=batch)
+        return irs[batch]
+
+    v100 = CostModel(get_device_spec("v100-16gb-pcie3"))
+    per_sample = (simulate(ir_for_batch(64), cost=v100).peak_bytes - simulate(ir_for_batch(32), cost=v100).peak_bytes) // 32
+    memory = SAFETY_MARGIN_MIN_BYTES + resident_bytes(ir_for_batch(1)) + 40 * per_sample
+    cost = CostModel(dataclasses.replace(v100.device, name="small", memory_bytes=memory))
+    policies = Policies(host="/CPU:1", budget="auto", recompute="auto")
+    answers = {}
+    for with_lms in (False, True):
+        best, _ = largest_batch(ir_for_batch, policies, cost, with_lms, 4096, device="/device:CPU:0")
+        assert fits(ir_for_batch, best, policies, cost, with_lms, device="/device:CPU:0")[0]
+        assert not fits(ir_for_batch, best + 1, policies, cost, with_lms, device="/device:CPU:0")[0]
+        answers[with_lms] = best
+    assert 20 < answers[False] < 64 and answers[False] & (answers[False] - 1)  # not a power of two: bisected
+    assert answers[True] > answers[False]

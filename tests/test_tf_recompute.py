@@ -10,10 +10,11 @@ import tensorflow as tf
 import lms_tf
 from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
+from lms_tf.core.op_kinds import FREE_TYPES
 from lms_tf.tf.diagnostics import executed_ops, find_executed
 from lms_tf.tf.rewrite import LMS_ATTR, count_lms_ops
 from tests import zoo
-from tests.helpers import CPU_LMS, assert_same_numbers, custom_loop, fit_steps, lms_function
+from tests.helpers import CPU_LMS, NUMBERS_STEPS, assert_same_numbers, custom_loop, fit_steps, lms_function
 
 RECOMPUTE_ONLY = dict(device="/CPU:0", swap=False)
 SWAP_AND_RECOMPUTE = dict(CPU_LMS, swapout_threshold=4, min_swap_bytes=1024, recompute="sqrt")
@@ -88,7 +89,7 @@ def test_recompute_is_bit_identical_under_the_default_grappler_remapper(options)
         model = residual_mlp()
         x, y = synthetic_batch(model, 32)
         step = decorate(train_step(model, keras.optimizers.SGD(0.1)))
-        return [float(step(x, y)) for _ in range(8)], [w.numpy() for w in model.weights], step
+        return [float(step(x, y)) for _ in range(NUMBERS_STEPS)], [w.numpy() for w in model.weights], step
 
     assert tf.config.optimizer.get_experimental_options().get("remapping", True)  # Grappler's default
     plain = run(tf.function)
@@ -218,27 +219,35 @@ def test_sqrt_recompute_lowers_the_real_cpu_allocator_peak(deep_batch):
 
 
 def _assert_clones_ran_in_order(plan, graph, events, logits_op):
-    """Every executed clone a backward consumer reads ran after the forward pass and its gate,
-    and before that consumer; returns how many were seen."""
+    """Every traced clone a backward consumer reads ran after the forward pass and its gate, and
+    before that consumer. The events come from a run without Grappler, so every op runs as itself,
+    but TensorFlow's profiler does not trace every kernel (cheap ones such as a Select or a Reshape
+    run inline): a gate that is such an alias is judged by the op it aliases, and at least 80% of
+    the (clone, consumer) pairs must be seen; the failure lists the ones that were not. Returns how
+    many pairs were checked."""
     logits = find_executed(events, logits_op)
-    seen = 0
+    assert logits is not None, f"{logits_op} is not in the profile"
+    checked, unseen = 0, []
     for decision in plan.recomputed:
-        gate = find_executed(events, decision.gate)
+        gate_op = graph.get_operation_by_name(decision.gate)
+        while find_executed(events, gate_op.name) is None and gate_op.type in FREE_TYPES and gate_op.inputs:
+            gate_op = gate_op.inputs[0].op  # an alias gate (a Reshape) runs inline, untraced: its input ran before it
+        gate = find_executed(events, gate_op.name)
         for consumer_name in decision.consumers:
             consumer = graph.get_operation_by_name(consumer_name)
             clone_ops = [t.op for t in consumer.inputs if _compat.string_attr(t.op, LMS_ATTR) == "recompute"]
             assert clone_ops, f"{consumer_name} does not read a clone"
-            clone = find_executed(events, clone_ops[0].name)
-            ran = find_executed(events, consumer_name)
-            if clone is None:  # a kernel Grappler fused or the profiler does not trace
+            clone, ran = find_executed(events, clone_ops[0].name), find_executed(events, consumer_name)
+            if clone is None or gate is None or ran is None:
+                unseen.append((clone_ops[0].name if clone is None else None, decision.gate if gate is None else None,
+                               consumer_name if ran is None else None))
                 continue
-            seen += 1
             assert clone.start_ps > logits.end_ps, "a clone ran during the forward pass"
-            if gate is not None:
-                assert clone.start_ps >= gate.end_ps, "a clone ran before its gate"
-            if ran is not None:
-                assert ran.start_ps >= clone.end_ps, "a consumer ran before its clone"
-    return seen
+            assert clone.start_ps >= gate.end_ps, "a clone ran before its gate"
+            assert ran.start_ps >= clone.end_ps, "a consumer ran before its clone"
+            checked += 1
+    assert checked >= 0.8 * (checked + len(unseen)), f"only {checked} pairs seen; not in the profile: {unseen}"
+    return checked
 
 
 def _executed_without_grappler(fn, x, y):
@@ -258,8 +267,8 @@ def test_executed_order_clones_run_in_backward_after_gate_before_consumer(deep_b
     fn = lms_tf.function(_deep_step(deep_residual(blocks=4, size=16)), recompute="sqrt", **RECOMPUTE_ONLY)
     events = _executed_without_grappler(fn, x, y)
     graph = fn.get_concrete_function(x, y).graph
-    seen = _assert_clones_ran_in_order(fn.plan, graph, events, fn.python_function.logits_op)
-    assert seen >= len(fn.plan.recomputed) // 2, (seen, len(fn.plan.recomputed))
+    checked = _assert_clones_ran_in_order(fn.plan, graph, events, fn.python_function.logits_op)
+    assert checked >= len(fn.plan.recomputed) // 2, (checked, len(fn.plan.recomputed))
 
 
 @pytest.mark.timeout(300)
@@ -277,8 +286,8 @@ def test_executed_order_of_a_checkpoint_recomputed_from_the_one_before(deep_batc
     only = dataclasses.replace(plan, decisions=(decision,))
     assert _assert_clones_ran_in_order(only, facts["graph"], events, step.logits_op) >= 1, \
         f"no clone of {checkpoint} was seen running"
-    seen = _assert_clones_ran_in_order(plan, facts["graph"], events, step.logits_op)
-    assert seen >= len(plan.recomputed) // 2, (seen, len(plan.recomputed))
+    checked = _assert_clones_ran_in_order(plan, facts["graph"], events, step.logits_op)
+    assert checked >= len(plan.recomputed) // 2, (checked, len(plan.recomputed))
 
 
 @pytest.mark.parametrize("value", ["everything", 3, [], [""]])

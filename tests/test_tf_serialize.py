@@ -98,7 +98,9 @@ def test_ops_grappler_fuses_stay_off_the_chain():
     rank = {name: i for i, name in enumerate(["mm", "bias", "act", "scaled", "dy", "bias_grad", "weight_grad",
                                                "input_grad"])}
     impose_order(g, rank, leave_free=fused)
-    assert [op.name for op in serial_chain(g)] == ["scaled", "dy"]
+    # "scaled", the one elementwise reader of the fused op, stays free too: oneDNN may extend the
+    # fusion by it after Grappler (MatMul + BiasAdd + Add in bfloat16 did).
+    assert [op.name for op in serial_chain(g)] == ["dy"]
 
 
 def test_serialized_step_runs_grapplers_fused_kernels():
@@ -206,8 +208,9 @@ def test_tensorflow_runs_the_ops_in_the_simulated_order(recompute):
     simulated = list(simulate(fn.plain_irs[-1], fn.plan, cost=CostModel(get_device_spec(SPEC))).op_intervals)
     position = {name: i for i, name in enumerate(simulated)}
     chain = serial_chain(graph)
-    # Structure: every chained op waits for the one before it, and the chain is the simulated order.
-    assert len(chain) > 100
+    # Structure: every chained op waits for the one before it, and the chain is the simulated order
+    # (the convolutions Grappler fuses with their bias and activation run off the chain).
+    assert len(chain) > 50
     assert all(before in after.control_inputs for before, after in zip(chain, chain[1:]))
     chained = [simulator_name(graph, op.name) for op in chain]
     assert chained == sorted(chained, key=position.__getitem__)

@@ -134,6 +134,9 @@ class Predictions:
         feasible: Whether the simulated peak fits the budget.
         bytes_to_host: Bytes the planned step copies from the device to the host.
         bytes_to_device: Bytes it copies back (a tensor read in several windows comes back once per window).
+        least_step_time_s: The least step time any plan fitting the budget could have, whatever it
+            moves (:func:`lms_tf.simulate.bounds.fit_lower_bound`).
+        least_traffic_bytes: The bytes that least-time plan copies each way.
 
     Example:
         >>> Predictions(baseline_step_time_s=2.0, predicted_step_time_s=2.5).overhead
@@ -148,6 +151,8 @@ class Predictions:
     feasible: Optional[bool] = None
     bytes_to_host: Optional[int] = None
     bytes_to_device: Optional[int] = None
+    least_step_time_s: Optional[float] = None
+    least_traffic_bytes: Optional[int] = None
 
     @property
     def overhead(self) -> Optional[float]:

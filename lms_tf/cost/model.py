@@ -207,12 +207,30 @@ class CostModel:
             >>> round(slow.scale["elementwise"], 6)
             3.0
         """
+        return self.calibrate_many([(ir, measured_seconds)])
+
+    def calibrate_many(self, measurements: Iterable[Tuple[GraphIR, Mapping[str, float]]]) -> "CostModel":
+        """:meth:`calibrate` on the measured ops of several steps together (e.g. other models).
+
+        Example:
+            >>> from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo
+            >>> from lms_tf.cost.devices import get_device_spec
+            >>> t = {"r:0": TensorInfo("r:0", "float32", (1024,), 4096, "r", ())}
+            >>> r = OpInfo("r", "Relu", 0, Phase.FORWARD, "", (), (), ("r:0",))
+            >>> ir = GraphIR((r,), t, frozenset(), {})
+            >>> base = CostModel(get_device_spec("v100-16gb-pcie3"))
+            >>> both = base.calibrate_many([(ir, {"r": 2 * base.op_time(ir, r)}), (ir, {"r": 4 * base.op_time(ir, r)})])
+            >>> round(both.scale["elementwise"], 6)
+            3.0
+        """
         ratios: Dict[str, list] = collections.defaultdict(list)
-        for op in ir.ops:
-            seconds = measured_seconds.get(op.name)
-            predicted = CostModel(self.device).op_time(ir, op)
-            if seconds is not None and predicted > 0:
-                ratios[op_class(op.type)].append(seconds / predicted)
+        unscaled = CostModel(self.device)
+        for ir, measured_seconds in measurements:
+            for op in ir.ops:
+                seconds = measured_seconds.get(op.name)
+                predicted = unscaled.op_time(ir, op)
+                if seconds is not None and predicted > 0:
+                    ratios[op_class(op.type)].append(seconds / predicted)
         scale = dict(self.scale)
         scale.update({kind: statistics.median(values) for kind, values in ratios.items()})
         return CostModel(self.device, scale)

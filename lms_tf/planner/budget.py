@@ -63,6 +63,7 @@ from lms_tf.cost.model import CostModel
 from lms_tf.planner.candidates import UNSIZED_LOOP_REASON
 from lms_tf.planner.search import BudgetSearch
 from lms_tf.planner.step import PlanningStep
+from lms_tf.simulate.bounds import fit_lower_bound
 
 logger = logging.getLogger("lms_tf")
 
@@ -159,4 +160,16 @@ def _make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, scope_ali
         baseline_peak_bytes=baseline.peak_bytes, planned_peak_bytes=sim.peak_bytes,
         planned_allocator_peak_bytes=sim.allocator_peak_bytes, baseline_step_time_s=baseline.step_time_s,
         predicted_step_time_s=sim.step_time_s, feasible=True, bytes_to_host=sim.swap_out_bytes,
-        bytes_to_device=sim.swap_in_bytes))
+        bytes_to_device=sim.swap_in_bytes, **_least_time_to_fit(step, budget_bytes)))
+
+
+def _least_time_to_fit(step: PlanningStep, budget_bytes: int) -> dict:
+    """The plan-independent bound: the movable tensors live at the plain peak, each swappable over
+    the link or recomputable at its producer's time (not recomputable if recompute is off)."""
+    recompute = bool(step.policies.recompute)
+    movable = [(nbytes, step.op_times[step.ir.tensors[name].producer] if recompute else float("inf"))
+               for name, nbytes in step.baseline.live_at_peak if name in step.eligible]
+    bound = fit_lower_bound(step.baseline.compute_time_s, step.baseline.peak_bytes - budget_bytes, movable, step.cost)
+    if bound is None:
+        return {}
+    return {"least_step_time_s": bound[0], "least_traffic_bytes": bound[1]}

@@ -22,3 +22,79 @@ def link_lower_bound(compute_s: float, planned, cost: CostModel) -> float:
     return max(planned.compute_time_s, compute_s,
                cost.transfer_time(planned.swap_out_bytes, "device_to_host"),
                cost.transfer_time(planned.swap_in_bytes, "host_to_device"))
+
+
+def fit_lower_bound(compute_s: float, deficit_bytes: int, movable, cost: CostModel):
+    """Least step time of any plan that brings the plain step's peak down by ``deficit_bytes``,
+    and the link traffic at that optimum (plan-independent, unlike :func:`link_lower_bound`).
+
+    At the plain step's peak, at least ``deficit_bytes`` of the live movable tensors must be
+    gone. Each byte is either swapped (it crosses the link out and back in) or recomputed (its
+    producer runs again). Relaxed to fractions of tensors, with each tensor's recompute costing
+    its producer's time alone (a real plan may have to recompute a chain), the least time is
+    ``min over s of max(compute + recompute(deficit - s), s / link)``: the cheapest bytes per
+    second are recomputed first, and the link takes the rest. No plan beats it, whatever it moves.
+
+    Args:
+        compute_s: The plain step's compute time.
+        deficit_bytes: Plain peak minus the budget (0 or less: nothing has to move).
+        movable: ``(bytes, recompute seconds)`` of each movable tensor live at the plain peak.
+        cost: The device's cost model (link bandwidths).
+
+    Returns:
+        ``(seconds, swap bytes at the optimum)``, or None when the movable bytes are fewer than
+        the deficit (no plan fits).
+
+    Example:
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> cost = CostModel(get_device_spec("v100-16gb-pcie3"))
+        >>> seconds, traffic = fit_lower_bound(1.0, 12 * 10**9, [(12 * 10**9, 10.0)], cost)
+        >>> round(seconds, 2), round(traffic / 1e9, 1)   # recomputing would take 10 s: swap it all
+        (1.0, 12.0)
+        >>> seconds, traffic = fit_lower_bound(0.1, 6 * 10**9, [(6 * 10**9, 0.001)], cost)
+        >>> round(seconds, 4), round(traffic / 1e9, 1)  # link-bound: recompute most, swap what the compute hides
+        (0.1008, 1.2)
+    """
+    if deficit_bytes <= 0:
+        return compute_s, 0
+    if sum(nbytes for nbytes, _ in movable) < deficit_bytes:
+        return None
+    rates = sorted((seconds / nbytes, nbytes) for nbytes, seconds in movable if nbytes > 0)
+
+    def recompute_s(nbytes: float) -> float:
+        total = 0.0
+        for rate, size in rates:
+            take = min(size, nbytes)
+            total += rate * take
+            nbytes -= take
+            if nbytes <= 0:
+                break
+        return total
+
+    def link_s(nbytes: float) -> float:
+        return max(cost.transfer_time(int(nbytes), "device_to_host"), cost.transfer_time(int(nbytes), "host_to_device"))
+
+    def time_at(swap: float) -> float:
+        return max(compute_s + recompute_s(deficit_bytes - swap), link_s(swap))
+
+    low, high = 0.0, float(deficit_bytes)  # recompute falls and the link rises with the swapped bytes
+    for _ in range(60):
+        middle = (low + high) / 2
+        if compute_s + recompute_s(deficit_bytes - middle) > link_s(middle):
+            low = middle
+        else:
+            high = middle
+    crossing = high
+    best = min(time_at(s) for s in (0.0, low, crossing, float(deficit_bytes)))
+    # The least traffic that reaches that time: below the crossing the time is the compute plus the
+    # recompute of what is not swapped, which falls as more is swapped.
+    low, high = 0.0, crossing
+    if compute_s + recompute_s(deficit_bytes) <= best * (1 + 1e-9):
+        return best, 0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if compute_s + recompute_s(deficit_bytes - middle) <= best * (1 + 1e-9):
+            high = middle
+        else:
+            low = middle
+    return best, int(high)
