@@ -22,6 +22,12 @@ class LossRecorder(keras.callbacks.Callback):
         self.losses.append(float(logs["loss"]))
 
 
+def numbers_epochs(x) -> int:
+    """Epochs of ``fit(x, batch_size=BATCH)`` that run at least :data:`NUMBERS_STEPS` steps."""
+    samples = len(x[0]) if isinstance(x, (tuple, list)) else len(x)
+    return -(-NUMBERS_STEPS // -(-samples // BATCH))
+
+
 def fit_steps(builder, callbacks=(), steps_per_execution=1, **compile_kwargs):
     """Builds a zoo model and fits it for at least :data:`NUMBERS_STEPS` steps (whole epochs over its
     data, unshuffled); returns (losses, weights, model)."""
@@ -29,9 +35,8 @@ def fit_steps(builder, callbacks=(), steps_per_execution=1, **compile_kwargs):
     if steps_per_execution != 1:
         model.compile(optimizer=model.optimizer, loss=model.loss, steps_per_execution=steps_per_execution)
     recorder = LossRecorder()
-    samples = len(x[0]) if isinstance(x, (tuple, list)) else len(x)
-    epochs = -(-NUMBERS_STEPS // -(-samples // BATCH))
-    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[recorder, *callbacks])
+    model.fit(x, y, batch_size=BATCH, epochs=numbers_epochs(x), shuffle=False, verbose=0,
+              callbacks=[recorder, *callbacks])
     return recorder.losses, [np.array(w) for w in model.get_weights()], model
 
 

@@ -26,6 +26,7 @@ from tests.helpers import (
     graph_probe,
     keras_train_step,
     lms_function,
+    numbers_epochs,
 )
 
 HOST = "/job:localhost/replica:0/task:0/device:CPU:1"
@@ -109,7 +110,7 @@ def test_optimizer_built_before_the_step_warns_and_still_trains_correctly():
     model, (x, y) = zoo.sequential_cnn()
     model.optimizer.build(model.trainable_variables)  # slots now exist on the device
     with pytest.warns(LMSWarning, match="slot variables of optimizer .* are not on /device:CPU:1 .*built before"):
-        model.fit(x, y, batch_size=zoo.BATCH, epochs=1, shuffle=False, verbose=0,
+        model.fit(x, y, batch_size=zoo.BATCH, epochs=numbers_epochs(x), shuffle=False, verbose=0,
                   callbacks=[lms_tf.LMSCallback(**CPU_LMS, swap=False, optimizer_on_host=True)])
     np.testing.assert_array_equal(np.concatenate([w.ravel() for w in model.get_weights()]),
                                   np.concatenate([w.ravel() for w in plain[1]]))

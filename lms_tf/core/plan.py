@@ -399,9 +399,10 @@ class Plan:
         Example:
             >>> p = Plan((), "d", "h", {}, {}, budget_bytes=2**20, device_spec="v100-16gb-pcie3",
             ...          predictions=Predictions(baseline_peak_bytes=2**21, planned_peak_bytes=2**20,
-            ...                                  baseline_step_time_s=1.0, predicted_step_time_s=1.1, feasible=True))
+            ...                                  baseline_step_time_s=1.0, predicted_step_time_s=1.1, feasible=True,
+            ...                                  least_step_time_s=1.05))
             >>> print(p.budget_line())
-            budget 1.00 MiB on v100-16gb-pcie3: simulated peak 2.00 MiB plain -> 1.00 MiB planned (fits); predicted step 1000.0 ms -> 1100.0 ms (1.10x)
+            budget 1.00 MiB on v100-16gb-pcie3: simulated peak 2.00 MiB plain -> 1.00 MiB planned (fits); predicted step 1000.0 ms -> 1100.0 ms (1.10x); no plan that fits can beat 1050.0 ms
         """
         pred = self.predictions
         fits = "fits" if pred.feasible else "DOES NOT FIT"
@@ -411,7 +412,9 @@ class Plan:
                 f"{_mib(pred.baseline_peak_bytes)} MiB plain -> {_mib(pred.planned_peak_bytes)} MiB planned"
                 f"{chunks} ({fits}); "
                 f"predicted step {1e3 * (pred.baseline_step_time_s or 0):.1f} ms -> "
-                f"{1e3 * (pred.predicted_step_time_s or 0):.1f} ms ({pred.overhead or 0:.2f}x)")
+                f"{1e3 * (pred.predicted_step_time_s or 0):.1f} ms ({pred.overhead or 0:.2f}x)"
+                + ("" if pred.least_step_time_s is None else
+                   f"; no plan that fits can beat {1e3 * pred.least_step_time_s:.1f} ms"))
 
     def __str__(self) -> str:
         return self.summary()
