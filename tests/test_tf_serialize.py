@@ -12,6 +12,7 @@ import tensorflow as tf
 import lms_tf
 from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError, RewriteError
+from lms_tf.core.op_kinds import FREE_TYPES
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.simulate import simulate
 from lms_tf.tf.diagnostics import executed_ops, virtual_gpu_peak
@@ -209,8 +210,9 @@ def test_tensorflow_runs_the_ops_in_the_simulated_order(recompute):
     position = {name: i for i, name in enumerate(simulated)}
     chain = serial_chain(graph)
     # Structure: every chained op waits for the one before it, and the chain is the simulated order
-    # (the convolutions Grappler fuses with their bias and activation run off the chain).
-    assert len(chain) > 50
+    # (the convolutions Grappler fuses with their bias and activation, and the variable updates, run
+    # off the chain).
+    assert len(chain) > 30
     assert all(before in after.control_inputs for before, after in zip(chain, chain[1:]))
     chained = [simulator_name(graph, op.name) for op in chain]
     assert chained == sorted(chained, key=position.__getitem__)
@@ -221,7 +223,10 @@ def test_tensorflow_runs_the_ops_in_the_simulated_order(recompute):
     events = executed_ops(lambda: fn(xb, yb).numpy())
     serial = {op.name: position for position, op in enumerate(chain)}
     ran = [serial[e.node] for e in events if e.node in serial]
-    assert len(ran) > 0.5 * len(chain)  # the rest were fused or folded by Grappler
+    # The rest were fused or folded by Grappler, or are ops the profiler does not trace (placeholders,
+    # aliases, shape arithmetic): at least half of the kernels among the chained ops must be seen.
+    kernels = [op for op in chain if op.type not in FREE_TYPES | {"Placeholder"}]
+    assert len(ran) >= 0.5 * len(kernels), (len(ran), len(kernels))
     assert ran == sorted(ran)
     # The unserialized step runs in another order on this machine: the check can fail.
     free = tf.function(step)
@@ -264,6 +269,9 @@ def test_model_fit_serialized_with_swaps_chains_the_compute_in_the_simulated_ord
     assert len(chain) > 100
     copies = {op for op in graph.get_operations() if _compat.string_attr(op, "_lms") in ("swap_out", "swap_in")}
     assert copies and not copies & set(chain)
+    # Variable updates write in place: they stay off the chain (chained, they closed a cycle at run
+    # time on ResNet-50 under oneDNN).
+    assert not [op.name for op in chain if op.type.startswith(("Assign", "ResourceApply"))]
     for earlier, later in zip(chain, chain[1:]):
         assert earlier in later.control_inputs, f"{later.name} does not wait for {earlier.name}"
     simulated = [simulator_name(graph, op.name) for op in chain]
