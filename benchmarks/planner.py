@@ -190,7 +190,8 @@ def model_rows(name, size, batch):
         row.update(budget=plan.budget_bytes, sim_lms=planned.peak_bytes,
                    oracle_lms=virtual_gpu_peak(fn.get_concrete_function(x, y), gpu_memory_bytes=spec.memory_bytes),
                    overhead=planned.step_time_s / baseline.step_time_s,
-                   lower_bound=plan.predictions.least_step_time_s / baseline.step_time_s,
+                   lower_bound=(None if plan.predictions.least_step_time_s is None
+                                else plan.predictions.least_step_time_s / baseline.step_time_s),
                    least_traffic=plan.predictions.least_traffic_bytes,
                    plan_traffic=plan.predictions.bytes_to_host,
                    swapped=plan.swapped_bytes, recomputed=plan.recomputed_bytes)
@@ -307,6 +308,13 @@ def mib(v):
     return "–" if v is None else f"{v / MiB:.0f}"
 
 
+def _bound(row):
+    """The least-time columns, or why there is no bound (the plan fits only by reordering ops)."""
+    if row["lower_bound"] is None:
+        return "none: moving tensors alone cannot fit; the plan also reorders ops | –"
+    return f"{row['lower_bound']:.2f}x | {row['overhead'] / row['lower_bound']:.2f}"
+
+
 def _at_budget(row):
     """Marks a row whose plan was made at the smallest feasible budget, the asked one being infeasible."""
     if row["feasible"]:
@@ -353,8 +361,7 @@ def table(rows, batch_row, r152):
         sim_ratio, oracle_ratio = r["sim_lms"] / r["sim_plain"], r["oracle_lms"] / r["oracle_plain"]
         lines.append(head + _at_budget(r) + f"{mib(r['sim_lms'])} ({sim_ratio:.2f}) | {mib(r['oracle_lms'])} "
                      f"({oracle_ratio:.2f}) | {oracle_ratio - sim_ratio:+.2f} | " + grappler +
-                     f"{r['overhead']:.2f}x | {r['lower_bound']:.2f}x | {r['overhead'] / r['lower_bound']:.2f} | "
-                     f"{mib(r['plan_traffic'])} | {mib(r['least_traffic'])} |")
+                     f"{r['overhead']:.2f}x | {_bound(r)} | {mib(r['plan_traffic'])} | {mib(r['least_traffic'])} |")
     lines += ["", "\"least time of any plan\": no plan that fits the budget can be faster, whatever it moves "
                   "(`lms_tf.simulate.bounds.fit_lower_bound`: at the plain step's peak, the bytes over the budget "
                   "are swapped over the link or recomputed at their producer's time, as fractions of tensors, "

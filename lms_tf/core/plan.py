@@ -135,7 +135,8 @@ class Predictions:
         bytes_to_host: Bytes the planned step copies from the device to the host.
         bytes_to_device: Bytes it copies back (a tensor read in several windows comes back once per window).
         least_step_time_s: The least step time any plan fitting the budget could have, whatever it
-            moves (:func:`lms_tf.simulate.bounds.fit_lower_bound`).
+            moves (:func:`lms_tf.simulate.bounds.fit_lower_bound`); None where moving tensors alone
+            cannot fit and the plan also reorders ops.
         least_traffic_bytes: The bytes that least-time plan copies each way.
 
     Example:

@@ -42,8 +42,10 @@ def fit_lower_bound(compute_s: float, deficit_bytes: int, movable, cost: CostMod
         cost: The device's cost model (link bandwidths).
 
     Returns:
-        ``(seconds, swap bytes at the optimum)``, or None when the movable bytes are fewer than
-        the deficit (no plan fits).
+        ``(seconds, swap bytes at the optimum)``, or None when the movable bytes live at the plain
+        peak are fewer than the deficit: a plan that fits then also changes the order of the ops
+        (the planner's orderings, swap-outs the forward pass waits for), which this bound does
+        not model, so it gives no bound.
 
     Example:
         >>> from lms_tf.cost import CostModel, get_device_spec
