@@ -34,10 +34,11 @@ changes the kernel:
 - After Grappler, oneDNN fuses a ``BiasAddGrad`` into the ``Conv2DBackpropFilter`` or
   ``MatMul`` beside it (only when neither has a control edge), and the fused kernel inherits
   both ops' control edges: chaining only one of them closes a cycle when the chain put
-  anything between the two, and chaining both runs unfused kernels. Both are left free.
-Variable updates (``Assign*``, ``ResourceApply*``) are left free too: they write in place and
-hold no step memory, and chained, they closed a cycle at run time on ResNet-50 224² with a
-recompute plan under oneDNN, in no graph TensorFlow lets us see before the runtime.
+  anything between the two, and chaining both runs unfused kernels. Both are left free, and
+  so is everything downstream of such a ``BiasAddGrad``: after the fusion its value comes out
+  of the partner, so it waits for the partner's inputs too. Chained, the bias's update (the
+  SGD ``Mul`` and ``AssignSubVariableOp``) sat before a recomputed activation the partner
+  reads, and closed a cycle on ResNet-50 224² with a recompute plan ("778 nodes in a cycle").
 - oneDNN extends a fused contraction by the elementwise op that alone reads it (MatMul +
   BiasAdd + the residual Add, in bfloat16), where the offline pipeline shows no such fusion:
   that reader is left free too.
@@ -72,7 +73,6 @@ from lms_tf.core.op_kinds import (
     FORWARDING_TYPES,
     FUSABLE_GATE_PARTNER_TYPES,
     FUSABLE_GATE_TYPES,
-    VARIABLE_UPDATE_PREFIXES,
     is_collective,
 )
 
@@ -225,6 +225,13 @@ def _sole_elementwise_reader(graph: tf.Graph, name: str) -> List[tf.Operation]:
     return readers if len(readers) == 1 and readers[0].type in FORWARDING_TYPES else []
 
 
+def _fusable_gate_with_partner(op: tf.Operation) -> List[tf.Operation]:
+    """The ops oneDNN may fuse ``op`` into, when ``op`` is a ``BiasAddGrad`` (else empty)."""
+    if op.type not in FUSABLE_GATE_TYPES:
+        return []
+    return [partner for partner in op.inputs[0].consumers() if partner.type in FUSABLE_GATE_PARTNER_TYPES]
+
+
 def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collection[str] = ()) -> int:
     """Chains the ranked ops of ``graph`` with control edges, in rank order where the graph allows.
 
@@ -251,24 +258,22 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collect
     """
     bypass_identity_n(graph)
     order = ranked_topological_order(graph, rank)
-    reads_inputs, after_collective = set(), set()
+    reads_inputs, downstream_of_unchainable = set(), set()
     for name in order:
         op = graph.get_operation_by_name(name)
         if (op.type == "Placeholder" and op.outputs[0].dtype != tf.resource
                 or any(t.op.name in reads_inputs for t in op.inputs)):
             reads_inputs.add(name)
-        if is_collective(op.type) or any(t.op.name in after_collective for t in op.inputs) \
-                or any(c.name in after_collective for c in op.control_inputs):
-            after_collective.add(name)
+        if (is_collective(op.type) or _fusable_gate_with_partner(op)
+                or any(t.op.name in downstream_of_unchainable for t in op.inputs)
+                or any(c.name in downstream_of_unchainable for c in op.control_inputs)):
+            downstream_of_unchainable.add(name)
     chain = [graph.get_operation_by_name(name) for name in order
-             if name in rank and name in reads_inputs and name not in after_collective]
-    # Variable updates write in place and hold no step memory; chained, they closed a cycle at run
-    # time on ResNet-50 (oneDNN on) that no graph before the runtime shows.
-    chain = [op for op in chain if not op.type.startswith(VARIABLE_UPDATE_PREFIXES)]
+             if name in rank and name in reads_inputs and name not in downstream_of_unchainable]
     # Fused kernels (see the module docstring): a control edge would change or deadlock them.
     fused_after_grappler = {op.name for op in chain if op.type in FUSABLE_GATE_TYPES}
-    fused_after_grappler |= {partner.name for op in chain if op.type in FUSABLE_GATE_TYPES
-                             for partner in op.inputs[0].consumers() if partner.type in FUSABLE_GATE_PARTNER_TYPES}
+    fused_after_grappler |= {partner.name for name in order
+                             for partner in _fusable_gate_with_partner(graph.get_operation_by_name(name))}
     # oneDNN also extends a fused contraction by the elementwise op that alone reads it (the residual
     # Add of MatMul + BiasAdd + Add in bfloat16), where Grappler offline shows no such fusion.
     fused_after_grappler |= {reader.name for name in leave_free for reader in _sole_elementwise_reader(graph, name)}
