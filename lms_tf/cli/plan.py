@@ -148,7 +148,8 @@ def run(args) -> int:
         result["plan_file"] = args.out
     if args.plot:
         plot_timeline(args.plot, baseline, planned, result["budget_bytes"],
-                      title=f"{args.model} batch {args.batch} on {spec.name}")
+                      title=f"{args.model} batch {args.batch} on {spec.name}",
+                      smallest_feasible_bytes=error.smallest_feasible_bytes if error else None)
         result["plot"] = args.plot
     if args.json:
         print(json.dumps(result))

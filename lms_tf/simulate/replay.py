@@ -15,6 +15,7 @@ import random
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from lms_tf.core.errors import PlanCycleError
+from lms_tf.core.ir import Phase
 from lms_tf.core.op_kinds import RECOMPUTE_PREFIX, SWAP_IN_PREFIX
 from lms_tf.simulate.allocator import BFCAllocatorModel, replay_allocations
 from lms_tf.simulate.lower import COMPUTE_STREAM, TO_DEVICE_STREAM, TO_HOST_STREAM, Lowered
@@ -39,8 +40,9 @@ class Simulation:
         compute_time_s: Sum of compute-stream op times (recompute clones included).
         swap_out_bytes: Bytes copied device -> host.
         swap_in_bytes: Bytes copied host -> device.
-        timeline: ``(seconds, bytes in use, bytes in flight to host, bytes in flight to device)``
-            after every allocation or free.
+        timeline: ``(seconds, bytes in use, bytes in flight to host, bytes in flight to device,
+            recomputed bytes in use, swapped-in bytes in use)`` after every allocation or free
+            (the last two are parts of the bytes in use).
         peak_time_s: When the peak was reached.
         op_intervals: Op name -> (start, end) seconds, for every op the simulation ran.
         allocations: With ``log_allocations=True``, every device allocation, free and in-place
@@ -51,6 +53,8 @@ class Simulation:
         allocator_peak_bytes: With ``allocator=``, the step's peak as TensorFlow's allocator
             counts it (whole chunks, after a warm-up step): the figure to compare with
             ``lms_tf.measure_peak_memory`` on a real run.
+        backward_start_s: When the forward pass ended (its last op finished) in a step that has a
+            backward pass, else None: where a plot marks the boundary.
 
     Example:
         >>> Simulation(10, "a", (), 1.0, 1.0, 0, 0, ()).peak_bytes
@@ -69,6 +73,7 @@ class Simulation:
     op_intervals: Mapping[str, Tuple[float, float]] = dataclasses.field(default_factory=dict)
     allocations: Tuple[Tuple[str, str, object], ...] = ()
     allocator_peak_bytes: Optional[int] = None
+    backward_start_s: Optional[float] = None
 
     @property
     def held_bytes(self) -> int:
@@ -80,6 +85,11 @@ class Simulation:
             12
         """
         return max(self.peak_bytes, self.allocator_peak_bytes or 0)
+
+
+def _kind(key: str) -> Optional[str]:
+    """The prefix of a recomputed or swapped-in buffer's key, None for others."""
+    return next((prefix for prefix in (RECOMPUTE_PREFIX, SWAP_IN_PREFIX) if key.startswith(prefix)), None)
 
 
 def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str, float]],
@@ -129,16 +139,18 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
     alive: Dict[str, int] = {}
     copy_on_write: Dict[str, List[str]] = {}  # cow buffer -> reads it waits for
     in_use = peak = 0
+    by_kind = {RECOMPUTE_PREFIX: 0, SWAP_IN_PREFIX: 0}  # bytes in use held by clones and swap-ins
     peak_op, live_at_peak = "", ()
     in_flight = [0, 0, 0]
-    timeline: List[Tuple[float, int, int, int]] = []
+    timeline: List[Tuple[float, int, int, int, int, int]] = []
     now = peak_time = 0.0
     intervals: Dict[str, Tuple[float, float]] = {}
     compute_time = 0.0
     swap_bytes = [0, 0, 0]
 
     def record(t: float) -> None:
-        timeline.append((t, in_use, in_flight[TO_HOST_STREAM], in_flight[TO_DEVICE_STREAM]))
+        timeline.append((t, in_use, in_flight[TO_HOST_STREAM], in_flight[TO_DEVICE_STREAM],
+                         by_kind[RECOMPUTE_PREFIX], by_kind[SWAP_IN_PREFIX]))
 
     allocations: Optional[List[Tuple[str, str, object]]] = [] if log_allocations or allocator else None
 
@@ -146,6 +158,8 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
         nonlocal in_use
         alive[key] = nbytes
         in_use += nbytes
+        if _kind(key):
+            by_kind[_kind(key)] += nbytes
         if allocations is not None:
             allocations.append(("alloc", key, nbytes))
 
@@ -154,6 +168,8 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
         size = alive.pop(key, None)
         if size is not None:
             in_use -= size
+            if _kind(key):
+                by_kind[_kind(key)] -= size
             if allocations is not None:
                 allocations.append(("free", key, 0))
 
@@ -177,6 +193,11 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
                 reuse = next((r for r in op.reads if r in alive and uses[r] == 1 and alive[r] == nbytes), None)
             if reuse is not None:
                 alive[key] = alive.pop(reuse)
+                if _kind(reuse) != _kind(key):  # the buffer now holds another kind of value
+                    if _kind(reuse):
+                        by_kind[_kind(reuse)] -= alive[key]
+                    if _kind(key):
+                        by_kind[_kind(key)] += alive[key]
                 uses[reuse] = 0
                 if allocations is not None:
                     allocations.append(("rename", reuse, key))
@@ -251,9 +272,14 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
         raise PlanCycleError(
             f"the plan makes {len(ops) - len(intervals)} ops of the step wait for each other, e.g. {stuck}: "
             f"its gates, orderings or waits for copies out form a cycle. Drop the plan's added waits for these ops.")
+    # The forward pass ends with its last op (the loss): backward ops that need no gradient
+    # (shapes, constants) may start long before it.
+    forward_ends = [intervals[op.name][1] for op in builder.ir.ops if op.phase is Phase.FORWARD and op.name in intervals]
+    has_backward = any(op.phase is Phase.BACKWARD for op in builder.ir.ops)
     return Simulation(peak_bytes=peak, peak_op=peak_op, live_at_peak=live_at_peak, step_time_s=now,
                       compute_time_s=compute_time, swap_out_bytes=swap_bytes[TO_HOST_STREAM],
                       swap_in_bytes=swap_bytes[TO_DEVICE_STREAM], timeline=tuple(timeline), peak_time_s=peak_time,
                       op_intervals=intervals, allocations=tuple(allocations or ()) if log_allocations else (),
                       allocator_peak_bytes=None if allocator is None else replay_allocations(
-                          allocations, allocator, history=pool_history(builder.ir, builder.accumulated_sums)))
+                          allocations, allocator, history=pool_history(builder.ir, builder.accumulated_sums)),
+                      backward_start_s=max(forward_ends) if forward_ends and has_backward else None)
