@@ -1,5 +1,7 @@
 """Errors say what was wrong and how to fix it; front-ends leave what they must untouched."""
 
+import logging
+import os
 import re
 import warnings
 
@@ -124,10 +126,10 @@ def test_unresolvable_batch_dimension_leaves_the_trace_untouched_with_a_warning_
 
 
 @pytest.mark.timeout(120)
-def test_no_accelerator_leaves_the_step_untouched_and_warns_once():
+def test_no_accelerator_leaves_the_step_untouched_and_warns_once(caplog):
     assert not tf.config.list_logical_devices("GPU")
     lms_errors._warned.clear()  # "once" is per process; start this test from a clean slate
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.DEBUG, logger="lms_tf"):
         warnings.simplefilter("always")
         plain = custom_loop(zoo.sequential_cnn, tf.function)
         untouched = custom_loop(zoo.sequential_cnn, lms_function())
@@ -139,6 +141,11 @@ def test_no_accelerator_leaves_the_step_untouched_and_warns_once():
     messages = [str(w.message) for w in caught if issubclass(w.category, LMSWarning)]
     assert len([m for m in messages if "lms_tf.function: no GPU" in m]) == 1, messages
     assert "left untouched" in messages[0] and "device='/CPU:0', host='/CPU:1'" in messages[0]
+    # One message, once: not also a log line; and it quotes the line that called the step (the
+    # test's loop), not lms-tf's, Keras's or TensorFlow's code.
+    assert not [r for r in caplog.records if "no GPU" in r.getMessage()]
+    (warning,) = [w for w in caught if issubclass(w.category, LMSWarning) and "no GPU" in str(w.message)]
+    assert os.path.dirname(warning.filename) == os.path.dirname(os.path.abspath(__file__)), warning.filename
     assert_same_numbers(plain, untouched)
 
 
@@ -236,8 +243,6 @@ def test_a_device_tensorflow_cannot_see_is_refused_listing_the_visible_ones(devi
 
 @pytest.mark.timeout(120)
 def test_a_fit_logs_its_plan_once(caplog):
-    import logging
-
     from lms_tf.tf import driver
 
     driver._last_logged[0] = ""  # noqa: SLF001 - a clean slate: "once" compares with the last line logged

@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
 
 from lms_tf.cli import explain, max_batch, plan, version
 
@@ -31,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         'lms-tf'
     """
     parser = argparse.ArgumentParser(prog="lms-tf", description="Large Model Support for TensorFlow / Keras 3.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also show TensorFlow's own C++ log lines and lms-tf's debug messages")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in SUBCOMMANDS.values():
         module.add_parser(sub)
@@ -46,13 +49,46 @@ def main(argv=None) -> int:
         0
     """
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     from lms_tf.core.errors import LMSError
 
     try:
+        if args.command != "version" and not args.verbose:
+            import_tensorflow_quietly()
         return SUBCOMMANDS[args.command].run(args)
     except LMSError as err:
         print(f"lms-tf: error: {err}", file=sys.stderr)
         return 2
+
+
+def import_tensorflow_quietly() -> None:
+    """Imports TensorFlow and finds its devices with the process's stderr (file descriptor 2)
+    captured, so its C++ start-up lines (the oneDNN and CUDA notices, printed before its log
+    settings apply, so ``TF_CPP_MIN_LOG_LEVEL`` does not hide them) do not bury the command's
+    output. If the import fails, what it printed is written out before the error propagates.
+
+    Example:
+        >>> import_tensorflow_quietly()
+        >>> import sys; "tensorflow" in sys.modules
+        True
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if "tensorflow" in sys.modules:
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            import tensorflow as tf
+
+            tf.config.list_physical_devices()
+        except BaseException:
+            os.dup2(saved, 2)
+            captured.seek(0)
+            sys.stderr.write(captured.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)

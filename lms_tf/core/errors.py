@@ -12,7 +12,8 @@ Example:
     LMSOptionError
 """
 
-import logging
+import os
+import sys
 import warnings
 
 
@@ -129,23 +130,48 @@ def infeasible(message: str, budget_bytes: int, smallest_feasible_bytes: int) ->
     return err
 
 
-_logger = logging.getLogger("lms_tf")
 _warned = set()
 
 
 def warn_once(key: str, message: str) -> None:
-    """Issues an :class:`LMSWarning` (and a log line) once per process for ``key``.
+    """Issues an :class:`LMSWarning` once per process for ``key``, pointing at the user's line.
+
+    Only a warning, not also a log line: one message, once. ``logging.captureWarnings(True)``
+    sends it to the logs instead.
 
     Example:
         >>> import warnings
-        >>> with warnings.catch_warnings(record=True):
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
         ...     warn_once("doc-example", "shown once")
+        ...     warn_once("doc-example", "shown once")
+        >>> [str(w.message) for w in caught]
+        ['shown once']
     """
     if key in _warned:
         return
     _warned.add(key)
-    _logger.warning(message)
-    warnings.warn(message, LMSWarning, stacklevel=3)
+    warnings.warn(message, LMSWarning, stacklevel=_user_stacklevel())
+
+
+#: Packages whose frames a warning skips to reach the line that called into them.
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # lms_tf/
+_FRAMEWORK_MARKERS = (os.sep + "keras" + os.sep, os.sep + "tensorflow" + os.sep, os.sep + "tf_keras" + os.sep,
+                      os.sep + "absl" + os.sep, os.sep + "horovod" + os.sep,
+                      "__autograph_generated_file")  # AutoGraph's copy of a function being traced
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside lms-tf, Keras and TensorFlow (the user's
+    ``model.fit`` or step call), so a warning quotes the user's line, not a library's."""
+    frame, level = sys._getframe(2), 2  # the caller of warn_once is level 2
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not filename.startswith(_LIBRARY_DIRS) and not any(m in filename for m in _FRAMEWORK_MARKERS) \
+                and not filename.startswith("<frozen"):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
 
 
 # Tracebacks and reprs name the types where users import them from (``lms_tf.LMSOptionError``).
