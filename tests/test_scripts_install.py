@@ -1,4 +1,4 @@
-"""The install scripts build the same way whatever the shell puts first on PATH."""
+"""The install scripts build the same way whatever the shell puts first on PATH, and the package builds quietly."""
 
 import os
 import re
@@ -39,3 +39,15 @@ def test_build_tools_are_pinned_and_the_build_is_told_which_cmake():
     assert 'PATH="$PWD/.venv/bin:$PATH" bash scripts/install_horovod.sh' in install
     assert "bash scripts/install.sh" in open(os.path.join(ROOT, "scripts", "test.sh")).read()
     assert "RUN bash scripts/install.sh" in open(os.path.join(ROOT, "Dockerfile")).read()
+
+
+@pytest.mark.timeout(300)
+def test_the_package_builds_without_setuptools_warnings(tmp_path):
+    """A user's ``pip install`` shows no warnings from our metadata (setuptools deprecated the
+    license classifiers in favour of the SPDX ``license`` field)."""
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "-w", str(tmp_path), "-v"],
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-2000:]
+    warned = [line for line in (done.stdout + done.stderr).splitlines()
+              if "Warning" in line and "byte-compiling is disabled" not in line]
+    assert warned == [], warned
