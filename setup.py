@@ -4,6 +4,9 @@ from setuptools import find_packages, setup
 
 TF_VERSION = "2.21.0"
 KERAS_VERSION = "3.15.1"
+# The documentation site's tools, pinned: `mkdocs build --strict` runs in the test suite, and a
+# new release's warnings must not turn CI red on their own.
+DOCS = ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11"]
 
 setup(
     name="lms-tf",
@@ -20,7 +23,9 @@ setup(
         "gpu": [f"tensorflow[and-cuda]=={TF_VERSION}"],
         "legacy-keras": [f"tf-keras=={TF_VERSION}"],
         "plot": ["matplotlib>=3.7"],
-        "test": [f"tf-keras=={TF_VERSION}", "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "import-linter>=2.1"],
+        "docs": DOCS,
+        "test": [f"tf-keras=={TF_VERSION}", "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "import-linter>=2.1",
+                 *DOCS],
     },
     entry_points={"console_scripts": ["lms-tf=lms_tf.cli:main"]},
     classifiers=[

@@ -3,7 +3,7 @@
 Rewrites the traced training step to swap activations to host memory and back,
 so a model trains with more memory than the accelerator has.
 
-Example:
+Examples:
     >>> import lms_tf
     >>> callback = lms_tf.LMSCallback()            # for model.fit
     >>> @lms_tf.function(swapin_ahead=4)            # for custom training loops
@@ -57,7 +57,7 @@ def explain(obj) -> str:
     Raises:
         LMSError: ``obj`` has no plan yet (it was never traced) or is of the wrong type.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf, lms_tf
         >>> f = lms_tf.function(lambda x: x * 2.0, device="/CPU:0", host="/CPU:1")
         >>> _ = f(tf.constant(1.0))
@@ -74,7 +74,7 @@ def explain(obj) -> str:
         raise LMSError(f"explain() takes an lms_tf.function, an LMSCallback or a Plan; received "
                        f"{type(obj).__name__}.")
     if obj.plan is None:
-        raise LMSError(f"{obj!r} has no plan yet: call it (or train with it) first. If it was called, the "
+        raise LMSError(f"this {type(obj).__name__} has no plan yet: call it (or train with it) first. If it was called, the "
                        f"step was left untouched because no accelerator was found (see the warning).")
     return obj.plan.summary()
 

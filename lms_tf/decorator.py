@@ -1,6 +1,6 @@
 """The decorator front-end, ``lms_tf.function``: a drop-in for ``tf.function`` that runs the swap pass on every trace.
 
-Example:
+Examples:
     >>> import tensorflow as tf, lms_tf
     >>> w = tf.Variable(tf.ones((8, 8)))
     >>> @lms_tf.function(device="/CPU:0", host="/CPU:1", min_swap_bytes=0)
@@ -71,7 +71,7 @@ class LMSFunction:
         pass_seconds: Time the pass (analyse, plan, rewrite) took on each trace.
         plain_irs: The IR of each trace before it was rewritten (``lms_tf.planner.simulate(ir, plan)``).
 
-    Example:
+    Examples:
         >>> import lms_tf
         >>> f = lms_tf.function(lambda x: x * 2.0, device="/CPU:0", host="/CPU:1")
         >>> float(f(tf.constant(2.0))), f.plan.decisions
@@ -166,7 +166,7 @@ class LMSFunction:
     def plan(self) -> Optional[Plan]:
         """The plan of the latest trace (None before the first trace or when left untouched).
 
-        Example:
+        Examples:
             >>> import lms_tf
             >>> lms_tf.function(lambda x: x, device="/CPU:0", host="/CPU:1").plan is None
             True
@@ -195,7 +195,7 @@ class LMSFunction:
     def get_concrete_function(self, *args, **kwargs):
         """Traces (if needed) and returns the rewritten ``ConcreteFunction``, as ``tf.function`` does.
 
-        Example:
+        Examples:
             >>> import lms_tf
             >>> f = lms_tf.function(lambda x: x + 1.0, device="/CPU:0", host="/CPU:1")
             >>> f.get_concrete_function(tf.TensorSpec((2,))).structured_outputs.shape
@@ -206,7 +206,7 @@ class LMSFunction:
     def experimental_get_tracing_count(self) -> int:
         """Number of traces so far (each one was rewritten).
 
-        Example:
+        Examples:
             >>> import lms_tf
             >>> lms_tf.function(lambda x: x, device="/CPU:0", host="/CPU:1").experimental_get_tracing_count()
             0
@@ -254,7 +254,7 @@ def function(func: Optional[Callable] = None, *, input_signature=None, autograph
     Raises:
         LMSOptionError: Unknown or invalid options, or ``jit_compile=True``.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf, lms_tf
         >>> model = tf.keras.Sequential([tf.keras.layers.Dense(4)])
         >>> @lms_tf.function(device="/CPU:0", host="/CPU:1")

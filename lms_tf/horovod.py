@@ -19,7 +19,7 @@ so communication overlaps the rest of the backward pass and its swap-ins. Horovo
 fuses the tensors of a bucket (and of buckets that become ready in the same cycle) into
 one message.
 
-Example:
+Examples:
     >>> import lms_tf.horovod as lms_hvd
     >>> lms_hvd.DEFAULT_BUCKET_BYTES
     4194304
@@ -53,7 +53,7 @@ def horovod_tensorflow():
     Raises:
         LMSError: Horovod is not installed, or was built against another TensorFlow.
 
-    Example:
+    Examples:
         >>> hvd = horovod_tensorflow()
         >>> hvd.size() >= 1
         True
@@ -82,7 +82,7 @@ def pin_gpu() -> Optional[str]:
         LMSError: This node has fewer GPUs than ranks on it, or TensorFlow already
             initialised its GPUs.
 
-    Example:
+    Examples:
         >>> pin_gpu() is None  # no GPU on the test machine
         True
     """
@@ -123,7 +123,7 @@ def backward_order(grads: Sequence) -> List[int]:
     Returns:
         A permutation of ``range(len(grads))``; None gradients come last.
 
-    Example:
+    Examples:
         >>> backward_order([tf.constant(1.0), None, tf.constant(2.0)])
         [2, 0, 1]
     """
@@ -152,7 +152,7 @@ def bucket_by_bytes(order: Sequence[int], sizes: Sequence[int], bucket_bytes: Op
     Returns:
         Buckets of indices, in production order.
 
-    Example:
+    Examples:
         >>> bucket_by_bytes([2, 0, 1], [4, 4, 8], bucket_bytes=8)
         [[2], [0, 1]]
     """
@@ -182,7 +182,7 @@ def allreduce_gradients(grads: Sequence, *, bucket_bytes: Optional[int] = DEFAUL
     Returns:
         The averaged gradients, in the order given (None stays None).
 
-    Example:
+    Examples:
         >>> [g.numpy() for g in allreduce_gradients([tf.constant([2.0])])]  # one process: unchanged
         [array([2.], dtype=float32)]
     """
@@ -214,7 +214,7 @@ def gradient_allreduce_hook(bucket_bytes: Optional[int], counter: Optional[List[
     Returns:
         ``hook(optimizer, grads, variables, update)`` for ``intercept_optimizer_updates``.
 
-    Example:
+    Examples:
         >>> hook = gradient_allreduce_hook(bucket_bytes=None)
     """
     def hook(optimizer, grads, variables, update):
@@ -237,7 +237,7 @@ def broadcast_variables(variables: Sequence, root_rank: int = 0) -> int:
     Returns:
         The number of variables broadcast.
 
-    Example:
+    Examples:
         >>> broadcast_variables([tf.Variable(1.0)])
         1
     """
@@ -278,7 +278,7 @@ def average_logs(logs: Dict[str, object], name: str = "lms_tf_metrics") -> Dict[
     Returns:
         A new dict: numeric entries averaged, the rest unchanged.
 
-    Example:
+    Examples:
         >>> average_logs({"loss": 2.0, "note": "x"})
         {'loss': 2.0, 'note': 'x'}
     """

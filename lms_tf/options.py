@@ -1,7 +1,7 @@
 """The front-ends' keyword checker: every option of ``LMSCallback`` and ``lms_tf.function``, checked
 when constructed, and the :class:`~lms_tf.core.policy.Policies` value the planner is given.
 
-Example:
+Examples:
     >>> from lms_tf.options import LMSOptions
     >>> LMSOptions(host="/CPU:0", swapin_ahead=2).swapin_ahead
     2
@@ -129,7 +129,7 @@ class LMSOptions:
     ``recompute=False`` means swap only, and a list of names forces those layers to be
     recomputed; ``exclude`` names layers the planner must keep.
 
-    Example:
+    Examples:
         >>> opts = LMSOptions(device="/GPU:0", swapin_ahead=2, exclude=("dense",))
         >>> opts.device, opts.exclude
         ('/device:GPU:0', ('dense',))
@@ -227,7 +227,7 @@ class LMSOptions:
         Raises:
             LMSOptionError: An unknown keyword or a bad value.
 
-        Example:
+        Examples:
             >>> LMSOptions.from_kwargs({"swapin_ahead": 3}, api="LMSCallback").swapin_ahead
             3
         """
@@ -245,7 +245,7 @@ class LMSOptions:
     def policies(self) -> Policies:
         """What these options ask the planner to do, as a :class:`~lms_tf.core.policy.Policies` value.
 
-        Example:
+        Examples:
             >>> LMSOptions(budget="25%").policies.budget
             0.25
         """
@@ -258,7 +258,7 @@ class LMSOptions:
         """What the driver is asked to do for a step traced on ``device``
         (a :class:`lms_tf.tf.driver.RewriteRequest`).
 
-        Example:
+        Examples:
             >>> LMSOptions(budget="25%").rewrite_request("/device:GPU:0").policies.budget
             0.25
         """
@@ -270,7 +270,7 @@ class LMSOptions:
     def to_dict(self) -> dict:
         """Returns the options as a plain dict (JSON-serialisable).
 
-        Example:
+        Examples:
             >>> LMSOptions().to_dict()["host"]
             '/device:CPU:0'
         """

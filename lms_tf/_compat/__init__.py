@@ -10,7 +10,7 @@
 A TensorFlow or Keras release that changes one of these breaks here, loudly, and is tested in
 ``tests/test_tf_compat.py``. The names are re-exported, so callers write ``_compat.string_attr``.
 
-Example:
+Examples:
     >>> from lms_tf import _compat
     >>> _compat.check_private_apis()  # raises LMSError if this TF lacks an API we need
 """

@@ -6,7 +6,7 @@ keeps its input in ``_input_dataset`` (``zip`` keeps ``_datasets``) and the batc
 their size in ``_batch_size``: the last batching transformation sets the largest batch the
 pipeline yields (the final, partial batch can only be smaller).
 
-Example:
+Examples:
     >>> import tensorflow as tf
     >>> dataset_batch_size(tf.data.Dataset.range(10).batch(4).prefetch(2))
     4
@@ -23,7 +23,7 @@ def dataset_batch_size(dataset) -> Optional[int]:
     Returns None when no batching transformation is found (a pipeline batched inside a
     ``flat_map`` or a generator, for example) or its size is not a constant.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> images = tf.data.Dataset.from_tensor_slices(tf.zeros((10, 2)))
         >>> dataset_batch_size(tf.data.Dataset.zip((images, images)).batch(3).map(lambda a, b: a))

@@ -1,6 +1,6 @@
 """Private TensorFlow graph APIs: editing a graph while it is traced, op attributes, shape inference.
 
-Example:
+Examples:
     >>> from lms_tf._compat import graph
     >>> graph.check_private_apis()  # raises LMSError if this TF lacks an API lms-tf needs
 """
@@ -19,7 +19,7 @@ from lms_tf.core.errors import LMSError
 def check_private_apis() -> None:
     """Raises LMSError naming each private API this TensorFlow no longer provides.
 
-    Example:
+    Examples:
         >>> check_private_apis()
     """
     missing = [name for name in ("_update_input", "_add_control_input", "_set_attr", "_get_attr_type")
@@ -36,7 +36,7 @@ def check_private_apis() -> None:
 def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
     """Re-points input ``index`` of ``op`` to ``tensor`` (in place, during tracing).
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> g = tf.Graph()
         >>> with g.as_default():
@@ -54,7 +54,7 @@ def automatic_control_dependencies():
     block when it ends, instead of when the trace ends. Yields ``mark_as_return``, which must
     wrap the block's results.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> @tf.function
         ... def step(v):
@@ -73,7 +73,7 @@ def automatic_control_dependencies():
 def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
     """Adds the control edge ``control -> op``.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> g = tf.Graph()
         >>> with g.as_default():
@@ -88,7 +88,7 @@ def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
 def set_string_attr(op: tf.Operation, name: str, value: str) -> None:
     """Sets a string attribute such as ``_lms`` on ``op``.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> g = tf.Graph()
         >>> with g.as_default():
@@ -103,7 +103,7 @@ def set_string_attr(op: tf.Operation, name: str, value: str) -> None:
 def set_bool_attr(op: tf.Operation, name: str, value: bool) -> None:
     """Sets a boolean attribute such as ``_grappler_do_not_remove`` on ``op``.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> g = tf.Graph()
         >>> with g.as_default():
@@ -118,7 +118,7 @@ def set_bool_attr(op: tf.Operation, name: str, value: bool) -> None:
 def set_int_attr(op: tf.Operation, name: str, value: int) -> None:
     """Sets an integer attribute such as ``_lms_serial`` on ``op``.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> g = tf.Graph()
         >>> with g.as_default():
@@ -133,7 +133,7 @@ def set_int_attr(op: tf.Operation, name: str, value: int) -> None:
 def string_attr(op: tf.Operation, name: str) -> Optional[str]:
     """Returns the string attribute ``name`` of ``op``, or None when absent.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> g = tf.Graph()
         >>> with g.as_default():
@@ -154,7 +154,7 @@ def clone_op(graph: tf.Graph, op: tf.Operation, inputs: List[tf.Tensor], name: s
 
     The copy has no control inputs; colocation constraints of the original are dropped.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> g = tf.Graph()
         >>> with g.as_default():
@@ -174,7 +174,7 @@ def clone_op(graph: tf.Graph, op: tf.Operation, inputs: List[tf.Tensor], name: s
 def is_function_graph(graph: tf.Graph) -> bool:
     """Whether ``graph`` is a ``FuncGraph`` (the graph of a ``tf.function`` being traced).
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> graph = tf.function(lambda x: x + 1.0).get_concrete_function(tf.TensorSpec(())).graph
         >>> is_function_graph(graph), is_function_graph(tf.Graph())
@@ -188,7 +188,7 @@ def is_function_graph(graph: tf.Graph) -> bool:
 def current_graph() -> tf.Graph:
     """The graph ops are being added to: the FuncGraph while a ``tf.function`` traces.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> g = tf.Graph()
         >>> with g.as_default():
@@ -209,7 +209,7 @@ def infer_shapes_with_inputs(graph: tf.Graph, tensor_shapes: Dict[str, tf.Tensor
     Returns:
         Tensor name -> inferred shape, for every tensor of the graph.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> graph = tf.function(lambda x: x * 2.0).get_concrete_function(tf.TensorSpec((None, 3))).graph
         >>> shapes = infer_shapes_with_inputs(graph, {graph.inputs[0].name: tf.TensorShape((5, 3))})
@@ -241,7 +241,7 @@ def infer_shapes_with_inputs(graph: tf.Graph, tensor_shapes: Dict[str, tf.Tensor
 def function_def(graph: tf.Graph, name: str):
     """The ``FunctionDef`` of function ``name`` registered in ``graph`` (or an outer graph), or None.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> f = tf.function(lambda x: tf.while_loop(lambda i: i < 3, lambda i: i + 1, [x]))
         >>> g = f.get_concrete_function(tf.constant(0)).graph
@@ -264,7 +264,7 @@ def function_def(graph: tf.Graph, name: str):
 def op_is_stateful(op_type: str) -> bool:
     """Whether TensorFlow registers ``op_type`` as stateful (True for a type it does not know).
 
-    Example:
+    Examples:
         >>> op_is_stateful("ReadVariableOp"), op_is_stateful("Relu")
         (True, False)
     """

@@ -1,7 +1,7 @@
 """Grappler's virtual cluster, reached through TensorFlow's private Python bindings: the GPU memory
 oracle and Grappler's own memory optimizer run offline.
 
-Example:
+Examples:
     >>> from lms_tf._compat import grappler
     >>> grappler.GRAPPLER_SWAP_OPS
     ('_CopyFromGpuToHost', '_CopyFromHostToGpu')
@@ -21,7 +21,7 @@ def grappler_peak_memory(graph_def, fetch_names: Sequence[str], devices: Sequenc
         fetch_names: Node names the step must compute (the graph's outputs and stateful ops).
         devices: ``(full_name, type, memory_bytes)`` for each virtual device.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> graph = tf.function(lambda x: tf.nn.relu(x) * 2.0).get_concrete_function(tf.ones((256, 256))).graph
         >>> graph_def, gpu = graph.as_graph_def(), "/job:localhost/replica:0/task:0/device:GPU:0"
@@ -41,7 +41,7 @@ def grappler_peak_live_tensors(graph_def, fetch_names: Sequence[str], devices: S
     Returns:
         Device -> (peak bytes, ``(node, output index, bytes)`` of each tensor live at the peak).
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> graph = tf.function(lambda x: tf.nn.relu(x) * 2.0).get_concrete_function(tf.ones((256, 256))).graph
         >>> graph_def, gpu = graph.as_graph_def(), "/job:localhost/replica:0/task:0/device:GPU:0"
@@ -102,7 +102,7 @@ def grappler_memory_optimized(graph_def, fetch_names: Sequence[str], devices: Se
         host, the swapped tensor comes back into GPU memory when the gated swap-in runs. This
         is how the swap-in would run, and how lms-tf's own swap-ins are judged.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> graph = tf.function(lambda x: tf.nn.relu(x) * 2.0).get_concrete_function(tf.ones((256, 256))).graph
         >>> graph_def, gpu = graph.as_graph_def(), "/job:localhost/replica:0/task:0/device:GPU:0"
@@ -167,7 +167,7 @@ def grappler_default_optimized(graph_def, fetch_names: Sequence[str], device: Tu
     Returns:
         The optimized GraphDef.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> graph = tf.function(lambda x: tf.nn.relu(x) * 2.0).get_concrete_function(tf.ones((256, 256))).graph
         >>> graph_def, cpu = graph.as_graph_def(), "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -207,7 +207,7 @@ def grappler_accumulated_sums(graph_def, fetch_names: Sequence[str], device: Tup
     Returns:
         The rewritten nodes' names, sorted.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> graph = tf.function(lambda x: tf.nn.relu(x) * 2.0).get_concrete_function(tf.ones((256, 256))).graph
         >>> graph_def, gpu = graph.as_graph_def(), "/job:localhost/replica:0/task:0/device:GPU:0"

@@ -1,7 +1,7 @@
 """Keras internals: which Keras runs, a model's XLA flag, layer name scopes, fit's batch size, and the
 private optimizer classes whose update methods receive the gradients.
 
-Example:
+Examples:
     >>> from lms_tf._compat import keras
     >>> keras.keras_module().__name__ in ("keras", "tf_keras")
     True
@@ -22,7 +22,7 @@ from lms_tf._compat.data import dataset_batch_size
 def using_legacy_keras() -> bool:
     """Whether ``TF_USE_LEGACY_KERAS=1`` selects tf-keras (Keras 2) instead of Keras 3.
 
-    Example:
+    Examples:
         >>> using_legacy_keras()   # TF_USE_LEGACY_KERAS is not set here
         False
     """
@@ -32,7 +32,7 @@ def using_legacy_keras() -> bool:
 def keras_module():
     """The Keras package models are built with: ``tf_keras`` under legacy mode, else ``keras``.
 
-    Example:
+    Examples:
         >>> keras_module().__name__
         'keras'
     """
@@ -48,7 +48,7 @@ def keras_module():
 def get_jit_compile(model) -> bool:
     """The model's effective ``jit_compile`` setting (True, False or resolved "auto").
 
-    Example:
+    Examples:
         >>> keras = keras_module()
         >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         >>> model.compile("sgd", "mse", jit_compile=False)
@@ -67,7 +67,7 @@ def set_jit_compile(model, value: bool) -> None:
     The attribute is written directly: Keras 3's property setter re-validates against
     the current machine and would refuse to restore a value resolved on a GPU.
 
-    Example:
+    Examples:
         >>> keras = keras_module()
         >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         >>> model.compile("sgd", "mse")
@@ -87,7 +87,7 @@ def layer_scope_aliases(model, graph: tf.Graph) -> Dict[str, str]:
     uniquifies every scope of the trace with the same suffix (``seq_cnn`` -> ``seq_cnn_1``,
     ``conv0`` -> ``conv0_1``). The suffix is read off the model's own scope.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> keras = keras_module()
         >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="d")], name="seq")
@@ -119,7 +119,7 @@ def fit_batch_size() -> Optional[int]:
     from its first batch (random access, as Keras itself reads it). Returns None when no
     such frame is found or the size cannot be read.
 
-    Example:
+    Examples:
         >>> fit_batch_size() is None   # not inside model.fit
         True
     """
@@ -176,7 +176,7 @@ _TF_KERAS_APPLY_GRADIENTS = ("tf_keras.src.optimizers.optimizer:Optimizer",
 def optimizer_entry_points() -> List[Tuple[type, str]]:
     """(class, method) pairs that receive gradients, for the Keras packages that are importable.
 
-    Example:
+    Examples:
         >>> import keras
         >>> ("BaseOptimizer", "apply") in [(cls.__name__, method) for cls, method in optimizer_entry_points()]
         True

@@ -1,6 +1,6 @@
 """TensorFlow's profiler, read through its private trace format: executed ops and allocations.
 
-Example:
+Examples:
     >>> from lms_tf._compat import profiler
     >>> isinstance(profiler.onednn_enabled(), bool)
     True
@@ -45,7 +45,7 @@ def profile_executed_ops(run_step) -> List[Tuple[str, str, int, int]]:
         ``(node_name, op_type, start_ps, end_ps)`` per executed kernel, sorted by start; times
         in picoseconds since the Unix epoch.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> f = tf.function(lambda x: tf.nn.relu(tf.matmul(x, x)))
         >>> _ = f(tf.ones((8, 8)))
@@ -89,7 +89,7 @@ def profile_allocations(run_step) -> List[Tuple[str, str, str, int, int, int, st
         time order; ``kind`` is ``"alloc"`` or ``"free"``; ``op`` and ``region_type``
         (``"output"``, ``"temp"``, ...) are empty on frees.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> f = tf.function(lambda x: tf.nn.relu(x) * 2.0)
         >>> _ = f(tf.ones((64, 64)))
@@ -124,7 +124,7 @@ def profile_allocations(run_step) -> List[Tuple[str, str, str, int, int, int, st
 def onednn_enabled() -> bool:
     """Whether TensorFlow's CPU kernels are oneDNN's (``TF_ENABLE_ONEDNN_OPTS``; on by default on x86).
 
-    Example:
+    Examples:
         >>> onednn_enabled() in (True, False)
         True
     """

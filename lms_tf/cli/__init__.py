@@ -5,7 +5,7 @@
 is checked while the command line is parsed, before TensorFlow is imported or a model built.
 Exit codes: 0 done, 2 bad usage or an lms-tf error, 3 an infeasible budget (``plan``).
 
-Example:
+Examples:
     >>> build_parser().parse_args(["plan", "--model", "resnet50", "--batch", "8"]).model
     'resnet50'
 """
@@ -27,7 +27,7 @@ SUBCOMMANDS = {"version": version, "explain": explain, "plan": plan, "max-batch"
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``lms-tf``.
 
-    Example:
+    Examples:
         >>> build_parser().prog
         'lms-tf'
     """
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Entry point of the ``lms-tf`` console script.
 
-    Example:
+    Examples:
         >>> main(["version"])  # doctest: +ELLIPSIS
         lms-tf ...
         0
@@ -68,7 +68,7 @@ def import_tensorflow_quietly() -> None:
     settings apply, so ``TF_CPP_MIN_LOG_LEVEL`` does not hide them) do not bury the command's
     output. If the import fails, what it printed is written out before the error propagates.
 
-    Example:
+    Examples:
         >>> import_tensorflow_quietly()
         >>> import sys; "tensorflow" in sys.modules
         True

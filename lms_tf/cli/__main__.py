@@ -1,6 +1,6 @@
 """``python -m lms_tf.cli``: the ``lms-tf`` command line.
 
-Example:
+Examples:
     >>> from lms_tf.cli import main
 """
 

@@ -3,7 +3,7 @@
 Every value is checked while the command line is parsed, before any model is built: a bad value
 exits with code 2 and a message naming the rule it broke.
 
-Example:
+Examples:
     >>> budget("25%"), size("12GiB"), input_size("224x224")
     (0.25, 12884901888, 224)
 """
@@ -20,7 +20,7 @@ from lms_tf.cost.devices import PRESETS, get_device_spec
 def budget(text: str):
     """``--budget``: bytes, ``12GiB``, ``25%`` of the plain peak, or ``auto`` (:func:`lms_tf.core.policy.parse_budget`).
 
-    Example:
+    Examples:
         >>> budget("auto")
         'auto'
     """
@@ -33,7 +33,7 @@ def budget(text: str):
 def size(text: str) -> int:
     """A positive byte size: ``1024``, ``500MB``, ``12GiB``.
 
-    Example:
+    Examples:
         >>> size("1KiB")
         1024
     """
@@ -46,7 +46,7 @@ def size(text: str) -> int:
 def positive_int(text: str) -> int:
     """An int >= 1 (``--batch``, ``--classes``, ``--max``).
 
-    Example:
+    Examples:
         >>> positive_int("8")
         8
     """
@@ -62,7 +62,7 @@ def positive_int(text: str) -> int:
 def input_size(text: str) -> int:
     """``--input-shape``: ``HxW`` with H == W (images) or a sequence length; the size models are built with.
 
-    Example:
+    Examples:
         >>> input_size("96"), input_size("32x32")
         (96, 32)
     """
@@ -80,7 +80,7 @@ def input_size(text: str) -> int:
 def device_preset(text: str) -> str:
     """``--device``: the device the planner and Grappler's virtual GPU model, a preset name or ``auto``.
 
-    Example:
+    Examples:
         >>> device_preset("V100-16GB-PCIE3")
         'v100-16gb-pcie3'
     """
@@ -95,7 +95,7 @@ def device_preset(text: str) -> str:
 def add_model_arguments(parser: argparse.ArgumentParser, *, batch: bool = True) -> None:
     """``--model``, ``--input-shape``, ``--classes`` (and ``--batch``): the workload, the same in every subcommand.
 
-    Example:
+    Examples:
         >>> p = argparse.ArgumentParser(); add_model_arguments(p)
         >>> p.parse_args(["--model", "resnet50", "--batch", "8"]).input_shape
         224
@@ -113,7 +113,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, batch: bool = True) 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
     """``--device``: the device preset planned for (and the virtual GPU's memory).
 
-    Example:
+    Examples:
         >>> p = argparse.ArgumentParser(); add_device_argument(p)
         >>> p.parse_args([]).device
         'v100-16gb-pcie3'
@@ -125,7 +125,7 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
 def add_output_arguments(parser: argparse.ArgumentParser, max_rows: int) -> None:
     """``--json``, ``--max-rows`` and ``--wide``.
 
-    Example:
+    Examples:
         >>> p = argparse.ArgumentParser(); add_output_arguments(p, 30)
         >>> p.parse_args(["--json"]).json, p.parse_args(["--wide"]).wide
         (True, True)

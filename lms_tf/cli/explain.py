@@ -1,7 +1,7 @@
 """``lms-tf explain``: the default (budget-less, TFLMS-rule) plan of a model's train step, and Grappler's
 virtual-GPU peak of the plain and the rewritten step.
 
-Example:
+Examples:
     >>> from lms_tf.cli import build_parser
     >>> build_parser().parse_args(["explain", "--model", "ResNet50", "--batch", "8"]).batch
     8
@@ -22,7 +22,7 @@ logger = logging.getLogger("lms_tf")
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Adds ``explain`` and its flags (the swap rule's options as ``LMSOptions`` names them).
 
-    Example:
+    Examples:
         >>> from lms_tf.cli import build_parser
         >>> build_parser().parse_args(["explain", "--model", "x", "--batch", "2", "--swapin-ahead", "3"]).swapin_ahead
         3
@@ -48,7 +48,7 @@ def run(args) -> int:
     Returns:
         0.
 
-    Example:
+    Examples:
         >>> from lms_tf.cli import build_parser
         >>> run(build_parser().parse_args(["explain", "--model", "mobilenetv2", "--input-shape", "32x32", "--classes", "10",
         ...                                "--batch", "2", "--json"]))  # doctest: +ELLIPSIS

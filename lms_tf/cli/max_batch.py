@@ -3,7 +3,7 @@
 The step is traced once with an unknown batch dimension; each batch size is sized from that trace,
 simulated, and (with lms-tf) planned for ``budget="auto"``: doubling, then bisection.
 
-Example:
+Examples:
     >>> from lms_tf.cli import build_parser
     >>> build_parser().parse_args(["max-batch", "--model", "ResNet50", "--max", "64"]).max
     64
@@ -29,7 +29,7 @@ logger = logging.getLogger("lms_tf")
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Adds ``max-batch`` and its flags.
 
-    Example:
+    Examples:
         >>> from lms_tf.cli import build_parser
         >>> build_parser().parse_args(["max-batch", "--model", "resnet50"]).device
         'v100-16gb-pcie3'
@@ -46,7 +46,7 @@ def fits(ir_for_batch, batch: int, policies: Policies, cost: CostModel, with_lms
          device: str) -> Tuple[bool, int]:
     """Whether ``batch`` fits the device (plain, or planned with ``budget="auto"``), and its peak.
 
-    Example:
+    Examples:
         >>> from lms_tf.core import Policies
         >>> from lms_tf.core.examples import chain_ir
         >>> from lms_tf.cost import CostModel, get_device_spec
@@ -71,7 +71,7 @@ def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper:
                   device: str) -> Tuple[int, Optional[int]]:
     """Doubling then bisection over batch sizes; returns (largest fitting batch, its peak).
 
-    Example:
+    Examples:
         >>> from lms_tf.core import Policies
         >>> from lms_tf.core.examples import chain_ir
         >>> from lms_tf.cost import CostModel, get_device_spec
@@ -109,7 +109,7 @@ def run(args) -> int:
     Returns:
         0.
 
-    Example:
+    Examples:
         >>> from lms_tf.cli import build_parser
         >>> run(build_parser().parse_args(["max-batch", "--model", "resnet50", "--input-shape", "32x32", "--classes", "10",
         ...                                "--max", "2", "--json"]))  # doctest: +ELLIPSIS

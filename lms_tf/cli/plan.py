@@ -4,7 +4,7 @@ The step is traced once at the batch asked for, simulated on the device preset a
 budget; the plan can be saved (``--out``) and applied with ``plan=``. Grappler's virtual cluster
 gives a second opinion on the plain and the rewritten step (``--no-oracle`` skips it).
 
-Example:
+Examples:
     >>> from lms_tf.cli import build_parser
     >>> args = build_parser().parse_args(["plan", "--model", "ResNet50", "--batch", "8", "--budget", "25%"])
     >>> args.device, args.budget
@@ -27,7 +27,7 @@ MiB = 2**20
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Adds ``plan`` and its flags.
 
-    Example:
+    Examples:
         >>> from lms_tf.cli import build_parser
         >>> build_parser().parse_args(["plan", "--model", "unet", "--batch", "2", "--step", "fit"]).step
         'fit'
@@ -56,7 +56,7 @@ def run(args) -> int:
     Returns:
         0 when the plan fits, 3 when the budget is infeasible.
 
-    Example:
+    Examples:
         >>> from lms_tf.cli import build_parser
         >>> args = build_parser().parse_args(["plan", "--model", "unet", "--input-shape", "32x32", "--batch", "2",
         ...                                   "--budget", "1KiB", "--no-oracle", "--json"])

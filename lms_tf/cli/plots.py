@@ -5,7 +5,7 @@ recompute clones and its swapped-in copies hold drawn as bands under it, the bud
 where the backward pass begins. An infeasible plan has no planned curve: the panel says so and
 draws the smallest budget a plan fits. Legends sit outside the axes, so no curve is hidden.
 
-Example:
+Examples:
     >>> from lms_tf.cli.plots import plot_timeline
 """
 
@@ -31,7 +31,7 @@ def timeline_figure(baseline, planned, budget_bytes: int, title: str = "",
         smallest_feasible_bytes: For an infeasible budget, the smallest one a plan fits
             (:attr:`lms_tf.InfeasibleBudgetError.smallest_feasible_bytes`), drawn as a line.
 
-    Example:
+    Examples:
         >>> from lms_tf.simulate import Simulation
         >>> sim = Simulation(10, "a", (), 1.0, 1.0, 0, 0, ((0.0, 5, 0, 0, 0, 0), (1.0, 10, 0, 0, 2, 0)))
         >>> fig = timeline_figure(sim, sim, 8)
@@ -100,7 +100,7 @@ def plot_timeline(path: str, baseline, planned, budget_bytes: int, title: str = 
         title: The figure's title.
         smallest_feasible_bytes: For an infeasible budget, the smallest one a plan fits.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> from lms_tf.simulate import Simulation
         >>> sim = Simulation(10, "a", (), 1.0, 1.0, 0, 0, ((0.0, 5, 0, 0, 0, 0), (1.0, 10, 0, 0, 0, 0)))

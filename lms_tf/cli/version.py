@@ -1,6 +1,6 @@
 """``lms-tf version``: the versions of lms-tf, TensorFlow and Keras.
 
-Example:
+Examples:
     >>> from lms_tf.cli import main
     >>> main(["version"])  # doctest: +ELLIPSIS
     lms-tf ...
@@ -15,7 +15,7 @@ import argparse
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Adds ``version``.
 
-    Example:
+    Examples:
         >>> from lms_tf.cli import build_parser
         >>> build_parser().parse_args(["version"]).command
         'version'
@@ -26,7 +26,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     """Prints ``lms-tf X, TensorFlow Y, Keras Z``.
 
-    Example:
+    Examples:
         >>> run(None)  # doctest: +ELLIPSIS
         lms-tf ...
         0

@@ -1,6 +1,6 @@
 """What the subcommands do with TensorFlow: devices to rewrite on, and the plain step traced once.
 
-Example:
+Examples:
     >>> from lms_tf.cli.workload import devices
 """
 
@@ -18,7 +18,7 @@ logger = logging.getLogger("lms_tf")
 def devices() -> Tuple[str, str]:
     """The managed device and host: the GPU if present, else two logical CPUs standing in.
 
-    Example:
+    Examples:
         >>> devices()[1] in ("/CPU:0", "/CPU:1")
         True
     """
@@ -39,7 +39,7 @@ def trace_unbatched(args):
     Returns:
         ``(model, step, graph, x_spec, y_spec)``.
 
-    Example:
+    Examples:
         >>> from lms_tf.cli import build_parser
         >>> args = build_parser().parse_args(["max-batch", "--model", "unet", "--input-shape", "32x32"])
         >>> model, step, graph, x_spec, y_spec = trace_unbatched(args)

@@ -5,7 +5,7 @@ policy values (:mod:`~lms_tf.core.policy`), the plan (:mod:`~lms_tf.core.plan`) 
 library's error types (:mod:`~lms_tf.core.errors`). Everything above it (cost model, simulator,
 planner) runs on these values; only :mod:`lms_tf.tf` and the front-ends touch TensorFlow.
 
-Example:
+Examples:
     >>> from lms_tf.core import Plan, Policies, make_ir
     >>> Plan.from_json(Plan((), "/device:GPU:0", "/device:CPU:0", {}, {}).to_json()).device
     '/device:GPU:0'

@@ -3,7 +3,7 @@
 Every error the library raises derives from :class:`LMSError`, so callers can
 catch one type. Messages say what was wrong, what was received and how to fix it.
 
-Example:
+Examples:
     >>> import lms_tf
     >>> try:
     ...     lms_tf.LMSOptions(swapin_ahead=-1)
@@ -20,7 +20,7 @@ import warnings
 class LMSError(Exception):
     """Base class of every error raised by lms-tf.
 
-    Example:
+    Examples:
         >>> issubclass(LMSOptionError, LMSError)
         True
     """
@@ -34,7 +34,7 @@ class LMSError(Exception):
 class LMSOptionError(LMSError, ValueError):
     """An option has the wrong type or value, or names something that does not exist.
 
-    Example:
+    Examples:
         >>> import lms_tf
         >>> lms_tf.LMSOptions(min_swap_bytes="big")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
@@ -46,7 +46,7 @@ class LMSOptionError(LMSError, ValueError):
 class GraphAnalysisError(LMSError):
     """The traced graph cannot be analysed (for example an unresolvable tensor size).
 
-    Example:
+    Examples:
         >>> issubclass(GraphAnalysisError, LMSError)
         True
     """
@@ -58,7 +58,7 @@ class UnknownSizeError(GraphAnalysisError):
     The front-ends catch it and leave that trace untouched with a warning; ``tensor`` and
     ``shape`` name the first tensor that could not be sized.
 
-    Example:
+    Examples:
         >>> issubclass(UnknownSizeError, GraphAnalysisError)
         True
     """
@@ -71,7 +71,7 @@ class UnknownSizeError(GraphAnalysisError):
 class RewriteError(LMSError):
     """A rewrite precondition or postcondition failed; the graph is left unusable for LMS.
 
-    Example:
+    Examples:
         >>> issubclass(RewriteError, LMSError)
         True
     """
@@ -83,7 +83,7 @@ class PlanCycleError(LMSError):
     The simulator raises it when a replay cannot run every op; the planner discards such
     candidates, so a user sees it only for a hand-made plan.
 
-    Example:
+    Examples:
         >>> issubclass(PlanCycleError, LMSError)
         True
     """
@@ -92,7 +92,7 @@ class PlanCycleError(LMSError):
 class LMSWarning(UserWarning):
     """Warning category for cases where lms-tf leaves a step untouched or changes a setting.
 
-    Example:
+    Examples:
         >>> import warnings
         >>> warnings.simplefilter("ignore", LMSWarning)
     """
@@ -105,7 +105,7 @@ class InfeasibleBudgetError(LMSOptionError):
         budget_bytes: The budget asked for.
         smallest_feasible_bytes: The simulated peak with every movable tensor moved.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.errors import infeasible
         >>> err = infeasible("too small", 10, 20)
         >>> err.smallest_feasible_bytes
@@ -121,7 +121,7 @@ class InfeasibleBudgetError(LMSOptionError):
 def infeasible(message: str, budget_bytes: int, smallest_feasible_bytes: int) -> InfeasibleBudgetError:
     """An :class:`InfeasibleBudgetError` carrying the budget asked for and the smallest that fits.
 
-    Example:
+    Examples:
         >>> infeasible("no plan fits", 10, 20).budget_bytes
         10
     """
@@ -139,7 +139,7 @@ def warn_once(key: str, message: str) -> None:
     Only a warning, not also a log line: one message, once. ``logging.captureWarnings(True)``
     sends it to the logs instead.
 
-    Example:
+    Examples:
         >>> import warnings
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")

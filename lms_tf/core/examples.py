@@ -1,6 +1,6 @@
 """Small training steps as IRs, for examples and tests (the planning layers need no TensorFlow to run them).
 
-Example:
+Examples:
     >>> ir = chain_ir()
     >>> [op.name for op in ir.ops_in(Phase.BACKWARD)]
     ['g3', 'g2', 'g1']
@@ -17,7 +17,7 @@ def chain_ir(mib: int = 4) -> GraphIR:
     """``x -> a -> b -> c -> loss`` (``mib`` MiB each, the loss 4 bytes) and its backward pass
     ``g3 -> g2 -> g1``, which reads ``c``, ``b`` and ``a`` in that order.
 
-    Example:
+    Examples:
         >>> ir = chain_ir()
         >>> ir.tensors["a:0"].nbytes, ir.tensors["a:0"].consumers
         (4194304, ('b', 'g1'))

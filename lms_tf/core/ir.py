@@ -4,7 +4,7 @@ Built from a traced step by :func:`lms_tf.tf.trace.build_ir`; nothing here refer
 the cost model, simulator and planner run on it without TensorFlow (and tests build small IRs by
 hand with :func:`make_ir`).
 
-Example:
+Examples:
     >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (4, 8))]),
     ...               dict(name="relu", type="Relu", inputs=["x:0"], outputs=[("relu:0", (4, 8))])])
     >>> ir.tensors["relu:0"].nbytes, ir.op("relu").phase.value
@@ -24,7 +24,7 @@ _GRADIENT_SCOPE = re.compile(r"^(gradient_tape|gradients)(_\d+)?$")
 class Phase(str, enum.Enum):
     """Which part of the training step an op belongs to.
 
-    Example:
+    Examples:
         >>> Phase("backward") is Phase.BACKWARD
         True
     """
@@ -52,7 +52,7 @@ class TensorInfo:
         producer: Name of the op that produces it.
         consumers: Names of the ops that read it (data edges), in execution order.
 
-    Example:
+    Examples:
         >>> TensorInfo("a:0", "float32", (2, 3), 24, "a", ()).nbytes
         24
     """
@@ -85,7 +85,7 @@ class OpInfo:
         inner_kernels: Kernels a loop runs per call (its body's times its trip count; 0 when
             unknown or not a loop): each costs a launch, which dominates a small recurrent step.
 
-    Example:
+    Examples:
         >>> OpInfo("a", "Relu", 0, Phase.FORWARD, "", (), (), ("a:0",)).type
         'Relu'
     """
@@ -106,7 +106,7 @@ class OpInfo:
 def layer_of(op_name: str) -> str:
     """The layer (name-scope path) an op belongs to, without gradient scopes.
 
-    Example:
+    Examples:
         >>> layer_of("gradient_tape/sequential/conv2d/Relu/ReluGrad")
         'sequential/conv2d/Relu'
         >>> layer_of("sequential/conv2d/Relu")
@@ -119,7 +119,7 @@ def layer_of(op_name: str) -> str:
 def is_gradient_scoped(op_name: str) -> bool:
     """Whether an op name lies under a ``gradient_tape/`` or ``gradients/`` name scope.
 
-    Example:
+    Examples:
         >>> is_gradient_scoped("train/gradient_tape/dense/MatMul"), is_gradient_scoped("dense/MatMul")
         (True, False)
     """
@@ -138,7 +138,7 @@ class GraphIR:
         data_dependent: Ops computed from the batch (function inputs that are not
             resources, iterator outputs), not only from constants and variables.
 
-    Example:
+    Examples:
         >>> ir = GraphIR(ops=(), tensors={}, function_inputs=frozenset(), resolved_dims={})
         >>> len(ir.ops)
         0
@@ -156,7 +156,7 @@ class GraphIR:
     def op(self, name: str) -> OpInfo:
         """Returns the op called ``name``.
 
-        Example:
+        Examples:
             >>> GraphIR((), {}, frozenset(), {}).op("missing")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
@@ -167,7 +167,7 @@ class GraphIR:
     def ops_in(self, phase: Phase) -> List[OpInfo]:
         """Ops of one phase, in execution order.
 
-        Example:
+        Examples:
             >>> GraphIR((), {}, frozenset(), {}).ops_in(Phase.BACKWARD)
             []
         """
@@ -176,7 +176,7 @@ class GraphIR:
     def phase_counts(self) -> Dict[str, int]:
         """Number of ops per phase.
 
-        Example:
+        Examples:
             >>> GraphIR((), {}, frozenset(), {}).phase_counts()
             {'forward': 0, 'backward': 0, 'update': 0}
         """
@@ -210,7 +210,7 @@ def make_ir(ops: Sequence[Mapping[str, Any]], *, data_dependent: Optional[Sequen
     Returns:
         The GraphIR.
 
-    Example:
+    Examples:
         >>> ir = make_ir([dict(name="a", type="Const", outputs=[("a:0", (2,))]),
         ...               dict(name="g", type="Neg", phase="backward", inputs=["a:0"], outputs=[("g:0", (2,))])])
         >>> ir.tensors["a:0"].consumers, ir.phase_counts()
@@ -252,7 +252,7 @@ _DEVICE = re.compile(r"/?(?:device:)?([A-Za-z_]+):(\d+)$")
 def canonical_device(device: str) -> str:
     """A device string in TensorFlow's canonical form (``/device:CPU:1``), keeping any job/task prefix.
 
-    Example:
+    Examples:
         >>> canonical_device("/CPU:1"), canonical_device("gpu:0"), canonical_device("/job:w/task:1/GPU:2")
         ('/device:CPU:1', '/device:GPU:0', '/job:w/task:1/device:GPU:2')
     """
@@ -266,7 +266,7 @@ def canonical_device(device: str) -> str:
 def device_kind_and_index(device: str) -> Tuple[str, int]:
     """The device type (upper case) and index a device string names, ignoring job/replica/task.
 
-    Example:
+    Examples:
         >>> device_kind_and_index("/job:localhost/replica:0/task:0/device:GPU:1"), device_kind_and_index("/gpu:0")
         (('GPU', 1), ('GPU', 0))
     """

@@ -3,7 +3,7 @@
 One table, so a new op type is taught to lms-tf in one place. Each set says what the op does
 that matters to memory or time; the modules that use a set name it from here.
 
-Example:
+Examples:
     >>> from lms_tf.core import op_kinds
     >>> "Relu" in op_kinds.CHEAP_OP_TYPES, "MaxPool" in op_kinds.NEVER_CLONED_TYPES
     (True, True)
@@ -132,7 +132,7 @@ COLLECTIVE_OP_PREFIXES = ("Horovod", "Collective", "Nccl")
 def is_collective(op_type: str) -> bool:
     """Whether ops of ``op_type`` exchange data with other processes (and wait for them).
 
-    Example:
+    Examples:
         >>> is_collective("HorovodGroupedAllreduce"), is_collective("CollectiveReduceV2"), is_collective("MatMul")
         (True, True, False)
     """
@@ -177,7 +177,7 @@ def recompute_clone_name(gate: str, name: str) -> str:
     The simulator names its clone events so, and the rewriter maps the ops it clones back to the
     same names, so a simulated order can be imposed on a rewritten graph.
 
-    Example:
+    Examples:
         >>> recompute_clone_name("gradient_tape/conv/ReluGrad", "conv/Relu:0")
         'recompute/gradient_tape/conv/ReluGrad/conv/Relu:0'
     """

@@ -5,7 +5,7 @@ move, and the orderings imposed on backward branches) are kept apart from predic
 simulated peaks and step times), which the planner fills in and an edit does not need to keep.
 ``Plan.from_json(plan.to_json()) == plan``; the JSON carries :data:`PLAN_SCHEMA_VERSION`.
 
-Example:
+Examples:
     >>> p = Plan(decisions=(), device="/device:GPU:0", host="/device:CPU:0", policies={}, phase_counts={})
     >>> p.swapped_bytes, p.num_swap_ins
     (0, 0)
@@ -30,7 +30,7 @@ PLAN_SCHEMA_VERSION = 1
 class Decision(str, enum.Enum):
     """What happens to a forward tensor that the backward pass reads.
 
-    Example:
+    Examples:
         >>> Decision.SWAP.value
         'swap'
     """
@@ -44,7 +44,7 @@ class Decision(str, enum.Enum):
 class SwapIn:
     """One swap-in: the op that triggers it and the backward consumers it feeds.
 
-    Example:
+    Examples:
         >>> SwapIn(trigger="gradient_tape/dense/MatMul", consumers=("gradient_tape/conv/ReluGrad",)).trigger
         'gradient_tape/dense/MatMul'
     """
@@ -77,7 +77,7 @@ class TensorDecision:
             the swapped bytes have left the device before the backward pass starts. None: the
             forward pass never waits for this copy.
 
-    Example:
+    Examples:
         >>> d = TensorDecision("c/Relu:0", "c", (8, 8), 256, Decision.KEEP, "smaller than min_swap_bytes", 3, ())
         >>> d.decision.value
         'keep'
@@ -110,7 +110,7 @@ class Ordering:
         after: The last ops of the branch that runs first.
         reason: Why, in words.
 
-    Example:
+    Examples:
         >>> Ordering(("gradient_tape/block/shortcut_bn/mul",), ("gradient_tape/block/main_bn/AddN",), "").waiters
         ('gradient_tape/block/shortcut_bn/mul',)
     """
@@ -139,7 +139,7 @@ class Predictions:
             cannot fit and the plan also reorders ops.
         least_traffic_bytes: The bytes that least-time plan copies each way.
 
-    Example:
+    Examples:
         >>> Predictions(baseline_step_time_s=2.0, predicted_step_time_s=2.5).overhead
         1.25
     """
@@ -159,7 +159,7 @@ class Predictions:
     def overhead(self) -> Optional[float]:
         """Predicted step time with the plan / without it (unlimited memory), or None.
 
-        Example:
+        Examples:
             >>> Predictions().overhead is None
             True
         """
@@ -172,7 +172,7 @@ def shorten(name: str, width: int) -> str:
     """``name`` in at most ``width`` characters, cut in the middle with an ellipsis: the start (the
     model) and the end (the layer and op, kept whole when they fit) are what tell rows apart.
 
-    Example:
+    Examples:
         >>> shorten("efficientnetb0_1/block1a_project_conv_1/convolution", 40)
         'efficientnetb…project_conv_1/convolution'
     """
@@ -207,7 +207,7 @@ class Plan:
         orderings: Backward branches made to run one after the other (see :class:`Ordering`).
         predictions: The simulator's peaks and times for this plan (:class:`Predictions`).
 
-    Example:
+    Examples:
         >>> plan = Plan((), "/device:GPU:0", "/device:CPU:0", {}, {"forward": 3})
         >>> print(plan.one_line())
         lms-tf: swapped 0 of 0 candidate tensors (0.00 MiB of 0.00 MiB) with 0 swap-ins, device /device:GPU:0 -> host /device:CPU:0
@@ -230,7 +230,7 @@ class Plan:
         its largest tensor: a layer whose output is swapped and whose small shape tensors are kept
         reads "swap (...); keep: derived from variables or constants only".
 
-        Example:
+        Examples:
             >>> d = TensorDecision("c/Relu:0", "c", (8,), 32, Decision.SWAP, "swap (read again 40 ops later)", 40, ())
             >>> row = Plan((d,), "d", "h", {}, {}).layer_table()[0]
             >>> row["swap_bytes"], row["why"]
@@ -259,7 +259,7 @@ class Plan:
     def swapped(self) -> Tuple[TensorDecision, ...]:
         """Decisions whose tensor is swapped.
 
-        Example:
+        Examples:
             >>> Plan((), "d", "h", {}, {}).swapped
             ()
         """
@@ -269,7 +269,7 @@ class Plan:
     def swapped_bytes(self) -> int:
         """Bytes swapped out (and in) per step.
 
-        Example:
+        Examples:
             >>> Plan((), "d", "h", {}, {}).swapped_bytes
             0
         """
@@ -279,7 +279,7 @@ class Plan:
     def recomputed(self) -> Tuple[TensorDecision, ...]:
         """Decisions whose tensor is recomputed in the backward pass.
 
-        Example:
+        Examples:
             >>> Plan((), "d", "h", {}, {}).recomputed
             ()
         """
@@ -289,7 +289,7 @@ class Plan:
     def recomputed_bytes(self) -> int:
         """Bytes of forward tensors that are recomputed instead of kept.
 
-        Example:
+        Examples:
             >>> Plan((), "d", "h", {}, {}).recomputed_bytes
             0
         """
@@ -299,7 +299,7 @@ class Plan:
     def num_recompute_clones(self) -> int:
         """Number of ops the recompute pass clones (an op shared by regions with one gate is cloned once).
 
-        Example:
+        Examples:
             >>> Plan((), "d", "h", {}, {}).num_recompute_clones
             0
         """
@@ -309,7 +309,7 @@ class Plan:
     def num_swap_ins(self) -> int:
         """Number of swap-in ops the rewrite inserts.
 
-        Example:
+        Examples:
             >>> Plan((), "d", "h", {}, {}).num_swap_ins
             0
         """
@@ -318,7 +318,7 @@ class Plan:
     def kept_reasons(self) -> Dict[str, int]:
         """How many tensors were kept for each reason.
 
-        Example:
+        Examples:
             >>> Plan((), "d", "h", {}, {}).kept_reasons()
             {}
         """
@@ -328,7 +328,7 @@ class Plan:
     def one_line(self) -> str:
         """A one-line summary for logs.
 
-        Example:
+        Examples:
             >>> Plan((), "d", "h", {}, {}).one_line().startswith("lms-tf: swapped 0")
             True
         """
@@ -349,7 +349,7 @@ class Plan:
         Long layer and tensor names are cut in the middle (the model's and the layer's ends stay);
         ``wide=True`` prints them whole.
 
-        Example:
+        Examples:
             >>> print(Plan((), "d", "h", {}, {}).summary().splitlines()[0])
             lms-tf: swapped 0 of 0 candidate tensors (0.00 MiB of 0.00 MiB) with 0 swap-ins, device d -> host h
         """
@@ -397,7 +397,7 @@ class Plan:
     def budget_line(self) -> str:
         """Budget, simulated peaks and predicted overhead in one line.
 
-        Example:
+        Examples:
             >>> p = Plan((), "d", "h", {}, {}, budget_bytes=2**20, device_spec="v100-16gb-pcie3",
             ...          predictions=Predictions(baseline_peak_bytes=2**21, planned_peak_bytes=2**20,
             ...                                  baseline_step_time_s=1.0, predicted_step_time_s=1.1, feasible=True,
@@ -423,7 +423,7 @@ class Plan:
     def to_dict(self) -> Dict[str, Any]:
         """The plan as plain data: decisions, predictions, and derived totals for reading.
 
-        Example:
+        Examples:
             >>> {"decisions", "device", "predictions", "schema_version"} <= set(Plan((), "d", "h", {}, {}).to_dict())
             True
         """
@@ -449,7 +449,7 @@ class Plan:
     def to_json(self, **kwargs) -> str:
         """The plan as JSON (:meth:`from_json` reads it back).
 
-        Example:
+        Examples:
             >>> Plan((), "d", "h", {}, {}).to_json().startswith("{")
             True
         """
@@ -462,7 +462,7 @@ class Plan:
         Raises:
             LMSOptionError: The data is not a plan of this schema version, or a field is malformed.
 
-        Example:
+        Examples:
             >>> d = TensorDecision("c/Relu:0", "c", (8,), 32, Decision.SWAP, "swap", 40, (SwapIn("g", ("r",)),))
             >>> Plan.from_dict(Plan((d,), "d", "h", {}, {}).to_dict()).decisions == (d,)
             True
@@ -494,7 +494,7 @@ class Plan:
         Raises:
             LMSOptionError: Not JSON, another schema version, or a malformed field.
 
-        Example:
+        Examples:
             >>> Plan.from_json('{"schema_version": 0}')  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...

@@ -7,7 +7,7 @@ The planner takes it with an IR and returns a :class:`~lms_tf.core.plan.Plan`; t
 keyword checker (:class:`lms_tf.LMSOptions`) builds it. Byte sizes and budgets are parsed here
 for every front-end and the command line alike.
 
-Example:
+Examples:
     >>> policies = Policies(budget=parse_budget("25%"), recompute="auto")
     >>> policies.budget, resolve_budget(policies.budget, baseline_peak_bytes=400, memory_bytes=2**34,
     ...                                  device_name="v100", resident=0)
@@ -43,7 +43,7 @@ Recompute = Union[bool, str, Tuple[str, ...]]
 def describe(value: Any) -> str:
     """A value and its type, for error messages.
 
-    Example:
+    Examples:
         >>> describe("12 gigs")
         "'12 gigs' (str)"
     """
@@ -53,7 +53,7 @@ def describe(value: Any) -> str:
 def parse_bytes(value: Any) -> Optional[int]:
     """A positive byte count from an int or text such as ``"12GiB"``, ``"500MB"`` or ``"1024"``; None if it is not one.
 
-    Example:
+    Examples:
         >>> parse_bytes("1.5KiB"), parse_bytes(10), parse_bytes("ten"), parse_bytes(0)
         (1536, 10, None, None)
     """
@@ -92,7 +92,7 @@ def _non_positive_number(value: Any) -> bool:
 def format_bytes(nbytes: int) -> str:
     """A byte count in the largest binary unit that keeps it at 1 or more.
 
-    Example:
+    Examples:
         >>> format_bytes(512), format_bytes(4 * 2**20), format_bytes(int(1.5 * 2**30))
         ('512 B', '4.0 MiB', '1.50 GiB')
     """
@@ -115,7 +115,7 @@ def parse_budget(value: Any) -> Budget:
     Raises:
         LMSOptionError: The value is none of these; the message names the rule it broke.
 
-    Example:
+    Examples:
         >>> parse_budget("12GiB"), parse_budget("25%"), parse_budget(1024), parse_budget("auto")
         (12884901888, 0.25, 1024, 'auto')
         >>> parse_budget("200%")  # doctest: +ELLIPSIS
@@ -163,7 +163,7 @@ def resolve_budget(budget: Budget, *, baseline_peak_bytes: int, memory_bytes: in
     Raises:
         InfeasibleBudgetError: ``"auto"`` and the variables alone do not fit the device.
 
-    Example:
+    Examples:
         >>> resolve_budget(0.25, baseline_peak_bytes=400, memory_bytes=2**34, device_name="v100", resident=0)
         100
     """
@@ -184,7 +184,7 @@ def resolve_budget(budget: Budget, *, baseline_peak_bytes: int, memory_bytes: in
 def parse_recompute(value: Any) -> Recompute:
     """Validates a recompute policy: False, ``"auto"``, ``"cheap"``, ``"sqrt"`` or layer names / op patterns.
 
-    Example:
+    Examples:
         >>> parse_recompute("sqrt"), parse_recompute(["conv2d_3", "*/block2_*"]), parse_recompute(None)
         ('sqrt', ('conv2d_3', '*/block2_*'), False)
     """
@@ -202,7 +202,7 @@ def parse_recompute(value: Any) -> Recompute:
 def parse_exclude(value: Any) -> Tuple[str, ...]:
     """Validates exclusions: layer names or op-name glob patterns whose tensors stay on the device.
 
-    Example:
+    Examples:
         >>> parse_exclude("dense"), parse_exclude(["conv2d_1", "*/attention/*"])
         (('dense',), ('conv2d_1', '*/attention/*'))
     """
@@ -218,7 +218,7 @@ def parse_exclude(value: Any) -> Tuple[str, ...]:
 def check_int(name: str, value: Any, minimum: int) -> int:
     """An int of at least ``minimum``, or the library's error naming the rule.
 
-    Example:
+    Examples:
         >>> check_int("swapin_ahead", 2, 1)
         2
     """
@@ -235,7 +235,7 @@ DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 def check_bucket_bytes(value: Any, api: str = "") -> Optional[int]:
     """A gradient bucket size in bytes (an int >= 1), or None for one allreduce after the whole backward pass.
 
-    Example:
+    Examples:
         >>> check_bucket_bytes(1024, "DistributedCallback"), check_bucket_bytes(None, "DistributedCallback")
         (1024, None)
     """
@@ -262,7 +262,7 @@ class Policies:
         exclude: Layer names or op-name patterns whose tensors are never moved.
         budget: None (the TFLMS rule), bytes, a fraction of the plain peak, or ``"auto"``.
 
-    Example:
+    Examples:
         >>> Policies(budget=0.5, recompute="auto").replace(swap=False).swap
         False
         >>> Policies(swapin_ahead=0)  # doctest: +ELLIPSIS
@@ -301,7 +301,7 @@ class Policies:
     def replace(self, **changes) -> "Policies":
         """A copy with some fields changed (and checked again).
 
-        Example:
+        Examples:
             >>> Policies().replace(recompute="sqrt").recompute
             'sqrt'
         """
@@ -310,7 +310,7 @@ class Policies:
     def to_dict(self) -> dict:
         """The policies as plain JSON-serialisable data.
 
-        Example:
+        Examples:
             >>> Policies(exclude=("dense",)).to_dict()["exclude"]
             ['dense']
         """
@@ -321,7 +321,7 @@ class Policies:
     def from_dict(cls, data: Mapping[str, Any]) -> "Policies":
         """Policies from :meth:`to_dict`'s data; unknown keys are an error.
 
-        Example:
+        Examples:
             >>> Policies.from_dict({"recompute": ["conv2d"]}).recompute
             ('conv2d',)
         """

@@ -1,6 +1,6 @@
 """Layer 2: device presets and the cost model the planner and simulator use.
 
-Example:
+Examples:
     >>> from lms_tf.cost import PRESETS, get_device_spec, CostModel
     >>> "v100-16gb-pcie3" in PRESETS
     True

@@ -20,7 +20,7 @@ per direction. Sources:
 MiB; TensorFlow can allocate almost all of it. TensorFlow runs float32 matmuls and convolutions
 as TF32 on Ampere and newer by default, so ``float32`` matmul FLOP/s are TF32 there.
 
-Example:
+Examples:
     >>> spec = get_device_spec("v100-16gb-pcie3")
     >>> spec.memory_bytes // 2**30, spec.host_to_device_bytes_per_s / 1e9
     (15, 12.0)
@@ -55,7 +55,7 @@ class DeviceSpec:
         launch_overhead_s: Fixed time per kernel (launch and scheduling).
         source: Where the figures come from.
 
-    Example:
+    Examples:
         >>> DeviceSpec("toy", 2**30, {"float32": 1e12}, {"float32": 1e12}, 1e11, 1e10, 1e10).flops("float32")
         1000000000000.0
     """
@@ -73,7 +73,7 @@ class DeviceSpec:
     def flops(self, dtype: str, matmul: bool = True) -> float:
         """Peak FLOP/s for ``dtype`` (float32 figures for dtypes the table does not list).
 
-        Example:
+        Examples:
             >>> get_device_spec("a100-40gb-pcie4").flops("float16") / 1e12
             312.0
         """
@@ -83,7 +83,7 @@ class DeviceSpec:
     def to_dict(self) -> Dict[str, object]:
         """The spec as plain data.
 
-        Example:
+        Examples:
             >>> get_device_spec("gh200-96gb-c2c").to_dict()["host_to_device_bytes_per_s"] / 1e9
             450.0
         """
@@ -137,7 +137,7 @@ def detect_device_spec() -> DeviceSpec:
     Raises:
         LMSOptionError: No GPU is visible, or its name matches no preset.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> if not tf.config.list_physical_devices("GPU"):
         ...     detect_device_spec()  # doctest: +ELLIPSIS
@@ -168,7 +168,7 @@ def get_device_spec(spec: Union[str, DeviceSpec]) -> DeviceSpec:
     Raises:
         LMSOptionError: An unknown preset name or a value of the wrong type.
 
-    Example:
+    Examples:
         >>> get_device_spec("h100-80gb-pcie5").name
         'h100-80gb-pcie5'
         >>> get_device_spec("v100")  # doctest: +ELLIPSIS

@@ -6,7 +6,7 @@ reduction, pooling, other) with a FLOP count from its shapes; its time is
 host and device take ``bytes / link_bandwidth`` in their direction. :meth:`CostModel.calibrate`
 scales each class by what a profile of real steps measured.
 
-Example:
+Examples:
     >>> from lms_tf.cost.devices import get_device_spec
     >>> model = CostModel(get_device_spec("v100-16gb-pcie3"))
     >>> round(model.transfer_time(12 * 10**9, "device_to_host"), 3)
@@ -32,7 +32,7 @@ FLOPS_PER_ELEMENT = {"norm": 8.0, "elementwise": 1.0, "reduction": 1.0, "pool": 
 def op_class(op_type: str) -> str:
     """The cost class of an op type.
 
-    Example:
+    Examples:
         >>> op_class("Conv2DBackpropFilter"), op_class("Relu"), op_class("Identity")
         ('conv', 'elementwise', 'free')
     """
@@ -67,7 +67,7 @@ class OpCost:
         kind: Cost class (``conv``, ``matmul``, ``norm``, ``elementwise``, ``reduction``, ``pool``, ``free``).
         dtype: dtype of its main output.
 
-    Example:
+    Examples:
         >>> OpCost(10.0, 8, "elementwise", "float32").kind
         'elementwise'
     """
@@ -85,7 +85,7 @@ def op_cost(ir: GraphIR, op: OpInfo) -> OpCost:
     (the backprops the same, from the output gradient); matmuls ``2 * m * n * k`` with
     ``k`` recovered from the operand sizes, so transposes need no attributes.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo
         >>> t = {"a:0": TensorInfo("a:0", "float32", (64, 32), 8192, "a", ("m",)),
         ...      "b:0": TensorInfo("b:0", "float32", (32, 16), 2048, "b", ("m",)),
@@ -136,7 +136,7 @@ class CostModel:
         device: The device.
         scale: Per cost class, a factor measured times / predicted times (from :meth:`calibrate`).
 
-    Example:
+    Examples:
         >>> from lms_tf.cost.devices import get_device_spec
         >>> CostModel(get_device_spec("h100-80gb-pcie5")).transfer_time(50 * 10**9, "host_to_device")
         1.0
@@ -148,7 +148,7 @@ class CostModel:
     def time_of(self, cost: OpCost) -> float:
         """Predicted seconds of an op with this cost.
 
-        Example:
+        Examples:
             >>> from lms_tf.cost.devices import get_device_spec
             >>> m = CostModel(get_device_spec("v100-16gb-pcie3"))
             >>> m.time_of(OpCost(0.0, 0, "free", "float32"))
@@ -164,7 +164,7 @@ class CostModel:
     def op_time(self, ir: GraphIR, op: OpInfo) -> float:
         """Predicted seconds of one op of the IR.
 
-        Example:
+        Examples:
             >>> from lms_tf.core.ir import GraphIR, OpInfo, Phase
             >>> from lms_tf.cost.devices import get_device_spec
             >>> op = OpInfo("n", "NoOp", 0, Phase.FORWARD, "", (), (), ())
@@ -179,7 +179,7 @@ class CostModel:
     def transfer_time(self, nbytes: int, direction: str) -> float:
         """Seconds to copy ``nbytes`` over the host link (``"device_to_host"`` or ``"host_to_device"``).
 
-        Example:
+        Examples:
             >>> from lms_tf.cost.devices import get_device_spec
             >>> CostModel(get_device_spec("v100-32gb-nvlink2")).transfer_time(75 * 10**9, "host_to_device")
             1.0
@@ -196,7 +196,7 @@ class CostModel:
             measured_seconds: Op name -> measured seconds (e.g. from
                 :func:`lms_tf.tf.diagnostics.executed_ops` of a few real steps on the target device).
 
-        Example:
+        Examples:
             >>> from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo
             >>> from lms_tf.cost.devices import get_device_spec
             >>> t = {"r:0": TensorInfo("r:0", "float32", (1024,), 4096, "r", ())}
@@ -212,7 +212,7 @@ class CostModel:
     def calibrate_many(self, measurements: Iterable[Tuple[GraphIR, Mapping[str, float]]]) -> "CostModel":
         """:meth:`calibrate` on the measured ops of several steps together (e.g. other models).
 
-        Example:
+        Examples:
             >>> from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo
             >>> from lms_tf.cost.devices import get_device_spec
             >>> t = {"r:0": TensorInfo("r:0", "float32", (1024,), 4096, "r", ())}
@@ -239,7 +239,7 @@ class CostModel:
 def step_compute_time(ir: GraphIR, model: CostModel, ops: Optional[Iterable[OpInfo]] = None) -> Tuple[float, int]:
     """Total predicted compute seconds of ``ops`` (default: every op) and their FLOPs.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.ir import GraphIR
         >>> from lms_tf.cost.devices import get_device_spec
         >>> step_compute_time(GraphIR((), {}, frozenset(), {}), CostModel(get_device_spec("v100-16gb-pcie3")))

@@ -1,6 +1,6 @@
 """Keras front-end: :class:`LMSCallback` for ``model.fit``, and :class:`DistributedCallback` for Horovod.
 
-Example:
+Examples:
     >>> from lms_tf.keras import DistributedCallback, LMSCallback
 """
 

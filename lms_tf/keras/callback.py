@@ -5,7 +5,7 @@ model's ``train_step`` (the pass runs right after it inside the trace) and rebui
 the train function. ``evaluate``, ``predict`` and ``save`` are untouched, and
 everything is restored in ``on_train_end``.
 
-Example:
+Examples:
     >>> import lms_tf
     >>> callback = lms_tf.LMSCallback(swapin_ahead=4)
 """
@@ -54,7 +54,7 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
         LMSOptionError: Unknown or invalid options (at construction), or
             ``run_eagerly=True`` (when training begins).
 
-    Example:
+    Examples:
         >>> import numpy as np, keras, lms_tf
         >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
         >>> model.compile("sgd", "mse")
@@ -74,7 +74,7 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
     def plan(self) -> Optional[Plan]:
         """The plan of the latest trace, or None.
 
-        Example:
+        Examples:
             >>> LMSCallback().plan is None
             True
         """
@@ -83,7 +83,7 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
     def on_train_begin(self, logs=None):
         """Wraps the model's train step so each trace is planned and rewritten, and rebuilds the train function.
 
-        Example:
+        Examples:
             >>> import keras
             >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
             >>> model.compile("sgd", "mse")
@@ -130,7 +130,7 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
     def on_train_end(self, logs=None):
         """Restores the model's own train step (the plan was logged when the step was traced).
 
-        Example:
+        Examples:
             >>> import keras
             >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
             >>> model.compile("sgd", "mse")

@@ -1,6 +1,6 @@
 """``DistributedCallback``: data-parallel ``model.fit`` across Horovod ranks, on the distributed core.
 
-Example:
+Examples:
     >>> from lms_tf.keras.distributed import DistributedCallback
 """
 
@@ -59,7 +59,7 @@ class DistributedCallback(_compat.keras_module().callbacks.Callback):
         LMSError: Horovod is not installed or not usable.
         LMSOptionError: Invalid arguments, or the model runs eagerly.
 
-    Example:
+    Examples:
         >>> import numpy as np, keras
         >>> from lms_tf.keras import DistributedCallback
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
@@ -94,7 +94,7 @@ class DistributedCallback(_compat.keras_module().callbacks.Callback):
     def on_train_begin(self, logs=None):
         """Broadcasts the variables from the root rank and hooks the gradient averaging into the train step.
 
-        Example:
+        Examples:
             >>> import keras
             >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
             >>> model.compile("sgd", "mse")
@@ -128,7 +128,7 @@ class DistributedCallback(_compat.keras_module().callbacks.Callback):
         """After the first call of the train function (``batch`` is its last step: ``steps_per_execution - 1``
         for the first), the traced step must have passed its gradients through a Keras optimizer.
 
-        Example:
+        Examples:
             >>> DistributedCallback.on_train_batch_end.__name__
             'on_train_batch_end'
         """
@@ -142,7 +142,7 @@ class DistributedCallback(_compat.keras_module().callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         """Averages the epoch's numeric logs across ranks, in place (the local ones are kept in ``local_logs``).
 
-        Example:
+        Examples:
             >>> callback = DistributedCallback()
             >>> logs = {"loss": 0.5}
             >>> callback.on_epoch_end(0, logs); logs, callback.local_logs   # one rank: the average is the value
@@ -157,7 +157,7 @@ class DistributedCallback(_compat.keras_module().callbacks.Callback):
     def on_train_end(self, logs=None):
         """Removes the averaging hook; the model's own train step is back.
 
-        Example:
+        Examples:
             >>> import keras
             >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
             >>> model.compile("sgd", "mse")

@@ -8,7 +8,7 @@ time Keras traces the step, so the callbacks compose in either order and each on
 removes only itself. When the last hook is removed the model's own ``train_step`` is back
 and the traced train function is dropped, so the next ``fit`` traces the plain step.
 
-Example:
+Examples:
     >>> import keras
     >>> from lms_tf.keras.step_hooks import add_step_hook, remove_step_hook
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
@@ -44,7 +44,7 @@ def add_step_hook(model, hook: StepHook) -> None:
         model: A compiled Keras model.
         hook: ``hook(step) -> step``; called at trace time with the step to wrap.
 
-    Example:
+    Examples:
         >>> import keras
         >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         >>> model.compile("sgd", "mse")
@@ -75,7 +75,7 @@ def remove_step_hook(model, hook) -> None:
         model: The model given to :func:`add_step_hook`.
         hook: The hook to remove, or None for all of them.
 
-    Example:
+    Examples:
         >>> import keras
         >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         >>> remove_step_hook(model, None)  # nothing registered: nothing to do
@@ -99,7 +99,7 @@ def remove_step_hook(model, hook) -> None:
 def check_traceable(model, api: str) -> None:
     """Raises LMSOptionError when ``fit`` would run the step eagerly (nothing is traced).
 
-    Example:
+    Examples:
         >>> import keras
         >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         >>> model.compile("sgd", "mse", run_eagerly=True)
@@ -117,7 +117,7 @@ def check_traceable(model, api: str) -> None:
 def turn_jit_off(model, api: str, why: str) -> bool:
     """Turns the model's ``jit_compile`` off for training, with a warning; returns the old value.
 
-    Example:
+    Examples:
         >>> import keras
         >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         >>> model.compile("sgd", "mse", jit_compile=False)
@@ -135,7 +135,7 @@ def turn_jit_off(model, api: str, why: str) -> bool:
 def restore_jit(model, jit_was: bool) -> None:
     """Puts back the ``jit_compile`` value :func:`turn_jit_off` returned.
 
-    Example:
+    Examples:
         >>> import keras
         >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         >>> restore_jit(model, False)
@@ -147,7 +147,7 @@ def restore_jit(model, jit_was: bool) -> None:
 def detach(model, restore) -> None:
     """Undoes what a callback attached in ``on_train_begin``: ``restore`` is ``(hook, jit_was)`` or None.
 
-    Example:
+    Examples:
         >>> import keras
         >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         >>> detach(model, None)  # nothing attached: nothing to do

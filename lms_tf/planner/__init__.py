@@ -4,7 +4,7 @@
 searches for the plan that fits a memory budget at the least predicted slowdown, judged by the
 simulator (:mod:`lms_tf.simulate`). Neither touches TensorFlow.
 
-Example:
+Examples:
     >>> from lms_tf.core import Policies, make_ir
     >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (2,))])])
     >>> make_plan(ir, Policies(), device="/device:GPU:0").decisions

@@ -1,6 +1,6 @@
 """Recompute bases: the recompute-only plans the budget search starts from, cheapest first.
 
-Example:
+Examples:
     >>> from lms_tf.core import Policies, make_ir
     >>> from lms_tf.cost import CostModel, get_device_spec
     >>> step = PlanningStep.build(make_ir([]), Policies(), device="/device:GPU:0",
@@ -28,7 +28,7 @@ def recompute_bases(step: PlanningStep) -> Tuple[List[Tuple[str, Dict[str, Tenso
     segment counts (segments share one gate each, so every op is recomputed at most once),
     or exactly the layers the user named; and the policy each base label was made with.
 
-    Example:
+    Examples:
         >>> recompute_bases.__name__
         'recompute_bases'
     """
@@ -59,7 +59,7 @@ def recompute_only(step: PlanningStep, policy, segments: Optional[int] = None,
     """The RECOMPUTE decisions of ``policy`` alone (no swaps, no budget), with ``also`` checkpoints
     recomputed from the ones before them.
 
-    Example:
+    Examples:
         >>> recompute_only.__name__
         'recompute_only'
     """
@@ -73,7 +73,7 @@ def compute_floor(step: PlanningStep, recomputed: Mapping[str, TensorDecision]) 
     """Least step time of any plan on this recompute base: the plain step's compute plus its
     clones' (one compute stream; swaps and orderings only add waits).
 
-    Example:
+    Examples:
         >>> compute_floor.__name__
         'compute_floor'
     """

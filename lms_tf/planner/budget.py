@@ -22,7 +22,7 @@ User overrides win: ``exclude`` keeps, a ``recompute`` list of names recomputes 
 ``swap=False`` / ``recompute=False`` forbid one kind. If even moving every movable tensor
 does not fit, :class:`InfeasibleBudgetError` names the smallest budget that does.
 
-Example:
+Examples:
     >>> import tensorflow as tf
     >>> from lms_tf.tf.trace import build_ir
     >>> from lms_tf.core.policy import Policies
@@ -108,7 +108,7 @@ def make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, cost: Cost
         InfeasibleBudgetError: Nothing fits; the message names the smallest feasible budget.
         LMSOptionError: Bad ``exclude``/``recompute`` names.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.ir import GraphIR
         >>> from lms_tf.cost import CostModel, get_device_spec
         >>> plan = make_budget_plan(GraphIR((), {}, frozenset(), {}), Policies(budget="1GiB"), device="/device:GPU:0",

@@ -7,7 +7,7 @@ another device, or excluded by the user (the reason is kept with its KEEP decisi
 the backward ops that may trigger a swap-in or start a recomputation: they carry gradient data,
 so they run in the backward pass, after the forward pass ended.
 
-Example:
+Examples:
     >>> from lms_tf.core import Policies, make_ir
     >>> collect_candidates(make_ir([]), Policies(), device="/device:GPU:0").eligible
     ()
@@ -46,7 +46,7 @@ UNSIZED_LOOP_REASON = "unsized loop values"
 def clonable(op: OpInfo) -> bool:
     """Whether the recompute pass may clone ``op``: not stateful, not in :data:`NEVER_CLONED_TYPES`.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.ir import OpInfo, Phase
         >>> clonable(OpInfo("p", "MaxPool", 0, Phase.FORWARD, "", (), (), ())), clonable(OpInfo("r", "Relu", 0, Phase.FORWARD, "", (), (), ()))
         (False, True)
@@ -60,7 +60,7 @@ def is_loop_accumulator(ir: GraphIR, tensor: str) -> bool:
     The trace describes such a list by its elements (element dtype, ``(iterations, *shape)``); its
     readers are the gradient loop (and nothing that would need the list inside a forward op).
 
-    Example:
+    Examples:
         >>> from lms_tf.core import make_ir
         >>> ir = make_ir([dict(name="loop", type="While", outputs=[("loop:1", (20, 4, 16))]),
         ...               dict(name="grad", type="StatelessWhile", inputs=["loop:1"], phase="backward")])
@@ -82,7 +82,7 @@ def exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappin
     A plain entry names a name-scope segment (a layer) or an op; ``scope_aliases`` maps a
     Keras layer name to the scope it got in this trace (Keras/TF may suffix it, e.g. ``_1``).
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import chain_ir
         >>> match = exclusion_matcher(chain_ir(), ["b", "g*"], {})
         >>> match("b"), match("g1"), match("a")
@@ -123,7 +123,7 @@ def exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappin
 def reads_value_in_backward(op: OpInfo) -> bool:
     """Whether ``op`` is a backward op that needs the values it reads (not only their shape).
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import chain_ir
         >>> ir = chain_ir()
         >>> reads_value_in_backward(ir.op("g1")), reads_value_in_backward(ir.op("b"))
@@ -246,7 +246,7 @@ class Candidates:
         gates: Backward ops that can trigger a swap-in or gate a recompute.
         gate_positions: Their execution indices.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.ir import GraphIR
         >>> collect_candidates(GraphIR((), {}, frozenset(), {}), Policies(), device="/device:GPU:0").eligible
         ()
@@ -263,7 +263,7 @@ class Candidates:
     def gates_before(self, index: int) -> int:
         """How many gates run before the op at execution index ``index`` (``gates[n - 1]`` is the last).
 
-        Example:
+        Examples:
             >>> from lms_tf.core.ir import GraphIR
             >>> collect_candidates(GraphIR((), {}, frozenset(), {}), Policies(), device="/device:GPU:0").gates_before(5)
             0
@@ -279,7 +279,7 @@ def collect_candidates(ir: GraphIR, policies: Policies, *, device: str,
         LMSOptionError: An ``exclude`` entry matches nothing in the step.
         GraphAnalysisError: A movable tensor has an unresolvable size.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.ir import GraphIR
         >>> collect_candidates(GraphIR((), {}, frozenset(), {}), Policies(), device="/device:GPU:0").order
         ()

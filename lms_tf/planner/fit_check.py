@@ -1,6 +1,6 @@
 """The fit check: a plan fits when its tensors, and TensorFlow's allocator's whole chunks, fit the budget.
 
-Example:
+Examples:
     >>> TIE_ORDERS_CHECKED
     4
 """
@@ -33,7 +33,7 @@ class FitCheck:
         time_to_beat: Step time of the fastest fitting plan so far (slower plans skip the tie orders).
         simulations: How many replays were made.
 
-    Example:
+    Examples:
         >>> FitCheck.__init__.__doc__ is None
         True
     """
@@ -53,7 +53,7 @@ class FitCheck:
         plan that fits in graph order is replayed in :data:`TIE_ORDERS_CHECKED` random tie
         orders too and held to the largest.
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
             >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
@@ -85,7 +85,7 @@ class FitCheck:
     def held_in_chunks(self, sim: Simulation) -> int:
         """The simulated step's peak as TensorFlow's GPU allocator would hold it (whole chunks).
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
             >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200

@@ -4,7 +4,7 @@ The executor runs ready ops first come, first served, so two independent backwar
 residual block's shortcut and main path) run interleaved and hold both branches' temporaries at
 once. One branch waiting for the other halves that working set.
 
-Example:
+Examples:
     >>> from lms_tf.core import make_ir
     >>> BranchOrdering(make_ir([])).ordering(("a",), ("b",)) is None
     True
@@ -29,7 +29,7 @@ ORDERING_PAIRS = 3
 class BranchOrdering:
     """The backward graph's reachability, for finding branches and ordering them without a cycle.
 
-    Example:
+    Examples:
         >>> from lms_tf.core import make_ir
         >>> BranchOrdering(make_ir([])).ir.ops
         ()
@@ -72,7 +72,7 @@ class BranchOrdering:
         """Pairs of backward branches (name scopes) whose temporaries are alive together at the peak,
         largest first. A branch is the scope where the two producers' name paths part.
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
             >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
@@ -100,7 +100,7 @@ class BranchOrdering:
     def ordering(self, first: Tuple[str, ...], then: Tuple[str, ...]) -> Optional[Ordering]:
         """``then``'s first backward ops wait for ``first``'s last ones, if that makes no cycle.
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
             >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200

@@ -8,7 +8,7 @@ tensors and expensive outputs; a list names layers or op patterns. Each segment 
 once, behind one gate. A checkpoint may itself be recomputed from the checkpoints before it
 (``also_recompute``: recursive recompute, which the budget planner chooses per checkpoint).
 
-Example:
+Examples:
     >>> from lms_tf.core import make_ir
     >>> articulation_count(make_ir([]))
     0
@@ -37,7 +37,7 @@ from lms_tf.planner.candidates import Candidates, clonable, exclusion_matcher, r
 def articulation_count(ir: GraphIR) -> int:
     """How many articulation tensors the forward pass has (segment boundaries for ``"sqrt"``).
 
-    Example:
+    Examples:
         >>> from lms_tf.core.ir import GraphIR
         >>> articulation_count(GraphIR((), {}, frozenset(), {}))
         0
@@ -111,7 +111,7 @@ def recompute_targets(ir: GraphIR, eligible: Sequence[str], policies: Policies,
     segment, are kept as checkpoints and the rest of the activations are recomputed; with "cheap" and named policies every
     articulation tensor is a checkpoint that bounds a segment.
 
-    Example:
+    Examples:
         >>> from lms_tf.core import Policies
         >>> from lms_tf.core.examples import chain_ir
         >>> segments, _ = recompute_targets(chain_ir(), ["a:0", "b:0", "c:0"], Policies(recompute="sqrt"), {})
@@ -151,7 +151,7 @@ class RegionFinder:
     """Forward ops to clone to produce a tensor again from its nearest checkpoints, memoised per
     op: regions of one segment overlap, so each op's own region is found once.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import chain_ir
         >>> RegionFinder(chain_ir(), {"b:0", "c:0"}, through=lambda op: True).region("c:0")
         ('b', 'c')
@@ -177,7 +177,7 @@ class RegionFinder:
     def op_region(self, name: str) -> frozenset:
         """The forward ops that recompute op ``name`` from the nearest checkpoints (memoised).
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import chain_ir
             >>> sorted(RegionFinder(chain_ir(), {"b:0", "c:0"}, through=lambda op: True).op_region("c"))
             ['b', 'c']
@@ -202,7 +202,7 @@ class RegionFinder:
     def region(self, tensor: str) -> Tuple[str, ...]:
         """The ops to clone to produce ``tensor`` again, in execution order.
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import chain_ir
             >>> RegionFinder(chain_ir(), {"c:0"}, through=lambda op: True).region("c:0")
             ('c',)
@@ -221,7 +221,7 @@ def checkpoint_gates(ir: GraphIR, found: Candidates, tensor: str,
     backward reader: the regions clone it again for themselves, but the clone is held less long.
     None if no gate runs before its first backward reader.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.ir import GraphIR
         >>> from lms_tf.planner.candidates import collect_candidates
         >>> found = collect_candidates(GraphIR((), {}, frozenset(), {}), Policies(), device="/device:GPU:0")
@@ -242,7 +242,7 @@ def checkpoint_gates(ir: GraphIR, found: Candidates, tensor: str,
 def check_also_recompute(ir: GraphIR, found: Candidates, deeper: Mapping[str, str]) -> None:
     """Raises the library's error for an ``also_recompute`` entry that cannot be recomputed in time.
 
-    Example:
+    Examples:
         >>> from lms_tf.core import Policies
         >>> from lms_tf.core.examples import chain_ir
         >>> from lms_tf.planner.candidates import collect_candidates

@@ -1,6 +1,6 @@
 """Refining a plan the search found: swapped checkpoints recomputed instead, late swap-ins re-timed.
 
-Example:
+Examples:
     >>> RECOMPUTED_CHECKPOINTS_TRIED, RETIME_LEADS
     (8, (1.0, 0.5))
 """
@@ -32,7 +32,7 @@ RETIME_LEADS = (1.0, 0.5)
 def recomputed_checkpoints_label(count: int) -> str:
     """The label suffix saying how many swapped checkpoints a plan recomputes instead.
 
-    Example:
+    Examples:
         >>> recomputed_checkpoints_label(2)
         ' (2 swapped checkpoints recomputed)'
     """
@@ -50,7 +50,7 @@ def recompute_checkpoints(search: "BudgetSearch", budget_bytes: int, plan: Plan,
     the peak gets lower). Returns the plan, its simulation and how many checkpoints it
     recomputes.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
         >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
@@ -100,7 +100,7 @@ def lower_the_lowest(search: "BudgetSearch", budget_bytes: int, plan: Plan, sim:
     its peak, and then more swap rounds from there. It may fit now; if not, the error names a
     smaller feasible budget.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
         >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
@@ -129,7 +129,7 @@ def retime_swap_ins(search: "BudgetSearch", budget_bytes: int, plan: Plan, sim: 
     first), its swap-ins get the whole head start the copy needs, or half of it, whichever
     is the first to keep the peak within budget and shorten the step.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
         >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200

@@ -8,7 +8,7 @@ it fits or the link is saturated. When no swap lowers the peak, two backward bra
 are made to run one after the other (:mod:`~lms_tf.planner.ordering`). The fitting plan with the
 least predicted step time wins, and is then refined (:mod:`~lms_tf.planner.refine`).
 
-Example:
+Examples:
     >>> MAX_ROUNDS, LOWER_AIMS
     (40, 2)
 """
@@ -41,7 +41,7 @@ LOWER_AIMS = 2
 class BudgetSearch:
     """Searches the plans of one step for the fastest that fits a budget.
 
-    Example:
+    Examples:
         >>> from lms_tf.core import Policies, make_ir
         >>> from lms_tf.cost import CostModel, get_device_spec
         >>> step = PlanningStep.build(make_ir([]), Policies(budget=1024), device="/device:GPU:0",
@@ -65,7 +65,7 @@ class BudgetSearch:
         one after the other (:meth:`order_branches`) and go on (see :class:`Tools`). ``start``
         (a plan on this base and its simulation) continues from that plan's swaps and orderings.
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
             >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
@@ -111,7 +111,7 @@ class BudgetSearch:
         """Lowers the peak by running two backward branches alive at it one after the other
         (either order, whichever simulates lower); None if no ordering lowers it.
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
             >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
@@ -139,7 +139,7 @@ class BudgetSearch:
     def plan(self, budget_bytes: int) -> Tuple[Plan, Simulation, str]:
         """The fastest plan that fits, trying recompute bases in order; else the lowest peak found.
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
             >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
@@ -198,7 +198,7 @@ class BudgetSearch:
         counted in graph order and the checked tie orders, whatever its tensors' peak: a plan
         whose tensors exceeded the budget was never replayed through the allocator model).
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
             >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200

@@ -1,6 +1,6 @@
 """The step being planned, with what every part of the budget search reads about it.
 
-Example:
+Examples:
     >>> from lms_tf.core import Policies, make_ir
     >>> from lms_tf.cost import CostModel, get_device_spec
     >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (256,))])])
@@ -41,7 +41,7 @@ class PlanningStep:
         pool_history: What the process allocated before its first step (the allocator's free chunks
             depend on it: Keras builds each kernel through two temporaries of its size).
 
-    Example:
+    Examples:
         >>> PlanningStep.build.__doc__.splitlines()[0]
         'Simulates the plain step once and finds the candidates.'
     """
@@ -63,7 +63,7 @@ class PlanningStep:
     def example(cls) -> "PlanningStep":
         """The step of :func:`lms_tf.core.examples.chain_ir` planned for 75% of its peak on a GH200 (for examples).
 
-        Example:
+        Examples:
             >>> sorted(PlanningStep.example().eligible)
             ['a:0', 'b:0', 'c:0', 'loss:0']
         """
@@ -78,7 +78,7 @@ class PlanningStep:
               scope_aliases: Optional[Mapping[str, str]] = None) -> "PlanningStep":
         """Simulates the plain step once and finds the candidates.
 
-        Example:
+        Examples:
             >>> from lms_tf.core import Policies, make_ir
             >>> from lms_tf.cost import CostModel, get_device_spec
             >>> PlanningStep.build(make_ir([]), Policies(), device="/device:GPU:0",

@@ -11,7 +11,7 @@ checkpoints its clones start from may be swapped (KARMA). Stateful ops (variable
 ops with hidden state) are never cloned; stateless random ops are, with their seed tensor from
 the forward pass, so they give the same values.
 
-Example:
+Examples:
     >>> import tensorflow as tf
     >>> from lms_tf.tf.trace import build_ir
     >>> from lms_tf.core.policy import Policies
@@ -100,7 +100,7 @@ def make_plan(ir: GraphIR, policies: Policies, *, device: str,
             the tensor's backward readers.
         GraphAnalysisError: A tensor that would be swapped has an unresolvable size.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.ir import GraphIR
         >>> make_plan(GraphIR((), {}, frozenset(), {}), Policies(), device="/device:GPU:0").decisions
         ()

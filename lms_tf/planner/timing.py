@@ -5,7 +5,7 @@ copy-out time past the end of the forward pass (a copy still running at the peak
 When the link is the bottleneck, the forward pass waits for its copies out (TFLMS's synchronous
 swap-out) and swap-ins start a fixed number of reader groups ahead.
 
-Example:
+Examples:
     >>> Tools().late_swap_ins, SWAP_OUT_LAG
     (False, 2)
 """
@@ -42,7 +42,7 @@ class Tools:
         throttle: Make the forward pass wait for the copies out; swap-ins run a fixed number of
             groups ahead of their consumers.
 
-    Example:
+    Examples:
         >>> Tools(order=True).order
         True
     """
@@ -57,7 +57,7 @@ def timed_swap(step: PlanningStep, tensor: str, distance: int, lead: float = 1.0
     before their consumers (by the baseline's predicted times; ``lead`` scales that head
     start, 0 = right before them); None if no backward op runs early enough to trigger one.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
         >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
@@ -95,7 +95,7 @@ def timed_swap(step: PlanningStep, tensor: str, distance: int, lead: float = 1.0
 def window(step: PlanningStep, tensor: str) -> float:
     """Baseline compute time between the tensor's producer and its first backward reader.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
         >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
@@ -115,7 +115,7 @@ def swap_exposed(step: PlanningStep, tensor: str) -> float:
     """Copy time, out and back, that the compute between the producer and its first backward reader
     cannot hide (negative: it hides with time to spare).
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
         >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
@@ -132,7 +132,7 @@ def swap_cost(step: PlanningStep, tensor: str, link_busy: float) -> float:
     time past the forward pass (copies out must drain while it runs, or the bytes they free
     stay on the device through the peak at the start of the backward pass).
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
         >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
@@ -152,7 +152,7 @@ def lagged_swap_ins(step: PlanningStep, swapped: List[TensorDecision]) -> Dict[s
     i-th consumer group is triggered just before the (i - :data:`SWAP_IN_LAG`)-th group's
     consumers run: at most that many copies back are ahead of the compute.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
         >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
@@ -183,7 +183,7 @@ def swap_out_waits(step: PlanningStep, swapped: List[TensorDecision]) -> Dict[st
     :data:`SWAP_OUT_LAG` swaps later waits until this tensor's copy out has ended. The forward
     pass then runs at the link's pace, and at most that many copies are pending when it ends.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
         >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
@@ -210,7 +210,7 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
     their head starts), ``recomputed`` recomputed, the rest kept; with ``tools.throttle`` the forward pass
     waits for its copies out and swap-ins lag behind the compute.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
         >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
@@ -245,11 +245,11 @@ def swap_round(step: PlanningStep, budget_bytes: int, sim: Simulation, swap: Set
     A tensor is idle at the peak when it was produced before it and is first read by the backward
     pass after it: swapping anything else would not lower this peak.
 
-    Example:
+    Examples:
         >>> swap_round.__name__
         'swap_round'
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import MiB
         >>> from lms_tf.planner.step import PlanningStep
         >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200

@@ -5,7 +5,7 @@ back, recompute clones) under TensorFlow's memory rules; :mod:`~lms_tf.simulate.
 as TensorFlow's executor does; :mod:`~lms_tf.simulate.allocator` models TensorFlow's BFC allocator,
 after the pool's history (:mod:`~lms_tf.simulate.pool`). :func:`simulate` is the entry point.
 
-Example:
+Examples:
     >>> from lms_tf.core import make_ir
     >>> from lms_tf.cost import CostModel, get_device_spec
     >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (256,))]),

@@ -18,7 +18,7 @@ whole memory limit. Where regions come from matters on ties: the CPU allocator's
 ``mmap``-ed, and Linux places each new mapping below the last, so of two equal free chunks the
 one in the newer region has the lower address and is served first.
 
-Example:
+Examples:
     >>> bfc = BFCAllocatorModel(memory_limit_bytes=2**30)
     >>> bfc.allocate("a", 100 * 2**20); bfc.allocate("b", 60 * 2**20)
     >>> bfc.free("a")
@@ -48,7 +48,7 @@ _REGION_GAP = 1 << 40
 def rounded_bytes(nbytes: int) -> int:
     """A request's size as the allocator serves it: at least 256 bytes, a multiple of 256.
 
-    Example:
+    Examples:
         >>> rounded_bytes(1), rounded_bytes(257)
         (256, 512)
     """
@@ -58,7 +58,7 @@ def rounded_bytes(nbytes: int) -> int:
 def bin_index(nbytes: int) -> int:
     """The free-list bin of a chunk: bin b holds sizes in [256 * 2**b, 256 * 2**(b+1)).
 
-    Example:
+    Examples:
         >>> bin_index(256), bin_index(511), bin_index(512), bin_index(2**40)
         (0, 0, 1, 20)
     """
@@ -95,7 +95,7 @@ class BFCAllocatorModel:
         LMSError: An allocation does not fit in ``memory_limit_bytes``, or a key is
             allocated twice or freed without an allocation.
 
-    Example:
+    Examples:
         >>> bfc = BFCAllocatorModel(memory_limit_bytes=2**30, allow_growth=True)
         >>> bfc.allocate("x", 3 * 2**20)   # more than the first 2 MiB region: a 4 MiB one is added,
         >>> bfc.pool_bytes // 2**20, bfc.in_use_bytes // 2**20   # and served whole (4 < 2 x 3)
@@ -120,7 +120,7 @@ class BFCAllocatorModel:
     def allocate(self, key: str, nbytes: int) -> None:
         """Serves ``nbytes`` for ``key`` (a zero-byte request takes no memory, as in TF).
 
-        Example:
+        Examples:
             >>> allocator = tensorflow_gpu_allocator(2**30)
             >>> allocator.allocate("t", 1000); allocator.in_use_bytes   # rounded to 256 bytes
             1024
@@ -145,7 +145,7 @@ class BFCAllocatorModel:
     def free(self, key: str) -> None:
         """Returns ``key``'s chunk; it merges with free neighbours of its region.
 
-        Example:
+        Examples:
             >>> allocator = tensorflow_gpu_allocator(2**30)
             >>> allocator.allocate("t", 1000); allocator.free("t"); allocator.in_use_bytes, allocator.peak_bytes
             (0, 1024)
@@ -169,7 +169,7 @@ class BFCAllocatorModel:
     def rename(self, old: str, new: str) -> None:
         """``new`` takes over ``old``'s buffer (a kernel writing its output into an input).
 
-        Example:
+        Examples:
             >>> allocator = tensorflow_gpu_allocator(2**30)
             >>> allocator.allocate("t", 1000); allocator.rename("t", "u"); allocator.keys()
             ['u']
@@ -180,7 +180,7 @@ class BFCAllocatorModel:
     def reset_peak(self) -> None:
         """Starts a new peak from the bytes in use now.
 
-        Example:
+        Examples:
             >>> allocator = tensorflow_gpu_allocator(2**30)
             >>> allocator.allocate("t", 4096); allocator.free("t"); allocator.reset_peak(); allocator.peak_bytes
             0
@@ -190,7 +190,7 @@ class BFCAllocatorModel:
     def keys(self) -> List[str]:
         """The keys allocated now.
 
-        Example:
+        Examples:
             >>> allocator = tensorflow_gpu_allocator(2**30)
             >>> allocator.allocate("b", 8); allocator.allocate("a", 8); allocator.keys()
             ['b', 'a']
@@ -257,7 +257,7 @@ def tensorflow_cpu_allocator() -> BFCAllocatorModel:
     """TensorFlow's CPU allocator with ``TF_CPU_ALLOCATOR_USE_BFC=true``: 64 GiB, grows by regions,
     each new one ``mmap``-ed below the last.
 
-    Example:
+    Examples:
         >>> cpu = tensorflow_cpu_allocator()
         >>> cpu.allow_growth, cpu.new_regions_below
         (True, True)
@@ -268,7 +268,7 @@ def tensorflow_cpu_allocator() -> BFCAllocatorModel:
 def tensorflow_gpu_allocator(memory_bytes: int) -> BFCAllocatorModel:
     """TensorFlow's GPU allocator by default: one region of the device's memory, reserved up front.
 
-    Example:
+    Examples:
         >>> tensorflow_gpu_allocator(16 * 2**30).allow_growth
         False
     """
@@ -297,7 +297,7 @@ def replay_allocations(log: Sequence[Tuple[str, str, object]], model: BFCAllocat
         The measured step's peak ``bytes_in_use`` minus ``bytes_in_use`` at its start, the
         figure ``lms_tf.measure_peak_memory`` reads on the real allocator.
 
-    Example:
+    Examples:
         >>> log = [("alloc", "a", 3 << 20), ("alloc", "b", 1 << 20), ("free", "a", 0), ("free", "b", 0)]
         >>> replay_allocations(log, BFCAllocatorModel(memory_limit_bytes=1 << 30, allow_growth=True)) // 2**20
         5

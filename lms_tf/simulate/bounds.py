@@ -1,6 +1,6 @@
 """Bounds on a planned step's time that no plan moving the same bytes can beat.
 
-Example:
+Examples:
     >>> from lms_tf.simulate.bounds import link_lower_bound
 """
 
@@ -13,7 +13,7 @@ def link_lower_bound(compute_s: float, planned, cost: CostModel) -> float:
     """Least possible step time for the bytes the plan moves: the compute (recompute included)
     or the busier link direction, whichever is longer.
 
-    Example:
+    Examples:
         >>> from lms_tf.cost import CostModel, get_device_spec
         >>> class P: compute_time_s, swap_out_bytes, swap_in_bytes = 0.5, 12 * 10**9, 6 * 10**9
         >>> link_lower_bound(0.4, P, CostModel(get_device_spec("v100-16gb-pcie3")))
@@ -47,7 +47,7 @@ def fit_lower_bound(compute_s: float, deficit_bytes: int, movable, cost: CostMod
         (the planner's orderings, swap-outs the forward pass waits for), which this bound does
         not model, so it gives no bound.
 
-    Example:
+    Examples:
         >>> from lms_tf.cost import CostModel, get_device_spec
         >>> cost = CostModel(get_device_spec("v100-16gb-pcie3"))
         >>> seconds, traffic = fit_lower_bound(1.0, 12 * 10**9, [(12 * 10**9, 10.0)], cost)

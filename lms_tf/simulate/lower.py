@@ -2,7 +2,7 @@
 buffers each reads and writes under TensorFlow's memory rules (aliasing, in-place kernels, kernel
 workspaces, copy-on-write of variables).
 
-Example:
+Examples:
     >>> KERNEL_LIBRARIES
     ('cudnn', 'eigen', 'onednn')
 """
@@ -50,7 +50,7 @@ COMPUTE_STREAM, TO_HOST_STREAM, TO_DEVICE_STREAM = 0, 1, 2
 class Event:
     """One thing the simulator runs: a compute op, a copy or a clone, with the buffers it reads and writes.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import chain_ir
         >>> from lms_tf.cost import CostModel, get_device_spec
         >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
@@ -74,7 +74,7 @@ class Event:
 class Lowered:
     """Turns the IR plus a plan into simulator ops with buffer keys.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import chain_ir
         >>> from lms_tf.cost import CostModel, get_device_spec
         >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
@@ -95,7 +95,7 @@ class Lowered:
     def source(self, consumer: str, tensor: str) -> str:
         """The buffer ``consumer`` really reads for input ``tensor`` (aliases and re-pointing resolved).
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import chain_ir
             >>> from lms_tf.cost import CostModel, get_device_spec
             >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
@@ -116,7 +116,7 @@ class Lowered:
     def counted(self, tensor: str) -> bool:
         """Whether ``tensor``'s buffer counts as step memory (variables, constants and inputs are resident).
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import chain_ir
             >>> from lms_tf.cost import CostModel, get_device_spec
             >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
@@ -143,7 +143,7 @@ class Lowered:
     def add(self, op: Event) -> int:
         """Appends ``op`` and records it as the producer of the buffers it writes; returns its index.
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import chain_ir
             >>> from lms_tf.cost import CostModel, get_device_spec
             >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
@@ -160,7 +160,7 @@ class Lowered:
         """The simulator ops an IR op's name stands for: itself, or for an alias op (which the
         simulator does not run) the ops it waits for.
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import chain_ir
             >>> from lms_tf.cost import CostModel, get_device_spec
             >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
@@ -176,7 +176,7 @@ class Lowered:
         aliases, output by output) and its control inputs (an alias op as a control input waits for
         all of its inputs).
 
-        Example:
+        Examples:
             >>> from lms_tf.core.examples import chain_ir
             >>> from lms_tf.cost import CostModel, get_device_spec
             >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))
@@ -290,7 +290,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
            kernels: str = "cudnn", accumulated_sums: frozenset = frozenset()) -> Lowered:
     """Lowers ``ir`` with ``plan`` (None: the plain step) to the events :func:`~lms_tf.simulate.replay.replay` runs.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import chain_ir
         >>> from lms_tf.cost import CostModel, get_device_spec
         >>> lowered = lower(chain_ir(), None, CostModel(get_device_spec("v100-16gb-pcie3")))

@@ -1,6 +1,6 @@
 """What lives on the device besides the step: resident variables, and the pool's history before the first step.
 
-Example:
+Examples:
     >>> from lms_tf.core import make_ir
     >>> resident_bytes(make_ir([]))
     0
@@ -17,7 +17,7 @@ def resident_buffers(ir: GraphIR) -> List[Tuple[str, int]]:
     """The variables the step reads (weights, optimizer slots), ``(handle, bytes)`` in graph
     order: resident for the whole step.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.ir import GraphIR
         >>> resident_buffers(GraphIR((), {}, frozenset(), {}))
         []
@@ -45,7 +45,7 @@ def pool_history(ir: GraphIR, accumulated_sums: Iterable[str] = ()) -> List[Tupl
     TensorFlow's allocation trace shows this sequence (``StatelessRandomUniformV2``, ``Mul``,
     ``AddV2`` per kernel; ``AddN_98/tmp_var_zeros`` on ResNet-50).
 
-    Example:
+    Examples:
         >>> from lms_tf.core.ir import GraphIR
         >>> pool_history(GraphIR((), {}, frozenset(), {}))
         []
@@ -74,7 +74,7 @@ def pool_history(ir: GraphIR, accumulated_sums: Iterable[str] = ()) -> List[Tupl
 def resident_bytes(ir: GraphIR) -> int:
     """Bytes of the variables the step reads (weights, optimizer slots): resident for the whole step.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.ir import GraphIR
         >>> resident_bytes(GraphIR((), {}, frozenset(), {}))
         0

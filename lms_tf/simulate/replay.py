@@ -1,7 +1,7 @@
 """The replay engine: runs lowered events as TensorFlow's executor does (one compute stream, first ready
 first run, one copy stream per direction) and tracks live buffers, the peak and the step time.
 
-Example:
+Examples:
     >>> EDGE_SET_INLINE
     8
 """
@@ -56,7 +56,7 @@ class Simulation:
         backward_start_s: When the forward pass ended (its last op finished) in a step that has a
             backward pass, else None: where a plot marks the boundary.
 
-    Example:
+    Examples:
         >>> Simulation(10, "a", (), 1.0, 1.0, 0, 0, ()).peak_bytes
         10
     """
@@ -80,7 +80,7 @@ class Simulation:
         """What device memory must hold at the peak: the tensors, or the allocator's whole
         chunks when the allocations were replayed through a model of it (whichever is larger).
 
-        Example:
+        Examples:
             >>> Simulation(10, "a", (), 1.0, 1.0, 0, 0, (), allocator_peak_bytes=12).held_bytes
             12
         """
@@ -98,7 +98,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
     ``builder`` as it found it unless ``priority`` is given, so a step built once can be replayed
     in several tie orders.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.examples import chain_ir
         >>> from lms_tf.cost import CostModel, get_device_spec
         >>> from lms_tf.simulate.lower import lower

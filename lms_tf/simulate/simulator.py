@@ -38,7 +38,7 @@ Two rules of TensorFlow's executor decide which buffers are reused and freed whe
 * Grappler's memory optimizer turns some sums of three or more gradients into additions into
   a temporary variable (``accumulated_sums``): such a sum takes a buffer of its own.
 
-Example:
+Examples:
     >>> import tensorflow as tf
     >>> from lms_tf.tf.trace import build_ir
     >>> from lms_tf.cost import CostModel, get_device_spec
@@ -101,7 +101,7 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
     Raises:
         LMSOptionError: ``kernels`` is not one of :data:`KERNEL_LIBRARIES`.
 
-    Example:
+    Examples:
         >>> from lms_tf.core.ir import GraphIR
         >>> from lms_tf.cost import CostModel, get_device_spec
         >>> simulate(GraphIR((), {}, frozenset(), {}), cost=CostModel(get_device_spec("a100-40gb-pcie4"))).peak_bytes
@@ -116,7 +116,7 @@ def simulate_tie_orders(ir: GraphIR, plan: Optional[Plan], seeds: Iterable[int],
     """:func:`simulate` with ``tie_seed`` set to each of ``seeds`` in turn, allocations logged
     (the step is built once: planners check one plan in several tie orders).
 
-    Example:
+    Examples:
         >>> from lms_tf.core.ir import GraphIR
         >>> from lms_tf.cost import CostModel, get_device_spec
         >>> [s.peak_bytes for s in simulate_tie_orders(GraphIR((), {}, frozenset(), {}), None, [0, 1],

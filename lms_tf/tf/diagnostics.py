@@ -15,7 +15,7 @@
 * :func:`grappler_accumulated_sums` names the sums TensorFlow's optimizer will accumulate into
   a temporary variable (``simulate(accumulated_sums=)``).
 
-Example:
+Examples:
     >>> import tensorflow as tf
     >>> f = tf.function(lambda x: tf.nn.relu(x) * 2.0)
     >>> peak = virtual_gpu_peak(f.get_concrete_function(tf.ones((256, 256))))
@@ -73,7 +73,7 @@ def virtual_gpu_peak(concrete_function, *, host: str = "/CPU:1", gpu_memory_byte
     Returns:
         The virtual GPU's peak memory in bytes.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> f = tf.function(lambda x: x + 1.0)
         >>> virtual_gpu_peak(f.get_concrete_function(tf.ones((1024,)))) >= 4096
@@ -104,7 +104,7 @@ class OraclePeak:
             (the simulator's ``FORWARDING_TYPES``) whose output is live too, of the same size:
             TensorFlow computes that output into this tensor's buffer.
 
-    Example:
+    Examples:
         >>> OraclePeak(300, (("a", 0, 100), ("b", 0, 100), ("c", 0, 100)), 100).peak_bytes_counting_in_place_once
         200
     """
@@ -117,7 +117,7 @@ class OraclePeak:
     def peak_bytes_counting_in_place_once(self) -> int:
         """The peak with each input/output pair of an in-place kernel counted once.
 
-        Example:
+        Examples:
             >>> OraclePeak(300, (), 100).peak_bytes_counting_in_place_once
             200
         """
@@ -128,7 +128,7 @@ def virtual_gpu_peak_report(concrete_function, *, host: str = "/CPU:1", gpu_memo
                             host_memory_bytes: int = 256 * 2**30, variable_shapes: bool = False) -> OraclePeak:
     """:func:`virtual_gpu_peak` with what Grappler counts at the peak (arguments as there).
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> f = tf.function(lambda x: tf.nn.relu(tf.tile(x, [4])) * 2.0)
         >>> report = virtual_gpu_peak_report(f.get_concrete_function(tf.ones((1024,))))
@@ -170,7 +170,7 @@ def with_variable_shapes(graph_def):
     inputs, so it runs where the read ran. This is for memory simulation only: the graph
     no longer reads its variables.
 
-    Example:
+    Examples:
         >>> v = tf.Variable(tf.ones((3, 5)))
         >>> f = tf.function(lambda x: x @ v)
         >>> graph_def = f.get_concrete_function(tf.ones((2, 3))).graph.as_graph_def(add_shapes=True)
@@ -208,7 +208,7 @@ class GrapplerBaseline:
         swapped: The tensors Grappler swaps out (inputs of its ``_CopyFromGpuToHost`` ops).
         recomputed: The ops Grappler clones for the backward pass (their original names).
 
-    Example:
+    Examples:
         >>> GrapplerBaseline("SWAPPING_HEURISTICS", 1 << 20, ("conv/Relu:0",), ()).swapped
         ('conv/Relu:0',)
     """
@@ -241,7 +241,7 @@ def grappler_baseline_report(concrete_function, mode: str, *, gpu_memory_bytes: 
         :func:`virtual_gpu_peak`. Grappler's swap-out copies are counted in host memory,
         where their kernel allocates them.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> f = tf.function(lambda x: tf.nn.relu(x) * 2.0)
         >>> report = grappler_baseline_report(f.get_concrete_function(tf.ones((256, 256))), "SWAPPING_HEURISTICS")
@@ -265,7 +265,7 @@ def grappler_baseline_report(concrete_function, mode: str, *, gpu_memory_bytes: 
 def grappler_baseline_peak(concrete_function, mode: str, **kwargs) -> int:
     """:attr:`GrapplerBaseline.peak_bytes` of :func:`grappler_baseline_report` (same arguments).
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> f = tf.function(lambda x: tf.nn.relu(x) * 2.0)
         >>> grappler_baseline_peak(f.get_concrete_function(tf.ones((256, 256))), "RECOMPUTATION_HEURISTICS") > 0
@@ -284,7 +284,7 @@ class ExecutedOp:
         start_ps: Start time in picoseconds since the Unix epoch (wall clock).
         end_ps: End time in picoseconds since the Unix epoch.
 
-    Example:
+    Examples:
         >>> ExecutedOp("a/Relu", "Relu", 0, 10).end_ps
         10
     """
@@ -304,7 +304,7 @@ def executed_ops(run_step: Callable[[], object]) -> List[ExecutedOp]:
     Returns:
         Executed kernels, ordered by start time.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> f = tf.function(lambda x: tf.nn.relu(x))
         >>> _ = f(tf.ones((4,)))
@@ -317,7 +317,7 @@ def executed_ops(run_step: Callable[[], object]) -> List[ExecutedOp]:
 def find_executed(events: List[ExecutedOp], op_name: str) -> Optional[ExecutedOp]:
     """The first execution of a node whose name is ``op_name`` or ends with ``/op_name``.
 
-    Example:
+    Examples:
         >>> find_executed([ExecutedOp("call/a/Relu", "Relu", 0, 1)], "a/Relu").node
         'call/a/Relu'
     """
@@ -340,7 +340,7 @@ class AllocationEvent:
         address: The buffer's address (pairs a free with its allocation).
         shape: The tensor's shape as TensorFlow prints it, e.g. ``"[16,112,112,64]"``.
 
-    Example:
+    Examples:
         >>> AllocationEvent("alloc", "pool/MaxPool", "output", 1000, 1024, 0x10, "[250]").chunk_bytes
         1024
     """
@@ -366,7 +366,7 @@ def allocation_trace(run_step: Callable[[], object]) -> List[AllocationEvent]:
     Returns:
         Allocations and frees in time order.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> f = tf.function(lambda x: tf.nn.relu(x) * 2.0)
         >>> _ = f(tf.ones((4,)))
@@ -382,7 +382,7 @@ def cpu_kernel_library() -> str:
     ``kernels=`` names it: ``"onednn"`` (the default on x86) or ``"eigen"``
     (``TF_ENABLE_ONEDNN_OPTS=0``).
 
-    Example:
+    Examples:
         >>> cpu_kernel_library() in ("onednn", "eigen")
         True
     """
@@ -418,7 +418,7 @@ def grappler_accumulated_sums(concrete_function, *, device_memory_bytes: int = C
     Returns:
         The ``AddN`` op names, for :func:`lms_tf.planner.simulate`'s ``accumulated_sums``.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> v = tf.Variable(tf.ones((256, 256)))
         >>> @tf.function

@@ -3,7 +3,7 @@
 Every front-end calls :func:`rewrite_traced_step` inside the step being traced, with a
 :class:`RewriteRequest` built from its options.
 
-Example:
+Examples:
     >>> from lms_tf.tf.driver import resolve_device
     >>> resolve_device("/CPU:0")
     '/device:CPU:0'
@@ -47,7 +47,7 @@ class RewriteRequest:
         batch_size: Size to give a batch dimension the trace leaves unknown.
         plan: A plan to apply instead of planning (checked against the traced step first).
 
-    Example:
+    Examples:
         >>> RewriteRequest(Policies(), device="/device:GPU:0").serialize
         False
     """
@@ -62,7 +62,7 @@ class RewriteRequest:
     def cost_model(self) -> CostModel:
         """The cost model of :attr:`device_spec`.
 
-        Example:
+        Examples:
             >>> RewriteRequest(Policies(), "/device:GPU:0", device_spec="v100-16gb-pcie3").cost_model().device.name
             'v100-16gb-pcie3'
         """
@@ -77,7 +77,7 @@ def check_visible(device: str, *, role: str, api: str) -> str:
         role: What the device is for, for the message (``device`` or ``host``).
         api: The front-end's name, for the message.
 
-    Example:
+    Examples:
         >>> check_visible("/CPU:0", role="host", api="doc")
         '/device:CPU:0'
         >>> check_visible("/GPU:7", role="device", api="doc")  # doctest: +ELLIPSIS
@@ -103,7 +103,7 @@ def resolve_device(device: Optional[str], *, api: str = "lms-tf") -> Optional[st
     Raises:
         LMSOptionError: ``device`` names no device TensorFlow can see.
 
-    Example:
+    Examples:
         >>> resolve_device("/CPU:1")
         '/device:CPU:1'
     """
@@ -118,7 +118,7 @@ def resolve_device(device: Optional[str], *, api: str = "lms-tf") -> Optional[st
 def no_accelerator_message(api: str) -> str:
     """The warning given when there is no GPU and no explicit ``device=``.
 
-    Example:
+    Examples:
         >>> "untouched" in no_accelerator_message("lms_tf.function")
         True
     """
@@ -133,7 +133,7 @@ def call_step_for_rewrite(serialize: bool, step, *args, **kwargs):
     control dependencies, added now: the order the pass imposes must respect the edges TF adds
     between stateful ops, which would otherwise come when the trace ends and close a cycle.
 
-    Example:
+    Examples:
         >>> call_step_for_rewrite(False, lambda x: x + 1, 1)
         2
     """
@@ -149,7 +149,7 @@ def check_plan_matches(plan: Plan, ir: GraphIR, *, api: str) -> None:
     Every tensor a decision names must exist with the same shape, and every op it names (swap-in
     triggers and consumers, recompute gates, clones and consumers, orderings) must exist.
 
-    Example:
+    Examples:
         >>> from lms_tf.core import make_ir
         >>> from lms_tf.core.plan import Decision, TensorDecision
         >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (2,))])])
@@ -209,7 +209,7 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
         LMSError: Not inside a ``tf.function`` trace (eager execution), or the pass failed.
         LMSOptionError: A given plan does not match the traced step.
 
-    Example:
+    Examples:
         >>> request = RewriteRequest(Policies(host="/CPU:1"), "/device:CPU:0")
         >>> rewrite_traced_step(request, api="doc")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
@@ -272,7 +272,7 @@ def _make_plan(ir: GraphIR, request: RewriteRequest, scope_aliases) -> Plan:
 def unknown_size_message(api: str, err: UnknownSizeError) -> str:
     """The warning for a trace left untouched because a tensor could not be sized.
 
-    Example:
+    Examples:
         >>> err = UnknownSizeError("...", tensor="dense/Relu:0", shape=(None, 8))
         >>> print(unknown_size_message("LMSCallback", err))  # doctest: +ELLIPSIS
         LMSCallback: tensor 'dense/Relu:0' has shape (None, 8) ... left untouched ...
@@ -288,7 +288,7 @@ def simulated_ranks(graph: tf.Graph, ir: GraphIR, plan: Plan, cost: CostModel) -
 
     Swap copies run on their own streams and are left out, so they still overlap compute.
 
-    Example:
+    Examples:
         >>> g = tf.Graph()
         >>> with g.as_default():
         ...     x = tf.constant(2.0, name="x")

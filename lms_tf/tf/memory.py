@@ -4,7 +4,7 @@ On a GPU this reads the GPU allocator. On the CPU, TensorFlow keeps allocator st
 only when its CPU allocator is a BFC allocator: set ``TF_CPU_ALLOCATOR_USE_BFC=true``
 before TensorFlow starts (the tests and benchmarks do).
 
-Example:
+Examples:
     >>> import tensorflow as tf
     >>> with measure_peak_memory("CPU:0") as memory:
     ...     _ = tf.ones((1024, 1024)) * 2.0
@@ -36,7 +36,7 @@ class PeakMemory:
         start_bytes: Bytes in use when the block started (weights, optimizer slots, data).
         peak_bytes: Peak bytes in use during the block, above ``start_bytes``.
 
-    Example:
+    Examples:
         >>> PeakMemory("CPU:0", 100, 50).peak_total_bytes
         150
     """
@@ -49,7 +49,7 @@ class PeakMemory:
     def peak_total_bytes(self) -> int:
         """Peak bytes in use including what was resident at the start.
 
-        Example:
+        Examples:
             >>> PeakMemory("CPU:0", 1, 2).peak_total_bytes
             3
         """
@@ -59,7 +59,7 @@ class PeakMemory:
 def default_device() -> str:
     """The first GPU if there is one, else ``"CPU:0"``.
 
-    Example:
+    Examples:
         >>> default_device() in ("CPU:0", "GPU:0")
         True
     """
@@ -87,7 +87,7 @@ def measure_peak_memory(device: Optional[str] = None, settle_seconds: float = 0.
             ``TF_CPU_ALLOCATOR_USE_BFC=true`` environment variable was not set before
             TensorFlow started).
 
-    Example:
+    Examples:
         >>> with measure_peak_memory() as memory:
         ...     _ = tf.zeros((256, 256)).numpy()
         >>> memory.peak_bytes > 0

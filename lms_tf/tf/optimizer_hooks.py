@@ -5,7 +5,7 @@ optimizer classes (:func:`lms_tf._compat.keras.optimizer_entry_points`) so every
 through the active hooks, nested by order: Horovod averaging, the host placement of
 ``optimizer_on_host``. The patch is removed when the last hook ends.
 
-Example:
+Examples:
     >>> from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
 """
 
@@ -82,7 +82,7 @@ def intercept_optimizer_updates(hook, order: int = 0):
     intercepted. The class-level patch (the step's optimizer is unknown before it runs) is
     installed while any hook is active, i.e. while a step is being traced.
 
-    Example:
+    Examples:
         >>> import keras, tensorflow as tf
         >>> seen = []
         >>> def halve(optimizer, grads, variables, update):

@@ -8,7 +8,7 @@ variable stay with the variable (TensorFlow's placer colocates resource ops with
 resource), so per step the gradients travel to the host and the new weight values travel
 back: two model-sized copies, no slot bytes on the device.
 
-Example:
+Examples:
     >>> from lms_tf.tf.optimizer_offload import host_update_hook
     >>> hook = host_update_hook("/CPU:1", api="lms_tf.function")
 """
@@ -32,7 +32,7 @@ HOST_UPDATE_ORDER = 1
 def variables_off_device(variables, device: str) -> List[str]:
     """Names of ``variables`` that are not placed on ``device`` (compared as DeviceSpecs).
 
-    Example:
+    Examples:
         >>> v = tf.Variable(1.0)
         >>> variables_off_device([v], v.device)
         []
@@ -57,7 +57,7 @@ def host_update_hook(host: str, api: str) -> Callable:
     Returns:
         ``hook(optimizer, grads, variables, update)``.
 
-    Example:
+    Examples:
         >>> hook = host_update_hook("/CPU:0", api="LMSCallback")
         >>> callable(hook)
         True

@@ -12,7 +12,7 @@ classification; the tags themselves are structural:
   optimizer's reads of its learning rate and slots);
 * forward: everything else, i.e. the ops the loss is computed from.
 
-Example:
+Examples:
     >>> import tensorflow as tf
     >>> w = tf.Variable(tf.ones((4, 4)))
     >>> @tf.function
@@ -177,7 +177,7 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
     Raises:
         GraphAnalysisError: The graph has a cycle or an input shape contradicts the graph.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> f = tf.function(lambda x: tf.nn.relu(x) * 2.0)
         >>> g = f.get_concrete_function(tf.TensorSpec((None, 8))).graph
@@ -404,7 +404,7 @@ def trace_step_ir(step: Callable, *args, wrap: Optional[Callable[[Callable], Cal
         wrap: Builds the traced function around the capturing step (e.g. Keras's strategy call).
         batch_size: Size to give batch dimensions the trace leaves unknown.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> ir = trace_step_ir(lambda x: tf.nn.relu(x) * 2.0, tf.TensorSpec((None, 8)), batch_size=4)
         >>> ir.tensors["Relu:0"].nbytes

@@ -1,6 +1,6 @@
 """Where variables live and how many bytes they take there (Keras 3 and TF variables alike).
 
-Example:
+Examples:
     >>> import tensorflow as tf
     >>> with tf.device("/CPU:0"):
     ...     v = tf.Variable(tf.zeros((4,)))
@@ -19,7 +19,7 @@ import tensorflow as tf
 def variable_device(variable) -> str:
     """The device of a TF variable, or of the TF variable behind a Keras 3 variable (``.value``).
 
-    Example:
+    Examples:
         >>> with tf.device("/CPU:0"):
         ...     v = tf.Variable(1.0)
         >>> variable_device(v)
@@ -34,7 +34,7 @@ def variable_device(variable) -> str:
 def variable_bytes_by_device(variables) -> Dict[str, int]:
     """Bytes of ``variables`` per device they live on (full device names).
 
-    Example:
+    Examples:
         >>> with tf.device("/CPU:0"):
         ...     v = tf.Variable(tf.zeros((4,)))
         >>> variable_bytes_by_device([v])

@@ -1,6 +1,6 @@
 """Standard training workloads for the CLI and benchmarks: a model by name, a batch, a train step.
 
-Example:
+Examples:
     >>> from lms_tf.tf.workloads import build_model
     >>> build_model("MobileNetV2", image_size=32, classes=10).name
     'mobilenetv2_1.00_32'
@@ -23,7 +23,7 @@ from lms_tf.core.errors import LMSOptionError
 def unet(image_size: int = 128, classes: int = 2, base_filters: int = 16, depth: int = 4):
     """A U-Net for segmentation (Ronneberger et al. 2015): conv blocks, skips across the bottleneck.
 
-    Example:
+    Examples:
         >>> unet(image_size=32, depth=2).output_shape
         (None, 32, 32, 2)
     """
@@ -53,7 +53,7 @@ def transformer_encoder(seq_len: int = 128, vocab: int = 1000, dim: int = 256, h
                         classes: int = 10):
     """A Transformer encoder classifier: embedding, ``MultiHeadAttention`` + MLP blocks, pooled head.
 
-    Example:
+    Examples:
         >>> transformer_encoder(seq_len=16, dim=32, blocks=1).output_shape
         (None, 10)
     """
@@ -76,7 +76,7 @@ def stacked_rnn(seq_len: int = 100, vocab: int = 1000, dim: int = 64, units: int
     On a CPU (and on a GPU when cuDNN's conditions are not met) each recurrent layer is a
     ``While`` loop whose gradient reads the per-step values the forward loop accumulated.
 
-    Example:
+    Examples:
         >>> stacked_rnn(seq_len=8, dim=8, units=8).output_shape
         (None, 10)
     """
@@ -113,7 +113,7 @@ def build_model(spec: str, *, image_size: int = 224, classes: int = 1000):
     Raises:
         LMSOptionError: The spec names nothing that can be built.
 
-    Example:
+    Examples:
         >>> build_model("NoSuchNet")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -148,7 +148,7 @@ def build_model(spec: str, *, image_size: int = 224, classes: int = 1000):
 def synthetic_batch(model, batch_size: int, seed: int = 0) -> Tuple[tf.Tensor, tf.Tensor]:
     """A deterministic random batch matching the model's input and class count.
 
-    Example:
+    Examples:
         >>> m = build_model("MobileNetV2", image_size=32, classes=10)
         >>> [t.shape.as_list() for t in synthetic_batch(m, 2)]
         [[2, 32, 32, 3], [2]]
@@ -167,7 +167,7 @@ def synthetic_batch(model, batch_size: int, seed: int = 0) -> Tuple[tf.Tensor, t
 def train_step(model, optimizer=None) -> Callable:
     """A plain supervised train step (forward, loss, gradients, update) to wrap in a tf.function.
 
-    Example:
+    Examples:
         >>> m = build_model("MobileNetV2", image_size=32, classes=10)
         >>> step = tf.function(train_step(m))
         >>> float(step(*synthetic_batch(m, 2))) > 0
@@ -190,7 +190,7 @@ def train_step(model, optimizer=None) -> Callable:
 def compile_for_fit(model, optimizer=None) -> None:
     """Compiles ``model`` as the CLI's workloads train: SGD (or ``optimizer``), sparse categorical cross-entropy.
 
-    Example:
+    Examples:
         >>> m = build_model("MobileNetV2", image_size=32, classes=10)
         >>> compile_for_fit(m); type(m.optimizer).__name__
         'SGD'
@@ -207,7 +207,7 @@ def fit_step(model, *, inner: Optional[Callable] = None) -> Callable:
     distribution strategy, as Keras's train function does, so a plan made for this trace applies
     to ``model.fit`` with ``LMSCallback(plan=...)``.
 
-    Example:
+    Examples:
         >>> m = build_model("MobileNetV2", image_size=32, classes=10)
         >>> compile_for_fit(m)
         >>> step = tf.function(fit_step(m))

@@ -1,6 +1,6 @@
 """Layer 3: applies a Plan to a graph, and nothing else.
 
-Example:
+Examples:
     >>> from lms_tf.tf.rewrite import apply_plan, count_lms_ops
 """
 

@@ -1,6 +1,6 @@
 """Applies a whole Plan: preconditions, the swap, recompute and ordering steps, postconditions.
 
-Example:
+Examples:
     >>> from lms_tf.tf.rewrite import apply_plan
 """
 
@@ -40,7 +40,7 @@ def apply_plan(graph: tf.Graph, ir: GraphIR, plan: Plan) -> RewriteReport:
             (a cycle, an ungated swap-in or clone, a changed forward op, a backward op
             still reading a swapped or recomputed tensor).
 
-    Example:
+    Examples:
         >>> from lms_tf.tf.trace import build_ir
         >>> from lms_tf.options import LMSOptions
         >>> from lms_tf.planner import make_plan

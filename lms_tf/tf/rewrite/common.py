@@ -1,6 +1,6 @@
 """Pieces every rewrite step shares: the ``_lms`` marker, counts, and the postconditions.
 
-Example:
+Examples:
     >>> import tensorflow as tf
     >>> count_lms_ops(tf.Graph())
     {}
@@ -31,7 +31,7 @@ class RewriteReport:
         inserted: ``_lms`` value -> number of ops inserted with it.
         rerouted_inputs: Number of backward-op inputs re-pointed to a swap-in.
 
-    Example:
+    Examples:
         >>> RewriteReport({"swap_out": 2}, 3).inserted["swap_out"]
         2
     """
@@ -46,7 +46,7 @@ def count_lms_ops(graph_or_ops) -> Dict[str, int]:
     Args:
         graph_or_ops: A ``tf.Graph`` or an iterable of ``tf.Operation``/``NodeDef``.
 
-    Example:
+    Examples:
         >>> count_lms_ops(tf.Graph())
         {}
     """
@@ -65,7 +65,7 @@ def count_lms_ops(graph_or_ops) -> Dict[str, int]:
 def is_rewritten(graph: tf.Graph) -> bool:
     """Whether lms-tf already rewrote ``graph`` (it carries the lms-tf marker op).
 
-    Example:
+    Examples:
         >>> is_rewritten(tf.Graph())
         False
     """
@@ -81,7 +81,7 @@ def mark(op: tf.Operation, kind: str, *, keep: bool = True) -> None:
     never fuses a preserved op, and a clone must fuse exactly as the op it copies does, or
     its results differ in the last bits from the forward pass's.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> g = tf.Graph()
         >>> with g.as_default():
@@ -100,7 +100,7 @@ def repoint_consumers(graph: tf.Graph, consumers, original: str, replacement: tf
     Returns:
         The number of inputs re-pointed.
 
-    Example:
+    Examples:
         >>> import collections
         >>> import tensorflow as tf
         >>> g = tf.Graph()
@@ -124,7 +124,7 @@ def repoint_consumers(graph: tf.Graph, consumers, original: str, replacement: tf
 def check_acyclic(graph: tf.Graph) -> None:
     """Raises RewriteError if the rewritten graph has a cycle (data or control edges).
 
-    Example:
+    Examples:
         >>> import collections
         >>> import tensorflow as tf
         >>> g = tf.Graph()
@@ -164,7 +164,7 @@ def check_postconditions(graph: tf.Graph, plan: Plan, forward_inputs_before) -> 
     """Raises RewriteError unless the rewritten graph is acyclic, gated, forward-unchanged (inputs; waits
     for copies out are control inputs) and every wait the plan asks for is in place.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> from lms_tf.core.plan import Plan
         >>> check_postconditions(tf.Graph(), Plan((), "/device:GPU:0", "/device:CPU:0", {}, {}), {})

@@ -6,7 +6,7 @@ For each ordering, on the waiters' device::
 
 One NoOp instead of an edge from every ``after`` op to every waiter keeps the graph small.
 
-Example:
+Examples:
     >>> from lms_tf.tf.rewrite.order import insert_orderings
 """
 
@@ -26,7 +26,7 @@ def insert_orderings(graph: tf.Graph, plan: Plan, inserted: Dict[str, int]) -> N
 
     Must run inside ``graph.as_default()`` under the lms-tf name scope.
 
-    Example:
+    Examples:
         >>> import collections
         >>> import tensorflow as tf
         >>> g = tf.Graph()

@@ -14,7 +14,7 @@ that is itself swapped is read through a fresh swap-in gated by ``g`` (swap, the
 recompute the rest, as KARMA does). An op shared by several regions with the same gate
 is cloned once. Clones carry ``_lms="recompute"``.
 
-Example:
+Examples:
     >>> from lms_tf.tf.rewrite.recompute import insert_recomputes
 """
 
@@ -37,7 +37,7 @@ CLONE_GATE_ATTR = "_lms_gate"
 def simulator_name(graph: tf.Graph, op_name: str) -> str:
     """The simulator's name for an op of a rewritten graph: ``recompute/<gate>/<op>`` for a clone.
 
-    Example:
+    Examples:
         >>> g = tf.Graph()
         >>> with g.as_default():
         ...     _ = tf.constant(1.0, name="one")
@@ -64,7 +64,7 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
     Returns:
         The number of backward-op inputs re-pointed to a clone.
 
-    Example:
+    Examples:
         >>> import collections
         >>> import tensorflow as tf
         >>> g = tf.Graph()

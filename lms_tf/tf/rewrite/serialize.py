@@ -47,7 +47,7 @@ An ``IdentityN`` waits for all of its inputs, and Grappler prunes it. Before the
 added, its readers are re-pointed to its inputs, so that a rank order that never waited for
 it stays feasible. The values are unchanged.
 
-Example:
+Examples:
     >>> import tensorflow as tf
     >>> g = tf.Graph()
     >>> with g.as_default():
@@ -85,7 +85,7 @@ def bypass_identity_n(graph: tf.Graph) -> int:
     Returns:
         How many inputs were re-pointed.
 
-    Example:
+    Examples:
         >>> bypass_identity_n(tf.Graph())
         0
     """
@@ -110,7 +110,7 @@ def ranked_topological_order(graph: tf.Graph, rank: Mapping[str, float]) -> List
     Raises:
         RewriteError: The graph has a cycle.
 
-    Example:
+    Examples:
         >>> g = tf.Graph()
         >>> with g.as_default():
         ...     a = tf.constant(1.0, name="a")
@@ -151,7 +151,7 @@ def ranked_topological_order(graph: tf.Graph, rank: Mapping[str, float]) -> List
 def serial_chain(graph: tf.Graph) -> List[tf.Operation]:
     """The ops :func:`impose_order` chained, in chain order (empty for a graph it did not touch).
 
-    Example:
+    Examples:
         >>> serial_chain(tf.Graph())
         []
     """
@@ -172,7 +172,7 @@ def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int) -> F
         device: The step's device, e.g. ``"/device:GPU:0"``.
         memory_bytes: The memory the runtime tells Grappler the device has.
 
-    Example:
+    Examples:
         >>> g = tf.Graph()
         >>> with g.as_default():
         ...     x = tf.compat.v1.placeholder(tf.float32, (4, 8), name="x")
@@ -248,7 +248,7 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collect
         The number of control edges added. Each chained op carries its position in the
         ``_lms_serial`` attribute.
 
-    Example:
+    Examples:
         >>> g = tf.Graph()
         >>> with g.as_default():
         ...     x = tf.compat.v1.placeholder(tf.float32, name="x")

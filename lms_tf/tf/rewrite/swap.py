@@ -15,7 +15,7 @@ hang TensorFlow's executor (docs/design.md), so the only control edge is host ->
 Every inserted op carries ``_lms`` (``swap_out``, ``swap_in``, ``swap_gate``,
 ``swap_out_done``, ``marker``) and ``_grappler_do_not_remove`` (Grappler would delete the identities).
 
-Example:
+Examples:
     >>> from lms_tf.tf.rewrite.swap import insert_swaps
 """
 
@@ -64,7 +64,7 @@ def gated_swap_in(graph: tf.Graph, swap_out: tf.Tensor, trigger: tf.Operation, h
     The gate reaches the host as a data edge: ``Shape(trigger output)`` on the trigger's
     device, received by a host ``Identity``, which is the swap-in's (host -> host) control input.
 
-    Example:
+    Examples:
         >>> import collections
         >>> import tensorflow as tf
         >>> g = tf.Graph()
@@ -88,7 +88,7 @@ def gated_swap_in(graph: tf.Graph, swap_out: tf.Tensor, trigger: tf.Operation, h
 def wait_for_swap_out(graph: tf.Graph, swap_out: tf.Tensor, waiter: tf.Operation, name: str) -> None:
     """Makes forward op ``waiter`` start only after the copy ``swap_out`` has reached the host.
 
-    Example:
+    Examples:
         >>> import collections
         >>> import tensorflow as tf
         >>> g = tf.Graph()
@@ -113,7 +113,7 @@ def insert_swaps(graph: tf.Graph, plan: Plan, inserted: Dict[str, int]) -> Tuple
     Returns:
         Swapped tensor name -> its swap-out (host) tensor, and the number of re-pointed inputs.
 
-    Example:
+    Examples:
         >>> import collections
         >>> import tensorflow as tf
         >>> g = tf.Graph()
