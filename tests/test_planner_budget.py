@@ -515,3 +515,8 @@ def test_largest_batch_bisects_and_lms_fits_a_larger_one():
         answers[with_lms] = best
     assert 20 < answers[False] < 64 and answers[False] & (answers[False] - 1)  # not a power of two: bisected
     assert answers[True] > answers[False]
+    # The CLI starts the lms-tf search from the plain answer (it fits with lms-tf too), with fewer tries.
+    tried = []
+    best, _ = largest_batch(ir_for_batch, policies, cost, True, 4096, device="/device:CPU:0",
+                            known_good=answers[False], progress=lambda batch, ok: tried.append(batch))
+    assert best == answers[True] and min(tried) > answers[False]

@@ -1,7 +1,9 @@
 """``lms-tf max-batch``: the largest batch that fits a device preset, without and with lms-tf.
 
 The step is traced once with an unknown batch dimension; each batch size is sized from that trace,
-simulated, and (with lms-tf) planned for ``budget="auto"``: doubling, then bisection.
+simulated, and (with lms-tf) planned for ``budget="auto"``: doubling, then bisection. The search
+with lms-tf starts from the plain answer (what fits plain fits with lms-tf). A progress bar on
+stderr shows each try (``#`` fits, ``-`` does not).
 
 Examples:
     >>> from lms_tf.cli import build_parser
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from typing import Dict, Optional, Tuple
 
 from lms_tf.cli import args as cli_args
@@ -68,8 +71,19 @@ def fits(ir_for_batch, batch: int, policies: Policies, cost: CostModel, with_lms
 
 
 def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper: int, *,
-                  device: str) -> Tuple[int, Optional[int]]:
+                  device: str, known_good: int = 0, progress=None) -> Tuple[int, Optional[int]]:
     """Doubling then bisection over batch sizes; returns (largest fitting batch, its peak).
+
+    Args:
+        ir_for_batch: Batch size -> the step's IR at that size (traced once, sized per batch).
+        policies: Planning policies (each batch is planned for ``budget="auto"``).
+        cost: The device's cost model.
+        with_lms: Plan with lms-tf (else the plain step must fit).
+        upper: The largest batch to try.
+        device: The managed device's full name.
+        known_good: A batch known to fit, where the doubling starts (with lms-tf: the plain
+            answer, since a step that fits plain fits with lms-tf).
+        progress: Called with ``(batch, fits)`` after each batch tried.
 
     Examples:
         >>> from lms_tf.core import Policies
@@ -79,28 +93,65 @@ def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper:
         ...               64, device="/device:GPU:0")[0]   # every size up to the cap fits
         64
     """
-    label = "with lms-tf" if with_lms else "plain"
-    good, good_peak, bad = 0, None, None
-    batch = 1
-    while batch <= upper:
+    good, good_peak, bad = known_good, None, None
+
+    def attempt(batch: int) -> bool:
+        nonlocal good, good_peak, bad
         ok, peak = fits(ir_for_batch, batch, policies, cost, with_lms, device=device)
-        logger.info("max-batch %s: batch %d %s", label, batch, "fits" if ok else "does not fit")
-        if not ok:
-            bad = batch
-            break
-        good, good_peak = batch, peak
-        batch *= 2
-    if bad is None:
-        return good, good_peak
-    while bad - good > 1:
-        middle = (good + bad) // 2
-        ok, peak = fits(ir_for_batch, middle, policies, cost, with_lms, device=device)
-        logger.info("max-batch %s: batch %d %s", label, middle, "fits" if ok else "does not fit")
+        if progress is not None:
+            progress(batch, ok)
         if ok:
-            good, good_peak = middle, peak
+            good, good_peak = batch, peak
         else:
-            bad = middle
+            bad = batch
+        return ok
+
+    batch = 2 * known_good if known_good else 1
+    while good < upper and attempt(min(batch, upper)):
+        batch *= 2
+    while bad is not None and bad - good > 1:
+        attempt((good + bad) // 2)
+    if good_peak is None and good:  # the known batch was never planned: plan it for its peak
+        good_peak = fits(ir_for_batch, good, policies, cost, with_lms, device=device)[1]
     return good, good_peak
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr for the batch search: the bracket so far and each try.
+
+    Examples:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> bar = ProgressBar("with lms-tf", stream=out)
+        >>> bar(64, True); bar(128, False); bar.close()
+        >>> out.getvalue().splitlines()[-1]
+        'max-batch with lms-tf [#-] 2 tries: fits 64, not 128'
+    """
+
+    def __init__(self, label: str, stream=None):
+        self.label, self.stream = label, stream or sys.stderr
+        self.marks, self.good, self.bad = "", None, None
+
+    def __call__(self, batch: int, ok: bool) -> None:
+        self.marks += "#" if ok else "-"
+        if ok:
+            self.good = batch if self.good is None else max(self.good, batch)
+        else:
+            self.bad = batch if self.bad is None else min(self.bad, batch)
+        logger.debug("max-batch %s: batch %d %s", self.label, batch, "fits" if ok else "does not fit")
+        self.stream.write("\r" + self._line())
+        self.stream.flush()
+
+    def _line(self) -> str:
+        if not self.marks:
+            return f"max-batch {self.label}: nothing to try (the answer so far is the largest allowed, --max)"
+        bracket = ", ".join(part for part in (f"fits {self.good}" if self.good is not None else "",
+                                              f"not {self.bad}" if self.bad is not None else "") if part)
+        return f"max-batch {self.label} [{self.marks}] {len(self.marks)} tries: {bracket}"
+
+    def close(self) -> None:
+        self.stream.write("\r" + self._line() + "\n")
+        self.stream.flush()
 
 
 def run(args) -> int:
@@ -133,8 +184,19 @@ def run(args) -> int:
         return cache[batch]
 
     policies = Policies(host=host, budget="auto", recompute="auto")
-    plain, plain_peak = largest_batch(ir_for_batch, policies, cost, False, args.max, device=device)
-    lms, lms_peak = largest_batch(ir_for_batch, policies, cost, True, args.max, device=device)
+    answers = {}
+    level = logger.level
+    if not logger.isEnabledFor(logging.DEBUG):  # the bar replaces the planner's line per batch
+        logger.setLevel(logging.WARNING)
+    try:
+        for with_lms in (False, True):
+            bar = ProgressBar("with lms-tf" if with_lms else "plain")
+            answers[with_lms] = largest_batch(ir_for_batch, policies, cost, with_lms, args.max, device=device,
+                                              known_good=answers[False][0] if with_lms else 0, progress=bar)
+            bar.close()
+    finally:
+        logger.setLevel(level)
+    (plain, plain_peak), (lms, lms_peak) = answers[False], answers[True]
     result = {"model": args.model, "device": spec.name, "max_batch_plain": plain, "max_batch_lms": lms,
               "peak_bytes_plain": plain_peak, "peak_bytes_lms": lms_peak,
               "ratio": round(lms / plain, 2) if plain else None}
