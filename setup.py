@@ -2,8 +2,11 @@
 
 from setuptools import find_packages, setup
 
-TF_VERSION = "2.21.0"
-KERAS_VERSION = "3.15.1"
+# The range between the oldest and the newest tested pairs (constraints/oldest.txt and
+# constraints/latest.txt: scripts/test.sh runs the whole suite on both).
+TENSORFLOW = "tensorflow>=2.16.2,<=2.21.0"
+KERAS = "keras>=3.3.3,<=3.15.1"
+TF_KERAS = "tf-keras>=2.16.0,<=2.21.0"
 # The documentation site's tools, pinned: `mkdocs build --strict` runs in the test suite, and a
 # new release's warnings must not turn CI red on their own.
 DOCS = ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11"]
@@ -11,20 +14,21 @@ DOCS = ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings==1.0.8", "mkdoc
 setup(
     name="lms-tf",
     version="0.1.0",
-    description="Large Model Support for TensorFlow / Keras 3 (tested on TensorFlow 2.21 with Keras 3.15): "
+    description="Large Model Support for TensorFlow / Keras 3 (tested on TensorFlow 2.16 with Keras 3.3 and on "
+                "TensorFlow 2.21 with Keras 3.15): "
                 "swap and recompute activations so training fits in less GPU memory.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["lms_tf", "lms_tf.*"]),
-    install_requires=[f"tensorflow=={TF_VERSION}", f"keras=={KERAS_VERSION}", "numpy"],
+    install_requires=[TENSORFLOW, KERAS, "numpy"],
     extras_require={
-        "gpu": [f"tensorflow[and-cuda]=={TF_VERSION}"],
-        "legacy-keras": [f"tf-keras=={TF_VERSION}"],
+        "gpu": [TENSORFLOW.replace("tensorflow", "tensorflow[and-cuda]", 1)],
+        "legacy-keras": [TF_KERAS],
         "plot": ["matplotlib>=3.7"],
         "docs": DOCS,
-        "test": [f"tf-keras=={TF_VERSION}", "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "import-linter>=2.1",
+        "test": [TF_KERAS, "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "import-linter>=2.1",
                  *DOCS],
     },
     entry_points={"console_scripts": ["lms-tf=lms_tf.cli:main"]},

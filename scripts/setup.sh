@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# Sets up everything lms-tf needs on a fresh machine: a virtualenv in .venv with lms-tf
-# installed in editable mode plus its test extras (pinned TensorFlow, Keras, tf-keras).
-# LMS_TF_EXTRAS picks other extras, e.g. LMS_TF_EXTRAS=gpu,test for tensorflow[and-cuda].
+# Sets up everything lms-tf needs on a fresh machine: a virtualenv with lms-tf installed in
+# editable mode plus its test extras, TensorFlow, Keras and tf-keras pinned to a tested pair.
+#   LMS_TF_EXTRAS    extras to install (default: test), e.g. gpu,test for tensorflow[and-cuda]
+#   LMS_TF_VERSIONS  which tested pair: latest (default; constraints/latest.txt) or oldest
+#                    (constraints/oldest.txt)
+#   LMS_TF_VENV      where the virtualenv goes (default: .venv)
 # Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-    echo "lms-tf setup: creating .venv with $($PYTHON --version)"
-    "$PYTHON" -m venv .venv
+VENV="${LMS_TF_VENV:-.venv}"
+VERSIONS="${LMS_TF_VERSIONS:-latest}"
+CONSTRAINTS="constraints/$VERSIONS.txt"
+if [ ! -f "$CONSTRAINTS" ]; then
+    echo "lms-tf setup: error: LMS_TF_VERSIONS=$VERSIONS names no tested pair; use latest or oldest ($(ls constraints))" >&2
+    exit 2
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "lms-tf setup: creating $VENV with $($PYTHON --version)"
+    "$PYTHON" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
 EXTRAS="${LMS_TF_EXTRAS:-test}"
-echo "lms-tf setup: installing lms-tf[$EXTRAS] (TensorFlow, Keras and the extras' packages) into .venv"
-.venv/bin/python -m pip install --quiet --progress-bar off -e ".[$EXTRAS]"
-.venv/bin/lms-tf version
+echo "lms-tf setup: installing lms-tf[$EXTRAS] with the $VERSIONS tested TensorFlow / Keras pair ($CONSTRAINTS) into $VENV"
+"$VENV/bin/python" -m pip install --quiet --progress-bar off -c "$CONSTRAINTS" -e ".[$EXTRAS]"
+"$VENV/bin/lms-tf" version
