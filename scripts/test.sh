@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
-if [ $# -eq 0 ] && [ "${LMS_TF_OLDEST:-1}" = 1 ]; then
+if [ $# -eq 0 ] && [ "${LMS_TF_OLDEST:-0}" = 1 ]; then
     echo "lms-tf test: the suite again on the oldest tested pair ($(grep -v '^#' constraints/oldest.txt | tr '\n' ' '))"
     LMS_TF_VENV=.venv-oldest LMS_TF_VERSIONS=oldest bash scripts/install.sh
     .venv-oldest/bin/python -m pytest -p no:cacheprovider || status=$?
