@@ -20,8 +20,17 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "lms-tf setup: creating $VENV with $($PYTHON --version)"
     "$PYTHON" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
 EXTRAS="${LMS_TF_EXTRAS:-test}"
-echo "lms-tf setup: installing lms-tf[$EXTRAS] with the $VERSIONS tested TensorFlow / Keras pair ($CONSTRAINTS) into $VENV"
-"$VENV/bin/python" -m pip install --quiet --progress-bar off -c "$CONSTRAINTS" -e ".[$EXTRAS]"
+# What was installed, and from what: a second run with the same setup.py, constraints and extras
+# needs no package index (an image's own test command runs offline).
+STAMP="$VENV/.lms-tf-setup"
+WANT="$(cat setup.py "$CONSTRAINTS" | sha256sum | cut -d' ' -f1) extras=$EXTRAS source=$PWD"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$VENV/bin/python" -c "import lms_tf" 2>/dev/null; then
+    echo "lms-tf setup: $VENV already has lms-tf[$EXTRAS] with the $VERSIONS pair, nothing to do"
+else
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    echo "lms-tf setup: installing lms-tf[$EXTRAS] with the $VERSIONS tested TensorFlow / Keras pair ($CONSTRAINTS) into $VENV"
+    "$VENV/bin/python" -m pip install --quiet --progress-bar off -c "$CONSTRAINTS" -e ".[$EXTRAS]"
+    echo "$WANT" > "$STAMP"
+fi
 "$VENV/bin/lms-tf" version

@@ -33,7 +33,6 @@ check() {  # check NAME CONDITION-EXIT-CODE DETAIL
 }
 cleanup() {
     podman rm -f -t 0 node1 node2 >/dev/null 2>&1 || true
-    podman network rm -f "$NETWORK" >/dev/null 2>&1 || true
     rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -76,18 +75,27 @@ say "image built in $((SECONDS - started)) s"
 # 5. Two nodes.
 ssh-keygen -q -t ed25519 -N "" -f "$WORK/id_ed25519"
 cp "$WORK/id_ed25519.pub" "$WORK/authorized_keys"
-podman network rm -f "$NETWORK" >/dev/null 2>&1 || true
-podman network create "$NETWORK" >/dev/null
+# The network is kept between runs, on a fixed subnet: podman 4.3's DNS server (aardvark-dns 1.4)
+# keeps answering on the old gateway when a network of the same name is removed and made again on
+# the next free subnet, and the containers then cannot resolve each other.
+if ! podman network exists "$NETWORK"; then
+    podman network create --subnet 10.89.77.0/24 "$NETWORK" >/dev/null
+fi
 for node in node1 node2; do
     podman rm -f -t 0 "$node" >/dev/null 2>&1 || true
     podman run -d --name "$node" --hostname "$node" --network "$NETWORK" -v "$WORK:/keys:ro" "$IMAGE" \
         bash -c 'install -m 600 /keys/id_ed25519 /keys/authorized_keys /root/.ssh/ && exec /usr/sbin/sshd -D -e' >/dev/null
 done
-for node in node1 node2; do  # sshd is up, and each node reaches the other by name
+for node in node1 node2; do  # sshd is up, and node1 reaches each node by name
+    reached=1
     for _ in $(seq 30); do
-        podman exec node1 ssh "$node" true 2>/dev/null && break
+        if podman exec node1 ssh -o ConnectTimeout=5 "$node" true 2>"$WORK/ssh.log"; then reached=0; break; fi
         sleep 1
     done
+    if [ "$reached" != 0 ]; then
+        say "error: node1 cannot ssh to $node by name: $(tail -1 "$WORK/ssh.log")"
+        exit 1
+    fi
 done
 LAUNCH=(bash scripts/launch.sh -np 2 -H node1:1,node2:1 -p 12345 -- python examples/horovod_fit.py
         --optimizer sgd --no-shuffle)

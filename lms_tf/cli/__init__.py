@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     from lms_tf.core.errors import LMSError
 
     try:
-        if args.command != "version" and not args.verbose:
+        if not args.verbose:
             import_tensorflow_quietly()
         return SUBCOMMANDS[args.command].run(args)
     except LMSError as err:
