@@ -15,3 +15,6 @@ if [ -d "$WHEELHOUSE" ] && ls "$WHEELHOUSE"/*.whl >/dev/null 2>&1; then
     fi
 fi
 bash scripts/install.sh
+# The pinned build tools too (installed where Horovod is built, skipped when its wheel came from a
+# cache): the image's own tests check them, offline.
+bash scripts/install_horovod.sh --print-build-tools "${LMS_TF_VENV:-.venv}/bin/python"
