@@ -49,9 +49,14 @@ RANK, SIZE = hvd.rank(), hvd.size()
 CPU_LMS = dict(device="/CPU:0", host="/CPU:1", min_swap_bytes=0)
 LOCAL_BATCH, STEPS = 4, 3
 PROFILED_STEPS = 5
-# The budget planner at 51% of the plain simulated peak (it then swaps and recomputes; 50.7% is the
-# smallest feasible), serialized.
-LMS_BUDGET = dict(CPU_LMS, budget="51%", device_spec="v100-16gb-pcie3", serialize=True, batch_size=32 // SIZE)
+# The budget planner on top of sqrt(n) recompute, just above the smallest budget this step can be
+# planned for (so it swaps as well), serialized. The smallest differs between TensorFlow / Keras
+# pairs (their traced steps differ): it is asked for first.
+TIGHTEST = "tightest"
+LMS_BUDGET = dict(CPU_LMS, budget=TIGHTEST, recompute="sqrt", device_spec="v100-16gb-pcie3", serialize=True,
+                  batch_size=32 // SIZE)
+#: How far above the smallest feasible budget the tightest plan aims.
+TIGHTEST_MARGIN = 1.005
 
 
 def progress(message: str) -> None:
@@ -178,6 +183,9 @@ def compile_deep(model):
 def pipelined_scenario(results: dict, weights: dict, bucket_bytes, key: str, lms_options=None) -> None:
     """Executed-op order of single steps of a deeper net, with the given gradient buckets; with
     ``lms_options`` the step is also planned by lms-tf (its callback hooked in before Horovod's)."""
+    if lms_options is not None and lms_options["budget"] == TIGHTEST:
+        lms_options = dict(lms_options, budget=_tightest_budget(bucket_bytes, lms_options))
+        progress(f"{key}: the tightest budget is {lms_options['budget']} bytes")
     model = compile_deep(deep_model())
     initial = [w.numpy() for w in model.weights]
     local = 32 // SIZE
@@ -215,6 +223,25 @@ def pipelined_scenario(results: dict, weights: dict, bucket_bytes, key: str, lms
         for _ in range(2 + PROFILED_STEPS):
             reference.train_function(global_batches)
         weights[f"{key}/reference"] = [w.numpy() for w in reference.weights]
+
+
+def _tightest_budget(bucket_bytes, lms_options) -> int:
+    """:data:`TIGHTEST_MARGIN` times the smallest budget the planner finds for this step, read off
+    the error a 1 KiB budget raises while the step is traced (on every rank alike, before any of
+    the step's collectives runs)."""
+    model = compile_deep(deep_model())
+    callbacks = [lms_tf.LMSCallback(**dict(lms_options, budget=1024)), DistributedCallback(bucket_bytes=bucket_bytes)]
+    for callback in callbacks:
+        callback.set_model(model)
+        callback.on_train_begin()
+    try:
+        model.train_function(deep_data(slice(RANK * (32 // SIZE), (RANK + 1) * (32 // SIZE))))
+    except lms_tf.InfeasibleBudgetError as err:
+        return int(err.smallest_feasible_bytes * TIGHTEST_MARGIN)
+    finally:
+        for callback in callbacks[::-1]:
+            callback.on_train_end()
+    raise AssertionError("a 1 KiB budget was planned: the step no longer needs memory?")
 
 
 def _chain_facts(graph, allreduce_ops) -> dict:

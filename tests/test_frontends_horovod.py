@@ -115,7 +115,8 @@ def test_custom_loop_takes_the_bucket_size(job):
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 def test_budget_plan_serialized_with_pipelined_buckets(job):
-    """LMSCallback(budget=51%, serialize=True) beside DistributedCallback(bucket_bytes=1): the plan
+    """LMSCallback(budget=2% above the smallest feasible, serialize=True) beside
+    DistributedCallback(bucket_bytes=1): the plan
     swaps and recomputes, the compute ops run in the simulated order, and yet
 
     * no allreduce, nor anything that waits on one, is in that chain (structure);
