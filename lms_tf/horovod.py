@@ -1,7 +1,7 @@
 """The distributed core: data-parallel training over Horovod's TensorFlow ops, with no Keras in it.
 
 Horovod's TensorFlow ops (``allreduce``, ``grouped_allreduce``, ``broadcast``) work with
-TF 2.16-2.21 and Keras 3 once Horovod is built (``scripts/install_horovod.sh``); its Keras
+TF 2.21 and Keras 3 once Horovod is built (``scripts/install_horovod.sh``); its Keras
 wrappers (``DistributedOptimizer``, its callbacks) target Keras 2 and do not. This module
 holds what both front-ends share, built on those ops only: bucketing the gradients in the order
 the backward pass makes them, one grouped allreduce per bucket, the variables' broadcast, and the

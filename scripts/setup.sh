@@ -2,8 +2,7 @@
 # Sets up everything lms-tf needs on a fresh machine: a virtualenv with lms-tf installed in
 # editable mode plus its test extras, TensorFlow, Keras and tf-keras pinned to a tested pair.
 #   LMS_TF_EXTRAS    extras to install (default: test), e.g. gpu,test for tensorflow[and-cuda]
-#   LMS_TF_VERSIONS  which tested pair: latest (default; constraints/latest.txt) or oldest
-#                    (constraints/oldest.txt)
+#   LMS_TF_VERSIONS  which pair of constraints/ (default: latest, the tested pair)
 #   LMS_TF_VENV      where the virtualenv goes (default: .venv)
 # Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
@@ -13,7 +12,7 @@ VENV="${LMS_TF_VENV:-.venv}"
 VERSIONS="${LMS_TF_VERSIONS:-latest}"
 CONSTRAINTS="constraints/$VERSIONS.txt"
 if [ ! -f "$CONSTRAINTS" ]; then
-    echo "lms-tf setup: error: LMS_TF_VERSIONS=$VERSIONS names no tested pair; use latest or oldest ($(ls constraints))" >&2
+    echo "lms-tf setup: error: LMS_TF_VERSIONS=$VERSIONS names no file in constraints/ ($(ls constraints))" >&2
     exit 2
 fi
 if [ ! -x "$VENV/bin/python" ]; then

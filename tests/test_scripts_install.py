@@ -36,9 +36,11 @@ def test_build_tools_are_pinned_and_the_build_is_told_which_cmake():
     assert 'HOROVOD_CMAKE="$CMAKE_BIN"' in script
     # The test command and the image install through one script, with the venv first on PATH.
     install = open(os.path.join(ROOT, "scripts", "install.sh")).read()
-    assert 'PATH="$PWD/.venv/bin:$PATH" bash scripts/install_horovod.sh' in install
+    assert 'PATH="$PWD/$VENV/bin:$PATH" bash scripts/install_horovod.sh "$VENV/bin/python"' in install
+    assert 'VENV="${LMS_TF_VENV:-.venv}"' in install
     assert "bash scripts/install.sh" in open(os.path.join(ROOT, "scripts", "test.sh")).read()
-    assert "RUN bash scripts/install.sh" in open(os.path.join(ROOT, "Dockerfile")).read()
+    assert "RUN bash scripts/docker_install.sh" in open(os.path.join(ROOT, "Dockerfile")).read()
+    assert "bash scripts/install.sh" in open(os.path.join(ROOT, "scripts", "docker_install.sh")).read()
 
 
 @pytest.mark.timeout(300)
