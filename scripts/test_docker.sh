@@ -71,6 +71,7 @@ podman build -q --network=host -v "$WHEELHOUSE:/wheelhouse:ro" -t "$IMAGE" --bui
     --build-arg LMS_TF_EXTRAS=test --build-arg LMS_TF_HOROVOD_GPU=0 . >"$WORK/build.log" 2>&1 \
     || { tail -30 "$WORK/build.log" >&2; exit 1; }
 say "image built in $((SECONDS - started)) s"
+podman image prune -f >/dev/null 2>&1 || true  # the previous build of the tag (3 GB each) goes
 
 # 5. Two nodes.
 ssh-keygen -q -t ed25519 -N "" -f "$WORK/id_ed25519"
