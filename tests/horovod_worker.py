@@ -196,9 +196,7 @@ def pipelined_scenario(results: dict, weights: dict, bucket_bytes, key: str, lms
         callbacks.insert(0, lms_tf.LMSCallback(**lms_options))
     facts: dict = {}
     add_step_hook(model, graph_probe(facts))
-    for callback in callbacks:
-        callback.set_model(model)
-        callback.on_train_begin()
+    _begin_training(model, callbacks)
     for _ in range(2):  # trace, then warm up
         model.train_function(iterator)
     # Overlap is a race between two processes on two cores: one profiled step can miss it when
@@ -225,15 +223,20 @@ def pipelined_scenario(results: dict, weights: dict, bucket_bytes, key: str, lms
         weights[f"{key}/reference"] = [w.numpy() for w in reference.weights]
 
 
+def _begin_training(model, callbacks) -> None:
+    """What ``fit`` does with its callbacks before the first step (the steps are driven by hand)."""
+    for callback in callbacks:
+        callback.set_model(model)
+        callback.on_train_begin()
+
+
 def _tightest_budget(bucket_bytes, lms_options) -> int:
     """:data:`TIGHTEST_MARGIN` times the smallest budget the planner finds for this step, read off
     the error a 1 KiB budget raises while the step is traced (on every rank alike, before any of
     the step's collectives runs)."""
     model = compile_deep(deep_model())
     callbacks = [lms_tf.LMSCallback(**dict(lms_options, budget=1024)), DistributedCallback(bucket_bytes=bucket_bytes)]
-    for callback in callbacks:
-        callback.set_model(model)
-        callback.on_train_begin()
+    _begin_training(model, callbacks)
     try:
         model.train_function(deep_data(slice(RANK * (32 // SIZE), (RANK + 1) * (32 // SIZE))))
     except lms_tf.InfeasibleBudgetError as err:

@@ -213,13 +213,12 @@ class CostModel:
         """:meth:`calibrate` on the measured ops of several steps together (e.g. other models).
 
         Examples:
-            >>> from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo
+            >>> from lms_tf.core.examples import chain_ir
             >>> from lms_tf.cost.devices import get_device_spec
-            >>> t = {"r:0": TensorInfo("r:0", "float32", (1024,), 4096, "r", ())}
-            >>> r = OpInfo("r", "Relu", 0, Phase.FORWARD, "", (), (), ("r:0",))
-            >>> ir = GraphIR((r,), t, frozenset(), {})
+            >>> ir = chain_ir()
             >>> base = CostModel(get_device_spec("v100-16gb-pcie3"))
-            >>> both = base.calibrate_many([(ir, {"r": 2 * base.op_time(ir, r)}), (ir, {"r": 4 * base.op_time(ir, r)})])
+            >>> a = ir.op("a")   # an Exp: an elementwise op
+            >>> both = base.calibrate_many([(ir, {"a": 2 * base.op_time(ir, a)}), (ir, {"a": 4 * base.op_time(ir, a)})])
             >>> round(both.scale["elementwise"], 6)
             3.0
         """

@@ -88,7 +88,7 @@ class Simulation:
 
 
 def _kind(key: str) -> Optional[str]:
-    """The prefix of a recomputed or swapped-in buffer's key, None for others."""
+    """The prefix of a recomputed or swapped-in buffer's key, None for any other buffer."""
     return next((prefix for prefix in (RECOMPUTE_PREFIX, SWAP_IN_PREFIX) if key.startswith(prefix)), None)
 
 
@@ -139,7 +139,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
     alive: Dict[str, int] = {}
     copy_on_write: Dict[str, List[str]] = {}  # cow buffer -> reads it waits for
     in_use = peak = 0
-    by_kind = {RECOMPUTE_PREFIX: 0, SWAP_IN_PREFIX: 0}  # bytes in use held by clones and swap-ins
+    by_kind: Dict[Optional[str], int] = collections.Counter()  # bytes in use per _kind of buffer
     peak_op, live_at_peak = "", ()
     in_flight = [0, 0, 0]
     timeline: List[Tuple[float, int, int, int, int, int]] = []
@@ -158,8 +158,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
         nonlocal in_use
         alive[key] = nbytes
         in_use += nbytes
-        if _kind(key):
-            by_kind[_kind(key)] += nbytes
+        by_kind[_kind(key)] += nbytes
         if allocations is not None:
             allocations.append(("alloc", key, nbytes))
 
@@ -168,8 +167,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
         size = alive.pop(key, None)
         if size is not None:
             in_use -= size
-            if _kind(key):
-                by_kind[_kind(key)] -= size
+            by_kind[_kind(key)] -= size
             if allocations is not None:
                 allocations.append(("free", key, 0))
 
@@ -193,11 +191,8 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
                 reuse = next((r for r in op.reads if r in alive and uses[r] == 1 and alive[r] == nbytes), None)
             if reuse is not None:
                 alive[key] = alive.pop(reuse)
-                if _kind(reuse) != _kind(key):  # the buffer now holds another kind of value
-                    if _kind(reuse):
-                        by_kind[_kind(reuse)] -= alive[key]
-                    if _kind(key):
-                        by_kind[_kind(key)] += alive[key]
+                by_kind[_kind(reuse)] -= alive[key]  # the buffer may now hold another kind of value
+                by_kind[_kind(key)] += alive[key]
                 uses[reuse] = 0
                 if allocations is not None:
                     allocations.append(("rename", reuse, key))
