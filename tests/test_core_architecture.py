@@ -37,7 +37,7 @@ def test_an_import_against_the_layers_breaks_the_contract(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("package", ["lms_tf.core", "lms_tf.cost", "lms_tf.simulate", "lms_tf.planner"])
+@pytest.mark.parametrize("package", ["lms_tf.core", "lms_tf.cost", "lms_tf.simulate", "lms_tf.planner", "lms_tf.pipeline"])
 def test_planning_layers_import_no_tensorflow(package):
     script = textwrap.dedent(f"""
         import sys

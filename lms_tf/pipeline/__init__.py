@@ -1,0 +1,29 @@
+"""Pipeline partitioning by memory: per-layer memory and time read off the step (no profiling run),
+and contiguous stages that minimise the largest stage's predicted peak (mCAP / CAPSlog).
+
+No TensorFlow here: :func:`profile_layers` reads an IR, :func:`partition_layers` cuts a profile.
+``lms_tf.partition(model, ...)`` and ``lms-tf partition`` trace a Keras model and call both.
+
+Examples:
+    >>> from lms_tf.pipeline import PipelineProfile, partition_layers
+    >>> p = partition_layers(PipelineProfile.chain([100] * 6), stages=3, microbatches=4)
+    >>> [len(s.layers) for s in p.stages], [s.in_flight for s in p.stages]
+    ([1, 1, 4], [3, 2, 1])
+"""
+
+from lms_tf.pipeline.partition import (
+    OBJECTIVES,
+    RULES,
+    SCHEDULES,
+    Partition,
+    Stage,
+    evaluate,
+    exhaustive_partition,
+    in_flight,
+    partition_layers,
+    stage_peak,
+)
+from lms_tf.pipeline.profile import LayerProfile, PipelineProfile, layer_keys, profile_layers
+
+__all__ = ["OBJECTIVES", "RULES", "SCHEDULES", "LayerProfile", "Partition", "PipelineProfile", "Stage", "evaluate",
+           "exhaustive_partition", "in_flight", "layer_keys", "partition_layers", "profile_layers", "stage_peak"]

@@ -1,0 +1,564 @@
+"""Pipeline partitioning by memory (mCAP / CAPSlog): contiguous stages that minimise the largest stage's peak.
+
+A stage is a contiguous run of layers (in the profile's forward order) on one device. Its peak,
+per the schedule:
+
+    peak = weights * (2 + slots per weight byte)      weights, their accumulated gradients, slots
+         + in_flight * kept activations               one copy per micro-batch in flight
+         + the largest transient working set          one op at a time
+
+With 1F1B, stage ``k`` of ``K`` (from 0) has ``min(K - k, M)`` micro-batches in flight (the first
+stage runs ``K`` forwards before its first backward); with GPipe every stage holds all ``M``.
+Weights shared by two layers and tensors kept by two layers of one stage count once; a skip
+connection kept by a later layer's backward is counted in that layer's stage.
+
+Every term only grows when a stage takes one more layer, and only shrinks when it gives one up at
+either end, so "can the layers be cut into ``K`` stages each under its limit" is decided exactly by
+a sweep over where each stage may end (:func:`_cut`), and the least limit is found by bisection on
+it. Limits are a fraction ``tau`` of each stage's device memory, so mixed devices are balanced by
+how full they are. Rules other than ``"memory"`` (DeepSpeed's ``"parameters"`` and ``"uniform"``)
+cut by their own measure, and every partition is then judged by the same memory model.
+
+The predicted step time (1F1B and GPipe alike) is ``(M + K - 1)`` times the slowest stage's time
+per micro-batch (forward, backward and receiving its inputs and sending their gradients back over
+the device's link), plus the slowest stage's optimizer update: the bubble is the ``K - 1`` extra
+slots.
+
+Examples:
+    >>> from lms_tf.pipeline.profile import PipelineProfile
+    >>> profile = PipelineProfile.chain([400, 100, 100, 100, 100, 100])
+    >>> p = partition_layers(profile, stages=2, microbatches=4)
+    >>> [len(s.layers) for s in p.stages], p.max_stage_peak_bytes
+    ([1, 5], 800)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from collections import deque
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from lms_tf.core.errors import LMSOptionError, infeasible
+from lms_tf.core.policy import describe, format_bytes, parse_bytes
+from lms_tf.cost.devices import DeviceSpec, get_device_spec
+from lms_tf.pipeline.profile import PipelineProfile
+
+SCHEDULES = ("1f1b", "gpipe")
+RULES = ("memory", "parameters", "uniform")
+OBJECTIVES = ("memory", "time")
+#: Bisection stops when the limit is known to this relative precision.
+PRECISION = 1e-12
+
+
+def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` (from 0) holds at once.
+
+    Examples:
+        >>> [in_flight("1f1b", k, 4, 8) for k in range(4)], in_flight("gpipe", 0, 4, 8)
+        ([4, 3, 2, 1], 8)
+    """
+    return min(stages - stage, microbatches) if schedule == "1f1b" else microbatches
+
+
+class _Window:
+    """The layers ``[lo, hi)`` as one stage: its weights, kept tensors, working set and compute
+    time, updated as layers join at the right and leave at the left (a sliding-window maximum for
+    the working set). :meth:`grown` tells what the stage would be with layer ``hi`` added."""
+
+    def __init__(self, profile: PipelineProfile, at: int = 0):
+        self.profile = profile
+        self.layers = profile.layers
+        self.slots = profile.slot_bytes_per_param_byte
+        self.lo = self.hi = at
+        self.params: Dict[str, int] = {}
+        self.kept: Dict[str, int] = {}
+        self.param_bytes = self.kept_bytes = 0
+        self.work: deque = deque()  # (index, bytes), bytes decreasing
+        self.seconds = 0.0
+
+    def now(self) -> Tuple[int, int, int, float]:
+        """(weights, kept activations, working set, seconds) of the stage as it is."""
+        return self.param_bytes, self.kept_bytes, self.work[0][1] if self.work else 0, self.seconds
+
+    def grown(self) -> Tuple[int, int, int, float]:
+        """(weights, kept activations, working set, seconds) with layer ``hi`` added."""
+        layer = self.layers[self.hi]
+        params = self.param_bytes + sum(b for name, b in layer.params if not self.params.get(name))
+        kept = self.kept_bytes + sum(b for name, b in layer.saved if not self.kept.get(name))
+        work = max(self.work[0][1] if self.work else 0, layer.work_bytes)
+        return params, kept, work, self.seconds + layer.forward_s + layer.backward_s
+
+    def push(self) -> None:
+        layer = self.layers[self.hi]
+        for name, nbytes in layer.params:
+            if not self.params.get(name):
+                self.param_bytes += nbytes
+            self.params[name] = self.params.get(name, 0) + 1
+        for name, nbytes in layer.saved:
+            if not self.kept.get(name):
+                self.kept_bytes += nbytes
+            self.kept[name] = self.kept.get(name, 0) + 1
+        while self.work and self.work[-1][1] <= layer.work_bytes:
+            self.work.pop()
+        self.work.append((self.hi, layer.work_bytes))
+        self.seconds += layer.forward_s + layer.backward_s
+        self.hi += 1
+
+    def pop(self) -> None:
+        layer = self.layers[self.lo]
+        for name, nbytes in layer.params:
+            self.params[name] -= 1
+            if self.params[name] == 0:
+                self.param_bytes -= nbytes
+        for name, nbytes in layer.saved:
+            self.kept[name] -= 1
+            if self.kept[name] == 0:
+                self.kept_bytes -= nbytes
+        if self.work and self.work[0][0] == self.lo:
+            self.work.popleft()
+        self.seconds -= layer.forward_s + layer.backward_s
+        self.lo += 1
+
+    def peak(self, flight: int, figures: Optional[Tuple[int, int, int, float]] = None) -> int:
+        """The stage's predicted peak with ``flight`` micro-batches in flight (``figures``: from
+        :meth:`grown` instead of the stage as it is)."""
+        params, kept, work, _ = figures or self.now()
+        return int(params * (2 + self.slots)) + flight * kept + work
+
+
+def stage_peak(profile: PipelineProfile, lo: int, hi: int, flight: int) -> int:
+    """The predicted peak of layers ``[lo, hi)`` as one stage with ``flight`` micro-batches in flight.
+
+    Examples:
+        >>> from lms_tf.pipeline.profile import PipelineProfile
+        >>> stage_peak(PipelineProfile.chain([100, 200], [10, 20]), 0, 2, 3)   # 2*30 + 3*300
+        960
+    """
+    window = _Window(profile, lo)
+    for _ in range(lo, hi):
+        window.push()
+    return window.peak(flight)
+
+
+def _measure(rule: str):
+    """What a rule balances, from a stage's figures (see :meth:`_Window.now`) and its flight."""
+    if rule == "parameters":
+        return lambda window, figures, flight: figures[0]
+    if rule == "time":
+        return lambda window, figures, flight: figures[3]
+    return lambda window, figures, flight: window.peak(flight, figures)
+
+
+def _cut(profile: PipelineProfile, limits: Sequence[float], flights: Sequence[int], measure,
+         memory_limits: Optional[Sequence[float]] = None) -> Optional[List[int]]:
+    """Stage ends (exclusive) cutting the layers into ``len(limits)`` non-empty stages with stage
+    ``k``'s measure at most ``limits[k]`` (and its peak at most ``memory_limits[k]``), or None.
+
+    Exact: the positions where stage ``k`` can end form a set computed from the set where stage
+    ``k - 1`` can end. From a start ``s``, a stage can end anywhere in ``(s, e(s)]``, and ``e`` never
+    decreases as ``s`` grows (a stage that fits still fits without its first layer), so one sweep
+    with a window sliding right finds every ``e(s)``.
+    """
+    n, stages = len(profile.layers), len(limits)
+    starts = [0]
+    came_from: List[Dict[int, int]] = []
+    for k in range(stages):
+        last_end = n - (stages - 1 - k)  # leave one layer for each later stage
+        ends: Dict[int, int] = {}
+        window = _Window(profile, starts[0])
+        covered = starts[0]
+        for s in starts:
+            if window.hi <= s:
+                window = _Window(profile, s)
+            while window.lo < s:
+                window.pop()
+            while window.hi < last_end:
+                figures = window.grown()
+                if measure(window, figures, flights[k]) > limits[k] or (
+                        memory_limits is not None and window.peak(flights[k], figures) > memory_limits[k]):
+                    break
+                window.push()
+            for end in range(max(covered, s) + 1, window.hi + 1):
+                ends[end] = s
+            covered = max(covered, window.hi)
+        if not ends:
+            return None
+        came_from.append(ends)
+        starts = sorted(ends)
+    if n not in came_from[-1]:
+        return None
+    cuts, end = [], n
+    for k in range(stages - 1, -1, -1):
+        cuts.append(end)
+        end = came_from[k][end]
+    return cuts[::-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One pipeline stage of a :class:`Partition`.
+
+    Attributes:
+        index: Position in the pipeline, from 0.
+        layers: The layers it runs, in order.
+        device: The device preset it is planned for (None: no device given).
+        capacity_bytes: That device's memory (None: no device given).
+        predicted_peak_bytes: Its predicted peak (weights, gradients, slots, activations in flight,
+            working set).
+        param_bytes: Its weights.
+        activation_bytes: What it keeps per micro-batch.
+        in_flight: Micro-batches it holds at once.
+        seconds_per_microbatch: Forward + backward compute, plus receiving its inputs and sending
+            their gradients back.
+        received_bytes: Activations it receives per micro-batch (skip connections included).
+
+    Examples:
+        >>> Stage(0, ("a",), None, None, 10, 0, 10, 1, 0.1, 0).fits
+        True
+    """
+
+    index: int
+    layers: Tuple[str, ...]
+    device: Optional[str]
+    capacity_bytes: Optional[int]
+    predicted_peak_bytes: int
+    param_bytes: int
+    activation_bytes: int
+    in_flight: int
+    seconds_per_microbatch: float
+    received_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak fits the device (True when no device was given).
+
+        Examples:
+            >>> Stage(0, ("a",), "v100", 8, 10, 0, 10, 1, 0.1, 0).fits
+            False
+        """
+        return self.capacity_bytes is None or self.predicted_peak_bytes <= self.capacity_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """Where a model is cut into pipeline stages, and what each stage is predicted to hold.
+
+    A printable, saveable value: ``print(p)`` or ``p.summary()`` for a table, :meth:`to_dict` /
+    :meth:`to_json` for the fields the CLI's ``--json`` prints.
+
+    Examples:
+        >>> from lms_tf.pipeline.profile import PipelineProfile
+        >>> p = partition_layers(PipelineProfile.chain([100] * 4), stages=2, microbatches=2)
+        >>> p.to_dict()["max_stage_peak_bytes"], p.feasible
+        (300, True)
+    """
+
+    stages: Tuple[Stage, ...]
+    schedule: str
+    microbatches: int
+    rule: str
+    objective: str
+    ideal_peak_bytes: int
+    predicted_step_time_s: float
+    budget_bytes: Optional[int] = None
+    model: str = ""
+
+    @property
+    def max_stage_peak_bytes(self) -> int:
+        """The largest stage's predicted peak.
+
+        Examples:
+            >>> from lms_tf.pipeline.profile import PipelineProfile
+            >>> partition_layers(PipelineProfile.chain([100] * 2), stages=2, microbatches=1).max_stage_peak_bytes
+            100
+        """
+        return max(s.predicted_peak_bytes for s in self.stages)
+
+    @property
+    def feasible(self) -> bool:
+        """Every stage fits its device and the budget.
+
+        Examples:
+            >>> from lms_tf.pipeline.profile import PipelineProfile
+            >>> partition_layers(PipelineProfile.chain([100] * 2), stages=2, microbatches=1).feasible
+            True
+        """
+        return all(s.fits and (self.budget_bytes is None or s.predicted_peak_bytes <= self.budget_bytes)
+                   for s in self.stages)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The partition as plain data (what ``lms-tf partition --json`` prints).
+
+        Examples:
+            >>> from lms_tf.pipeline.profile import PipelineProfile
+            >>> d = partition_layers(PipelineProfile.chain([100] * 2), stages=2, microbatches=1).to_dict()
+            >>> sorted(d["stages"][0])[:4]
+            ['activation_bytes', 'capacity_bytes', 'device', 'in_flight']
+        """
+        return {"model": self.model, "schedule": self.schedule, "microbatches": self.microbatches, "rule": self.rule,
+                "objective": self.objective, "stages": [dataclasses.asdict(s) | {"layers": list(s.layers)}
+                                                        for s in self.stages],
+                "ideal_peak_bytes": self.ideal_peak_bytes, "max_stage_peak_bytes": self.max_stage_peak_bytes,
+                "predicted_step_time_s": self.predicted_step_time_s, "budget_bytes": self.budget_bytes,
+                "feasible": self.feasible}
+
+    def to_json(self, **kwargs) -> str:
+        """:meth:`to_dict` as JSON text.
+
+        Examples:
+            >>> from lms_tf.pipeline.profile import PipelineProfile
+            >>> '"feasible": true' in partition_layers(PipelineProfile.chain([1] * 2), stages=2, microbatches=1).to_json()
+            True
+        """
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def summary(self, width: int = 48) -> str:
+        """A table: one row per stage (layers, device, predicted peak against its memory, time).
+
+        Examples:
+            >>> from lms_tf.pipeline.profile import PipelineProfile
+            >>> print(partition_layers(PipelineProfile.chain([2**20] * 4), stages=2, microbatches=2).summary())
+            ... # doctest: +NORMALIZE_WHITESPACE
+            lms-tf partition: 2 stages, 1f1b, 2 micro-batches, rule memory, objective memory: fits
+            largest stage 3.0 MiB, 1.50x the ideal 2.0 MiB (one copy of the whole step / 2); predicted step 0.027 s
+            stage  layers                                            device  peak       of device  in flight  s/micro-batch
+            0      layer0                                            -       2.0 MiB    -          2          0.0030
+            1      layer1 .. layer3 (3)                              -       3.0 MiB    -          1          0.0090
+        """
+        ratio = self.max_stage_peak_bytes / self.ideal_peak_bytes if self.ideal_peak_bytes else float("nan")
+        verdict = "fits" if self.feasible else "does NOT fit " + (
+            f"the budget {format_bytes(self.budget_bytes)}" if self.budget_bytes else "its devices")
+        head = (f"lms-tf partition{' of ' + self.model if self.model else ''}: {len(self.stages)} stages, "
+                f"{self.schedule}, {self.microbatches} micro-batches, rule {self.rule}, objective {self.objective}: "
+                f"{verdict}\nlargest stage {format_bytes(self.max_stage_peak_bytes)}, {ratio:.2f}x the ideal "
+                f"{format_bytes(self.ideal_peak_bytes)} (one copy of the whole step / {len(self.stages)}); "
+                f"predicted step {self.predicted_step_time_s:.4g} s")
+        rows = [f"{'stage':<7}{'layers':<{width + 2}}{'device':<8}{'peak':<11}{'of device':<11}{'in flight':<11}"
+                "s/micro-batch"]
+        for s in self.stages:
+            names = f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})" if len(s.layers) > 1 else s.layers[0]
+            if len(names) > width:
+                names = names[: width // 2 - 1] + "…" + names[-(width - width // 2):]
+            share = f"{s.predicted_peak_bytes / s.capacity_bytes:.0%}" if s.capacity_bytes else "-"
+            rows.append(f"{s.index:<7}{names:<{width + 2}}{s.device or '-':<8}{format_bytes(s.predicted_peak_bytes):<11}"
+                        f"{share:<11}{s.in_flight:<11}{s.seconds_per_microbatch:.4f}")
+        return "\n".join([head] + rows)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _devices(devices, stages: int) -> List[Optional[DeviceSpec]]:
+    if devices is None:
+        return [None] * stages
+    if isinstance(devices, (str, DeviceSpec)):
+        devices = [devices] * stages
+    devices = list(devices)
+    if len(devices) != stages:
+        raise LMSOptionError(f"devices: one preset per stage is needed ({stages} stages); received {len(devices)} "
+                             f"({', '.join(map(str, devices))}). Pass one preset for all stages or a list of {stages}.")
+    return [d if isinstance(d, DeviceSpec) else get_device_spec(d) for d in devices]
+
+
+def _check(profile: PipelineProfile, stages, microbatches, schedule, rule, objective) -> None:
+    n = len(profile.layers)
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise LMSOptionError(f"stages must be a positive int; received {describe(stages)}.")
+    if stages > n:
+        raise LMSOptionError(f"stages={stages} is more than the model's {n} layers: each stage needs at least one "
+                             f"layer. Use stages <= {n}.")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise LMSOptionError(f"microbatches must be a positive int; received {describe(microbatches)}.")
+    for name, value, allowed in (("schedule", schedule, SCHEDULES), ("rule", rule, RULES),
+                                 ("objective", objective, OBJECTIVES)):
+        if value not in allowed:
+            raise LMSOptionError(f"{name} must be one of {', '.join(map(repr, allowed))}; received {describe(value)}.")
+
+
+def _uniform_cuts(n: int, stages: int) -> List[int]:
+    """DeepSpeed's ``uniform``: as equal layer counts as possible."""
+    return [round((k + 1) * n / stages) for k in range(stages)]
+
+
+def _worst(profile: PipelineProfile, cuts: Sequence[int], capacities: Sequence[float], flights: Sequence[int],
+           measure) -> float:
+    """The largest ``measure / capacity`` over the stages ending at ``cuts``."""
+    worst, lo = 0.0, 0
+    for k, hi in enumerate(cuts):
+        window = _Window(profile, lo)
+        for _ in range(lo, hi):
+            window.push()
+        worst = max(worst, measure(window, window.now(), flights[k]) / capacities[k])
+        lo = hi
+    return worst
+
+
+def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights: Sequence[int], measure,
+                 memory_limits: Optional[Sequence[float]] = None, integral: bool = True) -> Optional[List[int]]:
+    """The cut with the least ``tau`` such that stage ``k``'s measure is at most ``tau * capacities[k]``
+    (bisection on ``tau``; each cut found lowers the bracket to its own worst stage). None when
+    the memory limits refuse every cut."""
+    n, stages = len(profile.layers), len(capacities)
+    # Every stage is part of the whole model, so the whole model's measure bounds every cut.
+    whole = _Window(profile)
+    for _ in range(n):
+        whole.push()
+    hi = max(measure(whole, whole.now(), flights[k]) / capacities[k] for k in range(stages))
+    best = _cut(profile, [hi * c for c in capacities], flights, measure, memory_limits)
+    if best is None:
+        return None
+    hi = _worst(profile, best, capacities, flights, measure)
+    lo = 0.0
+    # Byte counts on equal devices are whole numbers: once the bracket is narrower than one byte,
+    # the cut found is optimal. Otherwise stop at a relative PRECISION.
+    whole_bytes = integral and len(set(capacities)) == 1
+    while hi - lo > (1.0 / capacities[0] if whole_bytes else PRECISION * hi):
+        mid = (lo + hi) / 2
+        cuts = _cut(profile, [mid * c for c in capacities], flights, measure, memory_limits)
+        if cuts is None:
+            lo = mid
+        else:
+            best, hi = cuts, _worst(profile, cuts, capacities, flights, measure)
+    return best
+
+
+def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int, schedule: str = "1f1b",
+             devices=None, rule: str = "memory", objective: str = "memory", budget: Optional[int] = None,
+             model: str = "") -> Partition:
+    """The :class:`Partition` of the stages ending at ``cuts`` (exclusive layer indices), judged by the memory model.
+
+    Examples:
+        >>> from lms_tf.pipeline.profile import PipelineProfile
+        >>> evaluate(PipelineProfile.chain([100] * 4), [1, 4], microbatches=4).max_stage_peak_bytes   # 2 in flight
+        300
+    """
+    layers = profile.layers
+    stages = len(cuts)
+    specs = _devices(devices, stages)
+    out: List[Stage] = []
+    lo = 0
+    slowest_update = 0.0
+    for k, hi in enumerate(cuts):
+        flight = in_flight(schedule, k, stages, microbatches)
+        window = _Window(profile, lo)
+        for _ in range(lo, hi):
+            window.push()
+        received = {t: b for layer in layers[lo:hi] for t, b, producer in layer.inputs if producer < lo}
+        spec = specs[k]
+        link = spec.host_to_device_bytes_per_s if spec else None
+        seconds = window.seconds + (2 * sum(received.values()) / link if link else 0.0)
+        slowest_update = max(slowest_update, sum(layer.update_s for layer in layers[lo:hi]))
+        out.append(Stage(k, tuple(layer.name for layer in layers[lo:hi]), spec.name if spec else None,
+                         spec.memory_bytes if spec else None, window.peak(flight), window.param_bytes,
+                         window.kept_bytes, flight, seconds, sum(received.values())))
+        lo = hi
+    whole = _Window(profile)
+    for _ in layers:
+        whole.push()
+    ideal = whole.peak(1) // stages
+    step = (microbatches + stages - 1) * max(s.seconds_per_microbatch for s in out) + slowest_update
+    return Partition(tuple(out), schedule, microbatches, rule, objective, ideal, step, budget, model)
+
+
+def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int, schedule: str = "1f1b",
+                     devices: Union[None, str, DeviceSpec, Sequence[Union[str, DeviceSpec]]] = None,
+                     budget: Union[None, int, str] = None, rule: str = "memory", objective: str = "memory",
+                     model: str = "") -> Partition:
+    """Cuts the profiled layers into ``stages`` contiguous pipeline stages.
+
+    Args:
+        profile: The layers, from :func:`~lms_tf.pipeline.profile.profile_layers` (traced at one
+            micro-batch) or :meth:`PipelineProfile.chain`.
+        stages: How many stages (``K``).
+        microbatches: Micro-batches per step (``M``).
+        schedule: ``"1f1b"`` (stage ``k`` holds ``min(K - k, M)`` micro-batches) or ``"gpipe"`` (all ``M``).
+        devices: A device preset for every stage, or one per stage (mixed devices are balanced by
+            how full each is); None balances bytes alone.
+        budget: Bytes (or text such as ``"12GiB"``) no stage may exceed, on top of its device.
+        rule: ``"memory"`` (least largest stage peak, the default), ``"parameters"`` (DeepSpeed:
+            balance weight bytes) or ``"uniform"`` (DeepSpeed: equal layer counts).
+        objective: With ``rule="memory"``: ``"memory"``, or ``"time"`` (least slowest stage
+            compute among the cuts where every stage fits its device and the budget).
+        model: The model's name, for the summary.
+
+    Returns:
+        The :class:`Partition`; ``feasible`` says whether every stage fits.
+
+    Raises:
+        LMSOptionError: More stages than layers, or a bad argument.
+        InfeasibleBudgetError: ``budget`` was given and no cut meets it; the message names the
+            smallest largest-stage peak any cut reaches.
+
+    Examples:
+        >>> from lms_tf.pipeline.profile import PipelineProfile
+        >>> p = partition_layers(PipelineProfile.chain([100] * 8, [50] * 8), stages=4, microbatches=8)
+        >>> [len(s.layers) for s in p.stages]   # 1F1B: the first stage holds 4 micro-batches
+        [1, 1, 2, 4]
+    """
+    _check(profile, stages, microbatches, schedule, rule, objective)
+    budget_bytes = None
+    if budget is not None:
+        budget_bytes = parse_bytes(budget)
+        if budget_bytes is None:
+            raise LMSOptionError(f"budget must be a positive byte count such as 12884901888 or '12GiB'; received "
+                                 f"{describe(budget)}.")
+    specs = _devices(devices, stages)
+    flights = [in_flight(schedule, k, stages, microbatches) for k in range(stages)]
+    capacities = [float(s.memory_bytes) if s else 1.0 for s in specs]
+    if budget_bytes is not None:
+        capacities = [min(c, budget_bytes) if s else float(budget_bytes) for c, s in zip(capacities, specs)]
+    kwargs = dict(microbatches=microbatches, schedule=schedule, devices=devices, rule=rule, objective=objective,
+                  budget=budget_bytes, model=model)
+    if rule == "uniform":
+        cuts = _uniform_cuts(len(profile.layers), stages)
+    elif rule == "parameters":
+        cuts = _least_limit(profile, [1.0] * stages, flights, _measure("parameters"))
+    elif objective == "time":
+        limits = capacities if (devices is not None or budget_bytes is not None) else None
+        cuts = _least_limit(profile, [1.0] * stages, flights, _measure("time"), limits, integral=False)
+        if cuts is None:  # nothing fits: say how close the memory-balanced cut gets
+            cuts = _least_limit(profile, capacities, flights, _measure("memory"))
+    else:
+        cuts = _least_limit(profile, capacities, flights, _measure("memory"))
+    result = evaluate(profile, cuts, **kwargs)
+    if budget_bytes is not None and rule == "memory" and not result.feasible:
+        least = evaluate(profile, _least_limit(profile, [1.0] * stages, flights, _measure("memory")), **kwargs)
+        raise infeasible(
+            f"no cut of the {len(profile.layers)} layers into {stages} stages ({schedule}, {microbatches} micro-batches) "
+            f"keeps every stage under the budget {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
+            + (f" and its device ({', '.join(sorted({s.name for s in specs if s}))})" if devices is not None else "")
+            + f": the smallest largest-stage peak any cut reaches is {format_bytes(least.max_stage_peak_bytes)} "
+            f"({least.max_stage_peak_bytes} bytes). Pass budget >= that, more stages, more micro-batches with a "
+            f"smaller batch, or plan swap/recompute inside the stages.", budget_bytes, least.max_stage_peak_bytes)
+    return result
+
+
+def exhaustive_partition(profile: PipelineProfile, *, stages: int, microbatches: int, schedule: str = "1f1b",
+                         devices=None) -> Tuple[float, List[int]]:
+    """The least largest-stage peak (over device memory, when devices are given) of every cut, by
+    trying them all: the reference the search is checked against on small models.
+
+    Examples:
+        >>> from lms_tf.pipeline.profile import PipelineProfile
+        >>> exhaustive_partition(PipelineProfile.chain([400, 100, 100, 100, 100, 100]), stages=2, microbatches=4)
+        (800.0, [1, 6])
+    """
+    n = len(profile.layers)
+    specs = _devices(devices, stages)
+    best: Tuple[float, List[int]] = (float("inf"), [])
+    for inner in itertools.combinations(range(1, n), stages - 1):
+        cuts = list(inner) + [n]
+        worst, lo = 0.0, 0
+        for k, hi in enumerate(cuts):
+            peak = stage_peak(profile, lo, hi, in_flight(schedule, k, stages, microbatches))
+            worst = max(worst, peak / specs[k].memory_bytes if specs[k] else float(peak))
+            lo = hi
+        if worst < best[0]:
+            best = (worst, cuts)
+    return best
+
+
+__all__ = ["OBJECTIVES", "RULES", "SCHEDULES", "Partition", "Stage", "evaluate", "exhaustive_partition", "in_flight",
+           "partition_layers", "stage_peak"]

@@ -1,0 +1,180 @@
+"""Pipeline partitioning's search and memory model (no TensorFlow): optimal against exhaustive search,
+the 1F1B rule by hand, mixed devices, the baselines' rules, speed on 1,000 layers, bad input."""
+
+import json
+import random
+import time
+
+import pytest
+
+from lms_tf.core.errors import InfeasibleBudgetError, LMSOptionError
+from lms_tf.cost.devices import DeviceSpec
+from lms_tf.pipeline import (
+    LayerProfile,
+    PipelineProfile,
+    evaluate,
+    exhaustive_partition,
+    in_flight,
+    partition_layers,
+    stage_peak,
+)
+
+
+def random_profile(rng: random.Random, n: int) -> PipelineProfile:
+    """Layers with random weights (some shared between two layers, like tied embeddings), random
+    kept activations (some kept by a later layer too: skip connections) and working sets."""
+    layers = []
+    for i in range(n):
+        params = [(f"w{i}", rng.randrange(0, 500))]
+        if i >= 2 and rng.random() < 0.2:
+            params.append((f"w{rng.randrange(i)}", 0))  # a shared weight: sized where it was created
+        saved = [(f"x{i}", rng.randrange(1, 400))]
+        if i >= 3 and rng.random() < 0.3:
+            j = rng.randrange(i - 2)
+            saved.append((f"x{j}", layers[j].saved[0][1]))  # a skip from an earlier layer
+        inputs = ((f"x{i}", saved[0][1], i - 1),) if i else ()
+        layers.append(LayerProfile(f"l{i}", params=tuple(params), saved=tuple(saved), work_bytes=rng.randrange(0, 300),
+                                   inputs=inputs, forward_s=rng.random() * 1e-3, backward_s=rng.random() * 2e-3))
+    # A shared weight counts its bytes where it was created; the other reader lists it at the same size.
+    sizes = {name: b for layer in layers for name, b in layer.params if b}
+    layers = [LayerProfile(l.name, tuple((name, sizes.get(name, 0)) for name, _ in l.params), l.saved, l.work_bytes,
+                           l.inputs, l.forward_s, l.backward_s) for l in layers]
+    return PipelineProfile(tuple(layers), slot_bytes_per_param_byte=rng.choice([0.0, 1.0, 2.0]))
+
+
+def tiny_device(name: str, memory_bytes: int) -> DeviceSpec:
+    return DeviceSpec(name, memory_bytes, {"float32": 1e12}, {"float32": 1e12}, 1e11, 1e10, 1e10)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_memory_rule_is_optimal_against_exhaustive_search(schedule):
+    rng = random.Random(7)
+    for trial in range(60):
+        n = rng.randrange(3, 11)
+        stages = rng.randrange(1, min(n, 5) + 1)
+        micro = rng.randrange(1, 9)
+        profile = random_profile(rng, n)
+        best, _ = exhaustive_partition(profile, stages=stages, microbatches=micro, schedule=schedule)
+        found = partition_layers(profile, stages=stages, microbatches=micro, schedule=schedule)
+        assert found.max_stage_peak_bytes == best, (trial, n, stages, micro)
+        assert [len(s.layers) for s in found.stages] and all(s.layers for s in found.stages)
+        assert sum(len(s.layers) for s in found.stages) == n
+
+
+def test_mixed_devices_balance_how_full_each_is_optimally():
+    rng = random.Random(11)
+    for trial in range(40):
+        n = rng.randrange(4, 10)
+        stages = rng.randrange(2, min(n, 4) + 1)
+        devices = [tiny_device(f"d{k}", rng.choice([1000, 2000, 4000])) for k in range(stages)]
+        profile = random_profile(rng, n)
+        best, _ = exhaustive_partition(profile, stages=stages, microbatches=4, devices=devices)
+        found = partition_layers(profile, stages=stages, microbatches=4, devices=devices)
+        worst = max(s.predicted_peak_bytes / s.capacity_bytes for s in found.stages)
+        # Bisection on the fraction stops at a relative 1e-12 (partition.PRECISION).
+        assert worst == pytest.approx(best, rel=1e-9), trial
+        assert [s.device for s in found.stages] == [d.name for d in devices]
+
+
+def test_one_f_one_b_memory_rule_by_hand():
+    # A chain: layer i keeps its input per micro-batch and holds weights; SGD (no slots), so a
+    # stage holds weights + their accumulated gradients + in-flight copies of its activations.
+    profile = PipelineProfile.chain([100, 200, 300, 400], [10, 20, 30, 40], work_bytes=7)
+    assert [in_flight("1f1b", k, 4, 8) for k in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1f1b", k, 4, 2) for k in range(4)] == [2, 2, 2, 1]  # never more than M
+    assert [in_flight("gpipe", k, 4, 8) for k in range(4)] == [8] * 4
+    cuts = [1, 2, 3, 4]
+    p = evaluate(profile, cuts, microbatches=8, schedule="1f1b")
+    assert [s.predicted_peak_bytes for s in p.stages] == [2 * 10 + 4 * 100 + 7, 2 * 20 + 3 * 200 + 7,
+                                                           2 * 30 + 2 * 300 + 7, 2 * 40 + 1 * 400 + 7]
+    # Two layers in one stage: weights and activations add up, the working set is the larger one.
+    assert stage_peak(profile, 0, 2, 3) == 2 * 30 + 3 * 300 + 7
+    # Adam (two slots per weight): four copies of the weights.
+    adam = PipelineProfile(profile.layers, slot_bytes_per_param_byte=2.0)
+    assert stage_peak(adam, 0, 1, 1) == 4 * 10 + 100 + 7
+
+
+def test_shared_weights_and_skips_count_once_per_stage_and_where_they_are_read():
+    a = LayerProfile("emb", params=(("E", 1000),), saved=(("ids", 4),))
+    b = LayerProfile("block", saved=(("h", 50),), inputs=(("h", 50, 0),))
+    c = LayerProfile("head", params=(("E", 1000),), saved=(("h", 50), ("z", 60)), inputs=(("z", 60, 1), ("h", 50, 0)))
+    profile = PipelineProfile((a, b, c))
+    assert stage_peak(profile, 0, 3, 1) == 2 * 1000 + 4 + 50 + 60  # the tied embedding once, h once
+    split = evaluate(profile, [2, 3], microbatches=1)
+    # Cut after "block": the head's stage holds its own copy of the tied weight and keeps h (a
+    # skip from the first stage) and z, and receives both.
+    assert split.stages[1].predicted_peak_bytes == 2 * 1000 + 50 + 60
+    assert split.stages[1].received_bytes == 110
+
+
+def test_the_baseline_rules_cut_by_their_own_measure_and_are_judged_by_memory():
+    # Big activations early, big weights late: what balancing parameters misses.
+    profile = PipelineProfile.chain([1000, 800, 600, 100, 100, 100, 100, 100], [1, 1, 1, 1, 1, 1, 400, 400])
+    memory = partition_layers(profile, stages=2, microbatches=4)
+    params = partition_layers(profile, stages=2, microbatches=4, rule="parameters")
+    uniform = partition_layers(profile, stages=2, microbatches=4, rule="uniform")
+    assert [len(s.layers) for s in uniform.stages] == [4, 4]
+    assert [len(s.layers) for s in params.stages] == [7, 1]  # 406 / 400 bytes of weights
+    assert memory.max_stage_peak_bytes < min(params.max_stage_peak_bytes, uniform.max_stage_peak_bytes)
+    assert memory.max_stage_peak_bytes == exhaustive_partition(profile, stages=2, microbatches=4)[0]
+
+
+def test_time_objective_is_fastest_among_cuts_that_fit():
+    rng = random.Random(3)
+    profile = random_profile(rng, 9)
+    device = tiny_device("small", 10**9)
+    fast = partition_layers(profile, stages=3, microbatches=4, devices=device, objective="time")
+    balanced = partition_layers(profile, stages=3, microbatches=4, devices=device)
+    slowest = lambda p: max(sum(l.forward_s + l.backward_s for l in profile.layers if l.name in s.layers)
+                            for s in p.stages)
+    assert slowest(fast) <= slowest(balanced) + 1e-15 and fast.feasible
+    # Under a budget, the time objective only takes cuts that fit it.
+    tight = partition_layers(profile, stages=3, microbatches=4, budget=balanced.max_stage_peak_bytes, objective="time")
+    assert tight.max_stage_peak_bytes <= balanced.max_stage_peak_bytes
+
+
+def test_thousand_layers_partition_in_under_a_second():
+    profile = random_profile(random.Random(5), 1000)
+    for stages in (2, 8):
+        started = time.perf_counter()
+        p = partition_layers(profile, stages=stages, microbatches=16)
+        elapsed = time.perf_counter() - started
+        assert elapsed < 1.0, (stages, elapsed)
+        assert sum(len(s.layers) for s in p.stages) == 1000
+
+
+def test_output_has_the_documented_fields_and_prints():
+    profile = PipelineProfile.chain([2**20] * 6, [2**10] * 6)
+    p = partition_layers(profile, stages=3, microbatches=4, devices="v100-16gb-pcie3", model="chain")
+    d = json.loads(p.to_json())
+    assert {"stages", "ideal_peak_bytes", "max_stage_peak_bytes", "predicted_step_time_s", "feasible"} <= set(d)
+    assert {"layers", "device", "predicted_peak_bytes"} <= set(d["stages"][0])
+    assert d["stages"][0]["device"] == "v100-16gb-pcie3" and d["feasible"] is True
+    assert d["ideal_peak_bytes"] == stage_peak(profile, 0, 6, 1) // 3
+    text = str(p)
+    assert "3 stages" in text and "chain" in text and text.count("\n") == 1 + 1 + 3
+
+
+def test_bad_input_is_a_clear_error():
+    profile = PipelineProfile.chain([100] * 3)
+    with pytest.raises(LMSOptionError, match="more than the model's 3 layers"):
+        partition_layers(profile, stages=4, microbatches=2)
+    with pytest.raises(LMSOptionError, match="schedule must be one of"):
+        partition_layers(profile, stages=2, microbatches=2, schedule="zigzag")
+    with pytest.raises(LMSOptionError, match="microbatches must be a positive int"):
+        partition_layers(profile, stages=2, microbatches=0)
+    with pytest.raises(LMSOptionError, match="one preset per stage"):
+        partition_layers(profile, stages=2, microbatches=2, devices=["v100-16gb-pcie3"] * 3)
+    with pytest.raises(LMSOptionError, match="budget must be a positive byte count"):
+        partition_layers(profile, stages=2, microbatches=2, budget="lots")
+    with pytest.raises(InfeasibleBudgetError, match=r"smallest largest-stage peak any cut reaches is .* \(200 bytes\)") \
+            as caught:
+        partition_layers(profile, stages=2, microbatches=2, budget=150)
+    assert caught.value.smallest_feasible_bytes == 200  # 1F1B: the first stage holds 2 micro-batches of one layer
+    assert partition_layers(profile, stages=2, microbatches=2, budget=200).feasible
+
+
+def test_a_stage_over_its_device_is_reported_not_hidden():
+    profile = PipelineProfile.chain([10**9] * 4)
+    p = partition_layers(profile, stages=2, microbatches=8, devices=tiny_device("tiny", 10**9))
+    assert not p.feasible and "does NOT fit its devices" in p.summary()
