@@ -27,7 +27,8 @@ from lms_tf.core.policy import Policies
 # The front-ends import TensorFlow; they load on first use, so `import lms_tf` (and the CLI's
 # --help, and the planning core) stay free of it.
 _LAZY = {"LMSFunction": "lms_tf.decorator", "function": "lms_tf.decorator", "LMSCallback": "lms_tf.keras",
-         "PeakMemory": "lms_tf.tf.memory", "measure_peak_memory": "lms_tf.tf.memory", "LMSOptions": "lms_tf.options"}
+         "PeakMemory": "lms_tf.tf.memory", "measure_peak_memory": "lms_tf.tf.memory", "LMSOptions": "lms_tf.options",
+         "partition": "lms_tf.partitioning"}
 
 
 def __dir__():
@@ -81,4 +82,4 @@ def explain(obj) -> str:
 
 __all__ = ["Decision", "GraphAnalysisError", "InfeasibleBudgetError", "LMSCallback", "LMSError", "LMSFunction",
            "LMSOptionError", "LMSOptions", "LMSWarning", "PeakMemory", "Plan", "Policies", "RewriteError", "explain",
-           "function", "measure_peak_memory", "__version__"]
+           "function", "measure_peak_memory", "partition", "__version__"]

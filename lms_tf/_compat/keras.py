@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import tensorflow as tf
 
@@ -95,9 +95,21 @@ def layer_scope_aliases(model, graph: tf.Graph) -> Dict[str, str]:
         >>> layer_scope_aliases(model, graph)["d"]
         'd_1'
     """
+    return layer_scope_aliases_in(model, (op.name for op in graph.get_operations()))
+
+
+def layer_scope_aliases_in(model, op_names: Iterable[str]) -> Dict[str, str]:
+    """:func:`layer_scope_aliases` from the names of the trace's ops (an IR's, say).
+
+    Examples:
+        >>> keras = keras_module()
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="d")], name="seq")
+        >>> layer_scope_aliases_in(model, ["seq_2/d_2/MatMul"])["d"]
+        'd_2'
+    """
     layers = model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
     names = [layer.name for layer in layers]
-    first_segments = {op.name.split("/")[0] for op in graph.get_operations()}
+    first_segments = {name.split("/")[0] for name in op_names}
     suffix = ""
     if model.name not in first_segments:
         for segment in first_segments:

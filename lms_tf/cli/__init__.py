@@ -18,10 +18,11 @@ import os
 import sys
 import tempfile
 
-from lms_tf.cli import explain, max_batch, plan, version
+from lms_tf.cli import explain, max_batch, partition, plan, version
 
 logger = logging.getLogger("lms_tf")
-SUBCOMMANDS = {"version": version, "explain": explain, "plan": plan, "max-batch": max_batch}
+SUBCOMMANDS = {"version": version, "explain": explain, "plan": plan, "max-batch": max_batch,
+               "partition": partition}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ from lms_tf.pipeline.partition import (
     SCHEDULES,
     Partition,
     Stage,
+    check_arguments,
     evaluate,
     exhaustive_partition,
     in_flight,
@@ -25,5 +26,5 @@ from lms_tf.pipeline.partition import (
 )
 from lms_tf.pipeline.profile import LayerProfile, PipelineProfile, layer_keys, profile_layers
 
-__all__ = ["OBJECTIVES", "RULES", "SCHEDULES", "LayerProfile", "Partition", "PipelineProfile", "Stage", "evaluate",
+__all__ = ["OBJECTIVES", "RULES", "SCHEDULES", "LayerProfile", "Partition", "PipelineProfile", "Stage", "check_arguments", "evaluate",
            "exhaustive_partition", "in_flight", "layer_keys", "partition_layers", "profile_layers", "stage_peak"]

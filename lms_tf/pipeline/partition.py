@@ -335,14 +335,15 @@ class Partition:
                 f"{verdict}\nlargest stage {format_bytes(self.max_stage_peak_bytes)}, {ratio:.2f}x the ideal "
                 f"{format_bytes(self.ideal_peak_bytes)} (one copy of the whole step / {len(self.stages)}); "
                 f"predicted step {self.predicted_step_time_s:.4g} s")
-        rows = [f"{'stage':<7}{'layers':<{width + 2}}{'device':<8}{'peak':<11}{'of device':<11}{'in flight':<11}"
+        dev = max([len("device")] + [len(s.device or "-") for s in self.stages]) + 2
+        rows = [f"{'stage':<7}{'layers':<{width + 2}}{'device':<{dev}}{'peak':<11}{'of device':<11}{'in flight':<11}"
                 "s/micro-batch"]
         for s in self.stages:
             names = f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})" if len(s.layers) > 1 else s.layers[0]
             if len(names) > width:
                 names = names[: width // 2 - 1] + "…" + names[-(width - width // 2):]
             share = f"{s.predicted_peak_bytes / s.capacity_bytes:.0%}" if s.capacity_bytes else "-"
-            rows.append(f"{s.index:<7}{names:<{width + 2}}{s.device or '-':<8}{format_bytes(s.predicted_peak_bytes):<11}"
+            rows.append(f"{s.index:<7}{names:<{width + 2}}{s.device or '-':<{dev}}{format_bytes(s.predicted_peak_bytes):<11}"
                         f"{share:<11}{s.in_flight:<11}{s.seconds_per_microbatch:.4f}")
         return "\n".join([head] + rows)
 
@@ -362,19 +363,40 @@ def _devices(devices, stages: int) -> List[Optional[DeviceSpec]]:
     return [d if isinstance(d, DeviceSpec) else get_device_spec(d) for d in devices]
 
 
-def _check(profile: PipelineProfile, stages, microbatches, schedule, rule, objective) -> None:
-    n = len(profile.layers)
+def check_arguments(*, stages, microbatches, schedule="1f1b", rule="memory", objective="memory", devices=None,
+                    budget=None, layers: Optional[int] = None) -> Optional[int]:
+    """Checks partitioning arguments before any slow work; returns the budget in bytes (None: no budget).
+
+    Raises:
+        LMSOptionError: What is wrong, what was received and what would do.
+
+    Examples:
+        >>> check_arguments(stages=2, microbatches=4, budget="1KiB")
+        1024
+        >>> check_arguments(stages=3, microbatches=4, layers=2)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSOptionError: stages=3 is more than the model's 2 layers: ...
+    """
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
         raise LMSOptionError(f"stages must be a positive int; received {describe(stages)}.")
-    if stages > n:
-        raise LMSOptionError(f"stages={stages} is more than the model's {n} layers: each stage needs at least one "
-                             f"layer. Use stages <= {n}.")
+    if layers is not None and stages > layers:
+        raise LMSOptionError(f"stages={stages} is more than the model's {layers} layers: each stage needs at least one "
+                             f"layer. Use stages <= {layers}.")
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise LMSOptionError(f"microbatches must be a positive int; received {describe(microbatches)}.")
     for name, value, allowed in (("schedule", schedule, SCHEDULES), ("rule", rule, RULES),
                                  ("objective", objective, OBJECTIVES)):
         if value not in allowed:
             raise LMSOptionError(f"{name} must be one of {', '.join(map(repr, allowed))}; received {describe(value)}.")
+    _devices(devices, stages)
+    if budget is None:
+        return None
+    budget_bytes = parse_bytes(budget)
+    if budget_bytes is None:
+        raise LMSOptionError(f"budget must be a positive byte count such as 12884901888 or '12GiB'; received "
+                             f"{describe(budget)}.")
+    return budget_bytes
 
 
 def _uniform_cuts(n: int, stages: int) -> List[int]:
@@ -497,13 +519,8 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         >>> [len(s.layers) for s in p.stages]   # 1F1B: the first stage holds 4 micro-batches
         [1, 1, 2, 4]
     """
-    _check(profile, stages, microbatches, schedule, rule, objective)
-    budget_bytes = None
-    if budget is not None:
-        budget_bytes = parse_bytes(budget)
-        if budget_bytes is None:
-            raise LMSOptionError(f"budget must be a positive byte count such as 12884901888 or '12GiB'; received "
-                                 f"{describe(budget)}.")
+    budget_bytes = check_arguments(stages=stages, microbatches=microbatches, schedule=schedule, rule=rule,
+                                   objective=objective, devices=devices, budget=budget, layers=len(profile.layers))
     specs = _devices(devices, stages)
     flights = [in_flight(schedule, k, stages, microbatches) for k in range(stages)]
     capacities = [float(s.memory_bytes) if s else 1.0 for s in specs]
@@ -560,5 +577,5 @@ def exhaustive_partition(profile: PipelineProfile, *, stages: int, microbatches:
     return best
 
 
-__all__ = ["OBJECTIVES", "RULES", "SCHEDULES", "Partition", "Stage", "evaluate", "exhaustive_partition", "in_flight",
+__all__ = ["OBJECTIVES", "RULES", "SCHEDULES", "Partition", "Stage", "check_arguments", "evaluate", "exhaustive_partition", "in_flight",
            "partition_layers", "stage_peak"]

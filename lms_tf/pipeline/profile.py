@@ -222,7 +222,9 @@ def profile_layers(ir: GraphIR, cost: CostModel, *, layer_scopes: Optional[Mappi
     handle_layer: Dict[str, str] = {}
     params: Dict[str, Dict[str, int]] = defaultdict(dict)
     for op in ir.ops:
-        if op.phase is Phase.FORWARD and op.type in _VARIABLE_READS and op.inputs:
+        # Only reads inside a layer's scope are its weights (an optimizer's step counter read at
+        # the top level is optimizer state).
+        if op.phase is Phase.FORWARD and op.type in _VARIABLE_READS and op.inputs and op.name in keys:
             layer = layer_of_op[op.name]
             nbytes = ir.tensors[op.outputs[0]].nbytes or 0 if op.type == "ReadVariableOp" else 0
             handle_layer.setdefault(op.inputs[0], layer)

@@ -1,0 +1,79 @@
+"""A Keras model's per-layer profile for pipeline partitioning: its training step traced at one micro-batch.
+
+The step is traced once, never run (:func:`~lms_tf.tf.trace.trace_step_ir`), and its ops are
+grouped into the model's top-level layers by their name scopes; the memory and times come from
+the IR and the cost model (:mod:`lms_tf.pipeline.profile`).
+
+Examples:
+    >>> import keras
+    >>> from lms_tf.cost import CostModel, get_device_spec
+    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="a"),
+    ...                           keras.layers.Dense(4, activation="softmax", name="b")], name="mlp")
+    >>> profile = trace_profile(model, microbatch=2, cost=CostModel(get_device_spec("v100-16gb-pcie3")))
+    >>> [(layer.name, layer.param_bytes) for layer in profile.layers]
+    [('a', 576), ('b', 272)]
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import tensorflow as tf
+
+from lms_tf import _compat
+from lms_tf.core.errors import LMSOptionError
+from lms_tf.cost.model import CostModel
+from lms_tf.pipeline.profile import PipelineProfile, profile_layers
+from lms_tf.tf.trace import trace_step_ir
+
+logger = logging.getLogger("lms_tf")
+
+
+def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None) -> PipelineProfile:
+    """Traces ``model``'s training step at ``microbatch`` samples and profiles its layers.
+
+    The step is the model's own ``train_step`` when it is compiled with a loss (what
+    ``model.fit`` runs), else a plain step with sparse categorical cross-entropy (as ``lms-tf
+    plan`` traces) and ``optimizer`` (default SGD).
+
+    Args:
+        model: A built Keras model (Sequential, Functional or subclassed).
+        microbatch: Samples per micro-batch.
+        cost: The cost model of the device planned for.
+        optimizer: The optimizer of the uncompiled step (its slots count as memory per weight).
+
+    Returns:
+        The :class:`~lms_tf.pipeline.profile.PipelineProfile`.
+
+    Raises:
+        LMSOptionError: The model is not built (no input shape) or has several inputs.
+
+    Examples:
+        >>> trace_profile.__name__
+        'trace_profile'
+    """
+    from lms_tf.tf.workloads import fit_step, train_step
+
+    inputs = getattr(model, "inputs", None)
+    if not inputs or len(inputs) != 1:
+        raise LMSOptionError(f"partition needs a built model with one input to trace its step; {model.name!r} has "
+                             f"{len(inputs) if inputs else 'no known'} inputs. Build it (call it once or give it an "
+                             f"Input) first.")
+    dtype = "int32" if inputs[0].dtype in ("int32", "int64") else "float32"
+    x = tf.TensorSpec((microbatch,) + tuple(model.input_shape[1:]), dtype)
+    started = time.perf_counter()
+    compiled = getattr(model, "optimizer", None) is not None and getattr(model, "loss", None) is not None
+    if compiled:
+        y = tf.TensorSpec((microbatch,) + tuple(model.output_shape[1:-1]), "int32") \
+            if "sparse" in str(model.loss).lower() else tf.TensorSpec((microbatch,) + tuple(model.output_shape[1:]))
+        ir = trace_step_ir(model.train_step, (x, y), wrap=lambda inner: fit_step(model, inner=inner))
+    else:
+        y = tf.TensorSpec((microbatch,) + tuple(model.output_shape[1:-1]), "int32")
+        ir = trace_step_ir(train_step(model, optimizer), x, y)
+    logger.info("traced %s's training step at %d samples (%d ops) in %.1f s", model.name, microbatch, len(ir.ops),
+                time.perf_counter() - started)
+    aliases = _compat.layer_scope_aliases_in(model, (op.name for op in ir.ops))
+    top = {layer.name for layer in model.layers}
+    return profile_layers(ir, cost, layer_scopes={k: v for k, v in aliases.items() if k in top}, microbatch=microbatch)
