@@ -31,7 +31,7 @@ DEFAULT_DEVICE = "v100-16gb-pcie3"
 def partition(model, *, stages: int, microbatches: int, batch_size: int, schedule: str = "1f1b",
               devices: Union[None, str, DeviceSpec, Sequence[Union[str, DeviceSpec]]] = None,
               budget: Union[None, int, str] = None, rule: str = "memory", objective: str = "memory",
-              optimizer=None) -> Partition:
+              optimizer=None, input_shape: Optional[Sequence[int]] = None) -> Partition:
     """Cuts ``model`` into ``stages`` pipeline stages balanced by predicted peak memory (mCAP).
 
     Args:
@@ -47,6 +47,7 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
         objective: ``"memory"``, or ``"time"``: the fastest cut whose stages fit their devices and the budget.
         optimizer: For a model that is not compiled: the optimizer whose slots are counted (default SGD).
             A compiled model's own step and optimizer are used.
+        input_shape: One sample's shape, for a subclassed model built without an ``Input``.
 
     Returns:
         The :class:`~lms_tf.pipeline.Partition`: print it, or ``to_json()`` it.
@@ -74,6 +75,7 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
 
     first = devices if isinstance(devices, (str, DeviceSpec)) else (devices[0] if devices else DEFAULT_DEVICE)
     spec = first if isinstance(first, DeviceSpec) else get_device_spec(first)
-    profile = trace_profile(model, microbatch=batch_size // microbatches, cost=CostModel(spec), optimizer=optimizer)
+    profile = trace_profile(model, microbatch=batch_size // microbatches, cost=CostModel(spec), optimizer=optimizer,
+                            input_shape=input_shape)
     return partition_layers(profile, stages=stages, microbatches=microbatches, schedule=schedule, devices=devices,
                             budget=budget, rule=rule, objective=objective, model=model.name)

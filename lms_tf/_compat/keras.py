@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -109,15 +110,35 @@ def layer_scope_aliases_in(model, op_names: Iterable[str]) -> Dict[str, str]:
     """
     layers = model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
     names = [layer.name for layer in layers]
+    op_names = list(op_names)
     first_segments = {name.split("/")[0] for name in op_names}
-    suffix = ""
+    suffix, model_scope = "", model.name
     if model.name not in first_segments:
         for segment in first_segments:
             tail = segment[len(model.name):]
             if segment.startswith(model.name + "_") and tail[1:].isdigit():
-                suffix = tail
+                suffix, model_scope = tail, segment
                 break
-    return {name: name + suffix for name in names}
+    aliases = {name: name + suffix for name in names}
+    # TensorFlow uniquifies a scope already taken by another layer's scope differently: layer
+    # "conv2d_1" gets "conv2d_1_2" when "conv2d" took "conv2d_1". Such layers take the first
+    # unclaimed scope under the model's, in trace order, that is their name plus "_<n>" suffixes.
+    seen: Dict[str, None] = {}
+    for name in op_names:
+        parts = name.split("/")
+        if len(parts) > 2 and parts[0] == model_scope:
+            seen.setdefault(parts[1], None)
+    if seen:
+        claimed = {alias for alias in aliases.values() if alias in seen}
+        for name in names:
+            if aliases[name] in seen:
+                continue
+            pattern = re.compile(re.escape(name) + r"(_\d+)+")
+            match = next((scope for scope in seen if scope not in claimed and pattern.fullmatch(scope)), None)
+            if match is not None:
+                aliases[name] = match
+                claimed.add(match)
+    return aliases
 
 
 def fit_batch_size() -> Optional[int]:

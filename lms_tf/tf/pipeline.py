@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import tensorflow as tf
 
@@ -31,7 +31,8 @@ from lms_tf.tf.trace import trace_step_ir
 logger = logging.getLogger("lms_tf")
 
 
-def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None) -> PipelineProfile:
+def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None,
+                  input_shape: Optional[Sequence[int]] = None) -> PipelineProfile:
     """Traces ``model``'s training step at ``microbatch`` samples and profiles its layers.
 
     The step is the model's own ``train_step`` when it is compiled with a loss (what
@@ -39,16 +40,17 @@ def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None) ->
     plan`` traces) and ``optimizer`` (default SGD).
 
     Args:
-        model: A built Keras model (Sequential, Functional or subclassed).
+        model: A built Keras model (Sequential, Functional or subclassed) with one input.
         microbatch: Samples per micro-batch.
         cost: The cost model of the device planned for.
         optimizer: The optimizer of the uncompiled step (its slots count as memory per weight).
+        input_shape: One sample's shape, for a subclassed model that has no ``Input``.
 
     Returns:
         The :class:`~lms_tf.pipeline.profile.PipelineProfile`.
 
     Raises:
-        LMSOptionError: The model is not built (no input shape) or has several inputs.
+        LMSOptionError: The model's input shape is unknown, or it has several inputs.
 
     Examples:
         >>> trace_profile.__name__
@@ -57,20 +59,28 @@ def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None) ->
     from lms_tf.tf.workloads import fit_step, train_step
 
     inputs = getattr(model, "inputs", None)
-    if not inputs or len(inputs) != 1:
-        raise LMSOptionError(f"partition needs a built model with one input to trace its step; {model.name!r} has "
-                             f"{len(inputs) if inputs else 'no known'} inputs. Build it (call it once or give it an "
-                             f"Input) first.")
-    dtype = "int32" if inputs[0].dtype in ("int32", "int64") else "float32"
-    x = tf.TensorSpec((microbatch,) + tuple(model.input_shape[1:]), dtype)
+    if inputs and len(inputs) != 1:
+        raise LMSOptionError(f"partition traces models with one input; {model.name!r} has {len(inputs)} "
+                             f"({', '.join(str(i.shape) for i in inputs)}).")
+    if input_shape is not None:
+        shape, dtype = tuple(input_shape), "float32"
+    elif inputs:
+        shape, dtype = tuple(model.input_shape[1:]), "int32" if inputs[0].dtype in ("int32", "int64") else "float32"
+    else:
+        raise LMSOptionError(f"the input shape of {model.name!r} is unknown (a subclassed model has no Input): pass "
+                             f"input_shape=, one sample's shape, e.g. input_shape=(224, 224, 3).")
+    x = tf.TensorSpec((microbatch,) + shape, dtype)
+    if inputs:
+        out_shape = (microbatch,) + tuple(model.output_shape[1:])
+    else:  # a subclassed model: its forward pass traced once tells the output's shape
+        out_shape = tuple(tf.function(lambda t: model(t, training=False)).get_concrete_function(x).output_shapes)
     started = time.perf_counter()
     compiled = getattr(model, "optimizer", None) is not None and getattr(model, "loss", None) is not None
     if compiled:
-        y = tf.TensorSpec((microbatch,) + tuple(model.output_shape[1:-1]), "int32") \
-            if "sparse" in str(model.loss).lower() else tf.TensorSpec((microbatch,) + tuple(model.output_shape[1:]))
+        y = tf.TensorSpec(out_shape[:-1], "int32") if "sparse" in str(model.loss).lower() else tf.TensorSpec(out_shape)
         ir = trace_step_ir(model.train_step, (x, y), wrap=lambda inner: fit_step(model, inner=inner))
     else:
-        y = tf.TensorSpec((microbatch,) + tuple(model.output_shape[1:-1]), "int32")
+        y = tf.TensorSpec(out_shape[:-1], "int32")
         ir = trace_step_ir(train_step(model, optimizer), x, y)
     logger.info("traced %s's training step at %d samples (%d ops) in %.1f s", model.name, microbatch, len(ir.ops),
                 time.perf_counter() - started)

@@ -1,0 +1,141 @@
+"""Pipeline partitioning on real Keras models: every family profiled whole (every layer, every weight),
+skips and branches cut and counted where they are read, optimal on a real profile, the CLI and the
+API's bad input."""
+
+import json
+import subprocess
+import sys
+import time
+
+import keras
+import pytest
+import tensorflow as tf
+
+import lms_tf
+from lms_tf.cost import CostModel, get_device_spec
+from lms_tf.pipeline import evaluate, exhaustive_partition, partition_layers
+from lms_tf.tf.pipeline import trace_profile
+from lms_tf.tf.workloads import build_model
+from tests import zoo
+
+COST = CostModel(get_device_spec("v100-16gb-pcie3"))
+
+
+def weight_bytes(model) -> int:
+    return sum(int(w.numpy().nbytes) for w in model.weights)
+
+
+@pytest.mark.parametrize("family", ["sequential_cnn", "resnet_style", "inception_style", "text_embedding",
+                                    "stacked_recurrent"])
+def test_every_layer_and_every_weight_is_in_the_profile(family):
+    model, _ = getattr(zoo, family)()
+    profile = trace_profile(model, microbatch=4, cost=COST)
+    names = [layer.name for layer in profile.layers]
+    with_ops = [layer.name for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    assert sorted(names) == sorted(with_ops), (family, set(with_ops) ^ set(names))
+    assert sum(layer.param_bytes for layer in profile.layers) == weight_bytes(model)
+    assert profile.slot_bytes_per_param_byte == pytest.approx(1.0, abs=0.05)  # the zoo's SGD has momentum
+    # Forward order is a topological order of the layer graph: each layer after those it reads.
+    position = {name: i for i, name in enumerate(names)}
+    for layer in model.layers:
+        for node in getattr(layer, "_inbound_nodes", []):
+            for parent in getattr(node, "parent_nodes", []):
+                source = parent.operation.name
+                if source in position and layer.name in position:
+                    assert position[source] < position[layer.name], (source, layer.name)
+    assert all(l.forward_s > 0 and l.backward_s >= 0 for l in profile.layers if l.param_bytes)
+
+
+def test_subclassed_model_needs_and_takes_its_input_shape():
+    model, _ = zoo.subclassed()
+    with pytest.raises(lms_tf.LMSOptionError, match="pass input_shape="):
+        trace_profile(model, microbatch=4, cost=COST)
+    profile = trace_profile(model, microbatch=4, cost=COST, input_shape=(24, 24, 3))
+    assert sum(layer.param_bytes for layer in profile.layers) == weight_bytes(model)
+    p = lms_tf.partition(model, stages=2, microbatches=2, batch_size=8, input_shape=(24, 24, 3))
+    assert sum(len(s.layers) for s in p.stages) == len(profile.layers)
+
+
+def test_a_skip_cut_by_a_boundary_is_sent_to_the_later_stage_and_counted_there():
+    inputs = keras.Input((64,))
+    a = keras.layers.Dense(64, activation="relu", name="a")(inputs)
+    b = keras.layers.Dense(64, activation="relu", name="b")(a)
+    c = keras.layers.Dense(64, activation="relu", name="c")(b)
+    added = keras.layers.Add(name="skip_add")([a, c])  # a skips over b and c
+    outputs = keras.layers.Dense(4, activation="softmax", name="head")(added)
+    model = keras.Model(inputs, outputs, name="skipnet")
+    profile = trace_profile(model, microbatch=8, cost=COST)
+    names = [layer.name for layer in profile.layers]
+    assert names == ["a", "b", "c", "skip_add", "head"]
+    add = profile.layers[names.index("skip_add")]
+    produced_by = {t: names[i] for t, _, i in add.inputs}
+    assert sorted(produced_by.values()) == ["a", "c"]  # both the skip and the main path arrive
+    # Cut after b: the second stage receives a's output (the skip) and b's (the main path).
+    cut = evaluate(profile, [2, 5], microbatches=2)
+    assert cut.stages[1].received_bytes == 2 * 8 * 64 * 4
+    # Cut after a: only one tensor crosses, though two readers use it (b and the add).
+    assert evaluate(profile, [1, 5], microbatches=2).stages[1].received_bytes == 8 * 64 * 4
+
+
+def test_partition_of_a_real_profile_is_optimal():
+    model = keras.Sequential([keras.Input((32,))] + [keras.layers.Dense(32 * (1 + i % 3), activation="relu",
+                                                                        name=f"d{i}") for i in range(7)]
+                             + [keras.layers.Dense(4, activation="softmax", name="head")], name="mlp8")
+    profile = trace_profile(model, microbatch=16, cost=COST)
+    for stages in (2, 3, 4):
+        for schedule in ("1f1b", "gpipe"):
+            best, _ = exhaustive_partition(profile, stages=stages, microbatches=4, schedule=schedule)
+            found = partition_layers(profile, stages=stages, microbatches=4, schedule=schedule)
+            assert found.max_stage_peak_bytes == best, (stages, schedule)
+
+
+def test_the_memory_rule_beats_the_baselines_on_resnet50():
+    profile = trace_profile(build_model("ResNet50", image_size=64, classes=10), microbatch=4, cost=COST)
+    results = {rule: partition_layers(profile, stages=4, microbatches=8, rule=rule).max_stage_peak_bytes
+               for rule in ("memory", "parameters", "uniform")}
+    assert results["memory"] < results["uniform"] < results["parameters"], results
+
+
+def test_api_checks_its_arguments_before_tracing():
+    model = build_model("UNet", image_size=32, classes=2)
+    started = time.perf_counter()
+    for kwargs, message in [(dict(stages=0), "stages must be a positive int"),
+                            (dict(schedule="zigzag"), "schedule must be one of"),
+                            (dict(batch_size=10), "does not split into 4 equal micro-batches"),
+                            (dict(devices=["v100-16gb-pcie3"]), "one preset per stage"),
+                            (dict(devices="no-such-gpu"), "no-such-gpu")]:
+        arguments = dict(stages=2, microbatches=4, batch_size=8) | kwargs
+        with pytest.raises(lms_tf.LMSOptionError, match=message):
+            lms_tf.partition(model, **arguments)
+    assert time.perf_counter() - started < 1.0  # nothing was traced
+    with pytest.raises(lms_tf.LMSOptionError, match="more than the model's"):
+        lms_tf.partition(model, stages=500, microbatches=1, batch_size=2)
+    with pytest.raises(lms_tf.InfeasibleBudgetError, match="smallest largest-stage peak any cut reaches"):
+        lms_tf.partition(model, stages=2, microbatches=4, batch_size=8, budget="1KiB")
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "lms_tf.cli", "partition", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_json_plot_and_exit_codes(tmp_path):
+    png = tmp_path / "stages.png"
+    done = run_cli("--model", "unet", "--input-shape", "32x32", "--batch", "8", "--stages", "3", "--microbatches", "4",
+                   "--device", "v100-16gb-pcie3,h100-80gb-pcie5,v100-16gb-pcie3", "--json", "--plot", str(png))
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert [s["device"] for s in result["stages"]] == ["v100-16gb-pcie3", "h100-80gb-pcie5", "v100-16gb-pcie3"]
+    assert {"ideal_peak_bytes", "max_stage_peak_bytes", "predicted_step_time_s", "feasible"} <= set(result)
+    assert all(s["layers"] and s["predicted_peak_bytes"] > 0 for s in result["stages"])
+    assert set(result["compare"]) == {"parameters", "uniform"} and png.stat().st_size > 10_000
+    infeasible = run_cli("--model", "unet", "--input-shape", "32x32", "--batch", "8", "--stages", "2",
+                         "--microbatches", "4", "--budget", "1KiB")
+    assert infeasible.returncode == 3 and "smallest largest-stage peak" in infeasible.stdout
+    for bad, message in [(["--stages", "0"], "must be an int >= 1"), (["--device", "nope"], "nope"),
+                         (["--schedule", "zigzag"], "invalid choice")]:
+        args = ["--model", "unet", "--batch", "8", "--stages", "2", "--microbatches", "4"] + bad
+        started = time.perf_counter()
+        done = run_cli(*args)
+        assert done.returncode == 2 and message in done.stderr, (bad, done.stderr[-500:])
+        assert time.perf_counter() - started < 5  # refused while parsing, before TensorFlow is imported
