@@ -25,6 +25,7 @@ def _cases():
     from lms_tf.core.errors import UnknownSizeError, warn_once
     from lms_tf.core.examples import chain_ir
     from lms_tf.cost import CostModel, get_device_spec
+    from lms_tf.pipeline import PipelineProfile, partition_layers
     from lms_tf.planner import make_budget_plan
     from lms_tf.tf.driver import unknown_size_message
 
@@ -52,6 +53,10 @@ def _cases():
         ("An unknown device preset", lambda: get_device_spec("v200-16gb")),
         ("Horovod's bucket size without Horovod", lambda: lms_tf.function(lambda x: x, bucket_bytes=2**20)),
         ("A plan file that is not a plan", lambda: Plan.from_json('{"decisions": []}')),
+        ("A pipeline budget no cut of the model meets", lambda: partition_layers(
+            PipelineProfile.chain([2**20] * 4), stages=2, microbatches=4, budget="1MiB")),
+        ("More pipeline stages than layers", lambda: partition_layers(PipelineProfile.chain([2**20] * 4), stages=8,
+                                                                       microbatches=4)),
         ("Asking for a plan before training", lambda: lms_tf.explain(lms_tf.LMSCallback())),
         ("A step that runs eagerly", eager),
         ("No GPU and no device given (a warning: the step trains untouched)",

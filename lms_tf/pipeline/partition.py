@@ -547,8 +547,8 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
             f"keeps every stage under the budget {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
             + (f" and its device ({', '.join(sorted({s.name for s in specs if s}))})" if devices is not None else "")
             + f": the smallest largest-stage peak any cut reaches is {format_bytes(least.max_stage_peak_bytes)} "
-            f"({least.max_stage_peak_bytes} bytes). Pass budget >= that, more stages, more micro-batches with a "
-            f"smaller batch, or plan swap/recompute inside the stages.", budget_bytes, least.max_stage_peak_bytes)
+            f"({least.max_stage_peak_bytes} bytes). Pass budget >= that, more stages, or smaller micro-batches (more "
+            f"of them for the same batch).", budget_bytes, least.max_stage_peak_bytes)
     return result
 
 
