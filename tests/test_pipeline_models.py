@@ -139,3 +139,14 @@ def test_cli_json_plot_and_exit_codes(tmp_path):
         done = run_cli(*args)
         assert done.returncode == 2 and message in done.stderr, (bad, done.stderr[-500:])
         assert time.perf_counter() - started < 5  # refused while parsing, before TensorFlow is imported
+
+
+def test_adam_slots_are_counted_and_its_variable_reads_are_not_a_layer():
+    """Adam's forward-phase reads of its own variables outnumber the model's (ResNet-152: 2,488 against 932):
+    the model's scope is still found, and its slots count twice the weights."""
+    model = build_model("ResNet50", image_size=32, classes=10)
+    profile = trace_profile(model, microbatch=2, cost=COST, optimizer=keras.optimizers.Adam())
+    assert sum(layer.param_bytes for layer in profile.layers) == weight_bytes(model)
+    # Adam keeps two slots per trainable weight; BatchNormalization's moving statistics have none.
+    trainable = sum(int(w.numpy().nbytes) for w in model.trainable_weights)
+    assert profile.slot_bytes_per_param_byte == pytest.approx(2 * trainable / weight_bytes(model), rel=0.01)

@@ -118,10 +118,15 @@ class PipelineProfile:
         return cls(tuple(layers), slot_bytes_per_param_byte)
 
 
-def _model_scope(ir: GraphIR) -> str:
-    """The name scope the model's ops sit under: where most forward variable reads are (else most
-    forward ops named ``model/layer/op``); empty when ops carry no such scope."""
-    for wanted in (lambda op: op.type in _VARIABLE_READS, lambda op: op.name.count("/") >= 2):
+def _model_scope(ir: GraphIR, layer_scopes: Optional[Mapping[str, str]] = None) -> str:
+    """The name scope the model's ops sit under: the one holding the most ops of the given layer
+    scopes; without those, where most forward variable reads are (an optimizer's reads can
+    outnumber them: with layer scopes they do not count), else most forward ops named
+    ``model/layer/op``; empty when ops carry no such scope."""
+    scopes_of_layers = set((layer_scopes or {}).values())
+    wanted_rules = [lambda op: op.name.split("/")[1] in scopes_of_layers] if scopes_of_layers else []
+    wanted_rules += [lambda op: op.type in _VARIABLE_READS, lambda op: op.name.count("/") >= 2]
+    for wanted in wanted_rules:
         scopes = Counter(op.name.split("/")[0] for op in ir.ops
                          if op.phase is Phase.FORWARD and "/" in op.name and wanted(op))
         if scopes:
@@ -150,7 +155,7 @@ def layer_keys(ir: GraphIR, layer_scopes: Optional[Mapping[str, str]] = None) ->
         >>> layer_keys(ir, {"d": "d"})
         {'m/d/MatMul': 'd'}
     """
-    model = _model_scope(ir)
+    model = _model_scope(ir, layer_scopes)
     by_scope = {scope: name for name, scope in (layer_scopes or {}).items()}
     keys: Dict[str, str] = {}
     for op in ir.ops:
