@@ -1,4 +1,4 @@
-"""lms-tf: Large Model Support for TensorFlow / Keras 3 (tested on TensorFlow 2.21 with Keras 3.15).
+"""lms-tf: Large Model Support for TensorFlow / Keras 3 (tested on TensorFlow 2.20 and 2.21 with Keras 3.15).
 
 Rewrites the traced training step to swap activations to host memory and back,
 so a model trains with more memory than the accelerator has.

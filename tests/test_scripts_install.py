@@ -53,3 +53,28 @@ def test_the_package_builds_without_setuptools_warnings(tmp_path):
     warned = [line for line in (done.stdout + done.stderr).splitlines()
               if "Warning" in line and "byte-compiling is disabled" not in line]
     assert warned == [], warned
+
+
+def _pins(name: str) -> dict:
+    with open(os.path.join(ROOT, "constraints", f"{name}.txt"), encoding="utf-8") as f:
+        return dict(line.strip().split("==") for line in f if "==" in line and not line.startswith("#"))
+
+
+def test_setup_py_allows_exactly_the_tested_pairs_and_this_suite_runs_on_one():
+    """setup.py's ranges run from the oldest tested pair to the newest (scripts/test.sh runs the
+    suite on both), and the TensorFlow / Keras this suite runs on are one of those pairs."""
+    import importlib.metadata
+
+    import keras
+    import tensorflow as tf
+
+    oldest, latest = _pins("oldest"), _pins("latest")
+    with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
+        setup_py = f.read()
+    for package, variable in (("tensorflow", "TENSORFLOW"), ("keras", "KERAS"), ("tf-keras", "TF_KERAS")):
+        spec = re.search(rf'^{variable} = "([^"]+)"', setup_py, re.M).group(1)
+        low, high = oldest[package], latest[package]
+        assert spec == (f"{package}=={high}" if low == high else f"{package}>={low},<={high}"), (spec, low, high)
+    running = {"tensorflow": tf.__version__, "keras": keras.__version__,
+               "tf-keras": importlib.metadata.version("tf-keras")}
+    assert running in (oldest, latest), running
