@@ -9,6 +9,7 @@ import pytest
 
 from lms_tf.core.errors import InfeasibleBudgetError, LMSOptionError
 from lms_tf.cost.devices import DeviceSpec
+from lms_tf.pipeline.partition import PRECISION
 from lms_tf.pipeline import (
     LayerProfile,
     PipelineProfile,
@@ -71,8 +72,8 @@ def test_mixed_devices_balance_how_full_each_is_optimally():
         best, _ = exhaustive_partition(profile, stages=stages, microbatches=4, devices=devices)
         found = partition_layers(profile, stages=stages, microbatches=4, devices=devices)
         worst = max(s.predicted_peak_bytes / s.capacity_bytes for s in found.stages)
-        # Bisection on the fraction stops at a relative 1e-12 (partition.PRECISION).
-        assert worst == pytest.approx(best, rel=1e-9), trial
+        # Bisection on the fraction stops at the relative precision partition.PRECISION.
+        assert worst == pytest.approx(best, rel=PRECISION), trial
         assert [s.device for s in found.stages] == [d.name for d in devices]
 
 

@@ -48,8 +48,8 @@ from lms_tf.pipeline.profile import PipelineProfile
 SCHEDULES = ("1f1b", "gpipe")
 RULES = ("memory", "parameters", "uniform")
 OBJECTIVES = ("memory", "time")
-#: Bisection stops when the limit is known to this relative precision.
-PRECISION = 1e-12
+#: Bisection stops when the least limit is known to this relative precision (or to one byte).
+PRECISION = 1e-6
 
 
 def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
@@ -62,18 +62,36 @@ def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
     return min(stages - stage, microbatches) if schedule == "1f1b" else microbatches
 
 
+class _Compiled:
+    """A profile's layers as flat lists with weights and kept tensors numbered (the search's inner
+    loop counts references in lists, not dicts keyed by name)."""
+
+    def __init__(self, profile: PipelineProfile):
+        self.profile = profile
+        self.slots = profile.slot_bytes_per_param_byte
+        param_ids: Dict[str, int] = {}
+        kept_ids: Dict[str, int] = {}
+        self.params = [tuple((param_ids.setdefault(name, len(param_ids)), b) for name, b in layer.params)
+                       for layer in profile.layers]
+        self.kept = [tuple((kept_ids.setdefault(name, len(kept_ids)), b) for name, b in layer.saved)
+                     for layer in profile.layers]
+        self.work = [layer.work_bytes for layer in profile.layers]
+        self.seconds = [layer.forward_s + layer.backward_s for layer in profile.layers]
+        self.n_params, self.n_kept = len(param_ids), len(kept_ids)
+        self.layers = profile.layers
+
+
 class _Window:
     """The layers ``[lo, hi)`` as one stage: its weights, kept tensors, working set and compute
     time, updated as layers join at the right and leave at the left (a sliding-window maximum for
     the working set). :meth:`grown` tells what the stage would be with layer ``hi`` added."""
 
-    def __init__(self, profile: PipelineProfile, at: int = 0):
-        self.profile = profile
-        self.layers = profile.layers
-        self.slots = profile.slot_bytes_per_param_byte
+    def __init__(self, profile, at: int = 0):
+        self.c = profile if isinstance(profile, _Compiled) else _Compiled(profile)
+        self.slots = self.c.slots
         self.lo = self.hi = at
-        self.params: Dict[str, int] = {}
-        self.kept: Dict[str, int] = {}
+        self.params = [0] * self.c.n_params
+        self.kept = [0] * self.c.n_kept
         self.param_bytes = self.kept_bytes = 0
         self.work: deque = deque()  # (index, bytes), bytes decreasing
         self.seconds = 0.0
@@ -84,41 +102,48 @@ class _Window:
 
     def grown(self) -> Tuple[int, int, int, float]:
         """(weights, kept activations, working set, seconds) with layer ``hi`` added."""
-        layer = self.layers[self.hi]
-        params = self.param_bytes + sum(b for name, b in layer.params if not self.params.get(name))
-        kept = self.kept_bytes + sum(b for name, b in layer.saved if not self.kept.get(name))
-        work = max(self.work[0][1] if self.work else 0, layer.work_bytes)
-        return params, kept, work, self.seconds + layer.forward_s + layer.backward_s
+        c, i = self.c, self.hi
+        counts = self.params
+        params = self.param_bytes + sum(b for k, b in c.params[i] if not counts[k])
+        counts = self.kept
+        kept = self.kept_bytes + sum(b for k, b in c.kept[i] if not counts[k])
+        work = self.work[0][1] if self.work else 0
+        return params, kept, work if work > c.work[i] else c.work[i], self.seconds + c.seconds[i]
 
     def push(self) -> None:
-        layer = self.layers[self.hi]
-        for name, nbytes in layer.params:
-            if not self.params.get(name):
+        c, i = self.c, self.hi
+        counts = self.params
+        for k, nbytes in c.params[i]:
+            if not counts[k]:
                 self.param_bytes += nbytes
-            self.params[name] = self.params.get(name, 0) + 1
-        for name, nbytes in layer.saved:
-            if not self.kept.get(name):
+            counts[k] += 1
+        counts = self.kept
+        for k, nbytes in c.kept[i]:
+            if not counts[k]:
                 self.kept_bytes += nbytes
-            self.kept[name] = self.kept.get(name, 0) + 1
-        while self.work and self.work[-1][1] <= layer.work_bytes:
+            counts[k] += 1
+        work = c.work[i]
+        while self.work and self.work[-1][1] <= work:
             self.work.pop()
-        self.work.append((self.hi, layer.work_bytes))
-        self.seconds += layer.forward_s + layer.backward_s
+        self.work.append((i, work))
+        self.seconds += c.seconds[i]
         self.hi += 1
 
     def pop(self) -> None:
-        layer = self.layers[self.lo]
-        for name, nbytes in layer.params:
-            self.params[name] -= 1
-            if self.params[name] == 0:
+        c, i = self.c, self.lo
+        counts = self.params
+        for k, nbytes in c.params[i]:
+            counts[k] -= 1
+            if not counts[k]:
                 self.param_bytes -= nbytes
-        for name, nbytes in layer.saved:
-            self.kept[name] -= 1
-            if self.kept[name] == 0:
+        counts = self.kept
+        for k, nbytes in c.kept[i]:
+            counts[k] -= 1
+            if not counts[k]:
                 self.kept_bytes -= nbytes
-        if self.work and self.work[0][0] == self.lo:
+        if self.work and self.work[0][0] == i:
             self.work.popleft()
-        self.seconds -= layer.forward_s + layer.backward_s
+        self.seconds -= c.seconds[i]
         self.lo += 1
 
     def peak(self, flight: int, figures: Optional[Tuple[int, int, int, float]] = None) -> int:
@@ -151,7 +176,7 @@ def _measure(rule: str):
     return lambda window, figures, flight: window.peak(flight, figures)
 
 
-def _cut(profile: PipelineProfile, limits: Sequence[float], flights: Sequence[int], measure,
+def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
          memory_limits: Optional[Sequence[float]] = None) -> Optional[List[int]]:
     """Stage ends (exclusive) cutting the layers into ``len(limits)`` non-empty stages with stage
     ``k``'s measure at most ``limits[k]`` (and its peak at most ``memory_limits[k]``), or None.
@@ -162,6 +187,7 @@ def _cut(profile: PipelineProfile, limits: Sequence[float], flights: Sequence[in
     with a window sliding right finds every ``e(s)``.
     """
     n, stages = len(profile.layers), len(limits)
+    profile = profile if isinstance(profile, _Compiled) else _Compiled(profile)
     starts = [0]
     came_from: List[Dict[int, int]] = []
     for k in range(stages):
@@ -404,7 +430,7 @@ def _uniform_cuts(n: int, stages: int) -> List[int]:
     return [round((k + 1) * n / stages) for k in range(stages)]
 
 
-def _worst(profile: PipelineProfile, cuts: Sequence[int], capacities: Sequence[float], flights: Sequence[int],
+def _worst(profile, cuts: Sequence[int], capacities: Sequence[float], flights: Sequence[int],
            measure) -> float:
     """The largest ``measure / capacity`` over the stages ending at ``cuts``."""
     worst, lo = 0.0, 0
@@ -423,6 +449,7 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
     (bisection on ``tau``; each cut found lowers the bracket to its own worst stage). None when
     the memory limits refuse every cut."""
     n, stages = len(profile.layers), len(capacities)
+    profile = _Compiled(profile)
     # Every stage is part of the whole model, so the whole model's measure bounds every cut.
     whole = _Window(profile)
     for _ in range(n):
@@ -434,9 +461,10 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
     hi = _worst(profile, best, capacities, flights, measure)
     lo = 0.0
     # Byte counts on equal devices are whole numbers: once the bracket is narrower than one byte,
-    # the cut found is optimal. Otherwise stop at a relative PRECISION.
+    # the cut found is optimal. The search stops earlier, at a relative PRECISION of the largest
+    # stage (a KiB on a GiB: exact below a MiB), or at PRECISION for fractions of mixed devices.
     whole_bytes = integral and len(set(capacities)) == 1
-    while hi - lo > (1.0 / capacities[0] if whole_bytes else PRECISION * hi):
+    while hi - lo > (max(1.0 / capacities[0], PRECISION * hi) if whole_bytes else PRECISION * hi):
         mid = (lo + hi) / 2
         cuts = _cut(profile, [mid * c for c in capacities], flights, measure, memory_limits)
         if cuts is None:
