@@ -70,11 +70,12 @@ def test_a_skip_cut_by_a_boundary_is_sent_to_the_later_stage_and_counted_there()
     add = profile.layers[names.index("skip_add")]
     produced_by = {t: names[i] for t, _, i in add.inputs}
     assert sorted(produced_by.values()) == ["a", "c"]  # both the skip and the main path arrive
+    labels = 8 * 4  # the loss, in the last stage, reads the step's int32 labels: they are sent there too
     # Cut after b: the second stage receives a's output (the skip) and b's (the main path).
     cut = evaluate(profile, [2, 5], microbatches=2)
-    assert cut.stages[1].received_bytes == 2 * 8 * 64 * 4
+    assert cut.stages[1].received_bytes == 2 * 8 * 64 * 4 + labels
     # Cut after a: only one tensor crosses, though two readers use it (b and the add).
-    assert evaluate(profile, [1, 5], microbatches=2).stages[1].received_bytes == 8 * 64 * 4
+    assert evaluate(profile, [1, 5], microbatches=2).stages[1].received_bytes == 8 * 64 * 4 + labels
 
 
 def test_partition_of_a_real_profile_is_optimal():

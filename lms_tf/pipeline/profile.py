@@ -257,8 +257,11 @@ def profile_layers(ir: GraphIR, cost: CostModel, *, layer_scopes: Optional[Mappi
     saved: Dict[str, Dict[str, int]] = defaultdict(dict)
     inputs: Dict[str, Dict[str, Tuple[int, int]]] = defaultdict(dict)
     work: Dict[str, int] = defaultdict(int)
+    # Activations: forward outputs other than variable reads, constants and shapes; the step's
+    # data inputs too (the first stage keeps its input micro-batches for its weight gradients).
     forward_tensors = {t for op in ir.ops if op.phase is Phase.FORWARD and op.type not in _VARIABLE_READS
-                       and op.type not in _NO_MEMORY for t in op.outputs}
+                       and (op.type not in _NO_MEMORY or op.name in ir.function_inputs) for t in op.outputs
+                       if ir.tensors[t].dtype not in ("resource", "variant") and ir.tensors[t].nbytes}
     for op in ir.ops:
         layer = layer_of_op.get(op.name)
         if layer is None:
