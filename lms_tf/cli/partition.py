@@ -116,7 +116,8 @@ def plot_stages(path: str, partitions, title: str = "") -> None:
     for i, p in enumerate(partitions):
         xs = [k + (i - (len(partitions) - 1) / 2) * width for k in range(stages)]
         ax.bar(xs, [s.predicted_peak_bytes / 2**30 for s in p.stages], width,
-               label=f"{p.rule} (largest {p.max_stage_peak_bytes / 2**30:.2f} GiB)")
+               label=f"{p.rule} (largest {p.max_stage_peak_bytes / 2**30:.2f} GiB)"
+                     + ("; its layer counts below" if i == 0 and len(partitions) > 1 else ""))
     capacities = [s.capacity_bytes for s in partitions[0].stages]
     tallest = max(s.predicted_peak_bytes for p in partitions for s in p.stages)
     if any(capacities):
@@ -130,10 +131,11 @@ def plot_stages(path: str, partitions, title: str = "") -> None:
                 va="top", fontsize=8)
     ax.axhline(partitions[0].ideal_peak_bytes / 2**30, color="grey", linestyle=":", label="ideal (whole step / K)")
     ax.set_xticks(range(stages))
-    ax.set_xticklabels([f"stage {s.index}\n{s.device or ''}\n{len(s.layers)} layers" for s in partitions[0].stages],
+    ax.set_xticklabels([f"stage {s.index}\n{s.device or ''}\n{len(s.layers)} layer{'s' if len(s.layers) > 1 else ''}" for s in partitions[0].stages],
                        fontsize=8)
     ax.set_ylabel("predicted peak (GiB)")
-    ax.set_title(title or f"{stages} stages, {partitions[0].schedule}, {partitions[0].microbatches} micro-batches")
+    ax.set_title(title or f"{stages} stages, {partitions[0].schedule}, {partitions[0].microbatches} micro-batches",
+                 fontsize=9, wrap=True)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
