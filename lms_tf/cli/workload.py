@@ -46,13 +46,11 @@ def trace_unbatched(args):
         >>> graph.inputs[0].shape.as_list()
         [None, 32, 32, 3]
     """
-    from lms_tf.tf.workloads import build_model, train_step
+    from lms_tf.tf.workloads import build_model, step_specs, train_step
 
     logger.info("building %s (%s)", args.model, args.input_shape)
     model = build_model(args.model, image_size=args.input_shape, classes=args.classes)
-    x_spec = tf.TensorSpec((None,) + tuple(model.input_shape[1:]),
-                           "int32" if model.inputs[0].dtype in ("int32", "int64") else "float32")
-    y_spec = tf.TensorSpec((None,) + tuple(model.output_shape[1:-1]), "int32")
+    x_spec, y_spec = step_specs(model, None)
     step = train_step(model)
     started = time.perf_counter()
     graph = tf.function(step).get_concrete_function(x_spec, y_spec).graph

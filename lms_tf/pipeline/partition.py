@@ -96,6 +96,14 @@ class _Window:
         self.work: deque = deque()  # (index, bytes), bytes decreasing
         self.seconds = 0.0
 
+    @classmethod
+    def over(cls, profile, lo: int, hi: int) -> "_Window":
+        """The stage of layers ``[lo, hi)``."""
+        window = cls(profile, lo)
+        for _ in range(lo, hi):
+            window.push()
+        return window
+
     def now(self) -> Tuple[int, int, int, float]:
         """(weights, kept activations, working set, seconds) of the stage as it is."""
         return self.param_bytes, self.kept_bytes, self.work[0][1] if self.work else 0, self.seconds
@@ -161,10 +169,7 @@ def stage_peak(profile: PipelineProfile, lo: int, hi: int, flight: int) -> int:
         >>> stage_peak(PipelineProfile.chain([100, 200], [10, 20]), 0, 2, 3)   # 2*30 + 3*300
         960
     """
-    window = _Window(profile, lo)
-    for _ in range(lo, hi):
-        window.push()
-    return window.peak(flight)
+    return _Window.over(profile, lo, hi).peak(flight)
 
 
 def _measure(rule: str):
@@ -435,9 +440,7 @@ def _worst(profile, cuts: Sequence[int], capacities: Sequence[float], flights: S
     """The largest ``measure / capacity`` over the stages ending at ``cuts``."""
     worst, lo = 0.0, 0
     for k, hi in enumerate(cuts):
-        window = _Window(profile, lo)
-        for _ in range(lo, hi):
-            window.push()
+        window = _Window.over(profile, lo, hi)
         worst = max(worst, measure(window, window.now(), flights[k]) / capacities[k])
         lo = hi
     return worst
@@ -451,9 +454,7 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
     n, stages = len(profile.layers), len(capacities)
     profile = _Compiled(profile)
     # Every stage is part of the whole model, so the whole model's measure bounds every cut.
-    whole = _Window(profile)
-    for _ in range(n):
-        whole.push()
+    whole = _Window.over(profile, 0, n)
     hi = max(measure(whole, whole.now(), flights[k]) / capacities[k] for k in range(stages))
     best = _cut(profile, [hi * c for c in capacities], flights, measure, memory_limits)
     if best is None:
@@ -492,9 +493,7 @@ def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int
     slowest_update = 0.0
     for k, hi in enumerate(cuts):
         flight = in_flight(schedule, k, stages, microbatches)
-        window = _Window(profile, lo)
-        for _ in range(lo, hi):
-            window.push()
+        window = _Window.over(profile, lo, hi)
         received = {t: b for layer in layers[lo:hi] for t, b, producer in layer.inputs if producer < lo}
         spec = specs[k]
         link = spec.host_to_device_bytes_per_s if spec else None
@@ -504,10 +503,7 @@ def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int
                          spec.memory_bytes if spec else None, window.peak(flight), window.param_bytes,
                          window.kept_bytes, flight, seconds, sum(received.values())))
         lo = hi
-    whole = _Window(profile)
-    for _ in layers:
-        whole.push()
-    ideal = whole.peak(1) // stages
+    ideal = _Window.over(profile, 0, len(layers)).peak(1) // stages
     step = (microbatches + stages - 1) * max(s.seconds_per_microbatch for s in out) + slowest_update
     return Partition(tuple(out), schedule, microbatches, rule, objective, ideal, step, budget, model)
 

@@ -36,8 +36,9 @@ from collections import Counter, defaultdict
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from lms_tf.core.errors import LMSOptionError
-from lms_tf.core.ir import GraphIR, Phase, is_gradient_scoped
+from lms_tf.core.ir import GraphIR, Phase, layer_of
 from lms_tf.cost.model import CostModel
+from lms_tf.simulate import resident_buffers
 
 #: Op types whose outputs are the variables themselves, not activations.
 _VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather"})
@@ -134,13 +135,6 @@ def _model_scope(ir: GraphIR, layer_scopes: Optional[Mapping[str, str]] = None) 
     return ""
 
 
-def _strip_gradient_scope(name: str) -> str:
-    parts = name.split("/")
-    while parts and is_gradient_scoped(parts[0] + "/x"):
-        parts = parts[1:]
-    return "/".join(parts)
-
-
 def layer_keys(ir: GraphIR, layer_scopes: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """Each op's layer: its name scope under the model's, by layer name, for the ops that have one.
 
@@ -159,8 +153,8 @@ def layer_keys(ir: GraphIR, layer_scopes: Optional[Mapping[str, str]] = None) ->
     by_scope = {scope: name for name, scope in (layer_scopes or {}).items()}
     keys: Dict[str, str] = {}
     for op in ir.ops:
-        parts = _strip_gradient_scope(op.name).split("/")
-        if len(parts) < 3 and not (model == "" and len(parts) >= 2):
+        parts = layer_of(op.name).split("/")  # its name scopes, gradient scopes left out
+        if len(parts) < 2 and not (model == "" and parts[0]):
             continue
         if model and parts[0] != model:
             continue
@@ -300,12 +294,8 @@ def profile_layers(ir: GraphIR, cost: CostModel, *, layer_scopes: Optional[Mappi
             update_s[layer] += cost.op_time(ir, op)
     weight_bytes = {name: sum(params[name].values()) for name in order}
     total_weights = sum(weight_bytes.values())
-    resident: Dict[str, int] = {}
-    for op in ir.ops:
-        if op.type == "ReadVariableOp" and op.inputs:
-            resident[op.inputs[0]] = max(resident.get(op.inputs[0], 0), ir.tensors[op.outputs[0]].nbytes or 0)
     layer_handles = {h for name in order for h in params[name]}
-    slots = sum(nbytes for handle, nbytes in resident.items() if handle not in layer_handles)
+    slots = sum(nbytes for handle, nbytes in resident_buffers(ir) if handle not in layer_handles)
     layers = tuple(LayerProfile(
         name, params=tuple(sorted(params[name].items())), saved=tuple(sorted(saved[name].items())),
         work_bytes=work[name], inputs=tuple(sorted((t, b, i) for t, (b, i) in inputs[name].items())),

@@ -20,8 +20,6 @@ import logging
 import time
 from typing import Optional, Sequence
 
-import tensorflow as tf
-
 from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.cost.model import CostModel
@@ -56,31 +54,21 @@ def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None,
         >>> trace_profile.__name__
         'trace_profile'
     """
-    from lms_tf.tf.workloads import fit_step, train_step
+    from lms_tf.tf.workloads import fit_step, step_specs, train_step
 
     inputs = getattr(model, "inputs", None)
     if inputs and len(inputs) != 1:
         raise LMSOptionError(f"partition traces models with one input; {model.name!r} has {len(inputs)} "
                              f"({', '.join(str(i.shape) for i in inputs)}).")
-    if input_shape is not None:
-        shape, dtype = tuple(input_shape), "float32"
-    elif inputs:
-        shape, dtype = tuple(model.input_shape[1:]), "int32" if inputs[0].dtype in ("int32", "int64") else "float32"
-    else:
+    if input_shape is None and not inputs:
         raise LMSOptionError(f"the input shape of {model.name!r} is unknown (a subclassed model has no Input): pass "
                              f"input_shape=, one sample's shape, e.g. input_shape=(224, 224, 3).")
-    x = tf.TensorSpec((microbatch,) + shape, dtype)
-    if inputs:
-        out_shape = (microbatch,) + tuple(model.output_shape[1:])
-    else:  # a subclassed model: its forward pass traced once tells the output's shape
-        out_shape = tuple(tf.function(lambda t: model(t, training=False)).get_concrete_function(x).output_shapes)
-    started = time.perf_counter()
     compiled = getattr(model, "optimizer", None) is not None and getattr(model, "loss", None) is not None
+    x, y = step_specs(model, microbatch, input_shape, sparse=not compiled or "sparse" in str(model.loss).lower())
+    started = time.perf_counter()
     if compiled:
-        y = tf.TensorSpec(out_shape[:-1], "int32") if "sparse" in str(model.loss).lower() else tf.TensorSpec(out_shape)
         ir = trace_step_ir(model.train_step, (x, y), wrap=lambda inner: fit_step(model, inner=inner))
     else:
-        y = tf.TensorSpec(out_shape[:-1], "int32")
         ir = trace_step_ir(train_step(model, optimizer), x, y)
     logger.info("traced %s's training step at %d samples (%d ops) in %.1f s", model.name, microbatch, len(ir.ops),
                 time.perf_counter() - started)

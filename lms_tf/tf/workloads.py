@@ -145,6 +145,28 @@ def build_model(spec: str, *, image_size: int = 224, classes: int = 1000):
     return constructor(weights=None, input_shape=(image_size, image_size, 3), classes=classes)
 
 
+def step_specs(model, batch_size: Optional[int], input_shape=None,
+               sparse: bool = True) -> Tuple[tf.TensorSpec, tf.TensorSpec]:
+    """The specs a train step is traced with: the model's input (int32 token ids or float32) and
+    its labels (sparse int32 class ids, or float32 shaped as the output with ``sparse=False``),
+    ``batch_size`` samples (None: unknown). ``input_shape`` (one sample's) overrides the model's
+    and is traced through its forward pass once for the output (a subclassed model has no ``Input``).
+
+    Examples:
+        >>> m = build_model("MobileNetV2", image_size=32, classes=10)
+        >>> [spec.shape.as_list() for spec in step_specs(m, None)]
+        [[None, 32, 32, 3], [None]]
+    """
+    if input_shape is None:
+        x = tf.TensorSpec((batch_size,) + tuple(model.input_shape[1:]),
+                          "int32" if model.inputs[0].dtype in ("int32", "int64") else "float32")
+        output = (batch_size,) + tuple(model.output_shape[1:])
+    else:
+        x = tf.TensorSpec((batch_size,) + tuple(input_shape), "float32")
+        output = tuple(tf.function(lambda t: model(t, training=False)).get_concrete_function(x).output_shapes)
+    return x, tf.TensorSpec(output[:-1], "int32") if sparse else tf.TensorSpec(output)
+
+
 def synthetic_batch(model, batch_size: int, seed: int = 0) -> Tuple[tf.Tensor, tf.Tensor]:
     """A deterministic random batch matching the model's input and class count.
 
