@@ -1,0 +1,371 @@
+"""A partitioned Keras model trained as a pipeline in one process: each stage on its own device,
+micro-batches run in the GPipe or 1F1B order, gradients accumulated over the micro-batches.
+
+The model's layer graph is cut into one Keras sub-model per stage (sharing the model's layers and
+weights). A stage's inputs are every tensor an earlier stage (or the model's input) produces that
+one of its layers reads, so a skip connection that crosses a boundary goes straight to the stage
+that reads it. Each stage's forward pass of a micro-batch records its own tape; its backward pass
+takes the gradients of its outputs from the later stages that read them and hands on the
+gradients of its inputs. Each stage's tasks are chained with control edges in the schedule's
+order (:mod:`lms_tf.pipeline.schedule`), so the graph itself enforces GPipe or 1F1B on the
+executor, whatever order it would pick.
+
+:func:`accumulation_step` is the single-device step with gradient accumulation over the same
+micro-batches: the pipelined step computes the same ops on the same values and accumulates in
+the same order, so with op determinism on their losses and weights are bit-identical.
+
+Examples:
+    >>> import keras, numpy as np, lms_tf
+    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="a"),
+    ...                           keras.layers.Dense(4, name="b")], name="two")
+    >>> step = PipelineStep(model, [["a"], ["b"]], microbatches=2, devices=["/CPU:0", "/CPU:1"])
+    >>> float(step(np.ones((4, 8), "float32"), np.zeros((4,), "int32"))) > 0
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import keras
+import tensorflow as tf
+
+from lms_tf.core.errors import LMSOptionError
+from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
+from lms_tf.tf.rewrite.common import mark
+
+logger = logging.getLogger("lms_tf")
+
+
+class StageModel:
+    """One stage of a split model: the Keras sub-model, and which graph tensors it reads and hands on.
+
+    Attributes:
+        index: Position in the pipeline, from 0.
+        layers: Names of the model's layers it runs.
+        model: The Keras sub-model (sharing the original model's layers and weights).
+        inputs: Keys of the tensors it reads (``"model_input:0"`` for the model's inputs).
+        outputs: Keys of the tensors it produces that later stages read (the model's outputs for the last).
+
+    Examples:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="a"),
+        ...                           keras.layers.Dense(2, name="b")])
+        >>> [s.layers for s in split_stages(model, [["a"], ["b"]])]
+        [('a',), ('b',)]
+    """
+
+    def __init__(self, index: int, layers: Tuple[str, ...], model, inputs: Tuple[str, ...], outputs: Tuple[str, ...]):
+        self.index, self.layers, self.model, self.inputs, self.outputs = index, layers, model, inputs, outputs
+
+    def __repr__(self) -> str:
+        return f"StageModel({self.index}, layers={list(self.layers)}, inputs={list(self.inputs)}, outputs={list(self.outputs)})"
+
+
+def _functional(model):
+    """The functional graph of a Sequential or Functional model (None for a subclassed one)."""
+    if isinstance(model, keras.Sequential):
+        if getattr(model, "_functional", None) is None:
+            return None
+        return model._functional
+    return model if hasattr(model, "_operations") and getattr(model, "_inputs_struct", None) is not None else None
+
+
+def _tensor_key(tensor) -> str:
+    history = tensor._keras_history
+    return f"{history.operation.name}:{history.node_index}:{history.tensor_index}"
+
+
+def split_stages(model, stage_layers: Sequence[Sequence[str]]) -> List[StageModel]:
+    """Cuts a Sequential or Functional model into one Keras sub-model per stage.
+
+    Args:
+        model: A built Sequential or Functional Keras model (its layers each called once).
+        stage_layers: Each stage's layer names, in model order (e.g. a
+            :class:`~lms_tf.pipeline.Partition`'s ``[s.layers for s in p.stages]``).
+
+    Returns:
+        The stages, first to last.
+
+    Raises:
+        LMSOptionError: A subclassed model, a layer named twice, missing or unknown, a layer
+            called more than once (shared), or a stage reading a later stage's output.
+
+    Examples:
+        >>> import keras
+        >>> x = keras.Input((4,))
+        >>> a = keras.layers.Dense(4, name="a")(x)
+        >>> b = keras.layers.Dense(4, name="b")(a)
+        >>> out = keras.layers.Dense(2, name="out")(keras.layers.Add(name="skip")([a, b]))
+        >>> stages = split_stages(keras.Model(x, out), [["a"], ["b", "skip", "out"]])
+        >>> stages[1].inputs   # the skip's input from stage 0 is sent straight to stage 1
+        ('a:0:0',)
+    """
+    graph = _functional(model)
+    if graph is None:
+        raise LMSOptionError(f"pipeline execution cuts a model's layer graph, and {model.name!r} is subclassed (its "
+                             f"layers are called from Python code, not a graph). Build it as a Sequential or "
+                             f"Functional model, or partition it for prediction only (lms_tf.partition).")
+    layers = {op.name: op for op in graph.operations if not isinstance(op, keras.layers.InputLayer)}
+    stage_of: Dict[str, int] = {}
+    for k, names in enumerate(stage_layers):
+        for name in names:
+            if name in stage_of:
+                raise LMSOptionError(f"layer {name!r} is in stages {stage_of[name]} and {k}; each layer belongs to "
+                                     f"one stage.")
+            if name not in layers:
+                raise LMSOptionError(f"stage {k} names layer {name!r}, which {model.name!r} does not have; its layers "
+                                     f"are {', '.join(map(repr, list(layers)[:8]))}{', ...' if len(layers) > 8 else ''}.")
+            stage_of[name] = k
+    missing = [name for name in layers if name not in stage_of]
+    if missing:
+        raise LMSOptionError(f"no stage runs layer(s) {', '.join(map(repr, missing[:5]))} of {model.name!r}: "
+                             f"give every layer to a stage (lms_tf.partition does).")
+    shared = [name for name, layer in layers.items() if len(layer._inbound_nodes) > 1]
+    if shared:
+        raise LMSOptionError(f"layer(s) {', '.join(map(repr, shared[:5]))} of {model.name!r} are called more than "
+                             f"once (shared); pipeline execution needs each layer called once.")
+    model_inputs = {id(t) for t in graph.inputs}
+    produced_by: Dict[int, int] = {}  # tensor id -> stage (-1: model input)
+    tensors: Dict[int, object] = {}
+    for t in graph.inputs:
+        produced_by[id(t)], tensors[id(t)] = -1, t
+    readers: Dict[int, set] = {}
+    for name, layer in layers.items():
+        node = layer._inbound_nodes[0]
+        for t in node.output_tensors:
+            produced_by[id(t)], tensors[id(t)] = stage_of[name], t
+        for t in node.input_tensors:
+            readers.setdefault(id(t), set()).add(stage_of[name])
+    for tid, stages in readers.items():
+        if tid in produced_by and produced_by[tid] > min(stages):
+            raise LMSOptionError(f"stage {min(stages)} reads a tensor stage {produced_by[tid]} produces: stages must "
+                                 f"follow the model's order.")
+    model_outputs = [id(t) for t in graph.outputs]
+    result = []
+    for k, names in enumerate(stage_layers):
+        inputs = [tid for tid, stages in readers.items() if k in stages and produced_by.get(tid) != k]
+        if k == 0:
+            inputs = [id(t) for t in graph.inputs if id(t) in readers] or [id(t) for t in graph.inputs]
+        elif any(tid in model_inputs for tid in inputs):
+            pass  # a later stage reading the model's input gets it like any other tensor
+        outputs = ([tid for tid in model_outputs] if k == len(stage_layers) - 1 else
+                   [tid for tid, stages in readers.items() if produced_by.get(tid) == k and max(stages) > k])
+        if k == len(stage_layers) - 1 and any(produced_by.get(tid) != k for tid in outputs):
+            raise LMSOptionError(f"the last stage must produce the model's outputs; stage {k} runs "
+                                 f"{', '.join(map(repr, names))}.")
+        inputs = sorted(inputs, key=lambda tid: _tensor_key(tensors[tid]))
+        sub = keras.Model([tensors[t] for t in inputs], [tensors[t] for t in outputs], name=f"{model.name}_stage{k}")
+        result.append(StageModel(k, tuple(names), sub, tuple(_tensor_key(tensors[t]) for t in inputs),
+                                 tuple(_tensor_key(tensors[t]) for t in outputs)))
+    return result
+
+
+def _loss_and_optimizer(model, loss, optimizer):
+    loss = loss if loss is not None else getattr(model, "loss", None)
+    loss_fn = keras.losses.get(loss) if loss is not None else keras.losses.SparseCategoricalCrossentropy()
+    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    return loss_fn, optimizer if optimizer is not None else keras.optimizers.SGD()
+
+
+def _split(x, microbatches: int, what: str):
+    batch = x.shape[0]
+    if batch is not None and batch % microbatches:
+        raise LMSOptionError(f"the {what} batch of {batch} does not split into {microbatches} equal micro-batches: "
+                             f"use a batch size divisible by {microbatches}.")
+    return tf.split(x, microbatches)
+
+
+def _mean_of(accumulated: List[tf.Tensor], microbatches: int) -> List[tf.Tensor]:
+    """The accumulated gradients averaged over the micro-batches (one helper, so the pipelined and
+    the single-device step round the same way)."""
+    return [g / microbatches for g in accumulated]
+
+
+def accumulation_step(model, microbatches: int, *, loss=None, optimizer=None):
+    """The single-device training step with gradient accumulation: the reference a pipelined step equals.
+
+    Each micro-batch's loss (the loss's own reduction over the micro-batch) is differentiated on
+    its own; the gradients are summed in micro-batch order, averaged, and applied once.
+
+    Args:
+        model: A built Keras model.
+        microbatches: Micro-batches per step.
+        loss: A Keras loss (default: the model's compiled loss, else sparse categorical cross-entropy).
+        optimizer: A Keras optimizer (default: the model's, else SGD).
+
+    Returns:
+        A ``tf.function`` ``step(x, y) -> mean loss over the micro-batches``.
+
+    Examples:
+        >>> import keras, numpy as np
+        >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        >>> step = accumulation_step(model, 2)
+        >>> float(step(np.ones((4, 8), "float32"), np.zeros((4,), "int32"))) > 0
+        True
+    """
+    loss_fn, optimizer = _loss_and_optimizer(model, loss, optimizer)
+
+    @tf.function
+    def step(x, y):
+        xs, ys = _split(x, microbatches, "input"), _split(y, microbatches, "label")
+        accumulated, losses = None, []
+        for m in range(microbatches):
+            with tf.GradientTape() as tape:
+                value = loss_fn(ys[m], model(xs[m], training=True))
+            grads = tape.gradient(value, model.trainable_variables)
+            accumulated = grads if accumulated is None else [a + g for a, g in zip(accumulated, grads)]
+            losses.append(value)
+        optimizer.apply_gradients(zip(_mean_of(accumulated, microbatches), model.trainable_variables))
+        return tf.add_n(losses) / microbatches
+
+    return step
+
+
+class PipelineStep:
+    """A model's training step run as a pipeline of stages on their devices, in one process.
+
+    Args:
+        model: A built Sequential or Functional Keras model.
+        stages: A :class:`~lms_tf.pipeline.Partition` (its stages' layers, schedule and
+            micro-batches are used), or a list of each stage's layer names.
+        microbatches: Micro-batches per step (taken from the partition when one is given).
+        schedule: ``"1f1b"`` or ``"gpipe"`` (taken from the partition when one is given).
+        devices: One TensorFlow device per stage (logical CPUs work: ``["/CPU:0", "/CPU:1"]``).
+        loss: A Keras loss (default: the model's compiled loss, else sparse categorical cross-entropy).
+        optimizer: A Keras optimizer (default: the model's, else SGD).
+
+    Attributes:
+        stages: The :class:`StageModel` of each stage.
+        tasks: Each stage's tasks in the order it runs them.
+
+    Raises:
+        LMSOptionError: Bad stages (see :func:`split_stages`), a device count that is not one per
+            stage, a device TensorFlow does not have, or a schedule that is unknown.
+
+    Examples:
+        >>> import keras, numpy as np
+        >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="a"),
+        ...                           keras.layers.Dense(4, name="b")])
+        >>> step = PipelineStep(model, [["a"], ["b"]], microbatches=4, schedule="gpipe", devices=["/CPU:0", "/CPU:1"])
+        >>> [" ".join(map(str, t)) for t in step.tasks]
+        ['F0 F1 F2 F3 B0 B1 B2 B3', 'F0 F1 F2 F3 B0 B1 B2 B3']
+    """
+
+    def __init__(self, model, stages, *, microbatches: Optional[int] = None, schedule: Optional[str] = None,
+                 devices: Sequence[str], loss=None, optimizer=None):
+        if hasattr(stages, "stages") and hasattr(stages, "schedule"):  # a Partition
+            partition = stages
+            stage_layers = [list(s.layers) for s in partition.stages]
+            microbatches = partition.microbatches if microbatches is None else microbatches
+            schedule = partition.schedule if schedule is None else schedule
+        else:
+            stage_layers = [list(s) for s in stages]
+        microbatches = 1 if microbatches is None else microbatches
+        schedule = schedule or "1f1b"
+        if isinstance(devices, str) or len(devices) != len(stage_layers):
+            raise LMSOptionError(f"devices= needs one device per stage ({len(stage_layers)}); got {devices!r}.")
+        known = {tf.DeviceSpec.from_string(d.name).to_string() for d in tf.config.list_logical_devices()}
+        for device in devices:
+            spec = tf.DeviceSpec.from_string(device)
+            matches = [k for k in known if tf.DeviceSpec.from_string(k).device_type == (spec.device_type or "").upper()
+                       and tf.DeviceSpec.from_string(k).device_index == spec.device_index]
+            if spec.job is None and not matches:
+                raise LMSOptionError(f"device {device!r} is not one of this process's devices "
+                                     f"({', '.join(sorted(known))}); on a CPU, make logical devices with "
+                                     f"tf.config.set_logical_device_configuration before TensorFlow starts.")
+        if len(getattr(_functional(model), "inputs", None) or [None]) != 1:
+            raise LMSOptionError(f"pipeline execution runs models with one input; {model.name!r} has "
+                                 f"{len(_functional(model).inputs)}.")
+        self.tasks = stage_tasks(schedule, len(stage_layers), microbatches)
+        self.order = run_order(self.tasks)
+        self.stages = split_stages(model, stage_layers)
+        self.model, self.devices, self.microbatches, self.schedule = model, list(devices), microbatches, schedule
+        self.loss_fn, self.optimizer = _loss_and_optimizer(model, loss, optimizer)
+        self._step = tf.function(self._run)
+
+    def __call__(self, x, y):
+        """Runs one pipelined training step; returns the mean loss over the micro-batches."""
+        return self._step(x, y)
+
+    def get_concrete_function(self, x, y):
+        """The traced step (for inspecting the ops and control edges it runs).
+
+        Examples:
+            >>> PipelineStep.get_concrete_function.__name__
+            'get_concrete_function'
+        """
+        return self._step.get_concrete_function(x, y)
+
+    def _run(self, x, y):
+        (input_key,) = [key for key in self.stages[0].inputs] or [None]
+        xs, ys = _split(x, self.microbatches, "input"), _split(y, self.microbatches, "label")
+        last = len(self.stages) - 1
+        values: List[Dict[str, tf.Tensor]] = [{input_key: xs[m]} for m in range(self.microbatches)]
+        grads_in: List[Dict[str, List[tf.Tensor]]] = [{} for _ in range(self.microbatches)]
+        tapes: Dict[Tuple[int, int], Tuple[tf.GradientTape, list, list]] = {}
+        losses: Dict[int, tf.Tensor] = {}
+        previous: List[list] = [[] for _ in self.stages]  # each stage's last task's outputs: the next one waits
+        variables = [stage.model.trainable_variables for stage in self.stages]
+        accumulated: List[Optional[list]] = [None for _ in self.stages]
+        for task in self.order:
+            stage, m = self.stages[task.stage], task.microbatch
+            with tf.device(self.devices[task.stage]), tf.name_scope(f"stage{task.stage}_{task.kind}{m}"):
+                if task.kind == FORWARD:
+                    with tf.GradientTape() as tape:
+                        inputs = _gated([values[m][key] for key in stage.inputs], previous[task.stage])
+                        tape.watch([t for key, t in zip(stage.inputs, inputs) if key != input_key])
+                        outputs = stage.model(inputs if len(inputs) > 1 else inputs[0], training=True)
+                        outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+                        if task.stage == last:
+                            losses[m] = self.loss_fn(ys[m], outputs[0] if len(outputs) == 1 else outputs)
+                    for key, value in zip(stage.outputs, outputs):
+                        values[m][key] = value
+                    tapes[(task.stage, m)] = (tape, inputs, outputs)
+                    previous[task.stage] = outputs + ([losses[m]] if task.stage == last else [])
+                else:
+                    tape, inputs, outputs = tapes.pop((task.stage, m))
+                    sources = [t for key, t in zip(stage.inputs, inputs) if key != input_key]
+                    source_keys = [key for key in stage.inputs if key != input_key]
+                    if task.stage == last:  # the seed TensorFlow would use, gated like the others
+                        target, seeds = [losses[m]], [tf.ones_like(losses[m])]
+                    else:
+                        target = outputs
+                        seeds = [_summed(grads_in[m].get(key), out) for key, out in zip(stage.outputs, outputs)]
+                    grads = tape.gradient(target, sources + variables[task.stage],
+                                          output_gradients=_gated(seeds, previous[task.stage]),
+                                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                    for key, g in zip(source_keys, grads[:len(sources)]):
+                        grads_in[m].setdefault(key, []).append(g)
+                    weight_grads = grads[len(sources):]
+                    acc = accumulated[task.stage]
+                    accumulated[task.stage] = weight_grads if acc is None else [a + g for a, g in zip(acc, weight_grads)]
+                    previous[task.stage] = list(accumulated[task.stage]) + list(grads[:len(sources)])
+        # One update for all stages' weights, in the model's order: the optimizer counts one
+        # iteration per step (Adam's bias correction reads it), as the single-device step does.
+        by_variable = {id(v): g for stage_vars, grads in zip(variables, accumulated) for v, g in zip(stage_vars, grads or ())}
+        weights = self.model.trainable_variables
+        self.optimizer.apply_gradients(zip(_mean_of([by_variable[id(v)] for v in weights], self.microbatches), weights))
+        return tf.add_n([losses[m] for m in range(self.microbatches)]) / self.microbatches
+
+
+def _gated(tensors: List[tf.Tensor], after: List[tf.Tensor]) -> List[tf.Tensor]:
+    """``tensors`` through Identities that wait for ``after`` (the stage's previous task): the
+    schedule's order on a stage. The control edge goes into a kept Identity, never into the
+    stage's own ops: Grappler's remapper does not fuse an op with a control input (MatMul +
+    BiasAdd + activation), and an unfused op rounds differently from the single-device step."""
+    if not after:
+        return list(tensors)
+    with tf.control_dependencies(after):
+        gated = [tf.identity(t, name="pipeline_gate") for t in tensors]
+    for t in gated:
+        mark(t.op, "pipeline_gate")
+    return gated
+
+
+def _summed(contributions: Optional[List[tf.Tensor]], like: tf.Tensor) -> tf.Tensor:
+    """A stage output's gradient: the sum of what the later stages reading it sent back (zero if none)."""
+    if not contributions:
+        return tf.zeros_like(like)
+    return contributions[0] if len(contributions) == 1 else tf.add_n(contributions)
