@@ -1,4 +1,5 @@
-"""Test set-up: two logical CPUs stand in for accelerator (/CPU:0) and host (/CPU:1)."""
+"""Test set-up: two logical CPUs stand in for accelerator (/CPU:0) and host (/CPU:1); a third
+holds the third stage of the pipelined steps (tests/test_pipeline_execution.py)."""
 
 import os
 
@@ -15,7 +16,7 @@ import tensorflow as tf  # noqa: E402
 
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
+    _cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(3)])
 
 import pytest  # noqa: E402
 

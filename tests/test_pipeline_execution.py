@@ -1,0 +1,242 @@
+"""Pipeline execution in one process: stages on logical CPUs, GPipe and 1F1B in the graph.
+
+Numbers: a pipelined step equals the single-device step with gradient accumulation over the
+same micro-batches, bit for bit (losses, weights, optimizer state, batch statistics), on the zoo
+families and an attention block. Structure: each stage's tasks are chained by kept Identities
+in the schedule's order. Behaviour: the profiler's executed order on each stage follows the
+schedule. Memory per stage needs one allocator per stage (separate processes); logical CPUs
+share one, so nothing here measures it.
+"""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import layers
+
+import lms_tf
+from lms_tf.core.errors import LMSOptionError
+from lms_tf.pipeline import in_flight, max_in_flight, run_order, stage_tasks
+from lms_tf.pipeline.schedule import Task
+from lms_tf.tf.diagnostics import executed_ops
+from lms_tf.tf.pipeline_step import PipelineStep, accumulation_step, split_stages
+from tests import zoo
+
+DEVICES = ["/CPU:0", "/CPU:1", "/CPU:2"]
+MICROBATCHES = 4
+
+
+def attention_block():
+    """A Transformer encoder block: self-attention and a GELU MLP, each in a residual with LayerNorm."""
+    zoo._seed()
+    rng = np.random.RandomState(9)
+    x = rng.rand(3 * zoo.BATCH, 12, 16).astype("float32")
+    y = rng.randint(0, 5, 3 * zoo.BATCH).astype("int32")
+    inputs = keras.Input((12, 16))
+    h = layers.Dense(32, name="embed")(inputs)
+    a = layers.MultiHeadAttention(num_heads=2, key_dim=16, name="attention")(h, h)
+    h = layers.LayerNormalization(name="norm1")(layers.Add(name="residual1")([h, a]))
+    f = layers.Dense(64, activation="gelu", name="mlp_in")(h)
+    f = layers.Dense(32, name="mlp_out")(f)
+    h = layers.LayerNormalization(name="norm2")(layers.Add(name="residual2")([h, f]))
+    outputs = layers.Dense(5, name="head")(layers.GlobalAveragePooling1D(name="pool")(h))
+    return zoo._compile(keras.Model(inputs, outputs, name="attention_block")), (x, y)
+
+
+MODELS = {"sequential_cnn": zoo.sequential_cnn, "resnet_style": zoo.resnet_style,
+          "inception_style": zoo.inception_style, "text_embedding": zoo.text_embedding,
+          "dropout_mlp": zoo.dropout_mlp, "lstm": zoo.lstm_model, "attention_block": attention_block}
+
+
+def contiguous(model, stages):
+    """The model's layers (graph order) cut into ``stages`` runs of near-equal length."""
+    names = [op.name for op in (model._functional if isinstance(model, keras.Sequential) else model).operations
+             if not isinstance(op, keras.layers.InputLayer)]
+    bounds = np.linspace(0, len(names), stages + 1).round().astype(int)
+    return [names[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+
+def train_both(build, make_step, steps=3):
+    """Trains two identical builds, one with the accumulation step, one with ``make_step(model)``;
+    returns the losses of each and the two models."""
+    reference, (x, y) = build()
+    pipelined, _ = build()
+    plain_step, pipe_step = accumulation_step(reference, MICROBATCHES), make_step(pipelined)
+    batches = [(x[i * zoo.BATCH:(i + 1) * zoo.BATCH], y[i * zoo.BATCH:(i + 1) * zoo.BATCH]) for i in range(steps)]
+    plain = [float(plain_step(bx, by)) for bx, by in batches]
+    piped = [float(pipe_step(bx, by)) for bx, by in batches]
+    return plain, piped, reference, pipelined
+
+
+def assert_same_state(reference, pipelined):
+    # two builds of one model: same weights in the same order (unnamed layers number differently)
+    assert len(reference.weights) == len(pipelined.weights)
+    for a, b in zip(reference.weights, pipelined.weights):
+        assert a.shape == b.shape and np.array_equal(a.numpy(), b.numpy()), (a.path, b.path)
+    assert len(reference.optimizer.variables) == len(pipelined.optimizer.variables)
+    for a, b in zip(reference.optimizer.variables, pipelined.optimizer.variables):
+        assert np.array_equal(np.asarray(a.numpy()), np.asarray(b.numpy())), a.path
+
+
+CASES = [(name, "1f1b", 3) for name in MODELS] + [(name, "gpipe", 2) for name in MODELS] + [
+    ("resnet_style", "gpipe", 3), ("resnet_style", "1f1b", 2), ("attention_block", "gpipe", 3)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,schedule,stages", CASES, ids=[f"{n}-{s}-K{k}" for n, s, k in CASES])
+def test_a_pipelined_step_equals_gradient_accumulation_bit_for_bit(name, schedule, stages):
+    plain, piped, reference, pipelined = train_both(MODELS[name], lambda model: PipelineStep(
+        model, contiguous(model, stages), microbatches=MICROBATCHES, schedule=schedule, devices=DEVICES[:stages]))
+    assert plain == piped and len(set(plain)) > 1, (plain, piped)  # it trains, and identically
+    assert_same_state(reference, pipelined)
+
+
+@pytest.mark.timeout(300)
+def test_the_memory_balanced_partition_trains_as_a_pipeline():
+    made = {}
+
+    def pipeline(model):
+        made["partition"] = lms_tf.partition(model, stages=3, microbatches=MICROBATCHES, batch_size=zoo.BATCH)
+        made["step"] = PipelineStep(model, made["partition"], devices=DEVICES)
+        return made["step"]
+
+    plain, piped, reference, pipelined = train_both(zoo.resnet_style, pipeline)
+    assert plain == piped
+    assert_same_state(reference, pipelined)
+    partition, step = made["partition"], made["step"]
+    assert [s.layers for s in step.stages] == [s.layers for s in partition.stages]
+    assert step.schedule == partition.schedule == "1f1b" and step.microbatches == partition.microbatches
+
+
+def test_a_skip_connection_goes_straight_to_the_stage_that_reads_it():
+    model, _ = zoo.resnet_style()
+    stages = split_stages(model, contiguous(model, 3))
+    produced = {key for s in stages for key in s.outputs}
+    for k, stage in enumerate(stages[1:], start=1):
+        for key in stage.inputs:  # every input comes from an earlier stage's outputs
+            assert any(key in earlier.outputs for earlier in stages[:k]), (k, key)
+    # a residual's shortcut that skips a whole stage is an output of the stage before it, read
+    # by a later stage, and the stage in between neither reads nor hands it on
+    x = keras.Input((8,))
+    a = layers.Dense(8, name="a")(x)
+    b = layers.Dense(8, name="b")(a)
+    c = layers.Dense(8, name="c")(b)
+    out = layers.Dense(2, name="out")(layers.Add(name="add")([a, c]))
+    s0, s1, s2 = split_stages(keras.Model(x, out), [["a"], ["b"], ["c", "add", "out"]])
+    assert s0.outputs == ("a:0:0",) and s1.inputs == ("a:0:0",) and s1.outputs == ("b:0:0",)
+    assert s2.inputs == ("a:0:0", "b:0:0") and produced
+
+
+def task_of(name):
+    """The task an op of a pipelined step belongs to: its name scope ``stage{k}_{F|B}{m}/``, or for
+    a gradient op (TensorFlow names them ``gradient_tape/<forward op>``) the backward pass of the
+    forward task it differentiates."""
+    if name.startswith("gradient_tape/stage"):
+        k, task = name[len("gradient_tape/"):].split("/")[0].split("_")
+        return f"{k}_B{task[1:]}"
+    return name.split("/")[0]
+
+
+def _gates(step, x, y):
+    graph = step.get_concrete_function(x, y).graph
+    return [op for op in graph.get_operations() if op.type == "Identity" and "pipeline_gate" in op.name]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_stage_task_waits_for_the_one_before_it_through_kept_identities(schedule):
+    model, (x, y) = zoo.resnet_style()
+    step = PipelineStep(model, contiguous(model, 3), microbatches=MICROBATCHES, schedule=schedule, devices=DEVICES)
+    gates = _gates(step, x[:zoo.BATCH], y[:zoo.BATCH])
+    seen = set()
+    for k, tasks in enumerate(step.tasks):
+        for before, task in zip(tasks, tasks[1:]):
+            scope = f"stage{k}_{task}/"
+            mine = [g for g in gates if g.name.startswith(scope)]
+            assert mine, scope
+            for gate in mine:
+                waits = {task_of(c.name) for c in gate.control_inputs}
+                assert waits == {f"stage{k}_{before}"}, (gate.name, waits)
+                assert gate.get_attr("_grappler_do_not_remove") and gate.get_attr("_lms") == b"pipeline_gate"
+                seen.add(gate.name)
+        assert not [g for g in gates if g.name.startswith(f"stage{k}_{tasks[0]}/")]  # the first waits for nothing
+    assert seen == {g.name for g in gates}
+    # no op of a stage's own computation carries a control input (Grappler's remapper would not fuse it)
+    graph = step.get_concrete_function(x[:zoo.BATCH], y[:zoo.BATCH]).graph
+    for op in graph.get_operations():
+        if op.type in ("Conv2D", "MatMul", "BiasAdd", "Relu") and op.name.startswith("stage"):
+            assert not op.control_inputs, op.name
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_executor_runs_each_stage_in_the_schedules_order(schedule):
+    """The profiler's kernels per stage: every compute kernel of a task ends before the first
+    compute kernel of the stage's next task starts."""
+    model, (x, y) = zoo.sequential_cnn()
+    step = PipelineStep(model, contiguous(model, 3), microbatches=MICROBATCHES, schedule=schedule, devices=DEVICES)
+    bx, by = tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH])
+    step(bx, by)
+    events = executed_ops(lambda: step(bx, by).numpy())
+    compute = ("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "MatMul", "_FusedConv2D", "_FusedMatMul")
+    for k, tasks in enumerate(step.tasks):
+        spans = []
+        for task in tasks:
+            mine = [e for e in events if e.type in compute and executed_task(e.node) == f"stage{k}_{task}"]
+            assert mine, (k, str(task))
+            spans.append((min(e.start_ps for e in mine), max(e.end_ps for e in mine)))
+        for (task, (_, end)), (following, (start, _)) in zip(zip(tasks, spans), zip(tasks[1:], spans[1:])):
+            assert end <= start, (k, str(task), str(following))
+    assert max_in_flight(step.tasks[0]) == in_flight(schedule, 0, 3, MICROBATCHES)
+
+
+def executed_task(node):
+    """:func:`task_of` an executed node, whose name Grappler may prefix (inlined functions)."""
+    found = re.search(r"(?:^|/)((?:gradient_tape/)?stage\d+_[FB]\d+/)", node)
+    return task_of(found.group(1)) if found else None
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,microbatches", [(1, 1), (2, 1), (2, 4), (3, 4), (4, 8), (8, 3), (5, 16)])
+def test_schedules_hold_what_the_partition_counts_and_cannot_deadlock(schedule, stages, microbatches):
+    per_stage = stage_tasks(schedule, stages, microbatches)
+    for k, tasks in enumerate(per_stage):
+        assert sorted((t.kind, t.microbatch) for t in tasks) == sorted(
+            [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)])
+        assert [t.microbatch for t in tasks if t.kind == "B"] == list(range(microbatches))  # accumulation order
+        assert max_in_flight(tasks) == in_flight(schedule, k, stages, microbatches)
+    order = run_order(per_stage)
+    assert len(order) == 2 * stages * microbatches
+
+
+def test_a_schedule_that_waits_on_itself_is_named():
+    bad = ((Task(0, "B", 0), Task(0, "F", 0)), (Task(1, "F", 0), Task(1, "B", 0)))
+    with pytest.raises(LMSOptionError, match="deadlocks"):
+        run_order(bad)
+    with pytest.raises(LMSOptionError, match="schedule must be"):
+        stage_tasks("zigzag", 2, 2)
+
+
+def test_bad_pipelines_are_refused_before_anything_is_traced():
+    model, (x, y) = zoo.sequential_cnn()
+    stages = contiguous(model, 2)
+    with pytest.raises(LMSOptionError, match="subclassed"):
+        PipelineStep(zoo.subclassed()[0], [["a"]], devices=DEVICES[:1])
+    with pytest.raises(LMSOptionError, match="does not have"):
+        PipelineStep(model, [stages[0], stages[1] + ["nope"]], devices=DEVICES[:2])
+    with pytest.raises(LMSOptionError, match="no stage runs"):
+        PipelineStep(model, [stages[0], stages[1][:-1]], devices=DEVICES[:2])
+    with pytest.raises(LMSOptionError, match="in stages 0 and 1"):
+        PipelineStep(model, [stages[0], stages[0] + stages[1]], devices=DEVICES[:2])
+    with pytest.raises(LMSOptionError, match="one device per stage"):
+        PipelineStep(model, stages, devices=DEVICES)
+    with pytest.raises(LMSOptionError, match="not one of this process's devices"):
+        PipelineStep(model, stages, devices=["/CPU:0", "/CPU:7"])
+    with pytest.raises(LMSOptionError, match="follow the model's order"):
+        PipelineStep(model, [stages[1], stages[0]], devices=DEVICES[:2])
+    with pytest.raises(LMSOptionError, match="one input"):
+        PipelineStep(zoo.shared_multi_input_residual()[0], [["shared_conv"]], devices=DEVICES[:1])
+    step = PipelineStep(model, stages, microbatches=3, devices=DEVICES[:2])
+    with pytest.raises(LMSOptionError, match="does not split into 3 equal micro-batches"):
+        step(x[:8], y[:8])
