@@ -42,11 +42,14 @@ from lms_tf._compat.grappler import (
                                   grappler_peak_memory,
 )
 from lms_tf._compat.keras import (
+                                  call_node,
                                   fit_batch_size,
+                                  functional_graph,
                                   get_jit_compile,
                                   keras_module,
                                   layer_scope_aliases,
                                   layer_scope_aliases_in,
+                                  nodes_in_call_order,
                                   optimizer_entry_points,
                                   set_jit_compile,
                                   using_legacy_keras,
@@ -54,9 +57,11 @@ from lms_tf._compat.keras import (
 from lms_tf._compat.profiler import onednn_enabled, profile_allocations, profile_executed_ops
 
 __all__ = ["GRAPPLER_RECOMPUTED_PREFIX", "GRAPPLER_SWAP_OPS", "add_control_input", "automatic_control_dependencies",
-           "check_private_apis", "clone_op", "current_graph", "dataset_batch_size", "function_def", "fit_batch_size", "get_jit_compile",
-           "grappler_accumulated_sums", "grappler_default_optimized", "grappler_memory_optimized", "grappler_peak_live_tensors",
+           "call_node", "check_private_apis", "clone_op", "current_graph", "dataset_batch_size", "fit_batch_size",
+           "function_def", "functional_graph", "get_jit_compile", "grappler_accumulated_sums",
+           "grappler_default_optimized", "grappler_memory_optimized", "grappler_peak_live_tensors",
            "grappler_peak_memory", "infer_shapes_with_inputs", "is_function_graph", "keras_module",
-           "layer_scope_aliases", "layer_scope_aliases_in", "onednn_enabled", "op_is_stateful", "optimizer_entry_points", "profile_allocations",
-           "profile_executed_ops", "set_bool_attr", "set_int_attr", "set_jit_compile", "set_string_attr",
-           "string_attr", "update_input", "using_legacy_keras"]
+           "layer_scope_aliases", "layer_scope_aliases_in", "nodes_in_call_order", "onednn_enabled",
+           "op_is_stateful", "optimizer_entry_points", "profile_allocations", "profile_executed_ops",
+           "set_bool_attr", "set_int_attr", "set_jit_compile", "set_string_attr", "string_attr", "update_input",
+           "using_legacy_keras"]

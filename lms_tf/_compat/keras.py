@@ -229,3 +229,63 @@ def optimizer_entry_points() -> List[Tuple[type, str]]:
             if method in cls.__dict__:
                 entries.append((cls, method))
     return entries
+
+
+def functional_graph(model):
+    """The layer graph a Sequential or Functional Keras 3 model calls (None for a subclassed model).
+
+    Examples:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> functional_graph(model) is not None
+        True
+    """
+    import keras
+
+    if isinstance(model, keras.Sequential):
+        return getattr(model, "_functional", None)
+    if getattr(model, "_nodes_by_depth", None) is not None and getattr(model, "_inputs_struct", None) is not None:
+        return model
+    return None
+
+
+def nodes_in_call_order(graph) -> list:
+    """The graph's layer calls (Keras nodes) in the order ``Functional.call`` runs them: deepest
+    first, each depth in its list's order. Running a subset of them in this order records the
+    same ops in the same relative order as the whole model's call (a tape then sums a tensor's
+    gradients in the same order).
+
+    Examples:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")])
+        >>> [node.operation.name for node in nodes_in_call_order(functional_graph(model))]
+        ['d']
+    """
+    nodes = []
+    for depth in sorted(graph._nodes_by_depth, reverse=True):
+        nodes.extend(node for node in graph._nodes_by_depth[depth] if node.operation and not node.is_input)
+    return nodes
+
+
+def call_node(graph, node, values: Dict[int, object], training) -> None:
+    """Runs one layer call of ``graph`` as ``Functional.call`` does (call-context arguments such
+    as ``training`` passed to the layers that take them), reading and writing ``values`` (the
+    graph's symbolic tensor ids -> tensors).
+
+    Examples:
+        >>> import keras, numpy as np
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")])
+        >>> graph = functional_graph(model)
+        >>> values = {id(graph.inputs[0]): np.ones((1, 4), "float32")}
+        >>> call_node(graph, nodes_in_call_order(graph)[0], values, training=True)
+        >>> tuple(values[id(graph.outputs[0])].shape)
+        (1, 2)
+    """
+    from keras import tree
+    from keras.src.models.functional import operation_fn
+
+    args, kwargs = node.arguments.fill_in(values)
+    operation = graph._get_operation_for_node(node) if hasattr(graph, "_get_operation_for_node") else node.operation
+    outputs = operation_fn(operation, training=training)(*args, **kwargs)
+    for symbolic, value in zip(node.outputs, tree.flatten(outputs)):
+        values[id(symbolic)] = value

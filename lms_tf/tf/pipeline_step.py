@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
+from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
 from lms_tf.tf.rewrite.common import mark
@@ -39,13 +40,17 @@ logger = logging.getLogger("lms_tf")
 
 
 class StageModel:
-    """One stage of a split model: the Keras sub-model, and which graph tensors it reads and hands on.
+    """One stage of a split model: the model's own layer calls it runs, and which graph tensors it
+    reads and hands on.
+
+    A stage runs the model's layer calls (Keras nodes) in the order the whole model's ``call``
+    runs them, so its ops are recorded in the same relative order as on one device and a tape
+    sums a tensor's gradients in the same order.
 
     Attributes:
         index: Position in the pipeline, from 0.
         layers: Names of the model's layers it runs.
-        model: The Keras sub-model (sharing the original model's layers and weights).
-        inputs: Keys of the tensors it reads (``"model_input:0"`` for the model's inputs).
+        inputs: Keys of the tensors it reads (the model's input first, if it reads it).
         outputs: Keys of the tensors it produces that later stages read (the model's outputs for the last).
 
     Examples:
@@ -56,20 +61,22 @@ class StageModel:
         [('a',), ('b',)]
     """
 
-    def __init__(self, index: int, layers: Tuple[str, ...], model, inputs: Tuple[str, ...], outputs: Tuple[str, ...]):
-        self.index, self.layers, self.model, self.inputs, self.outputs = index, layers, model, inputs, outputs
+    def __init__(self, index: int, layers: Tuple[str, ...], graph, nodes: list, inputs: list, outputs: list):
+        self.index, self.layers = index, layers
+        self._graph, self._nodes, self._inputs, self._outputs = graph, nodes, inputs, outputs
+        self.inputs = tuple(_tensor_key(t) for t in inputs)
+        self.outputs = tuple(_tensor_key(t) for t in outputs)
+
+    def __call__(self, inputs: Sequence[tf.Tensor], training: bool = True) -> List[tf.Tensor]:
+        """Runs the stage's layer calls on ``inputs`` (one per key in :attr:`inputs`); returns
+        one tensor per key in :attr:`outputs`."""
+        values = {id(symbolic): value for symbolic, value in zip(self._inputs, inputs)}
+        for node in self._nodes:
+            _compat.call_node(self._graph, node, values, training)
+        return [values[id(symbolic)] for symbolic in self._outputs]
 
     def __repr__(self) -> str:
         return f"StageModel({self.index}, layers={list(self.layers)}, inputs={list(self.inputs)}, outputs={list(self.outputs)})"
-
-
-def _functional(model):
-    """The functional graph of a Sequential or Functional model (None for a subclassed one)."""
-    if isinstance(model, keras.Sequential):
-        if getattr(model, "_functional", None) is None:
-            return None
-        return model._functional
-    return model if hasattr(model, "_operations") and getattr(model, "_inputs_struct", None) is not None else None
 
 
 def _tensor_key(tensor) -> str:
@@ -78,7 +85,7 @@ def _tensor_key(tensor) -> str:
 
 
 def split_stages(model, stage_layers: Sequence[Sequence[str]]) -> List[StageModel]:
-    """Cuts a Sequential or Functional model into one Keras sub-model per stage.
+    """Cuts a Sequential or Functional model into stages that run its own layer calls.
 
     Args:
         model: A built Sequential or Functional Keras model (its layers each called once).
@@ -102,12 +109,15 @@ def split_stages(model, stage_layers: Sequence[Sequence[str]]) -> List[StageMode
         >>> stages[1].inputs   # the skip's input from stage 0 is sent straight to stage 1
         ('a:0:0',)
     """
-    graph = _functional(model)
+    graph = _compat.functional_graph(model)
     if graph is None:
         raise LMSOptionError(f"pipeline execution cuts a model's layer graph, and {model.name!r} is subclassed (its "
                              f"layers are called from Python code, not a graph). Build it as a Sequential or "
                              f"Functional model, or partition it for prediction only (lms_tf.partition).")
-    layers = {op.name: op for op in graph.operations if not isinstance(op, keras.layers.InputLayer)}
+    nodes = _compat.nodes_in_call_order(graph)
+    layers = {}
+    for node in nodes:
+        layers.setdefault(node.operation.name, []).append(node)
     stage_of: Dict[str, int] = {}
     for k, names in enumerate(stage_layers):
         for name in names:
@@ -122,43 +132,37 @@ def split_stages(model, stage_layers: Sequence[Sequence[str]]) -> List[StageMode
     if missing:
         raise LMSOptionError(f"no stage runs layer(s) {', '.join(map(repr, missing[:5]))} of {model.name!r}: "
                              f"give every layer to a stage (lms_tf.partition does).")
-    shared = [name for name, layer in layers.items() if len(layer._inbound_nodes) > 1]
+    shared = [name for name, calls in layers.items() if len(calls) > 1]
     if shared:
         raise LMSOptionError(f"layer(s) {', '.join(map(repr, shared[:5]))} of {model.name!r} are called more than "
                              f"once (shared); pipeline execution needs each layer called once.")
-    model_inputs = {id(t) for t in graph.inputs}
-    produced_by: Dict[int, int] = {}  # tensor id -> stage (-1: model input)
-    tensors: Dict[int, object] = {}
-    for t in graph.inputs:
-        produced_by[id(t)], tensors[id(t)] = -1, t
-    readers: Dict[int, set] = {}
-    for name, layer in layers.items():
-        node = layer._inbound_nodes[0]
-        for t in node.output_tensors:
-            produced_by[id(t)], tensors[id(t)] = stage_of[name], t
+    tensors: Dict[int, object] = {id(t): t for t in graph.inputs}
+    produced_by: Dict[int, int] = {id(t): -1 for t in graph.inputs}  # -1: the model's input
+    readers: Dict[int, List[int]] = {}
+    for node in nodes:
+        k = stage_of[node.operation.name]
+        for t in node.outputs:
+            produced_by[id(t)], tensors[id(t)] = k, t
         for t in node.input_tensors:
-            readers.setdefault(id(t), set()).add(stage_of[name])
+            readers.setdefault(id(t), []).append(k)
     for tid, stages in readers.items():
-        if tid in produced_by and produced_by[tid] > min(stages):
+        if produced_by[tid] > min(stages):
             raise LMSOptionError(f"stage {min(stages)} reads a tensor stage {produced_by[tid]} produces: stages must "
                                  f"follow the model's order.")
-    model_outputs = [id(t) for t in graph.outputs]
+    last = len(stage_layers) - 1
+    if any(produced_by[id(t)] != last for t in graph.outputs):
+        raise LMSOptionError(f"the last stage must produce the model's outputs; stage {last} runs "
+                             f"{', '.join(map(repr, stage_layers[last]))}.")
+    model_inputs = [id(t) for t in graph.inputs]
     result = []
     for k, names in enumerate(stage_layers):
-        inputs = [tid for tid, stages in readers.items() if k in stages and produced_by.get(tid) != k]
-        if k == 0:
-            inputs = [id(t) for t in graph.inputs if id(t) in readers] or [id(t) for t in graph.inputs]
-        elif any(tid in model_inputs for tid in inputs):
-            pass  # a later stage reading the model's input gets it like any other tensor
-        outputs = ([tid for tid in model_outputs] if k == len(stage_layers) - 1 else
-                   [tid for tid, stages in readers.items() if produced_by.get(tid) == k and max(stages) > k])
-        if k == len(stage_layers) - 1 and any(produced_by.get(tid) != k for tid in outputs):
-            raise LMSOptionError(f"the last stage must produce the model's outputs; stage {k} runs "
-                                 f"{', '.join(map(repr, names))}.")
-        inputs = sorted(inputs, key=lambda tid: _tensor_key(tensors[tid]))
-        sub = keras.Model([tensors[t] for t in inputs], [tensors[t] for t in outputs], name=f"{model.name}_stage{k}")
-        result.append(StageModel(k, tuple(names), sub, tuple(_tensor_key(tensors[t]) for t in inputs),
-                                 tuple(_tensor_key(tensors[t]) for t in outputs)))
+        read = [tid for tid, stages in readers.items() if k in stages and produced_by[tid] != k]
+        inputs = [tid for tid in model_inputs if tid in read or k == 0] + sorted(
+            (tid for tid in read if tid not in model_inputs), key=lambda tid: _tensor_key(tensors[tid]))
+        outputs = ([id(t) for t in graph.outputs] if k == last else
+                   [tid for tid, stages in readers.items() if produced_by[tid] == k and max(stages) > k])
+        result.append(StageModel(k, tuple(names), graph, [n for n in nodes if stage_of[n.operation.name] == k],
+                                 [tensors[t] for t in inputs], [tensors[t] for t in outputs]))
     return result
 
 
@@ -175,6 +179,14 @@ def _split(x, microbatches: int, what: str):
         raise LMSOptionError(f"the {what} batch of {batch} does not split into {microbatches} equal micro-batches: "
                              f"use a batch size divisible by {microbatches}.")
     return tf.split(x, microbatches)
+
+
+def _accumulate(accumulated: Optional[list], grads: list) -> list:
+    """Adds one micro-batch's gradients to the running sums (one helper for the pipelined and the
+    single-device step, so both add in the same order). An embedding's gradient arrives as
+    ``IndexedSlices`` and is summed densely: the accumulator is dense, as a weight is."""
+    grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    return grads if accumulated is None else [a + g for a, g in zip(accumulated, grads)]
 
 
 def _mean_of(accumulated: List[tf.Tensor], microbatches: int) -> List[tf.Tensor]:
@@ -215,7 +227,7 @@ def accumulation_step(model, microbatches: int, *, loss=None, optimizer=None):
             with tf.GradientTape() as tape:
                 value = loss_fn(ys[m], model(xs[m], training=True))
             grads = tape.gradient(value, model.trainable_variables)
-            accumulated = grads if accumulated is None else [a + g for a, g in zip(accumulated, grads)]
+            accumulated = _accumulate(accumulated, grads)
             losses.append(value)
         optimizer.apply_gradients(zip(_mean_of(accumulated, microbatches), model.trainable_variables))
         return tf.add_n(losses) / microbatches
@@ -275,9 +287,10 @@ class PipelineStep:
                 raise LMSOptionError(f"device {device!r} is not one of this process's devices "
                                      f"({', '.join(sorted(known))}); on a CPU, make logical devices with "
                                      f"tf.config.set_logical_device_configuration before TensorFlow starts.")
-        if len(getattr(_functional(model), "inputs", None) or [None]) != 1:
+        graph = _compat.functional_graph(model)
+        if graph is not None and len(graph.inputs) != 1:
             raise LMSOptionError(f"pipeline execution runs models with one input; {model.name!r} has "
-                                 f"{len(_functional(model).inputs)}.")
+                                 f"{len(graph.inputs)}.")
         self.tasks = stage_tasks(schedule, len(stage_layers), microbatches)
         self.order = run_order(self.tasks)
         self.stages = split_stages(model, stage_layers)
@@ -299,7 +312,7 @@ class PipelineStep:
         return self._step.get_concrete_function(x, y)
 
     def _run(self, x, y):
-        (input_key,) = [key for key in self.stages[0].inputs] or [None]
+        input_key = self.stages[0].inputs[0]
         xs, ys = _split(x, self.microbatches, "input"), _split(y, self.microbatches, "label")
         last = len(self.stages) - 1
         values: List[Dict[str, tf.Tensor]] = [{input_key: xs[m]} for m in range(self.microbatches)]
@@ -307,7 +320,8 @@ class PipelineStep:
         tapes: Dict[Tuple[int, int], Tuple[tf.GradientTape, list, list]] = {}
         losses: Dict[int, tf.Tensor] = {}
         previous: List[list] = [[] for _ in self.stages]  # each stage's last task's outputs: the next one waits
-        variables = [stage.model.trainable_variables for stage in self.stages]
+        variables = [[v for name in stage.layers for v in self.model.get_layer(name).trainable_variables]
+                     for stage in self.stages]
         accumulated: List[Optional[list]] = [None for _ in self.stages]
         for task in self.order:
             stage, m = self.stages[task.stage], task.microbatch
@@ -316,8 +330,7 @@ class PipelineStep:
                     with tf.GradientTape() as tape:
                         inputs = _gated([values[m][key] for key in stage.inputs], previous[task.stage])
                         tape.watch([t for key, t in zip(stage.inputs, inputs) if key != input_key])
-                        outputs = stage.model(inputs if len(inputs) > 1 else inputs[0], training=True)
-                        outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+                        outputs = stage(inputs, training=True)
                         if task.stage == last:
                             losses[m] = self.loss_fn(ys[m], outputs[0] if len(outputs) == 1 else outputs)
                     for key, value in zip(stage.outputs, outputs):
@@ -339,8 +352,7 @@ class PipelineStep:
                     for key, g in zip(source_keys, grads[:len(sources)]):
                         grads_in[m].setdefault(key, []).append(g)
                     weight_grads = grads[len(sources):]
-                    acc = accumulated[task.stage]
-                    accumulated[task.stage] = weight_grads if acc is None else [a + g for a, g in zip(acc, weight_grads)]
+                    accumulated[task.stage] = _accumulate(accumulated[task.stage], weight_grads)
                     previous[task.stage] = list(accumulated[task.stage]) + list(grads[:len(sources)])
         # One update for all stages' weights, in the model's order: the optimizer counts one
         # iteration per step (Adam's bias correction reads it), as the single-device step does.
