@@ -28,7 +28,8 @@ from lms_tf.core.policy import Policies
 # --help, and the planning core) stay free of it.
 _LAZY = {"LMSFunction": "lms_tf.decorator", "function": "lms_tf.decorator", "LMSCallback": "lms_tf.keras",
          "PeakMemory": "lms_tf.tf.memory", "measure_peak_memory": "lms_tf.tf.memory", "LMSOptions": "lms_tf.options",
-         "partition": "lms_tf.partitioning"}
+         "partition": "lms_tf.partitioning", "PipelineStep": "lms_tf.tf.pipeline_step",
+         "accumulation_step": "lms_tf.tf.pipeline_step"}
 
 
 def __dir__():
@@ -81,5 +82,5 @@ def explain(obj) -> str:
 
 
 __all__ = ["Decision", "GraphAnalysisError", "InfeasibleBudgetError", "LMSCallback", "LMSError", "LMSFunction",
-           "LMSOptionError", "LMSOptions", "LMSWarning", "PeakMemory", "Plan", "Policies", "RewriteError", "explain",
-           "function", "measure_peak_memory", "partition", "__version__"]
+           "LMSOptionError", "LMSOptions", "LMSWarning", "PeakMemory", "PipelineStep", "Plan", "Policies", "RewriteError",
+           "accumulation_step", "explain", "function", "measure_peak_memory", "partition", "__version__"]

@@ -39,6 +39,13 @@ def _cases():
         make_budget_plan(chain_ir(), Policies(host="/CPU:1", budget="1KiB"), device="/device:GPU:0",
                          cost=CostModel(get_device_spec("v100-16gb-pcie3")))
 
+    def unassigned_layer():
+        import keras
+
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="hidden"),
+                                  keras.layers.Dense(2, name="head")], name="mlp")
+        lms_tf.PipelineStep(model, [["hidden"]], devices=["/CPU:0"])
+
     def eager():
         tf.config.run_functions_eagerly(True)
         try:
@@ -57,6 +64,7 @@ def _cases():
             PipelineProfile.chain([2**20] * 4), stages=2, microbatches=4, budget="1MiB")),
         ("More pipeline stages than layers", lambda: partition_layers(PipelineProfile.chain([2**20] * 4), stages=8,
                                                                        microbatches=4)),
+        ("A pipeline cut that leaves a layer out", unassigned_layer),
         ("Asking for a plan before training", lambda: lms_tf.explain(lms_tf.LMSCallback())),
         ("A step that runs eagerly", eager),
         ("No GPU and no device given (a warning: the step trains untouched)",
