@@ -1,14 +1,15 @@
 """A partitioned Keras model trained as a pipeline in one process: each stage on its own device,
 micro-batches run in the GPipe or 1F1B order, gradients accumulated over the micro-batches.
 
-The model's layer graph is cut into one Keras sub-model per stage (sharing the model's layers and
-weights). A stage's inputs are every tensor an earlier stage (or the model's input) produces that
+The model's layer graph is cut into stages that run the model's own layer calls, in the order
+the model's ``call`` runs them. A stage's inputs are every tensor an earlier stage (or the model's input) produces that
 one of its layers reads, so a skip connection that crosses a boundary goes straight to the stage
 that reads it. Each stage's forward pass of a micro-batch records its own tape; its backward pass
 takes the gradients of its outputs from the later stages that read them and hands on the
-gradients of its inputs. Each stage's tasks are chained with control edges in the schedule's
-order (:mod:`lms_tf.pipeline.schedule`), so the graph itself enforces GPipe or 1F1B on the
-executor, whatever order it would pick.
+gradients of its inputs. Each stage's tasks are chained in the schedule's order
+(:mod:`lms_tf.pipeline.schedule`) through kept Identities, so the graph itself enforces GPipe or
+1F1B on the executor, whatever order it would pick. Ops are named as on one device where names
+decide how gradients are summed (see :class:`PipelineStep`).
 
 :func:`accumulation_step` is the single-device step with gradient accumulation over the same
 micro-batches: the pipelined step computes the same ops on the same values and accumulates in
@@ -25,6 +26,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -37,6 +39,9 @@ from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
 from lms_tf.tf.rewrite.common import mark
 
 logger = logging.getLogger("lms_tf")
+
+#: The op attribute naming the task a pipeline gate belongs to (``stage<k>_<F|B><m>``).
+TASK_ATTR = "_lms_task"
 
 
 class StageModel:
@@ -219,7 +224,7 @@ def accumulation_step(model, microbatches: int, *, loss=None, optimizer=None):
     """
     loss_fn, optimizer = _loss_and_optimizer(model, loss, optimizer)
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(x, y):
         xs, ys = _split(x, microbatches, "input"), _split(y, microbatches, "label")
         accumulated, losses = None, []
@@ -296,7 +301,7 @@ class PipelineStep:
         self.stages = split_stages(model, stage_layers)
         self.model, self.devices, self.microbatches, self.schedule = model, list(devices), microbatches, schedule
         self.loss_fn, self.optimizer = _loss_and_optimizer(model, loss, optimizer)
-        self._step = tf.function(self._run)
+        self._step = tf.function(self._run, autograph=False)  # Python loops over a static schedule
 
     def __call__(self, x, y):
         """Runs one pipelined training step; returns the mean loss over the micro-batches."""
@@ -319,16 +324,29 @@ class PipelineStep:
         grads_in: List[Dict[str, List[tf.Tensor]]] = [{} for _ in range(self.microbatches)]
         tapes: Dict[Tuple[int, int], Tuple[tf.GradientTape, list, list]] = {}
         losses: Dict[int, tf.Tensor] = {}
-        previous: List[list] = [[] for _ in self.stages]  # each stage's last task's outputs: the next one waits
+        previous: List[list] = [[] for _ in self.stages]  # each stage's last task's done op: the next one waits
         variables = [[v for name in stage.layers for v in self.model.get_layer(name).trainable_variables]
                      for stage in self.stages]
         accumulated: List[Optional[list]] = [None for _ in self.stages]
+        scopes: Dict[int, str] = {}
         for task in self.order:
             stage, m = self.stages[task.stage], task.microbatch
-            with tf.device(self.devices[task.stage]), tf.name_scope(f"stage{task.stage}_{task.kind}{m}"):
+            label = f"stage{task.stage}_{task}"
+            # Names decide sums: Grappler orders an AddN's inputs by name, and the tape names the
+            # sums of a tensor's gradients after the scope it runs in. So every stage's forward
+            # pass of micro-batch m runs in one shared scope (its gradient ops are then named
+            # gradient_tape/microbatch<m>/<layer>/..., ordered by layer as on one device), and a
+            # backward pass runs at the top, as one device's does.
+            if task.kind == FORWARD:
+                scope = tf.name_scope(scopes.get(m, f"microbatch{m}"))
+            else:
+                scope = contextlib.nullcontext()
+            with tf.device(self.devices[task.stage]), scope as scope_name:
+                if task.kind == FORWARD:
+                    scopes.setdefault(m, scope_name)  # "microbatch<m>/": entered again as it is
                 if task.kind == FORWARD:
                     with tf.GradientTape() as tape:
-                        inputs = _gated([values[m][key] for key in stage.inputs], previous[task.stage])
+                        inputs = _gated([values[m][key] for key in stage.inputs], previous[task.stage], label)
                         tape.watch([t for key, t in zip(stage.inputs, inputs) if key != input_key])
                         outputs = stage(inputs, training=True)
                         if task.stage == last:
@@ -336,7 +354,7 @@ class PipelineStep:
                     for key, value in zip(stage.outputs, outputs):
                         values[m][key] = value
                     tapes[(task.stage, m)] = (tape, inputs, outputs)
-                    previous[task.stage] = outputs + ([losses[m]] if task.stage == last else [])
+                    previous[task.stage] = _done(outputs + ([losses[m]] if task.stage == last else []), label)
                 else:
                     tape, inputs, outputs = tapes.pop((task.stage, m))
                     sources = [t for key, t in zip(stage.inputs, inputs) if key != input_key]
@@ -347,13 +365,13 @@ class PipelineStep:
                         target = outputs
                         seeds = [_summed(grads_in[m].get(key), out) for key, out in zip(stage.outputs, outputs)]
                     grads = tape.gradient(target, sources + variables[task.stage],
-                                          output_gradients=_gated(seeds, previous[task.stage]),
+                                          output_gradients=_gated(seeds, previous[task.stage], label),
                                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
                     for key, g in zip(source_keys, grads[:len(sources)]):
                         grads_in[m].setdefault(key, []).append(g)
                     weight_grads = grads[len(sources):]
                     accumulated[task.stage] = _accumulate(accumulated[task.stage], weight_grads)
-                    previous[task.stage] = list(accumulated[task.stage]) + list(grads[:len(sources)])
+                    previous[task.stage] = _done(list(accumulated[task.stage]) + list(grads[:len(sources)]), label)
         # One update for all stages' weights, in the model's order: the optimizer counts one
         # iteration per step (Adam's bias correction reads it), as the single-device step does.
         by_variable = {id(v): g for stage_vars, grads in zip(variables, accumulated) for v, g in zip(stage_vars, grads or ())}
@@ -362,17 +380,30 @@ class PipelineStep:
         return tf.add_n([losses[m] for m in range(self.microbatches)]) / self.microbatches
 
 
-def _gated(tensors: List[tf.Tensor], after: List[tf.Tensor]) -> List[tf.Tensor]:
+def _done(results: List[tf.Tensor], task: str) -> List[tf.Operation]:
+    """One op, ``<task>_done``, that runs when every result of a task is computed: what the
+    stage's next task waits for (on the same device)."""
+    with tf.control_dependencies(results):
+        return [tf.no_op(name=f"{task}_done")]
+
+
+def _gated(tensors: List[tf.Tensor], after: List[tf.Operation], task: str) -> List[tf.Tensor]:
     """``tensors`` through Identities that wait for ``after`` (the stage's previous task): the
     schedule's order on a stage. The control edge goes into a kept Identity, never into the
     stage's own ops: Grappler's remapper does not fuse an op with a control input (MatMul +
-    BiasAdd + activation), and an unfused op rounds differently from the single-device step."""
+    BiasAdd + activation), and an unfused op rounds differently from the single-device step.
+    Each Identity is named after the tensor it passes on (so an AddN sorts it where it sorts
+    that tensor) and carries its task in ``_lms_task``."""
     if not after:
         return list(tensors)
+    gated = []
     with tf.control_dependencies(after):
-        gated = [tf.identity(t, name="pipeline_gate") for t in tensors]
+        for t in tensors:
+            with tf.name_scope(t.op.name + "/"):
+                gated.append(tf.identity(t, name="pipeline_gate"))
     for t in gated:
         mark(t.op, "pipeline_gate")
+        _compat.set_string_attr(t.op, TASK_ATTR, task)
     return gated
 
 
