@@ -104,3 +104,31 @@ def test_grappler_virtual_cluster_reports_a_peak():
         node.device = gpu
     peaks = _compat.grappler_peak_memory(graph_def, [t.op.name for t in graph.outputs], [(gpu, "GPU", 2**30)])
     assert peaks[gpu] >= 256 * 256 * 4
+
+
+def test_a_functional_models_layer_calls_replay_its_own_call():
+    """Pipeline stages run a model's nodes one by one (``_compat.call_node``) in the order
+    ``Functional.call`` runs them; together they must give the model's own output, with
+    ``training`` reaching the layers that take it (dropout active: two identical builds, since a
+    dropout layer's seed state advances with each call)."""
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((6,))
+        a = keras.layers.Dense(6, name="a")(inputs)
+        b = keras.layers.Dense(6, activation="relu", name="b")(a)
+        c = keras.layers.Dropout(0.5, seed=1, name="drop")(keras.layers.Add(name="add")([a, b]))
+        return keras.Model(inputs, keras.layers.Dense(2, name="head")(c))
+
+    x = np.random.RandomState(0).rand(4, 6).astype("float32")
+    for training in (False, True):
+        model, twin = build(), build()
+        expected = model(x, training=training).numpy()
+        graph = _compat.functional_graph(twin)
+        assert [node.operation.name for node in _compat.nodes_in_call_order(graph)] == ["a", "b", "add", "drop", "head"]
+        values = {id(graph.inputs[0]): tf.constant(x)}
+        for node in _compat.nodes_in_call_order(graph):
+            _compat.call_node(graph, node, values, training=training)
+        replayed = values[id(graph.outputs[0])].numpy()
+        assert np.array_equal(replayed, expected), training
+        assert np.array_equal(replayed, twin(x, training=False).numpy()) != training  # dropout ran only when training
+    assert _compat.functional_graph(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])) is not None
