@@ -114,6 +114,33 @@ def test_the_memory_balanced_partition_trains_as_a_pipeline():
     assert step.schedule == partition.schedule == "1f1b" and step.microbatches == partition.microbatches
 
 
+@pytest.mark.timeout(300)
+def test_layers_without_ops_join_the_stage_before_them():
+    """A partition names the layers that put ops in the traced step; a linear Activation puts none."""
+    def build():
+        zoo._seed()
+        x = np.random.RandomState(2).rand(3 * zoo.BATCH, 16).astype("float32")
+        y = np.random.RandomState(3).randint(0, 5, 3 * zoo.BATCH).astype("int32")
+        model = keras.Sequential([keras.Input((16,)), layers.Dense(32, activation="relu", name="a"),
+                                  layers.Activation("linear", name="identity"), layers.Dense(32, name="b"),
+                                  layers.Dense(5, name="head")], name="with_identity")
+        return zoo._compile(model), (x, y)
+
+    made = {}
+
+    def pipeline(model):
+        partition = lms_tf.partition(model, stages=2, microbatches=MICROBATCHES, batch_size=zoo.BATCH)
+        assert "identity" not in [name for s in partition.stages for name in s.layers]
+        made["step"] = PipelineStep(model, partition, devices=DEVICES[:2])
+        return made["step"]
+
+    plain, piped, reference, pipelined_model = train_both(build, pipeline)
+    assert plain == piped
+    assert_same_state(reference, pipelined_model)
+    stages = [s.layers for s in made["step"].stages]
+    assert "identity" in stages[[k for k, names in enumerate(stages) if "a" in names][0]], stages
+
+
 def test_a_skip_connection_goes_straight_to_the_stage_that_reads_it():
     model, _ = zoo.resnet_style()
     stages = split_stages(model, contiguous(model, 3))

@@ -171,6 +171,29 @@ def split_stages(model, stage_layers: Sequence[Sequence[str]]) -> List[StageMode
     return result
 
 
+def _with_unprofiled_layers(model, stage_layers: List[List[str]]) -> List[List[str]]:
+    """A partition's stages, with the layers it does not name added: a partition lists the layers
+    that put ops in the traced step, so a layer with none (a linear ``Activation``) joins the
+    stage of the layer called before it (the first stage if none was)."""
+    graph = _compat.functional_graph(model)
+    if graph is None:
+        return stage_layers
+    stage_of = {name: k for k, names in enumerate(stage_layers) for name in names}
+    result = [list(names) for names in stage_layers]
+    current, added = 0, []
+    for node in _compat.nodes_in_call_order(graph):
+        name = node.operation.name
+        if name in stage_of:
+            current = stage_of[name]
+        elif name not in added:
+            result[current].append(name)
+            added.append(name)
+    if added:
+        logger.info("pipeline: %d layer(s) with no ops in the traced step (%s) run in the stage of the layer "
+                    "before them", len(added), ", ".join(added[:5]))
+    return result
+
+
 def _loss_and_optimizer(model, loss, optimizer):
     loss = loss if loss is not None else getattr(model, "loss", None)
     loss_fn = keras.losses.get(loss) if loss is not None else keras.losses.SparseCategoricalCrossentropy()
@@ -274,7 +297,7 @@ class PipelineStep:
                  devices: Sequence[str], loss=None, optimizer=None):
         if hasattr(stages, "stages") and hasattr(stages, "schedule"):  # a Partition
             partition = stages
-            stage_layers = [list(s.layers) for s in partition.stages]
+            stage_layers = _with_unprofiled_layers(model, [list(s.layers) for s in partition.stages])
             microbatches = partition.microbatches if microbatches is None else microbatches
             schedule = partition.schedule if schedule is None else schedule
         else:
