@@ -20,7 +20,7 @@ except RuntimeError:  # already initialised by tests/conftest.py
     pass
 
 collect_ignore = ["setup.py", "examples", "benchmarks", "scripts", "tests/legacy_keras_script.py",
-                  "tests/allocator_worker.py"]
+                  "tests/allocator_worker.py", "tests/pipeline_cluster_worker.py"]
 
 
 import pytest  # noqa: E402

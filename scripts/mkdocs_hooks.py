@@ -65,6 +65,8 @@ def _cases():
         ("More pipeline stages than layers", lambda: partition_layers(PipelineProfile.chain([2**20] * 4), stages=8,
                                                                        microbatches=4)),
         ("A pipeline cut that leaves a layer out", unassigned_layer),
+        ("A pipeline stage process that is not running", lambda: lms_tf.connect_stages(
+            "localhost:2222,localhost:1", timeout=1)),
         ("Asking for a plan before training", lambda: lms_tf.explain(lms_tf.LMSCallback())),
         ("A step that runs eagerly", eager),
         ("No GPU and no device given (a warning: the step trains untouched)",

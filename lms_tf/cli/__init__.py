@@ -18,11 +18,11 @@ import os
 import sys
 import tempfile
 
-from lms_tf.cli import explain, max_batch, partition, plan, version
+from lms_tf.cli import explain, max_batch, partition, plan, stage_server, version
 
 logger = logging.getLogger("lms_tf")
 SUBCOMMANDS = {"version": version, "explain": explain, "plan": plan, "max-batch": max_batch,
-               "partition": partition}
+               "partition": partition, "stage-server": stage_server}
 
 
 def build_parser() -> argparse.ArgumentParser:

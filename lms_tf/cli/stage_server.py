@@ -1,0 +1,45 @@
+"""``lms-tf stage-server``: one pipeline stage's process on TensorFlow's distributed runtime.
+
+Start one per stage except the first, on the machines given, then run the training script
+(task 0), which connects with ``lms_tf.connect_stages`` and builds ``lms_tf.PipelineStep`` on
+the devices it returns.
+
+Examples:
+    >>> from lms_tf.cli import build_parser
+    >>> build_parser().parse_args(["stage-server", "--workers", "a:1,b:2", "--index", "1"]).index
+    1
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds ``stage-server`` and its flags.
+
+    Examples:
+        >>> from lms_tf.cli import build_parser
+        >>> build_parser().parse_args(["stage-server", "--workers", "a:1,b:2", "--index", "1"]).workers
+        'a:1,b:2'
+    """
+    server = subparsers.add_parser("stage-server", help="serve one pipeline stage (task 1 and up) until stopped")
+    server.add_argument("--workers", required=True,
+                        help="every stage process's host:port, comma-separated, task 0 (the training script) first")
+    server.add_argument("--index", type=int, required=True, help="this stage's task (1 and up)")
+    return server
+
+
+def run(args) -> int:
+    """Serves the stage until the process is stopped.
+
+    Examples:
+        >>> run(argparse.Namespace(workers="localhost:2222", index=1))
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSOptionError: stage-server serves stage 1 and up of a pipeline of two or more; --workers names one (localhost:2222), the training script's own.
+    """
+    from lms_tf.tf.pipeline_cluster import serve_stage
+
+    serve_stage(args.workers, args.index)
+    return 0

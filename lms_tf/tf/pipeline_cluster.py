@@ -1,0 +1,151 @@
+"""Pipeline stages in separate processes, on TensorFlow's own distributed runtime.
+
+Each stage is one task of a ``worker`` job: task 0 is the process that builds and runs the step
+(it serves task 0 itself once connected), and every other task is a process running
+:func:`serve_stage` (``lms-tf stage-server``). :func:`connect_stages` connects the building
+process to the cluster and returns one device per stage for
+:class:`~lms_tf.tf.pipeline_step.PipelineStep`; TensorFlow then places each stage's ops on its
+task and sends activations and gradients between the tasks itself. Each process has its own
+allocator, so each stage's memory is its own process's.
+
+Examples:
+    >>> stage_devices(["localhost:2222", "localhost:2223"])
+    ['/job:worker/replica:0/task:0/device:CPU:0', '/job:worker/replica:0/task:1/device:CPU:0']
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import List, Sequence
+
+from lms_tf.core.errors import LMSError, LMSOptionError
+
+logger = logging.getLogger("lms_tf")
+
+#: The job every stage's task belongs to.
+JOB = "worker"
+
+
+def check_workers(workers: Sequence[str]) -> List[str]:
+    """Checks the ``host:port`` list of the stage processes (task 0 first).
+
+    Raises:
+        LMSOptionError: An address that is not ``host:port`` with a port in 1-65535, a repeated
+            address, or fewer than one.
+
+    Examples:
+        >>> check_workers("localhost:2222, localhost:2223")
+        ['localhost:2222', 'localhost:2223']
+    """
+    if isinstance(workers, str):
+        workers = [w.strip() for w in workers.split(",") if w.strip()]
+    workers = list(workers)
+    if not workers:
+        raise LMSOptionError("a pipeline cluster needs at least one worker address (host:port, task 0 first).")
+    for address in workers:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise LMSOptionError(f"worker address {address!r} is not host:port (e.g. localhost:2222).")
+    repeated = sorted({w for w in workers if workers.count(w) > 1})
+    if repeated:
+        raise LMSOptionError(f"worker address(es) {', '.join(repeated)} appear more than once: one process per stage.")
+    return workers
+
+
+def stage_devices(workers: Sequence[str], device_type: str = "CPU") -> List[str]:
+    """The device of each stage's task, in stage order.
+
+    Examples:
+        >>> stage_devices(["a:1"], device_type="GPU")
+        ['/job:worker/replica:0/task:0/device:GPU:0']
+    """
+    return [f"/job:{JOB}/replica:0/task:{k}/device:{device_type}:0" for k in range(len(check_workers(workers)))]
+
+
+def _cluster(workers: Sequence[str]):
+    import tensorflow as tf
+
+    return tf.train.ClusterSpec({JOB: list(workers)})
+
+
+def serve_stage(workers: Sequence[str], index: int) -> None:
+    """Runs the server of stage ``index`` (``index >= 1``; task 0 is the process that runs the
+    step) until the process is stopped.
+
+    Raises:
+        LMSOptionError: Bad addresses, or an index that is not one of the other tasks.
+
+    Examples:
+        >>> serve_stage(["localhost:2222", "localhost:2223"], 0)
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSOptionError: stage-server --index must be 1-1 (task 0 is the process that builds and runs the step, and serves itself); got 0.
+    """
+    workers = check_workers(workers)
+    if len(workers) < 2:
+        raise LMSOptionError(f"stage-server serves stage 1 and up of a pipeline of two or more; --workers names "
+                             f"one ({workers[0]}), the training script's own.")
+    if not 1 <= index < len(workers):
+        raise LMSOptionError(f"stage-server --index must be 1-{len(workers) - 1} (task 0 is the process that builds "
+                             f"and runs the step, and serves itself); got {index}.")
+    import tensorflow as tf
+
+    server = tf.distribute.Server(_cluster(workers), job_name=JOB, task_index=index, protocol="grpc")
+    logger.info("pipeline stage %d of %d serving at %s", index, len(workers), workers[index])
+    server.join()
+
+
+def wait_for_workers(workers: Sequence[str], timeout: float) -> None:
+    """Waits until every other task's address accepts a connection, at most ``timeout`` seconds.
+
+    Raises:
+        LMSError: A task does not answer in time (named, with how to start it).
+
+    Examples:
+        >>> wait_for_workers(["localhost:1"], timeout=1.0)   # task 0 is this process: nothing to wait for
+    """
+    deadline = time.monotonic() + timeout
+    for k, address in enumerate(workers[1:], start=1):
+        host, _, port = address.rpartition(":")
+        while True:
+            try:
+                with socket.create_connection((host, int(port)), timeout=1.0):
+                    break
+            except OSError as err:
+                if time.monotonic() >= deadline:
+                    raise LMSError(
+                        f"pipeline stage {k} at {address} did not answer within {timeout:.0f} s ({err}). Start it "
+                        f"first: lms-tf stage-server --workers {','.join(workers)} --index {k}") from None
+                time.sleep(0.2)
+
+
+def connect_stages(workers: Sequence[str], *, timeout: float = 60.0, device_type: str = "CPU") -> List[str]:
+    """Connects this process (task 0) to the stage processes; returns each stage's device.
+
+    Args:
+        workers: Every stage process's ``host:port``, task 0 (this process) first.
+        timeout: Seconds to wait for the other tasks to answer.
+        device_type: ``"CPU"`` or ``"GPU"``: the device of each task a stage runs on.
+
+    Returns:
+        One device name per stage, for ``PipelineStep(..., devices=...)``.
+
+    Raises:
+        LMSOptionError: Bad addresses.
+        LMSError: A task that does not answer within ``timeout``.
+
+    Examples:
+        >>> connect_stages("nonsense")
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSOptionError: worker address 'nonsense' is not host:port (e.g. localhost:2222).
+    """
+    workers = check_workers(workers)
+    wait_for_workers(workers, timeout)
+    import tensorflow as tf
+
+    tf.config.experimental_connect_to_cluster(_cluster(workers), job_name=JOB, task_index=0, protocol="grpc")
+    logger.info("connected to %d pipeline stage processes", len(workers))
+    return stage_devices(workers, device_type)

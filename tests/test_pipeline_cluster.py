@@ -1,0 +1,109 @@
+"""Pipeline stages in separate processes on TensorFlow's distributed runtime (localhost).
+
+Task 0 is a fresh process running ``tests/pipeline_cluster_worker.py`` (connecting changes the
+process's TensorFlow context, so it is not this one); tasks 1 and up are ``lms-tf stage-server``
+processes. Every process is stopped at the end of each test, whatever happens.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lms_tf.core.errors import LMSError, LMSOptionError
+from lms_tf.tf.pipeline_cluster import check_workers, stage_devices, wait_for_workers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_DETERMINISTIC_OPS="1", TF_ENABLE_ONEDNN_OPTS="0")
+
+
+def free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return [f"localhost:{p}" for p in ports]
+
+
+@contextlib.contextmanager
+def stage_servers(workers):
+    """``lms-tf stage-server`` for tasks 1 and up; stopped on exit."""
+    servers = [subprocess.Popen([sys.executable, "-m", "lms_tf.cli", "stage-server", "--workers", ",".join(workers),
+                                 "--index", str(k)], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True) for k in range(1, len(workers))]
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait(timeout=30)
+
+
+def result_of(out):
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert lines, out[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.timeout(600)
+def test_stages_in_three_processes_train_exactly_as_one_device():
+    workers = free_ports(3)
+    cases = ["resnet_style,1f1b,3", "attention_block,gpipe,3", "sequential_cnn,gpipe,2"]
+    with stage_servers(workers):
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "pipeline_cluster_worker.py"),
+                               ",".join(workers), *cases], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                              timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = result_of(done.stdout)
+    assert [r["case"] for r in rows] == cases
+    for row in rows:
+        assert row["losses_equal"] and row["weights_equal"] and row["trains"], row
+        assert all(d.startswith(f"/job:worker/replica:0/task:{k}/") for k, d in enumerate(row["devices"])), row
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_process_that_dies_fails_the_next_step_in_bounded_time():
+    workers = free_ports(2)
+    with stage_servers(workers) as servers:
+        task0 = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "pipeline_cluster_worker.py"),
+                                  ",".join(workers), "--after-a-stage-dies"], cwd=ROOT, env=ENV,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert task0.stdout.readline().strip() == "READY", task0.stderr.read()[-3000:]
+            servers[0].send_signal(signal.SIGKILL)
+            servers[0].wait(timeout=30)
+            out, err = task0.communicate("go\n", timeout=180)
+        finally:
+            task0.kill()
+    result = result_of(out)
+    # Measured: UnavailableError after 0.02 s (the connection to the dead task is refused).
+    assert result["error"] is not None and result["seconds"] < 120, (result, err[-2000:])
+
+
+def test_a_stage_that_does_not_answer_is_named_within_the_timeout():
+    (address,) = free_ports(1)  # nobody listens there
+    started = time.monotonic()
+    with pytest.raises(LMSError, match=r"stage 1 at .* did not answer within 2 s.*lms-tf stage-server --workers"):
+        wait_for_workers(["localhost:1", address], timeout=2)
+    assert time.monotonic() - started < 10
+
+
+def test_bad_cluster_addresses_are_refused():
+    with pytest.raises(LMSOptionError, match="not host:port"):
+        check_workers("localhost")
+    with pytest.raises(LMSOptionError, match="more than once"):
+        check_workers(["a:1", "a:1"])
+    with pytest.raises(LMSOptionError, match="at least one"):
+        check_workers([])
+    assert stage_devices("h:1,h:2,h:3")[2] == "/job:worker/replica:0/task:2/device:CPU:0"
+    out = subprocess.run([sys.executable, "-m", "lms_tf.cli", "stage-server", "--workers", "a:1,b:2", "--index", "5"],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--index must be 1-1" in out.stderr, out.stderr[-1000:]
