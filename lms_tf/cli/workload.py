@@ -25,11 +25,12 @@ def devices() -> Tuple[str, str]:
     if tf.config.list_physical_devices("GPU"):
         return "/GPU:0", "/CPU:0"
     cpu = tf.config.list_physical_devices("CPU")[0]
-    try:
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
-    except RuntimeError:
-        pass  # already initialised (tests, a second call)
+    if len(tf.config.get_logical_device_configuration(cpu) or []) < 2:  # keep a caller's own split
+        try:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
+        except RuntimeError:
+            pass  # already initialised (tests, a second call)
     return "/CPU:0", "/CPU:1"
 
 
