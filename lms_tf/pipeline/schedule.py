@@ -25,6 +25,7 @@ import dataclasses
 from typing import List, Sequence, Tuple
 
 from lms_tf.core.errors import LMSOptionError
+from lms_tf.pipeline.partition import SCHEDULES
 
 FORWARD, BACKWARD = "F", "B"
 
@@ -66,7 +67,7 @@ def stage_tasks(schedule: str, stages: int, microbatches: int) -> Tuple[Tuple[Ta
         >>> [" ".join(map(str, tasks)) for tasks in stage_tasks("1f1b", 3, 4)]
         ['F0 F1 F2 B0 F3 B1 B2 B3', 'F0 F1 B0 F2 B1 F3 B2 B3', 'F0 B0 F1 B1 F2 B2 F3 B3']
     """
-    if schedule not in ("gpipe", "1f1b"):
+    if schedule not in SCHEDULES:
         raise LMSOptionError(f"schedule must be 'gpipe' or '1f1b'; got {schedule!r}.")
     if stages < 1 or microbatches < 1:
         raise LMSOptionError(f"a pipeline needs at least one stage and one micro-batch; got stages={stages}, "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import tensorflow as tf
 
@@ -86,15 +86,38 @@ def check_visible(device: str, *, role: str, api: str) -> str:
         lms_tf.LMSOptionError: doc: device='/GPU:7' names no device TensorFlow can see; visible: /device:CPU:0, ...
     """
     wanted = tf.DeviceSpec.from_string(device)
-    visible = [tf.DeviceSpec.from_string(d.name) for d in tf.config.list_logical_devices()]
-    names = [d.replace(job=None, replica=None, task=None).to_string() for d in visible]
-    if not any((d.device_type or "").upper() == (wanted.device_type or "").upper()
-               and (d.device_index or 0) == (wanted.device_index or 0) for d in visible):
+    if not is_visible(device):
+        names = visible_device_names()
         raise LMSOptionError(
             f"{api}: {role}={device!r} names no device TensorFlow can see; visible: {', '.join(names)}. "
             f"Name one of them (on a machine without a GPU, split the CPU into two logical devices and pass "
             f"device='/CPU:0', host='/CPU:1').")
     return wanted.replace(job=None, replica=None, task=None).to_string()
+
+
+def visible_device_names() -> List[str]:
+    """This process's logical devices, without job, replica and task.
+
+    Examples:
+        >>> "/device:CPU:0" in visible_device_names()
+        True
+    """
+    return [tf.DeviceSpec.from_string(d.name).replace(job=None, replica=None, task=None).to_string()
+            for d in tf.config.list_logical_devices()]
+
+
+def is_visible(device: str) -> bool:
+    """Whether ``device`` (type and index; job, replica and task ignored) is one of this process's
+    logical devices.
+
+    Examples:
+        >>> is_visible("/CPU:0"), is_visible("/GPU:7")
+        (True, False)
+    """
+    wanted = tf.DeviceSpec.from_string(device)
+    return any((d.device_type or "").upper() == (wanted.device_type or "").upper()
+               and (d.device_index or 0) == (wanted.device_index or 0)
+               for d in map(tf.DeviceSpec.from_string, (v.name for v in tf.config.list_logical_devices())))
 
 
 def resolve_device(device: Optional[str], *, api: str = "lms-tf") -> Optional[str]:

@@ -36,6 +36,7 @@ import tensorflow as tf
 from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
+from lms_tf.tf.driver import is_visible, visible_device_names
 from lms_tf.tf.rewrite.common import mark
 
 logger = logging.getLogger("lms_tf")
@@ -306,15 +307,11 @@ class PipelineStep:
         schedule = schedule or "1f1b"
         if isinstance(devices, str) or len(devices) != len(stage_layers):
             raise LMSOptionError(f"devices= needs one device per stage ({len(stage_layers)}); got {devices!r}.")
-        known = {tf.DeviceSpec.from_string(d.name).to_string() for d in tf.config.list_logical_devices()}
-        for device in devices:
-            spec = tf.DeviceSpec.from_string(device)
-            matches = [k for k in known if tf.DeviceSpec.from_string(k).device_type == (spec.device_type or "").upper()
-                       and tf.DeviceSpec.from_string(k).device_index == spec.device_index]
-            if spec.job is None and not matches:
+        for device in devices:  # a cluster task's device (a job named) is checked when connecting
+            if tf.DeviceSpec.from_string(device).job is None and not is_visible(device):
                 raise LMSOptionError(f"device {device!r} is not one of this process's devices "
-                                     f"({', '.join(sorted(known))}); on a CPU, make logical devices with "
-                                     f"tf.config.set_logical_device_configuration before TensorFlow starts.")
+                                     f"({', '.join(sorted(visible_device_names()))}); on a CPU, make logical devices "
+                                     f"with tf.config.set_logical_device_configuration before TensorFlow starts.")
         graph = _compat.functional_graph(model)
         if graph is not None and len(graph.inputs) != 1:
             raise LMSOptionError(f"pipeline execution runs models with one input; {model.name!r} has "
