@@ -98,6 +98,22 @@ def test_a_pipelined_step_equals_gradient_accumulation_bit_for_bit(name, schedul
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,schedule", [("resnet_style", "1f1b"), ("dropout_mlp", "gpipe")])
+def test_twelve_microbatches_sum_in_microbatch_order(name, schedule):
+    """Past 10 micro-batches, unpadded scopes sort microbatch10 before microbatch2; past 8, a chain
+    of sums Grappler folds into one AddN adds in another association. Both broke exactness."""
+    reference, (x, y) = MODELS[name]()
+    pipelined_model, _ = MODELS[name]()
+    plain_step = accumulation_step(reference, 12)
+    pipe_step = PipelineStep(pipelined_model, contiguous(pipelined_model, 3), microbatches=12, schedule=schedule,
+                             devices=DEVICES)
+    plain = [float(plain_step(x, y)) for _ in range(2)]  # the whole data set (24 rows) as one batch
+    piped = [float(pipe_step(x, y)) for _ in range(2)]
+    assert plain == piped and plain[0] != plain[1], (plain, piped)
+    assert_same_state(reference, pipelined_model)
+
+
+@pytest.mark.timeout(300)
 def test_the_memory_balanced_partition_trains_as_a_pipeline():
     made = {}
 

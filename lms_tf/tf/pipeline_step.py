@@ -210,6 +210,19 @@ def _split(x, microbatches: int, what: str):
     return tf.split(x, microbatches)
 
 
+def microbatch_scope(index: int, microbatches: int) -> str:
+    """The name scope of micro-batch ``index``'s forward pass, zero-padded so names sort in
+    micro-batch order: Grappler's arithmetic optimizer collapses a chain of additions into one
+    ``AddN`` and sorts its inputs by name, so with ``microbatch10`` before ``microbatch2`` the
+    accumulated gradients would be summed in another order (and round differently).
+
+    Examples:
+        >>> [microbatch_scope(m, 12) for m in (0, 2, 10)]
+        ['microbatch00', 'microbatch02', 'microbatch10']
+    """
+    return f"microbatch{index:0{len(str(microbatches - 1))}d}"
+
+
 def _accumulate(accumulated: Optional[list], grads: list) -> list:
     """Adds one micro-batch's gradients to the running sums (one helper for the pipelined and the
     single-device step, so both add in the same order). An embedding's gradient arrives as
@@ -251,12 +264,17 @@ def accumulation_step(model, microbatches: int, *, loss=None, optimizer=None):
     @tf.function(autograph=False)
     def step(x, y):
         xs, ys = _split(x, microbatches, "input"), _split(y, microbatches, "label")
-        accumulated, losses = None, []
+        accumulated, losses, previous = None, [], []
         for m in range(microbatches):
-            with tf.GradientTape() as tape:
-                value = loss_fn(ys[m], model(xs[m], training=True))
+            # One micro-batch after the other (its input waits until the sums so far are
+            # computed): one micro-batch's activations at a time, and the sums stay a chain that
+            # Grappler cannot collapse into an AddN, which adds in another order past 8 terms.
+            label = f"accumulate_{m}"
+            with tf.name_scope(microbatch_scope(m, microbatches)), tf.GradientTape() as tape:
+                value = loss_fn(ys[m], model(_gated([xs[m]], previous, label)[0], training=True))
             grads = tape.gradient(value, model.trainable_variables)
             accumulated = _accumulate(accumulated, grads)
+            previous = _done(list(accumulated), label)
             losses.append(value)
         optimizer.apply_gradients(zip(_mean_of(accumulated, microbatches), model.trainable_variables))
         return tf.add_n(losses) / microbatches
@@ -358,7 +376,7 @@ class PipelineStep:
             # gradient_tape/microbatch<m>/<layer>/..., ordered by layer as on one device), and a
             # backward pass runs at the top, as one device's does.
             if task.kind == FORWARD:
-                scope = tf.name_scope(scopes.get(m, f"microbatch{m}"))
+                scope = tf.name_scope(scopes.get(m, microbatch_scope(m, self.microbatches)))
             else:
                 scope = contextlib.nullcontext()
             with tf.device(self.devices[task.stage]), scope as scope_name:
