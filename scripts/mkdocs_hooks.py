@@ -56,6 +56,14 @@ def _cases():
         finally:
             tf.config.run_functions_eagerly(False)
 
+    def no_workers():
+        saved = os.environ.pop("LMS_TF_WORKERS", None)
+        try:
+            lms_tf.connect_stages()
+        finally:
+            if saved is not None:
+                os.environ["LMS_TF_WORKERS"] = saved
+
     return [
         ("A budget that no plan can fit", infeasible),
         ("A budget string lms-tf cannot read", lambda: parse_budget("12 gigs")),
@@ -70,6 +78,7 @@ def _cases():
         ("A pipeline cut that leaves a layer out", unassigned_layer),
         ("A pipeline stage process that is not running", lambda: lms_tf.connect_stages(
             "localhost:2222,localhost:1", timeout=1)),
+        ("A pipeline script started without its stages' addresses", no_workers),
         ("Asking for a plan before training", lambda: lms_tf.explain(lms_tf.LMSCallback())),
         ("A step that runs eagerly", eager),
         ("No GPU and no device given (a warning: the step trains untouched)",

@@ -2,6 +2,7 @@
 pipelines across them, beside single-device gradient accumulation in this process.
 
     python tests/pipeline_cluster_worker.py host:port,host:port,... name,schedule,stages ...
+    lms-tf launch --stages K -- python tests/pipeline_cluster_worker.py - name,schedule,stages ...
 
 Prints one ``RESULT <json>`` line: per case, whether the losses and every weight are identical,
 and the devices the stages' kernels ran on.
@@ -23,8 +24,13 @@ from lms_tf.tf.pipeline_step import PipelineStep  # noqa: E402
 from tests import test_pipeline_execution as cases  # noqa: E402
 
 
+def connect(workers):
+    """``-``: the addresses ``lms-tf launch`` put in ``LMS_TF_WORKERS``."""
+    return lms_tf.connect_stages(None if workers == "-" else workers, timeout=60)
+
+
 def main(workers, specs):
-    devices = lms_tf.connect_stages(workers, timeout=60)
+    devices = connect(workers)
     rows = []
     for spec in specs:
         name, schedule, stages = spec.split(",")
@@ -51,7 +57,7 @@ def after_a_stage_dies(workers):
 
     import tensorflow as tf
 
-    devices = lms_tf.connect_stages(workers, timeout=60)
+    devices = connect(workers)
     model, (x, y) = cases.MODELS["sequential_cnn"]()
     step = PipelineStep(model, cases.contiguous(model, len(devices)), microbatches=2, devices=devices)
     x, y = tf.constant(x[:8]), tf.constant(y[:8])

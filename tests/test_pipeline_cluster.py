@@ -8,10 +8,12 @@ processes. Every process is stopped at the end of each test, whatever happens.
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -107,3 +109,69 @@ def test_bad_cluster_addresses_are_refused():
     out = subprocess.run([sys.executable, "-m", "lms_tf.cli", "stage-server", "--workers", "a:1,b:2", "--index", "5"],
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--index must be 1-1" in out.stderr, out.stderr[-1000:]
+
+
+WORKER = os.path.join(ROOT, "tests", "pipeline_cluster_worker.py")
+
+
+def launched_pids(stderr_lines):
+    """Stage -> pid, from ``lms-tf launch``'s log lines."""
+    return {int(m.group(1)): int(m.group(2)) for m in
+            (re.search(r"lms-tf launch: stage (\d+) \(pid (\d+)\)", line) for line in stderr_lines) if m}
+
+
+def running(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(600)
+def test_launch_runs_every_stage_and_leaves_no_process_behind():
+    done = subprocess.run([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", "3", "--", sys.executable, WORKER,
+                           "-", "sequential_cnn,1f1b,3"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = result_of(done.stdout)
+    assert row["losses_equal"] and row["weights_equal"] and row["trains"], row
+    assert all(d.startswith(f"/job:worker/replica:0/task:{k}/") for k, d in enumerate(row["devices"])), row
+    pids = launched_pids(done.stderr.splitlines())
+    assert sorted(pids) == [0, 1, 2] and not any(running(p) for p in pids.values()), pids
+
+
+@pytest.mark.timeout(300)
+def test_launch_stops_the_others_when_a_stage_dies():
+    launcher = subprocess.Popen([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", "3", "--stop-timeout", "5",
+                                 "--", sys.executable, WORKER, "-", "--after-a-stage-dies"], cwd=ROOT, env=ENV,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(launcher.stderr.readline, "")), daemon=True)
+    reader.start()
+    try:
+        assert launcher.stdout.readline().strip() == "READY", "".join(lines)[-3000:]  # one step ran on 3 processes
+        pids = launched_pids(lines)
+        assert sorted(pids) == [0, 1, 2], lines
+        os.kill(pids[1], signal.SIGKILL)
+        started = time.monotonic()
+        code = launcher.wait(timeout=60)
+        stopped_in = time.monotonic() - started
+    finally:
+        launcher.kill()
+    reader.join(timeout=10)
+    assert code == 1, "".join(lines)[-3000:]
+    # Measured: 0.16 s (the next poll sees stage 1 gone; the others stop on SIGTERM).
+    assert stopped_in < 30, stopped_in
+    assert not running(pids[0]) and not running(pids[2]), pids
+    assert any(re.search(r"stage 1 \(pid \d+, localhost:\d+\) exited", line) for line in lines), lines
+
+
+def test_launch_and_connect_refuse_a_missing_command_or_cluster(monkeypatch):
+    out = subprocess.run([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", "2"], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "needs the training command after --" in out.stderr, out.stderr
+    monkeypatch.delenv("LMS_TF_WORKERS", raising=False)
+    from lms_tf.tf.pipeline_cluster import connect_stages
+    with pytest.raises(LMSOptionError, match="LMS_TF_WORKERS is not set.*lms-tf launch"):
+        connect_stages()

@@ -18,11 +18,11 @@ import os
 import sys
 import tempfile
 
-from lms_tf.cli import explain, max_batch, partition, plan, stage_server, version
+from lms_tf.cli import explain, launch, max_batch, partition, plan, stage_server, version
 
 logger = logging.getLogger("lms_tf")
 SUBCOMMANDS = {"version": version, "explain": explain, "plan": plan, "max-batch": max_batch,
-               "partition": partition, "stage-server": stage_server}
+               "partition": partition, "stage-server": stage_server, "launch": launch}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     from lms_tf.core.errors import LMSError
 
     try:
-        if not args.verbose:
+        if not args.verbose and getattr(SUBCOMMANDS[args.command], "USES_TENSORFLOW", True):
             import_tensorflow_quietly()
         return SUBCOMMANDS[args.command].run(args)
     except LMSError as err:

@@ -16,9 +16,10 @@ Examples:
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from lms_tf.core.errors import LMSError, LMSOptionError
 
@@ -26,6 +27,8 @@ logger = logging.getLogger("lms_tf")
 
 #: The job every stage's task belongs to.
 JOB = "worker"
+#: Where ``connect_stages()`` finds the stage addresses when given none (``lms-tf launch`` sets it).
+WORKERS_VARIABLE = "LMS_TF_WORKERS"
 
 
 def check_workers(workers: Sequence[str]) -> List[str]:
@@ -121,11 +124,13 @@ def wait_for_workers(workers: Sequence[str], timeout: float) -> None:
                 time.sleep(0.2)
 
 
-def connect_stages(workers: Sequence[str], *, timeout: float = 60.0, device_type: str = "CPU") -> List[str]:
+def connect_stages(workers: Optional[Sequence[str]] = None, *, timeout: float = 60.0,
+                   device_type: str = "CPU") -> List[str]:
     """Connects this process (task 0) to the stage processes; returns each stage's device.
 
     Args:
-        workers: Every stage process's ``host:port``, task 0 (this process) first.
+        workers: Every stage process's ``host:port``, task 0 (this process) first. Default: the
+            ``LMS_TF_WORKERS`` environment variable, which ``lms-tf launch`` sets.
         timeout: Seconds to wait for the other tasks to answer.
         device_type: ``"CPU"`` or ``"GPU"``: the device of each task a stage runs on.
 
@@ -142,6 +147,12 @@ def connect_stages(workers: Sequence[str], *, timeout: float = 60.0, device_type
         ...
         lms_tf.LMSOptionError: worker address 'nonsense' is not host:port (e.g. localhost:2222).
     """
+    if workers is None:
+        workers = os.environ.get(WORKERS_VARIABLE)
+        if not workers:
+            raise LMSOptionError(f"connect_stages() was given no workers and {WORKERS_VARIABLE} is not set: pass "
+                                 f"the stage addresses (task 0 first), or run the script under "
+                                 f"lms-tf launch --stages K -- python your_script.py")
     workers = check_workers(workers)
     wait_for_workers(workers, timeout)
     import tensorflow as tf
