@@ -16,7 +16,9 @@
 #     with the same weights checksum, and rank 0's weights must equal a one-process run on the
 #     global batches (--as-ranks 2) within 1e-5;
 #  6. the job again, with node2 killed once training has started: the launcher must exit non-zero
-#     within LMS_TF_KILL_SECONDS (default 120).
+#     within LMS_TF_KILL_SECONDS (default 120);
+#  7. (before 6) lms-tf launch --hosts node1,node2: a 2-stage pipeline with stage 1 started on node2
+#     over ssh, bit-identical to gradient accumulation in one process.
 # Prints one closing line, "docker: N passed, N failed", and exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -123,6 +125,21 @@ say "largest weight difference, 2 ranks on 2 nodes vs one process on the global 
 check "the ranks' weights equal one process on the global batches (within 1e-5)" \
     "$(python3 -c "import sys; sys.exit(0 if float('$difference') <= 1e-5 else 1)" 2>/dev/null && echo 0 || echo 1)" \
     "largest difference $difference"
+
+# 7 (run before 6, which kills node2). A pipeline across the two containers: lms-tf launch on
+# node1 starts stage 1 on node2 over ssh; both stages train a CNN (GPipe, 4 micro-batches) on
+# TensorFlow's distributed runtime, bit-identically to gradient accumulation in one process.
+PIPELINE=(.venv/bin/python -m lms_tf.cli launch --stages 2 --hosts node1,node2 --ssh-port 12345 --
+          .venv/bin/python tests/pipeline_cluster_worker.py - sequential_cnn,gpipe,2)
+say "a 2-stage pipeline across node1 and node2: ${PIPELINE[*]}"
+status=0
+podman exec node1 "${PIPELINE[@]}" >"$WORK/pipeline.log" 2>&1 || status=$?
+result="$(grep '^RESULT ' "$WORK/pipeline.log" | tail -1)"
+say "pipeline: exit $status, $result"
+check "a 2-stage pipeline across two containers trains exactly as one process" \
+    "$([ "$status" = 0 ] && echo "$result" | grep -q '"losses_equal": true, "trains": true, "weights_equal": true' \
+       && echo "$result" | grep -q 'task:1/device:CPU:0' && echo 0 || echo 1)" \
+    "exit $status: $(tail -20 "$WORK/pipeline.log")"
 
 # 6. A node dies mid-run.
 say "again, killing node2 once training has started"

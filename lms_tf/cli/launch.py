@@ -6,8 +6,11 @@ command (task 0) with ``LMS_TF_WORKERS`` set to every stage's address, which
 stage servers are stopped and its exit code is returned; when a stage process dies first, the
 launcher names it and stops the training command and the other stages (they would otherwise
 serve, or wait, forever), and exits with 1. Stopping is ``SIGTERM``, then ``SIGKILL`` after
-``--stop-timeout`` seconds. It does not import TensorFlow. Across machines, start
-``lms-tf stage-server`` on each host instead (``docs/pipeline.md``).
+``--stop-timeout`` seconds; each stage server also stops when its standard input, a pipe from the
+launcher, closes, so none outlives a launcher that is itself killed (on Linux, neither does the
+training command). With ``--hosts``, stage k
+runs on the k-th host, started over ssh (the connection's end closes its input). It does not
+import TensorFlow.
 
 Examples:
     >>> from lms_tf.cli import build_parser
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -52,6 +56,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     launch.add_argument("--stages", type=cli_args.positive_int, required=True,
                         help="number of stages K: the training command is stage 0, K-1 stage servers are started")
     launch.add_argument("--host", default="localhost", help="the address every process listens on (default: localhost)")
+    launch.add_argument("--hosts", type=lambda text: [h.strip() for h in text.split(",") if h.strip()],
+                        help="one host per stage, comma-separated, this machine first: stages 1 and up are started "
+                             "over ssh (passwordless, lms-tf installed at the same path)")
+    launch.add_argument("--ssh-port", type=cli_args.positive_int, help="ssh port of the other hosts")
     launch.add_argument("--stop-timeout", type=float, default=10.0,
                         help="seconds between SIGTERM and SIGKILL when stopping a process")
     launch.add_argument("training_command", nargs=argparse.REMAINDER,
@@ -78,6 +86,15 @@ def free_addresses(host: str, count: int) -> List[str]:
             s.close()
 
 
+def _stops_with_this_process() -> None:
+    """In a child, before it runs: ask Linux to send it SIGTERM when the launcher dies (killed
+    included), so a training command is not left running on its own. Elsewhere, nothing."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _stop(processes: Sequence[subprocess.Popen], timeout: float) -> None:
     """SIGTERM to every running process, then SIGKILL to those still running after ``timeout``."""
     running = [p for p in processes if p.poll() is None]
@@ -92,14 +109,34 @@ def _stop(processes: Sequence[subprocess.Popen], timeout: float) -> None:
             p.wait()
 
 
-def launch(command: Sequence[str], stages: int, *, host: str = "localhost", stop_timeout: float = 10.0,
-           poll_seconds: float = 0.2) -> int:
+def stage_command(workers: Sequence[str], index: int, *, remote: bool, ssh_port: Optional[int] = None) -> List[str]:
+    """The command that starts stage ``index``: here, or over ssh on its host, in this directory
+    with this Python; it stops when its standard input closes (the launcher, or the connection).
+
+    Examples:
+        >>> stage_command(["a:1", "b:2"], 1, remote=True, ssh_port=12345)[:6]
+        ['ssh', '-o', 'BatchMode=yes', '-p', '12345', 'b']
+    """
+    serve = [sys.executable, "-m", "lms_tf.cli", "stage-server", "--workers", ",".join(workers), "--index",
+             str(index), "--until-stdin-closes"]
+    if not remote:
+        return serve
+    host = workers[index].rpartition(":")[0]
+    port = ["-p", str(ssh_port)] if ssh_port else []
+    return ["ssh", "-o", "BatchMode=yes", *port, host,
+            f"cd {shlex.quote(os.getcwd())} && exec {' '.join(map(shlex.quote, serve))}"]
+
+
+def launch(command: Sequence[str], stages: int, *, host: str = "localhost", hosts: Optional[Sequence[str]] = None,
+           ssh_port: Optional[int] = None, stop_timeout: float = 10.0, poll_seconds: float = 0.2) -> int:
     """Runs ``command`` as task 0 of a ``stages``-stage pipeline with its stage servers; returns its exit code.
 
     Args:
         command: The training command and its arguments.
         stages: K; K-1 ``lms-tf stage-server`` processes are started.
-        host: The address every process listens on.
+        host: The address every process listens on (without ``hosts``).
+        hosts: One host per stage, this machine first; stages 1 and up are started over ssh.
+        ssh_port: The other hosts' ssh port.
         stop_timeout: Seconds between SIGTERM and SIGKILL.
         poll_seconds: How often the processes are checked.
 
@@ -107,7 +144,7 @@ def launch(command: Sequence[str], stages: int, *, host: str = "localhost", stop
         The training command's exit code, or :data:`STAGE_DIED` if a stage process ended first.
 
     Raises:
-        LMSOptionError: No command was given.
+        LMSOptionError: No command was given, or ``hosts`` does not name one host per stage.
 
     Examples:
         >>> launch([sys.executable, "-c", "import os, sys; sys.exit(len(os.environ['LMS_TF_WORKERS'].split(',')))"], 1)
@@ -116,7 +153,12 @@ def launch(command: Sequence[str], stages: int, *, host: str = "localhost", stop
     if not command:
         raise LMSOptionError("lms-tf launch needs the training command after --, e.g. "
                              "lms-tf launch --stages 2 -- python train.py")
+    if hosts is not None and len(hosts) != stages:
+        raise LMSOptionError(f"lms-tf launch --hosts names {len(hosts)} host(s) ({','.join(hosts)}) for {stages} "
+                             f"stages: give one host per stage, this machine first.")
     workers = free_addresses(host, stages)
+    if hosts is not None:  # the same free port numbers, on each stage's host
+        workers = [f"{h}:{w.rpartition(':')[2]}" for h, w in zip(hosts, workers)]
     env = dict(os.environ, **{WORKERS_VARIABLE: ",".join(workers)})
     servers: List[subprocess.Popen] = []
     trainer: Optional[subprocess.Popen] = None
@@ -128,10 +170,12 @@ def launch(command: Sequence[str], stages: int, *, host: str = "localhost", stop
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for k in range(1, stages):
-            servers.append(subprocess.Popen([sys.executable, "-m", "lms_tf.cli", "stage-server", "--workers",
-                                             ",".join(workers), "--index", str(k)], env=env))
+            # Each stage reads a pipe from the launcher and stops when it closes, however the
+            # launcher ends (killed included) and wherever the stage runs.
+            servers.append(subprocess.Popen(stage_command(workers, k, remote=hosts is not None, ssh_port=ssh_port),
+                                            env=env, stdin=subprocess.PIPE))
             logger.info("lms-tf launch: stage %d (pid %d) serving at %s", k, servers[-1].pid, workers[k])
-        trainer = subprocess.Popen(list(command), env=env)
+        trainer = subprocess.Popen(list(command), env=env, preexec_fn=_stops_with_this_process)
         logger.info("lms-tf launch: stage 0 (pid %d) at %s runs: %s", trainer.pid, workers[0], " ".join(command))
         while not interrupted:
             code = trainer.poll()
@@ -161,7 +205,8 @@ def run(args) -> int:
     """Runs ``lms-tf launch``.
 
     Examples:
-        >>> run(argparse.Namespace(training_command=["--"], stages=2, host="localhost", stop_timeout=1.0))
+        >>> run(argparse.Namespace(training_command=["--"], stages=2, host="localhost", hosts=None, ssh_port=None,
+        ...                        stop_timeout=1.0))
         Traceback (most recent call last):
         ...
         lms_tf.LMSOptionError: lms-tf launch needs the training command after --, e.g. lms-tf launch --stages 2 -- python train.py
@@ -169,4 +214,5 @@ def run(args) -> int:
     command = list(args.training_command)
     if command[:1] == ["--"]:
         command = command[1:]
-    return launch(command, args.stages, host=args.host, stop_timeout=args.stop_timeout)
+    return launch(command, args.stages, host=args.host, hosts=args.hosts, ssh_port=args.ssh_port,
+                  stop_timeout=args.stop_timeout)

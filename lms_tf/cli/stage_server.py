@@ -27,6 +27,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--workers", required=True,
                         help="every stage process's host:port, comma-separated, task 0 (the training script) first")
     server.add_argument("--index", type=int, required=True, help="this stage's task (1 and up)")
+    server.add_argument("--until-stdin-closes", action="store_true",
+                        help="stop when standard input closes (lms-tf launch uses it, also over ssh)")
     return server
 
 
@@ -34,12 +36,12 @@ def run(args) -> int:
     """Serves the stage until the process is stopped.
 
     Examples:
-        >>> run(argparse.Namespace(workers="localhost:2222", index=1))
+        >>> run(argparse.Namespace(workers="localhost:2222", index=1, until_stdin_closes=False))
         Traceback (most recent call last):
         ...
         lms_tf.LMSOptionError: stage-server serves stage 1 and up of a pipeline of two or more; --workers names one (localhost:2222), the training script's own.
     """
     from lms_tf.tf.pipeline_cluster import serve_stage
 
-    serve_stage(args.workers, args.index)
+    serve_stage(args.workers, args.index, until_stdin_closes=args.until_stdin_closes)
     return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 from typing import List, Optional, Sequence
 
@@ -73,9 +74,11 @@ def _cluster(workers: Sequence[str]):
     return tf.train.ClusterSpec({JOB: list(workers)})
 
 
-def serve_stage(workers: Sequence[str], index: int) -> None:
+def serve_stage(workers: Sequence[str], index: int, *, until_stdin_closes: bool = False) -> None:
     """Runs the server of stage ``index`` (``index >= 1``; task 0 is the process that runs the
-    step) until the process is stopped.
+    step) until the process is stopped, or with ``until_stdin_closes`` until its standard input
+    closes: how ``lms-tf launch`` ties a stage to itself, also over ssh (the remote command's
+    input closes with the connection), and even when the launcher is killed.
 
     Raises:
         LMSOptionError: Bad addresses, or an index that is not one of the other tasks.
@@ -97,7 +100,15 @@ def serve_stage(workers: Sequence[str], index: int) -> None:
 
     server = tf.distribute.Server(_cluster(workers), job_name=JOB, task_index=index, protocol="grpc")
     logger.info("pipeline stage %d of %d serving at %s", index, len(workers), workers[index])
-    server.join()
+    if not until_stdin_closes:
+        server.join()
+        return
+    while sys.stdin.buffer.read1(4096):
+        pass
+    logger.info("pipeline stage %d: standard input closed, stopping", index)
+    # TensorFlow's Python server has no stop: leave at once.
+    logging.shutdown()
+    os._exit(0)
 
 
 def wait_for_workers(workers: Sequence[str], timeout: float) -> None:
