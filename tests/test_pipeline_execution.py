@@ -113,6 +113,37 @@ def test_twelve_microbatches_sum_in_microbatch_order(name, schedule):
     assert_same_state(reference, pipelined_model)
 
 
+def two_inputs():
+    """An image branch and a feature branch joined: two model inputs, one read only by a later stage."""
+    zoo._seed()
+    rng = np.random.RandomState(6)
+    x = {"image": rng.rand(3 * zoo.BATCH, 12, 12, 3).astype("float32"),
+         "features": rng.rand(3 * zoo.BATCH, 6).astype("float32")}
+    y = rng.randint(0, 5, 3 * zoo.BATCH).astype("int32")
+    image, features = keras.Input((12, 12, 3), name="image"), keras.Input((6,), name="features")
+    h = layers.GlobalAveragePooling2D(name="pool")(layers.Conv2D(8, 3, activation="relu", name="conv")(image))
+    g = layers.Dense(8, activation="relu", name="feature_dense")(features)
+    out = layers.Dense(5, name="head")(layers.Concatenate(name="join")([h, g]))
+    return zoo._compile(keras.Model([image, features], out, name="two_inputs")), (x, y)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_model_with_two_inputs_trains_as_a_pipeline(schedule):
+    reference, (x, y) = two_inputs()
+    pipelined_model, _ = two_inputs()
+    plain_step = accumulation_step(reference, MICROBATCHES)
+    stages = [["conv"], ["pool", "feature_dense", "join", "head"]]
+    pipe_step = PipelineStep(pipelined_model, stages, microbatches=MICROBATCHES, schedule=schedule, devices=DEVICES[:2])
+    assert "features:0:0" in pipe_step.stages[1].inputs  # the second input goes straight to the stage reading it
+    batches = [({k: v[i * zoo.BATCH:(i + 1) * zoo.BATCH] for k, v in x.items()}, y[i * zoo.BATCH:(i + 1) * zoo.BATCH])
+               for i in range(3)]
+    plain = [float(plain_step(bx, by)) for bx, by in batches]
+    piped = [float(pipe_step(bx, by)) for bx, by in batches]
+    assert plain == piped and len(set(plain)) > 1, (plain, piped)
+    assert_same_state(reference, pipelined_model)
+
+
 @pytest.mark.timeout(300)
 def test_the_memory_balanced_partition_trains_as_a_pipeline():
     made = {}
@@ -277,8 +308,10 @@ def test_bad_pipelines_are_refused_before_anything_is_traced():
         PipelineStep(model, stages, devices=["/CPU:0", "/CPU:7"])
     with pytest.raises(LMSOptionError, match="follow the model's order"):
         PipelineStep(model, [stages[1], stages[0]], devices=DEVICES[:2])
-    with pytest.raises(LMSOptionError, match="one input"):
-        PipelineStep(zoo.shared_multi_input_residual()[0], [["shared_conv"]], devices=DEVICES[:1])
+    shared = zoo.shared_multi_input_residual()[0]
+    with pytest.raises(LMSOptionError, match="called more than once"):
+        PipelineStep(shared, [[layer.name for layer in shared.layers if not isinstance(layer, keras.layers.InputLayer)]],
+                     devices=DEVICES[:1])
     step = PipelineStep(model, stages, microbatches=3, devices=DEVICES[:2])
     with pytest.raises(LMSOptionError, match="does not split into 3 equal micro-batches"):
         step(x[:8], y[:8])

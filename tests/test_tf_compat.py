@@ -132,3 +132,16 @@ def test_a_functional_models_layer_calls_replay_its_own_call():
         assert np.array_equal(replayed, expected), training
         assert np.array_equal(replayed, twin(x, training=False).numpy()) != training  # dropout ran only when training
     assert _compat.functional_graph(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])) is not None
+
+
+def test_a_models_inputs_flatten_in_its_input_order():
+    """Pipeline stages take a model's inputs as ``Functional.call`` feeds them to its layer graph
+    (``_compat.flat_model_inputs``): a list in order, a dict by input name, whatever its order."""
+    a, b = keras.Input((2,), name="left"), keras.Input((3,), name="right")
+    graph = _compat.functional_graph(keras.Model([a, b], keras.layers.Concatenate()([a, b])))
+    left, right = np.ones((4, 2), "float32"), np.zeros((4, 3), "float32")
+    for given in ([left, right], {"right": right, "left": left}):
+        flat = _compat.flat_model_inputs(graph, given)
+        assert [tuple(t.shape) for t in flat] == [(4, 2), (4, 3)] and np.array_equal(np.asarray(flat[0]), left)
+    single = _compat.functional_graph(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+    assert len(_compat.flat_model_inputs(single, left)) == 1

@@ -267,6 +267,20 @@ def nodes_in_call_order(graph) -> list:
     return nodes
 
 
+def flat_model_inputs(graph, inputs) -> list:
+    """``inputs`` as the model takes them (a tensor, a list, a dict by input name) as one tensor
+    per input of ``graph``, in its order: what ``Functional.call`` feeds its layer graph.
+
+    Examples:
+        >>> import keras, numpy as np
+        >>> a, b = keras.Input((2,), name="a"), keras.Input((3,), name="b")
+        >>> graph = functional_graph(keras.Model([a, b], keras.layers.Concatenate()([a, b])))
+        >>> [tuple(t.shape) for t in flat_model_inputs(graph, {"b": np.ones((1, 3)), "a": np.ones((1, 2))})]
+        [(1, 2), (1, 3)]
+    """
+    return list(graph._standardize_inputs(inputs))
+
+
 def call_node(graph, node, values: Dict[int, object], training) -> None:
     """Runs one layer call of ``graph`` as ``Functional.call`` does (call-context arguments such
     as ``training`` passed to the layers that take them), reading and writing ``values`` (the

@@ -263,15 +263,17 @@ def accumulation_step(model, microbatches: int, *, loss=None, optimizer=None):
 
     @tf.function(autograph=False)
     def step(x, y):
-        xs, ys = _split(x, microbatches, "input"), _split(y, microbatches, "label")
+        splits = [_split(t, microbatches, "input") for t in tf.nest.flatten(x)]  # a model may take several
+        ys = _split(y, microbatches, "label")
         accumulated, losses, previous = None, [], []
         for m in range(microbatches):
             # One micro-batch after the other (its input waits until the sums so far are
             # computed): one micro-batch's activations at a time, and the sums stay a chain that
             # Grappler cannot collapse into an AddN, which adds in another order past 8 terms.
             label = f"accumulate_{m}"
+            x_m = tf.nest.pack_sequence_as(x, _gated([parts[m] for parts in splits], previous, label))
             with tf.name_scope(microbatch_scope(m, microbatches)), tf.GradientTape() as tape:
-                value = loss_fn(ys[m], model(_gated([xs[m]], previous, label)[0], training=True))
+                value = loss_fn(ys[m], model(x_m, training=True))
             grads = tape.gradient(value, model.trainable_variables)
             accumulated = _accumulate(accumulated, grads)
             previous = _done(list(accumulated), label)
@@ -330,19 +332,20 @@ class PipelineStep:
                 raise LMSOptionError(f"device {device!r} is not one of this process's devices "
                                      f"({', '.join(sorted(visible_device_names()))}); on a CPU, make logical devices "
                                      f"with tf.config.set_logical_device_configuration before TensorFlow starts.")
-        graph = _compat.functional_graph(model)
-        if graph is not None and len(graph.inputs) != 1:
-            raise LMSOptionError(f"pipeline execution runs models with one input; {model.name!r} has "
-                                 f"{len(graph.inputs)}.")
         self.tasks = stage_tasks(schedule, len(stage_layers), microbatches)
         self.order = run_order(self.tasks)
         self.stages = split_stages(model, stage_layers)
+        self._graph = _compat.functional_graph(model)
+        self._input_keys = [_tensor_key(t) for t in self._graph.inputs]
         self.model, self.devices, self.microbatches, self.schedule = model, list(devices), microbatches, schedule
         self.loss_fn, self.optimizer = _loss_and_optimizer(model, loss, optimizer)
         self._step = tf.function(self._run, autograph=False)  # Python loops over a static schedule
 
     def __call__(self, x, y):
-        """Runs one pipelined training step; returns the mean loss over the micro-batches."""
+        """Runs one pipelined training step; returns the mean loss over the micro-batches.
+
+        ``x`` is what the model takes: a tensor, or for a model with several inputs a list (in the
+        model's input order) or a dict by input name."""
         return self._step(x, y)
 
     def get_concrete_function(self, x, y):
@@ -355,10 +358,12 @@ class PipelineStep:
         return self._step.get_concrete_function(x, y)
 
     def _run(self, x, y):
-        input_key = self.stages[0].inputs[0]
-        xs, ys = _split(x, self.microbatches, "input"), _split(y, self.microbatches, "label")
+        input_keys = set(self._input_keys)
+        splits = [_split(t, self.microbatches, "input") for t in _compat.flat_model_inputs(self._graph, x)]
+        ys = _split(y, self.microbatches, "label")
         last = len(self.stages) - 1
-        values: List[Dict[str, tf.Tensor]] = [{input_key: xs[m]} for m in range(self.microbatches)]
+        values: List[Dict[str, tf.Tensor]] = [{key: parts[m] for key, parts in zip(self._input_keys, splits)}
+                                              for m in range(self.microbatches)]
         grads_in: List[Dict[str, List[tf.Tensor]]] = [{} for _ in range(self.microbatches)]
         tapes: Dict[Tuple[int, int], Tuple[tf.GradientTape, list, list]] = {}
         losses: Dict[int, tf.Tensor] = {}
@@ -385,7 +390,7 @@ class PipelineStep:
                 if task.kind == FORWARD:
                     with tf.GradientTape() as tape:
                         inputs = _gated([values[m][key] for key in stage.inputs], previous[task.stage], label)
-                        tape.watch([t for key, t in zip(stage.inputs, inputs) if key != input_key])
+                        tape.watch([t for key, t in zip(stage.inputs, inputs) if key not in input_keys])
                         outputs = stage(inputs, training=True)
                         if task.stage == last:
                             losses[m] = self.loss_fn(ys[m], outputs[0] if len(outputs) == 1 else outputs)
@@ -395,8 +400,8 @@ class PipelineStep:
                     previous[task.stage] = _done(outputs + ([losses[m]] if task.stage == last else []), label)
                 else:
                     tape, inputs, outputs = tapes.pop((task.stage, m))
-                    sources = [t for key, t in zip(stage.inputs, inputs) if key != input_key]
-                    source_keys = [key for key in stage.inputs if key != input_key]
+                    sources = [t for key, t in zip(stage.inputs, inputs) if key not in input_keys]
+                    source_keys = [key for key in stage.inputs if key not in input_keys]
                     if task.stage == last:  # the seed TensorFlow would use, gated like the others
                         target, seeds = [losses[m]], [tf.ones_like(losses[m])]
                     else:
