@@ -21,7 +21,7 @@ from lms_tf.core.errors import LMSOptionError
 from lms_tf.pipeline import in_flight, max_in_flight, run_order, stage_tasks
 from lms_tf.pipeline.schedule import Task
 from lms_tf.tf.diagnostics import executed_ops
-from lms_tf.tf.pipeline_step import PipelineStep, accumulation_step, split_stages
+from lms_tf.tf.pipeline_step import PipelineStep, accumulation_step, place_stages, split_stages
 from tests import zoo
 
 DEVICES = ["/CPU:0", "/CPU:1", "/CPU:2"]
@@ -142,6 +142,37 @@ def test_a_model_with_two_inputs_trains_as_a_pipeline(schedule):
     piped = [float(pipe_step(bx, by)) for bx, by in batches]
     assert plain == piped and len(set(plain)) > 1, (plain, piped)
     assert_same_state(reference, pipelined_model)
+
+
+@pytest.mark.timeout(300)
+def test_placed_stages_hold_their_own_weights_and_slots_and_train_the_same():
+    """place_stages: each stage's weights and Adam's slots live on the stage's device, the user's
+    model is untouched, and the placed pipeline trains exactly as one device."""
+    def build():
+        model, data = zoo.resnet_style()
+        model.compile(optimizer=keras.optimizers.Adam(), loss=model.loss)
+        return model, data
+
+    reference, (x, y) = build()
+    original, _ = build()
+    stages = contiguous(original, 3)
+    placed = place_stages(original, stages, DEVICES)
+    assert placed is not original and all(v.value.device.endswith("CPU:0") for v in original.weights)
+    for k, names in enumerate(stages):
+        for name in names:
+            assert all(v.value.device.endswith(f"CPU:{k}") for v in placed.get_layer(name).weights), (name, k)
+    plain_step = accumulation_step(reference, MICROBATCHES)
+    pipe_step = PipelineStep(placed, stages, microbatches=MICROBATCHES, devices=DEVICES)
+    batches = [(x[i * zoo.BATCH:(i + 1) * zoo.BATCH], y[i * zoo.BATCH:(i + 1) * zoo.BATCH]) for i in range(3)]
+    plain = [float(plain_step(bx, by)) for bx, by in batches]
+    piped = [float(pipe_step(bx, by)) for bx, by in batches]
+    assert plain == piped and len(set(plain)) > 1, (plain, piped)
+    assert_same_state(reference, placed)
+    optimizer = placed.optimizer  # Adam's two slots of each weight, in the weights' order
+    pairs = list(zip(placed.trainable_variables, optimizer._momentums, optimizer._velocities))
+    assert len(pairs) == len(placed.trainable_variables) > 0
+    assert all(v.value.device == m.value.device == u.value.device for v, m, u in pairs), [
+        (v.path, v.value.device, m.path, m.value.device) for v, m, _ in pairs if v.value.device != m.value.device]
 
 
 @pytest.mark.timeout(300)

@@ -1,16 +1,15 @@
-"""``lms-tf launch``: a pipeline's processes on this machine, started together and stopped together.
+"""``lms-tf launch``: a pipeline's processes, started together and stopped together.
 
-Starts ``lms-tf stage-server`` for stages 1 to K-1 on free local ports, then the training
-command (task 0) with ``LMS_TF_WORKERS`` set to every stage's address, which
-``lms_tf.connect_stages()`` reads. It then watches them all: when the training command ends, the
-stage servers are stopped and its exit code is returned; when a stage process dies first, the
-launcher names it and stops the training command and the other stages (they would otherwise
-serve, or wait, forever), and exits with 1. Stopping is ``SIGTERM``, then ``SIGKILL`` after
-``--stop-timeout`` seconds; each stage server also stops when its standard input, a pipe from the
-launcher, closes, so none outlives a launcher that is itself killed (on Linux, neither does the
-training command). With ``--hosts``, stage k
-runs on the k-th host, started over ssh (the connection's end closes its input). It does not
-import TensorFlow.
+Starts ``lms-tf stage-server`` for stages 1 to K-1 (on free local ports, or over ssh on the
+``--hosts`` given), then the training command (task 0) with ``LMS_TF_WORKERS`` set to every
+stage's address, which ``lms_tf.connect_stages()`` reads. It then watches them all: when the
+training command ends, the stage servers are stopped and its exit code is returned; when a stage
+process dies first, the launcher names it, stops the training command and the other stages (they
+would otherwise serve, or wait, forever) and exits with 1. A stage server is stopped by closing
+its standard input, a pipe from the launcher (over ssh, the connection's end closes it); the
+training command by ``SIGTERM``; ``SIGKILL`` follows after ``--stop-timeout`` seconds. As a stage
+server stops whenever that pipe closes, none outlives a launcher that is itself killed (on Linux,
+neither does the training command). It does not import TensorFlow.
 
 Examples:
     >>> from lms_tf.cli import build_parser
@@ -96,10 +95,14 @@ def _stops_with_this_process() -> None:
 
 
 def _stop(processes: Sequence[subprocess.Popen], timeout: float) -> None:
-    """SIGTERM to every running process, then SIGKILL to those still running after ``timeout``."""
+    """Stops every running process: a stage server by closing its input, any other by SIGTERM;
+    SIGKILL to those still running after ``timeout``."""
     running = [p for p in processes if p.poll() is None]
     for p in running:
-        p.terminate()
+        if p.stdin is not None:
+            p.stdin.close()
+        else:
+            p.terminate()
     deadline = time.monotonic() + timeout
     for p in running:
         try:

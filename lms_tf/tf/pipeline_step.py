@@ -172,6 +172,56 @@ def split_stages(model, stage_layers: Sequence[Sequence[str]]) -> List[StageMode
     return result
 
 
+def place_stages(model, stages, devices: Sequence[str]):
+    """A copy of ``model`` whose stage-k layers keep their weights on ``devices[k]``: each stage's
+    weights, and the optimizer slots Keras places beside them, live where the stage runs (with
+    one process per stage, in that process's memory) instead of where the model was built. The
+    copy has the same weights and, if ``model`` is compiled, the same loss and a new optimizer of
+    the same configuration. ``model`` is not changed.
+
+    Args:
+        model: A built Sequential or Functional Keras model.
+        stages: A :class:`~lms_tf.pipeline.Partition` or each stage's layer names.
+        devices: One device per stage.
+
+    Returns:
+        The placed copy, for ``PipelineStep(copy, stages, devices=devices)``.
+
+    Raises:
+        LMSOptionError: Bad stages (see :func:`split_stages`) or not one device per stage.
+
+    Examples:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="a"),
+        ...                           keras.layers.Dense(2, name="b")])
+        >>> placed = place_stages(model, [["a"], ["b"]], ["/CPU:0", "/CPU:1"])
+        >>> placed.get_layer("b").kernel.value.device.endswith("CPU:1")
+        True
+    """
+    stage_layers = (_with_unprofiled_layers(model, [list(s.layers) for s in stages.stages])
+                    if hasattr(stages, "stages") else [list(s) for s in stages])
+    if isinstance(devices, str) or len(devices) != len(stage_layers):
+        raise LMSOptionError(f"devices= needs one device per stage ({len(stage_layers)}); got {devices!r}.")
+    split_stages(model, stage_layers)  # the same checks as the pipeline's
+    device_of = {name: devices[k] for k, names in enumerate(stage_layers) for name in names}
+
+    def clone(layer):
+        copy = layer.__class__.from_config(layer.get_config())
+        if layer.name in device_of:
+            with tf.device(device_of[layer.name]):
+                copy.build_from_config(layer.get_build_config())
+            copy.set_weights(layer.get_weights())
+        return copy
+
+    placed = keras.models.clone_model(model, clone_function=clone)
+    if getattr(model, "optimizer", None) is not None and getattr(model, "loss", None) is not None:
+        placed.compile(optimizer=model.optimizer.__class__.from_config(model.optimizer.get_config()), loss=model.loss)
+        # Built now, eagerly: Keras places each slot beside its weight then, but not when the
+        # first update builds the optimizer inside the traced step (the slots land on the default device).
+        placed.optimizer.build(placed.trainable_variables)
+    return placed
+
+
 def _with_unprofiled_layers(model, stage_layers: List[List[str]]) -> List[List[str]]:
     """A partition's stages, with the layers it does not name added: a partition lists the layers
     that put ops in the traced step, so a layer with none (a linear ``Activation``) joins the
