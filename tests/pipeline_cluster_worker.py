@@ -73,8 +73,52 @@ def after_a_stage_dies(workers):
     print("RESULT " + json.dumps({"error": error, "seconds": time.monotonic() - started}), flush=True)
 
 
+def wide_mlp():
+    """Large enough that the step's own buffers, not fixed overheads, make a stage's peak."""
+    import keras
+
+    from tests import zoo
+
+    zoo._seed()
+    rng = np.random.RandomState(8)
+    x, y = rng.rand(256, 1024).astype("float32"), rng.randint(0, 10, 256).astype("int32")
+    layers = [keras.Input((1024,))] + [keras.layers.Dense(1024, activation="relu", name=f"dense_{i}") for i in range(6)]
+    model = keras.Sequential(layers + [keras.layers.Dense(10, name="head")], name="wide_mlp")
+    model.compile(optimizer=keras.optimizers.Adam(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, (x, y)
+
+
+def memory(workers, spec):
+    """Trains ``name,schedule,stages,microbatches`` (a zoo case or ``wide_mlp``) as
+    ``lms_tf.partition`` cuts it, each stage's weights on its own task; prints each stage's
+    predicted peak and task 0's allocator peak over one step (the stage servers log theirs)."""
+    import tensorflow as tf
+
+    from lms_tf.tf.memory import measure_peak_memory
+    from lms_tf.tf.pipeline_step import place_stages
+
+    name, schedule, stages, microbatches = spec.split(",")
+    devices = connect(workers)
+    model, (x, y) = wide_mlp() if name == "wide_mlp" else cases.MODELS[name]()
+    partition = lms_tf.partition(model, stages=int(stages), microbatches=int(microbatches), batch_size=len(y),
+                                 schedule=schedule)
+    placed = place_stages(model, partition, devices)
+    del model
+    step = PipelineStep(placed, partition, devices=devices)
+    x, y = tf.constant(x), tf.constant(y)
+    losses = [float(step(x, y)) for _ in range(2)]
+    with measure_peak_memory(devices[0], settle_seconds=0.3) as task0:
+        losses.append(float(step(x, y)))
+    print("RESULT " + json.dumps({"predicted": [s.predicted_peak_bytes for s in partition.stages],
+                                  "layers": [list(s.layers) for s in partition.stages], "task0_peak": task0.peak_bytes,
+                                  "losses": losses}), flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[2] == "--after-a-stage-dies":
+    if sys.argv[2] == "--memory":
+        memory(sys.argv[1], sys.argv[3])
+        sys.exit(0)
+    elif sys.argv[2] == "--after-a-stage-dies":
         after_a_stage_dies(sys.argv[1])
     else:
         main(sys.argv[1], sys.argv[2:])

@@ -103,7 +103,17 @@ def serve_stage(workers: Sequence[str], index: int, *, until_stdin_closes: bool 
     if not until_stdin_closes:
         server.join()
         return
+    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    try:  # the peak reported at the end is the steps', not the server's start-up
+        tf.config.experimental.reset_memory_stats(device)
+    except ValueError:
+        pass
     while sys.stdin.buffer.read1(4096):
+        pass
+    try:  # the stage's own allocator (on a CPU, TensorFlow keeps statistics with TF_CPU_ALLOCATOR_USE_BFC=true)
+        memory = tf.config.experimental.get_memory_info(device)
+        logger.info("pipeline stage %d: allocator peak %d bytes, %d in use", index, memory["peak"], memory["current"])
+    except ValueError:
         pass
     logger.info("pipeline stage %d: standard input closed, stopping", index)
     # TensorFlow's Python server has no stop: leave at once.

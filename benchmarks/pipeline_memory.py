@@ -1,0 +1,74 @@
+"""Benchmark: each pipeline stage's real CPU allocator peak, one process per stage, against its prediction.
+
+A 1024-wide, 7-layer MLP with Adam at batch 256 (``wide_mlp`` of ``tests/pipeline_cluster_worker.py``)
+is cut by ``lms_tf.partition`` and trained under ``lms-tf launch``: every stage its own process
+(task 0 the training script, the others ``lms-tf stage-server``), every stage's weights and slots
+on its own task (``place_stages``), ``TF_CPU_ALLOCATOR_USE_BFC=true`` so each process's allocator
+keeps statistics. Task 0 measures its peak over one step; each stage server logs its peak when it
+stops. The steps are not serialized, so each configuration runs several times.
+
+Command: ``.venv/bin/python benchmarks/pipeline_memory.py`` (about 2 minutes on 2 cores; writes
+``benchmarks/out/pipeline_memory.json`` and the table into ``docs/benchmarks/partition.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.publish import OUT, publish  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "pipeline_cluster_worker.py")
+CASES = [("1f1b", 2, 4), ("gpipe", 2, 4), ("1f1b", 3, 4), ("gpipe", 3, 4)]
+RUNS = 3
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_DETERMINISTIC_OPS="1", TF_ENABLE_ONEDNN_OPTS="0",
+           TF_CPU_ALLOCATOR_USE_BFC="true")
+
+
+def run_once(schedule: str, stages: int, microbatches: int) -> dict:
+    """One training under ``lms-tf launch``: predicted and real peak per stage."""
+    done = subprocess.run([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", str(stages), "--",
+                           sys.executable, WORKER, "-", "--memory", f"wide_mlp,{schedule},{stages},{microbatches}"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(done.stderr[-3000:])
+    result = json.loads([line for line in done.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
+    real = {0: result["task0_peak"]}
+    for m in re.finditer(r"pipeline stage (\d+): allocator peak (\d+) bytes", done.stderr):
+        real[int(m.group(1))] = int(m.group(2))
+    return {"predicted": result["predicted"], "real": [real[k] for k in range(stages)], "layers": result["layers"]}
+
+
+def main() -> None:
+    results = []
+    for schedule, stages, microbatches in CASES:
+        runs = [run_once(schedule, stages, microbatches) for _ in range(RUNS)]
+        results.append({"schedule": schedule, "stages": stages, "microbatches": microbatches, "runs": runs})
+        print(f"{schedule} K={stages}: " + "; ".join(
+            ", ".join(f"{r / p:.2f}" for r, p in zip(run["real"], run["predicted"])) for run in runs), flush=True)
+    rows = ["| schedule | K | stage | layers | predicted MiB | real MiB (min-max of 3 runs) | real / predicted |",
+            "|---|---|---|---|---|---|---|"]
+    for case in results:
+        for k in range(case["stages"]):
+            predicted = case["runs"][0]["predicted"][k]
+            real = [run["real"][k] for run in case["runs"]]
+            layers = case["runs"][0]["layers"][k]
+            rows.append(f"| {case['schedule']} | {case['stages']} | {k}{' (task 0)' if k == 0 else ''} | "
+                        f"{layers[0]}..{layers[-1]} | {predicted / 2**20:.1f} | "
+                        f"{min(real) / 2**20:.1f}-{max(real) / 2**20:.1f} | "
+                        f"{min(real) / predicted:.2f}-{max(real) / predicted:.2f} |")
+    text = ("Wide MLP (7 x Dense 1024, Adam, batch 256, 4 micro-batches), one process per stage on this "
+            f"2-core CPU, {RUNS} runs each, not serialized:\n\n" + "\n".join(rows))
+    OUT.mkdir(exist_ok=True)
+    (OUT / "pipeline_memory.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    publish("pipeline_memory", text, page="partition")
+
+
+if __name__ == "__main__":
+    main()
