@@ -179,6 +179,9 @@ def test_launch_and_connect_refuse_a_missing_command_or_cluster(monkeypatch):
     out = subprocess.run([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", "2"], cwd=ROOT, env=ENV,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "needs the training command after --" in out.stderr, out.stderr
+    from lms_tf.cli.launch import launch
+    with pytest.raises(LMSOptionError, match="names 1 host.*for 2 stages"):
+        launch(["true"], 2, hosts=["a"])
     monkeypatch.delenv("LMS_TF_WORKERS", raising=False)
     from lms_tf.tf.pipeline_cluster import connect_stages
     with pytest.raises(LMSOptionError, match="LMS_TF_WORKERS is not set.*lms-tf launch"):

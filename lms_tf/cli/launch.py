@@ -60,7 +60,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "over ssh (passwordless, lms-tf installed at the same path)")
     launch.add_argument("--ssh-port", type=cli_args.positive_int, help="ssh port of the other hosts")
     launch.add_argument("--stop-timeout", type=float, default=10.0,
-                        help="seconds between SIGTERM and SIGKILL when stopping a process")
+                        help="seconds a process has to stop (its input closed, or SIGTERM) before SIGKILL")
     launch.add_argument("training_command", nargs=argparse.REMAINDER,
                         help="the training command (task 0), after --")
     return launch
@@ -140,7 +140,7 @@ def launch(command: Sequence[str], stages: int, *, host: str = "localhost", host
         host: The address every process listens on (without ``hosts``).
         hosts: One host per stage, this machine first; stages 1 and up are started over ssh.
         ssh_port: The other hosts' ssh port.
-        stop_timeout: Seconds between SIGTERM and SIGKILL.
+        stop_timeout: Seconds a process has to stop (its input closed, or SIGTERM) before SIGKILL.
         poll_seconds: How often the processes are checked.
 
     Returns:
