@@ -210,12 +210,19 @@ def test_sqrt_recompute_lowers_the_real_cpu_allocator_peak(deep_batch):
         fn = decorate(_deep_step(deep_residual()))
         fn(x, y).numpy()
         fn(x, y).numpy()
-        with lms_tf.measure_peak_memory("CPU:0", settle_seconds=0.3) as memory:
-            fn(x, y).numpy()
-        peaks[name] = memory.peak_bytes
-    # Measured 160 -> 80 MiB; the plain step of this net has a depth-independent part of about
-    # 65-70 MiB (73/76/90 MiB peak at 4/8/16 blocks) that recompute cannot remove.
-    assert peaks["sqrt"] < 0.65 * peaks["plain"], {k: v / 2**20 for k, v in peaks.items()}
+        runs = []
+        for _ in range(3):
+            with lms_tf.measure_peak_memory("CPU:0", settle_seconds=0.3) as memory:
+                fn(x, y).numpy()
+            runs.append(memory.peak_bytes)
+        peaks[name] = sorted(runs)
+    # The plain step of this net has a depth-independent part of about 65-70 MiB (73/76/90 MiB
+    # peak at 4/8/16 blocks) that recompute cannot remove. TensorFlow runs ready ops in parallel,
+    # so one step's peak moves with the order they ran in: measured plain 160-165 MiB, sqrt 80-108
+    # MiB (86/104/104 in one process, 108 in a whole-suite run), up to 0.66 of plain. Every sqrt
+    # step must stay under 0.75 of the lowest plain step (a step that recomputed nothing reads 1.0).
+    assert max(peaks["sqrt"]) < 0.75 * min(peaks["plain"]), {
+        k: [v / 2**20 for v in runs] for k, runs in peaks.items()}
 
 
 def _assert_clones_ran_in_order(plan, graph, events, logits_op):
