@@ -120,6 +120,14 @@ def launched_pids(stderr_lines):
             (re.search(r"lms-tf launch: stage (\d+) \(pid (\d+)\)", line) for line in stderr_lines) if m}
 
 
+def all_launched(lines, stages, seconds=30):
+    """Stage -> pid once the launcher has logged every stage (its stderr is read by a thread)."""
+    deadline = time.monotonic() + seconds
+    while len(launched_pids(lines)) < stages and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return launched_pids(lines)
+
+
 def running(pid):
     """Whether ``pid`` runs (a zombie waiting for its new parent to reap it does not)."""
     try:
@@ -159,7 +167,7 @@ def test_launch_stops_the_others_when_a_stage_dies():
     reader.start()
     try:
         assert launcher.stdout.readline().strip() == "READY", "".join(lines)[-3000:]  # one step ran on 3 processes
-        pids = launched_pids(lines)
+        pids = all_launched(lines, 3)
         assert sorted(pids) == [0, 1, 2], lines
         os.kill(pids[1], signal.SIGKILL)
         started = time.monotonic()
@@ -200,7 +208,7 @@ def test_a_killed_launcher_leaves_no_process_behind():
     reader.start()
     try:
         assert launcher.stdout.readline().strip() == "READY", "".join(lines)[-3000:]
-        pids = launched_pids(lines)
+        pids = all_launched(lines, 3)
         assert sorted(pids) == [0, 1, 2] and all(running(p) for p in pids.values()), pids
         launcher.kill()
         launcher.wait(timeout=30)
