@@ -103,7 +103,9 @@ def serve_stage(workers: Sequence[str], index: int, *, until_stdin_closes: bool 
     if not until_stdin_closes:
         server.join()
         return
-    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    from lms_tf.tf.memory import default_device
+
+    device = default_device()
     try:  # the peak reported at the end is the steps', not the server's start-up
         tf.config.experimental.reset_memory_stats(device)
     except ValueError:

@@ -198,10 +198,7 @@ def place_stages(model, stages, devices: Sequence[str]):
         >>> placed.get_layer("b").kernel.value.device.endswith("CPU:1")
         True
     """
-    stage_layers = (_with_unprofiled_layers(model, [list(s.layers) for s in stages.stages])
-                    if hasattr(stages, "stages") else [list(s) for s in stages])
-    if isinstance(devices, str) or len(devices) != len(stage_layers):
-        raise LMSOptionError(f"devices= needs one device per stage ({len(stage_layers)}); got {devices!r}.")
+    stage_layers = _stage_layers(model, stages, devices)
     split_stages(model, stage_layers)  # the same checks as the pipeline's
     device_of = {name: devices[k] for k, names in enumerate(stage_layers) for name in names}
 
@@ -220,6 +217,20 @@ def place_stages(model, stages, devices: Sequence[str]):
         # first update builds the optimizer inside the traced step (the slots land on the default device).
         placed.optimizer.build(placed.trainable_variables)
     return placed
+
+
+def _is_partition(stages) -> bool:
+    return hasattr(stages, "stages") and hasattr(stages, "schedule")
+
+
+def _stage_layers(model, stages, devices: Sequence[str]) -> List[List[str]]:
+    """Each stage's layer names, from a Partition (its unprofiled layers added) or given lists,
+    checked against one device per stage."""
+    stage_layers = (_with_unprofiled_layers(model, [list(s.layers) for s in stages.stages])
+                    if _is_partition(stages) else [list(s) for s in stages])
+    if isinstance(devices, str) or len(devices) != len(stage_layers):
+        raise LMSOptionError(f"devices= needs one device per stage ({len(stage_layers)}); got {devices!r}.")
+    return stage_layers
 
 
 def _with_unprofiled_layers(model, stage_layers: List[List[str]]) -> List[List[str]]:
@@ -366,17 +377,12 @@ class PipelineStep:
 
     def __init__(self, model, stages, *, microbatches: Optional[int] = None, schedule: Optional[str] = None,
                  devices: Sequence[str], loss=None, optimizer=None):
-        if hasattr(stages, "stages") and hasattr(stages, "schedule"):  # a Partition
-            partition = stages
-            stage_layers = _with_unprofiled_layers(model, [list(s.layers) for s in partition.stages])
-            microbatches = partition.microbatches if microbatches is None else microbatches
-            schedule = partition.schedule if schedule is None else schedule
-        else:
-            stage_layers = [list(s) for s in stages]
+        stage_layers = _stage_layers(model, stages, devices)
+        if _is_partition(stages):
+            microbatches = stages.microbatches if microbatches is None else microbatches
+            schedule = stages.schedule if schedule is None else schedule
         microbatches = 1 if microbatches is None else microbatches
         schedule = schedule or "1f1b"
-        if isinstance(devices, str) or len(devices) != len(stage_layers):
-            raise LMSOptionError(f"devices= needs one device per stage ({len(stage_layers)}); got {devices!r}.")
         for device in devices:  # a cluster task's device (a job named) is checked when connecting
             if tf.DeviceSpec.from_string(device).job is None and not is_visible(device):
                 raise LMSOptionError(f"device {device!r} is not one of this process's devices "
