@@ -486,6 +486,86 @@ def test_recompute_auto_plans_for_the_devices_memory(cpu_lms):
     assert_same_numbers(plain, tight)
 
 
+def _unbatched_step_graph(model, x):
+    """The model's train step (a mean-square loss on its output) traced with an unknown batch."""
+    optimizer = tf.keras.optimizers.SGD(0.01)
+
+    def step(inputs):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.cast(model(inputs, training=True), tf.float32)))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    specs = tf.nest.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), x)
+    return tf.function(step).get_concrete_function(specs).graph
+
+
+SIZED_FAMILIES = ["sequential_cnn", "resnet_style", "inception_style", "subclassed", "text_embedding", "lstm",
+                  "shared_multi_input_residual"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", SIZED_FAMILIES)
+def test_batch_sized_ir_equals_tensorflows_sizing(name):
+    """max-batch sizes the step for each batch by arithmetic from three sizings (every size is
+    linear in the batch): at batch sizes it was not fitted on, far outside them too, the IR equals
+    the one TensorFlow's shape inference builds (Sequential, residual, branches, subclassed,
+    embeddings, an LSTM's loop, two inputs through shared layers)."""
+    from lms_tf.cli.max_batch import SAMPLE_BATCHES, sized_by_batch
+    from lms_tf.core.ir import BatchSizedIR
+
+    model, (x, _) = zoo.FIT_ZOO[name]()
+    graph = _unbatched_step_graph(model, x)
+    assert BatchSizedIR.fit({b: build_ir(graph, batch_size=b) for b in SAMPLE_BATCHES}) is not None
+    ir_at = sized_by_batch(graph)
+    for batch in (1, 5, 97, 1000):
+        assert ir_at(batch) == build_ir(graph, batch_size=batch), batch
+
+
+def test_batch_sizing_falls_back_to_tensorflow_when_a_size_is_not_linear(caplog):
+    """A step whose tensor is batch x batch (a Gram matrix of the samples) is not linear in the
+    batch: the fit says so, and max-batch sizes each batch with TensorFlow instead, saying why."""
+    from lms_tf.cli.max_batch import sized_by_batch
+
+    gram = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x, transpose_b=True)))
+    graph = gram.get_concrete_function(tf.TensorSpec((None, 4))).graph
+    with caplog.at_level("INFO", logger="lms_tf"):
+        ir_at = sized_by_batch(graph)
+    assert "not linear in the batch" in caplog.text
+    assert ir_at(50).tensors["MatMul:0"].shape == (50, 50)
+    assert ir_at(50) == build_ir(graph, batch_size=50)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["resnet_style", "inception_style"])
+def test_remembered_replays_do_not_change_the_plan(name, monkeypatch):
+    """The fit check answers a plan it met before from memory (half of the checks on ResNet-50).
+    A replay is a pure function of the plan, so planning with and without that memory gives the
+    same plan, to every decision and prediction; and the memory is used."""
+    from lms_tf.planner import fit_check
+    from lms_tf.planner.search import BudgetSearch
+    from lms_tf.planner.step import PlanningStep
+
+    model, (x, _) = zoo.FIT_ZOO[name]()
+    ir = build_ir(_unbatched_step_graph(model, x), batch_size=64)
+    cost = CostModel(get_device_spec("v100-16gb-pcie3"))
+    policies = Policies(host="/CPU:1", budget="45%", recompute="auto")
+
+    def planned():
+        step = PlanningStep.build(ir, policies, device="/device:GPU:0", cost=cost)
+        search = BudgetSearch(step)
+        plan, sim, label, _ = search.fit(int(0.45 * step.baseline.peak_bytes))
+        return (plan.to_dict(), sim.peak_bytes, sim.held_bytes, sim.step_time_s, label), search.check
+
+    remembered, check = planned()
+    assert check.replays < check.simulations
+    monkeypatch.setattr(fit_check, "REMEMBERED_REPLAYS", 0)
+    monkeypatch.setattr(fit_check.FitCheck, "_held_in_chunks", lambda self, key, seed, sim: self.held_in_chunks(sim))
+    fresh, check = planned()
+    assert check.replays >= check.simulations  # every check replayed (and its tie orders)
+    assert fresh == remembered
+
+
 @pytest.mark.timeout(300)
 def test_largest_batch_bisects_and_lms_fits_a_larger_one():
     """The max-batch search on a device whose free memory holds about 40 samples of the zoo's residual

@@ -7,9 +7,10 @@ Examples:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
-from typing import Optional
+from typing import Dict, Hashable, Iterator, Optional, Tuple
 
 from lms_tf.core.plan import Plan
 from lms_tf.planner.step import PlanningStep
@@ -23,6 +24,22 @@ logger = logging.getLogger("lms_tf")
 #: Whole chunks depend on the exact allocation order: when every tie is shuffled, one ResNet-50
 #: 224² b32 plan at 25% on a V100 held 641-735 MiB over 13 orders with tensors at 641 in all.
 TIE_ORDERS_CHECKED = 4
+#: How many replayed plans (with their allocation logs) one fit check remembers: a search meets
+#: the same plan again (each recompute base's first plan in every pass and at every lower aim,
+#: the same greedy rounds), about half of its checks on ResNet-50.
+REMEMBERED_REPLAYS = 256
+
+
+def plan_key(plan: Plan) -> Hashable:
+    """What a replay of ``plan`` depends on, as a dictionary key: its decisions and orderings
+    (the device, host and policies are the same for every plan of one step).
+
+    Examples:
+        >>> from lms_tf.core.plan import Plan
+        >>> plan_key(Plan((), "/device:GPU:0", "/device:CPU:0", {}, {})) == ((), ())
+        True
+    """
+    return plan.decisions, plan.orderings
 
 
 class FitCheck:
@@ -43,6 +60,12 @@ class FitCheck:
         self.budget_bytes: Optional[int] = None
         self.time_to_beat: Optional[float] = None
         self.simulations = 1  # the plain step's
+        self.replays = 1
+        # A replay is a pure function of the plan (the step, cost and op times are fixed), so a
+        # plan met again is answered from memory; what depends on the budget (the chunk count's
+        # region, the tie orders' early stop) is recomputed from the remembered parts.
+        self._replayed: "collections.OrderedDict[Tuple[Hashable, bool, Optional[int]], Simulation]" = collections.OrderedDict()
+        self._chunks: Dict[Tuple[Hashable, Optional[int], int], int] = {}
 
     def simulate(self, plan: Plan) -> Simulation:
         """Replays the step with ``plan``. When its tensors fit the budget, their allocations are
@@ -64,16 +87,15 @@ class FitCheck:
             12
         """
         self.simulations += 1
-        sim = simulate(self.step.ir, plan, cost=self.step.cost, top=None, op_times=self.step.op_times,
-                       log_allocations=self.budget_bytes is not None)
+        key = plan_key(plan)
+        sim = self._replay(key, plan, log_allocations=self.budget_bytes is not None)
         if self.budget_bytes is not None and sim.peak_bytes <= self.budget_bytes:
-            held = self.held_in_chunks(sim)
+            held = self._held_in_chunks(key, None, sim)
             # A plan no faster than one already found will not be chosen: its graph order is enough.
             could_win = self.time_to_beat is None or sim.step_time_s < self.time_to_beat
             if could_win and held <= self.budget_bytes:
-                for other in simulate_tie_orders(self.step.ir, plan, range(TIE_ORDERS_CHECKED), cost=self.step.cost,
-                                                 op_times=self.step.op_times):
-                    held = max(held, other.peak_bytes, self.held_in_chunks(other))
+                for seed, other in self._tie_orders(key, plan):
+                    held = max(held, other.peak_bytes, self._held_in_chunks(key, seed, other))
                     if held > self.budget_bytes:
                         break
             sim = dataclasses.replace(sim, allocator_peak_bytes=held, allocations=())
@@ -81,6 +103,52 @@ class FitCheck:
                 logger.debug("planner: the tensors fit (%d bytes) but TensorFlow's allocator would hold %d bytes "
                              "in whole chunks (in graph order or another tie order)", sim.peak_bytes, held)
         return sim
+
+    def _replay(self, key: Hashable, plan: Plan, *, log_allocations: bool) -> Simulation:
+        """The step replayed with ``plan`` in graph order, from memory when it was already."""
+        memo_key = (key, log_allocations, None)
+        sim = self._replayed.get(memo_key)
+        if sim is not None:
+            self._replayed.move_to_end(memo_key)
+            return sim
+        self.replays += 1
+        sim = simulate(self.step.ir, plan, cost=self.step.cost, top=None, op_times=self.step.op_times,
+                       log_allocations=log_allocations)
+        self._replayed[memo_key] = sim
+        if len(self._replayed) > REMEMBERED_REPLAYS:
+            self._replayed.popitem(last=False)
+        return sim
+
+    def _tie_orders(self, key: Hashable, plan: Plan) -> Iterator[Tuple[int, Simulation]]:
+        """The plan replayed in each checked tie order, as needed (the step lowered once for those
+        not remembered)."""
+        fresh: Optional[Iterator[Simulation]] = None
+        for seed in range(TIE_ORDERS_CHECKED):
+            memo_key = (key, True, seed)
+            sim = self._replayed.get(memo_key)
+            if sim is None:
+                if fresh is None:  # lower the step once for every seed from here on
+                    fresh = simulate_tie_orders(self.step.ir, plan, range(seed, TIE_ORDERS_CHECKED),
+                                                cost=self.step.cost, op_times=self.step.op_times)
+                    skipped = seed
+                while skipped <= seed:
+                    sim = next(fresh)
+                    skipped += 1
+                self.replays += 1
+                self._replayed[memo_key] = sim
+                if len(self._replayed) > REMEMBERED_REPLAYS:
+                    self._replayed.popitem(last=False)
+            yield seed, sim
+
+    def _held_in_chunks(self, key: Hashable, seed: Optional[int], sim: Simulation) -> int:
+        region = self._region()
+        memo_key = (key, seed, region)
+        if memo_key not in self._chunks:
+            self._chunks[memo_key] = self.held_in_chunks(sim)
+        return self._chunks[memo_key]
+
+    def _region(self) -> int:
+        return max(self.step.cost.device.memory_bytes, self.step.resident + 4 * self.budget_bytes)
 
     def held_in_chunks(self, sim: Simulation) -> int:
         """The simulated step's peak as TensorFlow's GPU allocator would hold it (whole chunks).
@@ -96,5 +164,5 @@ class FitCheck:
             >>> sim.held_bytes >= sim.peak_bytes
             True
         """
-        region = max(self.step.cost.device.memory_bytes, self.step.resident + 4 * self.budget_bytes)
-        return replay_allocations(sim.allocations, tensorflow_gpu_allocator(region), history=self.step.pool_history)
+        return replay_allocations(sim.allocations, tensorflow_gpu_allocator(self._region()),
+                                  history=self.step.pool_history)
