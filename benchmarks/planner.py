@@ -45,7 +45,7 @@ import keras  # noqa: E402
 from publish import OUT, publish  # noqa: E402 - benchmarks/publish.py, beside this script
 
 import lms_tf  # noqa: E402
-from lms_tf.cli.max_batch import largest_batch  # noqa: E402
+from lms_tf.cli.max_batch import largest_batch, sized_by_batch  # noqa: E402
 from lms_tf.cli.plots import plot_timeline  # noqa: E402
 from lms_tf.core.errors import InfeasibleBudgetError  # noqa: E402
 from lms_tf.core.plan import Decision  # noqa: E402
@@ -254,14 +254,7 @@ def max_batch_row():
     graph = tf.function(train_step(model)).get_concrete_function(
         tf.TensorSpec((None, 224, 224, 3)), tf.TensorSpec((None,), tf.int32)).graph
     cost = CostModel(get_device_spec("v100-16gb-pcie3"))
-    cache = {}
-
-    def ir_for_batch(batch):
-        if batch not in cache:
-            cache.clear()
-            cache[batch] = build_ir(graph, batch_size=batch)
-        return cache[batch]
-
+    ir_for_batch, _ = sized_by_batch(graph)
     options = Policies(host="/CPU:1", budget="auto", recompute="auto")
     started = time.perf_counter()
     plain, plain_peak = largest_batch(ir_for_batch, options, cost, False, 4096, device="/device:CPU:0")

@@ -517,7 +517,8 @@ def test_batch_sized_ir_equals_tensorflows_sizing(name):
     model, (x, _) = zoo.FIT_ZOO[name]()
     graph = _unbatched_step_graph(model, x)
     assert BatchSizedIR.fit({b: build_ir(graph, batch_size=b) for b in SAMPLE_BATCHES}) is not None
-    ir_at = sized_by_batch(graph)
+    ir_at, by_arithmetic = sized_by_batch(graph)
+    assert by_arithmetic
     for batch in (1, 5, 97, 1000):
         assert ir_at(batch) == build_ir(graph, batch_size=batch), batch
 
@@ -530,8 +531,8 @@ def test_batch_sizing_falls_back_to_tensorflow_when_a_size_is_not_linear(caplog)
     gram = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x, transpose_b=True)))
     graph = gram.get_concrete_function(tf.TensorSpec((None, 4))).graph
     with caplog.at_level("INFO", logger="lms_tf"):
-        ir_at = sized_by_batch(graph)
-    assert "not linear in the batch" in caplog.text
+        ir_at, by_arithmetic = sized_by_batch(graph)
+    assert "not linear in the batch" in caplog.text and not by_arithmetic
     assert ir_at(50).tensors["MatMul:0"].shape == (50, 50)
     assert ir_at(50) == build_ir(graph, batch_size=50)
 
@@ -566,6 +567,31 @@ def test_remembered_replays_do_not_change_the_plan(name, monkeypatch):
     assert fresh == remembered
 
 
+@pytest.mark.parametrize("jobs", [2, 3, 5])
+def test_batches_tried_ahead_take_the_one_at_a_time_path(jobs):
+    """Trying batches ahead (``jobs``) never changes the answer, even where the verdict is not
+    monotone in the batch (here 100-110 fit while 92-99 do not): every batch the one-at-a-time
+    search tries is tried, the answer is its answer, in fewer rounds."""
+    from lms_tf.cli.max_batch import largest_batch
+
+    def verdict(batch):
+        return batch <= 91 or 100 <= batch <= 110 or 300 <= batch <= 310
+
+    def probe_all(batches, rounds):
+        rounds.append(batches)
+        return [(verdict(b), 1000 * b) for b in batches]
+
+    for known_good, upper in ((0, 4096), (40, 4096), (0, 300), (0, 97)):
+        one, many = [], []
+        expected = largest_batch(None, None, None, True, upper, device="", known_good=known_good,
+                                 probe_all=lambda b: probe_all(b, one))
+        got = largest_batch(None, None, None, True, upper, device="", known_good=known_good,
+                            probe_all=lambda b: probe_all(b, many), jobs=jobs)
+        assert got == expected and got[1] == 1000 * got[0]
+        assert {b for r in one for b in r} <= {b for r in many for b in r}
+        assert max(map(len, many)) <= jobs and len(many) < len(one)
+
+
 @pytest.mark.timeout(300)
 def test_largest_batch_bisects_and_lms_fits_a_larger_one():
     """The max-batch search on a device whose free memory holds about 40 samples of the zoo's residual
@@ -594,8 +620,10 @@ def test_largest_batch_bisects_and_lms_fits_a_larger_one():
     cost = CostModel(dataclasses.replace(v100.device, name="small", memory_bytes=memory))
     policies = Policies(host="/CPU:1", budget="auto", recompute="auto")
     answers = {}
+    paths = {False: [], True: []}
     for with_lms in (False, True):
-        best, _ = largest_batch(ir_for_batch, policies, cost, with_lms, 4096, device="/device:CPU:0")
+        best, _ = largest_batch(ir_for_batch, policies, cost, with_lms, 4096, device="/device:CPU:0",
+                                progress=lambda batch, ok: paths[with_lms].append(batch))
         assert fits(ir_for_batch, best, policies, cost, with_lms, device="/device:CPU:0")[0]
         assert not fits(ir_for_batch, best + 1, policies, cost, with_lms, device="/device:CPU:0")[0]
         answers[with_lms] = best
@@ -606,3 +634,25 @@ def test_largest_batch_bisects_and_lms_fits_a_larger_one():
     best, _ = largest_batch(ir_for_batch, policies, cost, True, 4096, device="/device:CPU:0",
                             known_good=answers[False], progress=lambda batch, ok: tried.append(batch))
     assert best == answers[True] and min(tried) > answers[False]
+    # Two batches per round (the next, and the one after it if that fits), planned in two forked
+    # processes (sizes by arithmetic: the forks never call TensorFlow), take the same path to the
+    # same answers in fewer rounds.
+    from lms_tf.cli.max_batch import _PROBE_CONTEXT, SAMPLE_BATCHES, _probes
+    from lms_tf.core.ir import BatchSizedIR
+
+    sized = BatchSizedIR.fit({b: ir_for_batch(b) for b in SAMPLE_BATCHES})
+    for with_lms in (False, True):
+        rounds = []
+        _PROBE_CONTEXT.update(ir_for_batch=sized.at, policies=policies, cost=cost, with_lms=with_lms,
+                              device="/device:CPU:0")
+        try:
+            with _probes(2) as probe_all:
+                def counted(batches):
+                    rounds.append(batches)
+                    return probe_all(batches)
+                best, _ = largest_batch(sized.at, policies, cost, with_lms, 4096, device="/device:CPU:0",
+                                        probe_all=counted, jobs=2)
+        finally:
+            _PROBE_CONTEXT.clear()
+        assert best == answers[with_lms]
+        assert max(map(len, rounds)) == 2 and len(rounds) < len(paths[with_lms])

@@ -1,9 +1,11 @@
 """``lms-tf max-batch``: the largest batch that fits a device preset, without and with lms-tf.
 
-The step is traced once with an unknown batch dimension; each batch size is sized from that trace,
-simulated, and (with lms-tf) planned for ``budget="auto"``: doubling, then bisection. The search
-with lms-tf starts from the plain answer (what fits plain fits with lms-tf). A progress bar on
-stderr shows each try (``#`` fits, ``-`` does not).
+The step is traced once with an unknown batch dimension. Each batch size is sized from that
+trace (by arithmetic when every size is linear in the batch, :func:`sized_by_batch`), simulated
+and, with lms-tf, planned for ``budget="auto"``: doubling, then bisection. The search with lms-tf
+starts from the plain answer (what fits plain fits with lms-tf). ``--jobs`` plans the batches the
+search may try next ahead of time in forked processes, on the same path to the same answer. A
+progress bar on stderr shows each try (``#`` fits, ``-`` does not).
 
 Examples:
     >>> from lms_tf.cli import build_parser
@@ -14,10 +16,14 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import multiprocessing
+import os
 import sys
-from typing import Callable, Dict, Optional, Tuple
+from concurrent.futures import ProcessPoolExecutor
+from typing import Callable, Dict, List, Optional, Tuple
 
 from lms_tf.cli import args as cli_args
 from lms_tf.core.errors import InfeasibleBudgetError
@@ -42,8 +48,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     cli_args.add_model_arguments(maxb, batch=False)
     cli_args.add_device_argument(maxb)
     maxb.add_argument("--max", type=cli_args.positive_int, default=4096, help="largest batch to try")
+    maxb.add_argument("--jobs", type=cli_args.positive_int, default=default_jobs(),
+                      help="batch sizes planned at once, one process each (default: the usable CPUs, at most "
+                           f"{MAX_DEFAULT_JOBS})")
     maxb.add_argument("--json", action="store_true", help="print one JSON object")
     return maxb
+
+
+#: The default ``--jobs`` is the usable CPU count, capped here: each process holds its own
+#: planner state (about 0.5 GB on ResNet-50 224²).
+MAX_DEFAULT_JOBS = 4
+
+
+def default_jobs() -> int:
+    """The usable CPUs, at most :data:`MAX_DEFAULT_JOBS`.
+
+    Examples:
+        >>> 1 <= default_jobs() <= MAX_DEFAULT_JOBS
+        True
+    """
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(usable, MAX_DEFAULT_JOBS))
+
+
+#: What the forked probe processes plan: set before they start, inherited (nothing is pickled
+#: but batch sizes and answers).
+_PROBE_CONTEXT: dict = {}
+
+
+def _probe(batch: int) -> Tuple[bool, int]:
+    context = _PROBE_CONTEXT
+    return fits(context["ir_for_batch"], batch, context["policies"], context["cost"], context["with_lms"],
+                device=context["device"])
 
 
 def fits(ir_for_batch, batch: int, policies: Policies, cost: CostModel, with_lms: bool, *,
@@ -72,8 +108,15 @@ def fits(ir_for_batch, batch: int, policies: Policies, cost: CostModel, with_lms
 
 
 def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper: int, *,
-                  device: str, known_good: int = 0, progress=None) -> Tuple[int, Optional[int]]:
+                  device: str, known_good: int = 0, progress=None, probe_all=None,
+                  jobs: int = 1) -> Tuple[int, Optional[int]]:
     """Doubling then bisection over batch sizes; returns (largest fitting batch, its peak).
+
+    With ``jobs`` > 1 each round also tries, ahead of time, the batches the search would try
+    next whichever way the earlier ones come out (nearest first, the "fits" branch before the
+    other), ``jobs`` at a time (``probe_all`` runs them, e.g. in processes): the search takes
+    the same path to the same answer as one batch at a time, in fewer rounds, even where a
+    batch that does not fit has a larger one that does.
 
     Args:
         ir_for_batch: Batch size -> the step's IR at that size (traced once, sized per batch).
@@ -85,6 +128,9 @@ def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper:
         known_good: A batch known to fit, where the doubling starts (with lms-tf: the plain
             answer, since a step that fits plain fits with lms-tf).
         progress: Called with ``(batch, fits)`` after each batch tried.
+        probe_all: Batch sizes -> their ``(fits, peak)``, in order (default: :func:`fits` on
+            each, one after the other).
+        jobs: How many batches each round tries.
 
     Examples:
         >>> from lms_tf.core import Policies
@@ -94,27 +140,69 @@ def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper:
         ...               64, device="/device:GPU:0")[0]   # every size up to the cap fits
         64
     """
-    good, good_peak, bad = known_good, None, None
+    if probe_all is None:
+        def probe_all(batches):
+            return [fits(ir_for_batch, batch, policies, cost, with_lms, device=device) for batch in batches]
+    search = _BatchSearch(upper)
+    known: Dict[int, Tuple[bool, int]] = {}
+    state = search.start(known_good)
+    while True:
+        batch = search.next_batch(state)
+        if batch is None:
+            break
+        if batch not in known:
+            tries = search.ahead(state, known, jobs)
+            for tried, outcome in zip(tries, probe_all(tries)):
+                known[tried] = outcome
+                if progress is not None:
+                    progress(tried, outcome[0])
+        state = search.advance(state, batch, known[batch][0])
+    good = state[0]
+    if good and good not in known:  # the known batch was never planned: plan it for its peak
+        known[good] = probe_all([good])[0]
+    return good, known[good][1] if good else None
 
-    def attempt(batch: int) -> bool:
-        nonlocal good, good_peak, bad
-        ok, peak = fits(ir_for_batch, batch, policies, cost, with_lms, device=device)
-        if progress is not None:
-            progress(batch, ok)
-        if ok:
-            good, good_peak = batch, peak
-        else:
-            bad = batch
-        return ok
 
-    batch = 2 * known_good if known_good else 1
-    while good < upper and attempt(min(batch, upper)):
-        batch *= 2
-    while bad is not None and bad - good > 1:
-        attempt((good + bad) // 2)
-    if good_peak is None and good:  # the known batch was never planned: plan it for its peak
-        good_peak = fits(ir_for_batch, good, policies, cost, with_lms, device=device)[1]
-    return good, good_peak
+class _BatchSearch:
+    """The doubling-then-bisection search as a state machine (``(good, bad, next doubling)``), so
+    the batches it would try next can be listed ahead of their outcomes."""
+
+    def __init__(self, upper: int):
+        self.upper = upper
+
+    @staticmethod
+    def start(known_good: int) -> Tuple[int, Optional[int], int]:
+        return known_good, None, 2 * known_good if known_good else 1
+
+    def next_batch(self, state) -> Optional[int]:
+        good, bad, doubling = state
+        if bad is None:
+            return min(doubling, self.upper) if good < self.upper else None
+        return (good + bad) // 2 if bad - good > 1 else None
+
+    @staticmethod
+    def advance(state, batch: int, ok: bool):
+        good, bad, doubling = state
+        if bad is None:  # doubling
+            return (batch, None, 2 * doubling) if ok else (good, batch, doubling)
+        return (batch, bad, doubling) if ok else (good, batch, doubling)
+
+    def ahead(self, state, known, jobs: int) -> List[int]:
+        """Up to ``jobs`` batches not tried yet that the search may try next, nearest first."""
+        tries: List[int] = []
+        frontier = [state]
+        while frontier and len(tries) < jobs:
+            here = frontier.pop(0)
+            batch = self.next_batch(here)
+            if batch is None:
+                continue
+            if batch in known:
+                frontier.append(self.advance(here, batch, known[batch][0]))
+                continue
+            if batch not in tries:
+                tries.append(batch)
+            frontier += [self.advance(here, batch, True), self.advance(here, batch, False)]
+        return tries
 
 
 class ProgressBar:
@@ -160,22 +248,24 @@ class ProgressBar:
 SAMPLE_BATCHES = (8, 16, 24)
 
 
-def sized_by_batch(graph) -> Callable[[int], object]:
+def sized_by_batch(graph) -> Tuple[Callable[[int], object], bool]:
     """Batch size -> the traced step's IR at that size: by arithmetic from three sizings when
     every size is linear in the batch (:class:`~lms_tf.core.ir.BatchSizedIR`), else by sizing
-    each batch with TensorFlow (about a second each on ResNet-50).
+    each batch with TensorFlow (about a second each on ResNet-50); and whether it was by
+    arithmetic (then it runs without TensorFlow, in forked processes too).
 
     Examples:
         >>> import tensorflow as tf
         >>> f = tf.function(lambda x: tf.nn.relu(x) * 2.0)
-        >>> sized_by_batch(f.get_concrete_function(tf.TensorSpec((None, 8))).graph)(1000).tensors["Relu:0"].nbytes
-        32000
+        >>> ir_for_batch, by_arithmetic = sized_by_batch(f.get_concrete_function(tf.TensorSpec((None, 8))).graph)
+        >>> ir_for_batch(1000).tensors["Relu:0"].nbytes, by_arithmetic
+        (32000, True)
     """
     from lms_tf.tf.trace import build_ir
 
     sized = BatchSizedIR.fit({batch: build_ir(graph, batch_size=batch) for batch in SAMPLE_BATCHES})
     if sized is not None:
-        return sized.at
+        return sized.at, True
     logger.info("max-batch: some tensor sizes are not linear in the batch; sizing the step with TensorFlow for each "
                 "batch tried (slower)")
     cache: Dict[int, object] = {}
@@ -186,7 +276,17 @@ def sized_by_batch(graph) -> Callable[[int], object]:
             cache[batch] = build_ir(graph, batch_size=batch)
         return cache[batch]
 
-    return ir_for_batch
+    return ir_for_batch, False
+
+
+@contextlib.contextmanager
+def _probes(jobs: int):
+    """Runs batch probes (:data:`_PROBE_CONTEXT`) one after the other, or in ``jobs`` forked processes."""
+    if jobs == 1:
+        yield lambda batches: [_probe(batch) for batch in batches]
+        return
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        yield lambda batches: list(pool.map(_probe, batches))
 
 
 def run(args) -> int:
@@ -209,8 +309,14 @@ def run(args) -> int:
     spec = get_device_spec(args.device)
     cost = CostModel(spec)
     _, _, graph, _, _ = trace_unbatched(args)
-    ir_for_batch = sized_by_batch(graph)
+    ir_for_batch, by_arithmetic = sized_by_batch(graph)
     policies = Policies(host=host, budget="auto", recompute="auto")
+    # Probes run in forked processes, which must not call TensorFlow: only when the sizes come
+    # by arithmetic (BatchSizedIR), not from TensorFlow's shape inference.
+    jobs = args.jobs if by_arithmetic and "fork" in multiprocessing.get_all_start_methods() else 1
+    if jobs < args.jobs:
+        logger.info("max-batch: planning one batch at a time (--jobs %d needs sizes by arithmetic and fork())",
+                    args.jobs)
     answers = {}
     level = logger.level
     if not logger.isEnabledFor(logging.DEBUG):  # the bar replaces the planner's line per batch
@@ -218,11 +324,16 @@ def run(args) -> int:
     try:
         for with_lms in (False, True):
             bar = ProgressBar("with lms-tf" if with_lms else "plain")
-            answers[with_lms] = largest_batch(ir_for_batch, policies, cost, with_lms, args.max, device=device,
-                                              known_good=answers[False][0] if with_lms else 0, progress=bar)
+            _PROBE_CONTEXT.update(ir_for_batch=ir_for_batch, policies=policies, cost=cost, with_lms=with_lms,
+                                  device=device)
+            with _probes(jobs) as probe_all:
+                answers[with_lms] = largest_batch(ir_for_batch, policies, cost, with_lms, args.max, device=device,
+                                                  known_good=answers[False][0] if with_lms else 0, progress=bar,
+                                                  probe_all=probe_all, jobs=jobs)
             bar.close()
     finally:
         logger.setLevel(level)
+        _PROBE_CONTEXT.clear()
     (plain, plain_peak), (lms, lms_peak) = answers[False], answers[True]
     result = {"model": args.model, "device": spec.name, "max_batch_plain": plain, "max_batch_lms": lms,
               "peak_bytes_plain": plain_peak, "peak_bytes_lms": lms_peak,
