@@ -31,7 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from benchmarks.publish import OUT, publish  # noqa: E402
 from lms_tf.cli import build_parser  # noqa: E402
-from lms_tf.cli.max_batch import _PROBE_CONTEXT, _probes, default_jobs, largest_batch, sized_by_batch  # noqa: E402
+from lms_tf.cli.max_batch import _probes, default_jobs, largest_batch, sized_by_batch  # noqa: E402
 from lms_tf.cli.workload import trace_unbatched  # noqa: E402
 from lms_tf.core.policy import Policies  # noqa: E402
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
@@ -49,9 +49,8 @@ def search(ir_for_batch, jobs: int) -> dict:
     answers, tries, rounds = {}, 0, 0
     started = time.perf_counter()
     for with_lms in (False, True):
-        _PROBE_CONTEXT.update(ir_for_batch=ir_for_batch, policies=policies, cost=cost, with_lms=with_lms,
-                              device="/device:GPU:0")
-        with _probes(jobs) as probe_all:
+        with _probes(jobs, ir_for_batch=ir_for_batch, policies=policies, cost=cost, with_lms=with_lms,
+                     device="/device:GPU:0") as probe_all:
             def counted(batches):
                 nonlocal tries, rounds
                 tries, rounds = tries + len(batches), rounds + 1
@@ -59,7 +58,6 @@ def search(ir_for_batch, jobs: int) -> dict:
             answers[with_lms] = largest_batch(ir_for_batch, policies, cost, with_lms, 4096, device="/device:GPU:0",
                                               known_good=answers[False] if with_lms else 0, probe_all=counted,
                                               jobs=jobs)[0]
-        _PROBE_CONTEXT.clear()
     return {"plain": answers[False], "lms": answers[True], "seconds": time.perf_counter() - started,
             "tries": tries, "rounds": rounds}
 

@@ -637,22 +637,18 @@ def test_largest_batch_bisects_and_lms_fits_a_larger_one():
     # Two batches per round (the next, and the one after it if that fits), planned in two forked
     # processes (sizes by arithmetic: the forks never call TensorFlow), take the same path to the
     # same answers in fewer rounds.
-    from lms_tf.cli.max_batch import _PROBE_CONTEXT, SAMPLE_BATCHES, _probes
+    from lms_tf.cli.max_batch import SAMPLE_BATCHES, _probes
     from lms_tf.core.ir import BatchSizedIR
 
     sized = BatchSizedIR.fit({b: ir_for_batch(b) for b in SAMPLE_BATCHES})
     for with_lms in (False, True):
         rounds = []
-        _PROBE_CONTEXT.update(ir_for_batch=sized.at, policies=policies, cost=cost, with_lms=with_lms,
-                              device="/device:CPU:0")
-        try:
-            with _probes(2) as probe_all:
-                def counted(batches):
-                    rounds.append(batches)
-                    return probe_all(batches)
-                best, _ = largest_batch(sized.at, policies, cost, with_lms, 4096, device="/device:CPU:0",
-                                        probe_all=counted, jobs=2)
-        finally:
-            _PROBE_CONTEXT.clear()
+        with _probes(2, ir_for_batch=sized.at, policies=policies, cost=cost, with_lms=with_lms,
+                     device="/device:CPU:0") as probe_all:
+            def counted(batches):
+                rounds.append(batches)
+                return probe_all(batches)
+            best, _ = largest_batch(sized.at, policies, cost, with_lms, 4096, device="/device:CPU:0",
+                                    probe_all=counted, jobs=2)
         assert best == answers[with_lms]
         assert max(map(len, rounds)) == 2 and len(rounds) < len(paths[with_lms])

@@ -71,8 +71,7 @@ def default_jobs() -> int:
     return max(1, min(usable, MAX_DEFAULT_JOBS))
 
 
-#: What the forked probe processes plan: set before they start, inherited (nothing is pickled
-#: but batch sizes and answers).
+#: What the probes plan (:func:`_probes` sets it before forking: the processes inherit it).
 _PROBE_CONTEXT: dict = {}
 
 
@@ -280,13 +279,19 @@ def sized_by_batch(graph) -> Tuple[Callable[[int], object], bool]:
 
 
 @contextlib.contextmanager
-def _probes(jobs: int):
-    """Runs batch probes (:data:`_PROBE_CONTEXT`) one after the other, or in ``jobs`` forked processes."""
-    if jobs == 1:
-        yield lambda batches: [_probe(batch) for batch in batches]
-        return
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-        yield lambda batches: list(pool.map(_probe, batches))
+def _probes(jobs: int, **context):
+    """Batch sizes -> their ``(fits, peak)`` (:func:`fits` with ``context``: ``ir_for_batch``,
+    ``policies``, ``cost``, ``with_lms``, ``device``), one after the other or in ``jobs`` forked
+    processes, which inherit the context (nothing is pickled but batch sizes and answers)."""
+    _PROBE_CONTEXT.update(context)
+    try:
+        if jobs == 1:
+            yield lambda batches: [_probe(batch) for batch in batches]
+        else:
+            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+                yield lambda batches: list(pool.map(_probe, batches))
+    finally:
+        _PROBE_CONTEXT.clear()
 
 
 def run(args) -> int:
@@ -324,16 +329,14 @@ def run(args) -> int:
     try:
         for with_lms in (False, True):
             bar = ProgressBar("with lms-tf" if with_lms else "plain")
-            _PROBE_CONTEXT.update(ir_for_batch=ir_for_batch, policies=policies, cost=cost, with_lms=with_lms,
-                                  device=device)
-            with _probes(jobs) as probe_all:
+            with _probes(jobs, ir_for_batch=ir_for_batch, policies=policies, cost=cost, with_lms=with_lms,
+                         device=device) as probe_all:
                 answers[with_lms] = largest_batch(ir_for_batch, policies, cost, with_lms, args.max, device=device,
                                                   known_good=answers[False][0] if with_lms else 0, progress=bar,
                                                   probe_all=probe_all, jobs=jobs)
             bar.close()
     finally:
         logger.setLevel(level)
-        _PROBE_CONTEXT.clear()
     (plain, plain_peak), (lms, lms_peak) = answers[False], answers[True]
     result = {"model": args.model, "device": spec.name, "max_batch_plain": plain, "max_batch_lms": lms,
               "peak_bytes_plain": plain_peak, "peak_bytes_lms": lms_peak,

@@ -111,34 +111,32 @@ class FitCheck:
         if sim is not None:
             self._replayed.move_to_end(memo_key)
             return sim
+        return self._remember(memo_key, simulate(self.step.ir, plan, cost=self.step.cost, top=None,
+                                                 op_times=self.step.op_times, log_allocations=log_allocations))
+
+    def _tie_orders(self, key: Hashable, plan: Plan) -> Iterator[Tuple[int, Simulation]]:
+        """The plan replayed in each checked tie order, as needed: from memory, else from one
+        lowering of the step for the first seed not remembered and the ones after it."""
+        fresh: Optional[Iterator[Tuple[int, Simulation]]] = None
+        for seed in range(TIE_ORDERS_CHECKED):
+            sim = self._replayed.get((key, True, seed))
+            if sim is None:
+                if fresh is None:
+                    seeds = range(seed, TIE_ORDERS_CHECKED)
+                    fresh = zip(seeds, simulate_tie_orders(self.step.ir, plan, seeds, cost=self.step.cost,
+                                                           op_times=self.step.op_times))
+                for replayed_seed, sim in fresh:  # a seed still remembered is replayed again, not used
+                    if replayed_seed == seed:
+                        break
+                self._remember((key, True, seed), sim)
+            yield seed, sim
+
+    def _remember(self, memo_key: Tuple[Hashable, bool, Optional[int]], sim: Simulation) -> Simulation:
         self.replays += 1
-        sim = simulate(self.step.ir, plan, cost=self.step.cost, top=None, op_times=self.step.op_times,
-                       log_allocations=log_allocations)
         self._replayed[memo_key] = sim
         if len(self._replayed) > REMEMBERED_REPLAYS:
             self._replayed.popitem(last=False)
         return sim
-
-    def _tie_orders(self, key: Hashable, plan: Plan) -> Iterator[Tuple[int, Simulation]]:
-        """The plan replayed in each checked tie order, as needed (the step lowered once for those
-        not remembered)."""
-        fresh: Optional[Iterator[Simulation]] = None
-        for seed in range(TIE_ORDERS_CHECKED):
-            memo_key = (key, True, seed)
-            sim = self._replayed.get(memo_key)
-            if sim is None:
-                if fresh is None:  # lower the step once for every seed from here on
-                    fresh = simulate_tie_orders(self.step.ir, plan, range(seed, TIE_ORDERS_CHECKED),
-                                                cost=self.step.cost, op_times=self.step.op_times)
-                    skipped = seed
-                while skipped <= seed:
-                    sim = next(fresh)
-                    skipped += 1
-                self.replays += 1
-                self._replayed[memo_key] = sim
-                if len(self._replayed) > REMEMBERED_REPLAYS:
-                    self._replayed.popitem(last=False)
-            yield seed, sim
 
     def _held_in_chunks(self, key: Hashable, seed: Optional[int], sim: Simulation) -> int:
         region = self._region()
