@@ -182,10 +182,14 @@ class GraphIR:
             >>> GraphIR((), {}, frozenset(), {}).phase_counts()
             {'forward': 0, 'backward': 0, 'update': 0}
         """
-        counts = {p.value: 0 for p in Phase}
-        for op in self.ops:
-            counts[op.phase.value] += 1
-        return counts
+        cached = self.__dict__.get("_phase_counts")
+        if cached is None:  # planners stamp it on every plan they assemble
+            counts = {p.value: 0 for p in Phase}
+            for op in self.ops:
+                counts[op.phase.value] += 1
+            cached = tuple(counts.items())
+            object.__setattr__(self, "_phase_counts", cached)
+        return dict(cached)
 
 
 

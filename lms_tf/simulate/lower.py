@@ -203,22 +203,25 @@ class Lowered:
         return names
 
 
-def _alias_op_names(ir: GraphIR) -> frozenset:
-    """Names of the IR's alias ops (cached on the IR)."""
-    cached = ir.__dict__.get("_alias_op_names")
+def _readers_through_alias(ir: GraphIR) -> Dict[str, frozenset]:
+    """Alias op name -> the non-alias ops whose reads resolve through it (:meth:`Lowered.source`
+    follows one input of each alias op up the chain). Re-pointing an alias op's read re-points
+    theirs. Cached on the IR."""
+    cached = ir.__dict__.get("_readers_through_alias")
     if cached is None:
-        cached = frozenset(op.name for op in ir.ops if op.type in ALIAS_TYPES)
-        object.__setattr__(ir, "_alias_op_names", cached)
-    return cached
-
-
-def _ops_reading_an_alias(ir: GraphIR) -> frozenset:
-    """Names of the IR's ops that read an alias op's output (cached on the IR)."""
-    cached = ir.__dict__.get("_reads_alias")
-    if cached is None:
-        aliases = _alias_op_names(ir)
-        cached = frozenset(op.name for op in ir.ops if any(ir.tensors[t].producer in aliases for t in op.inputs))
-        object.__setattr__(ir, "_reads_alias", cached)
+        readers: Dict[str, set] = collections.defaultdict(set)
+        for op in ir.ops:
+            if op.type in ALIAS_TYPES:
+                continue
+            for t in op.inputs:
+                producer = ir.op(ir.tensors[t].producer)
+                while producer.type in ALIAS_TYPES and producer.inputs:
+                    readers[producer.name].add(op.name)
+                    position = producer.outputs.index(t) if producer.type == "IdentityN" else 0
+                    t = producer.inputs[min(position, len(producer.inputs) - 1)]
+                    producer = ir.op(ir.tensors[t].producer)
+        cached = {name: frozenset(names) for name, names in readers.items()}
+        object.__setattr__(ir, "_readers_through_alias", cached)
     return cached
 
 
@@ -235,6 +238,48 @@ def _plain_structure(ir: GraphIR) -> Dict[str, Tuple[Tuple[str, ...], List[Tuple
                                    [(t, ir.tensors[t].nbytes or 0) for t in op.outputs],
                                    tuple(b.producer_deps(op)))
         object.__setattr__(ir, "_plain_structure", cached)
+    return cached
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PlainOp:
+    """What lowering needs of one non-alias op of the plain step, computed once per IR: the
+    buffers it reads (in the order TensorFlow runs them), writes and waits for. An op a plan does
+    not re-point or make wait reuses all of it; its waits are the plain ops it waits for, by name,
+    in graph order (so their indices in any lowering come out sorted)."""
+    op: OpInfo
+    reads: Tuple[str, ...]
+    writes: List[Tuple[str, int]]
+    waits_for: Tuple[str, ...]
+    forwarding: bool
+    updates: Optional[str]
+    workspace: int  # scratch bytes with kernels that take it from TensorFlow's allocator
+
+
+def _plain_ops(ir: GraphIR) -> List[Tuple[OpInfo, Optional[_PlainOp]]]:
+    """Every op of the IR in graph order with its :class:`_PlainOp` (None for alias ops, which
+    lowering does not run). Cached on the IR."""
+    cached = ir.__dict__.get("_plain_ops")
+    if cached is None:
+        plain = _plain_structure(ir)
+        writer = {t: op.name for op in ir.ops if op.type not in ALIAS_TYPES for t in op.outputs}
+        cached = []
+        for op in ir.ops:
+            if op.type in ALIAS_TYPES:
+                cached.append((op, None))
+                continue
+            reads, writes, waits = plain[op.name]
+            # What the plain lowering's dependency pass finds: the writers of the buffers read and
+            # the ops waited for (a max-pool gradient's workspace read adds nothing: its writer is
+            # the pool, whose output the gradient already reads).
+            names = {writer[k] for k in reads if k in writer} | set(waits)
+            names.discard(op.name)
+            cached.append((op, _PlainOp(
+                op, tuple(_canonical_reads(op, reads)), writes,
+                tuple(sorted(names, key=lambda n: ir.op(n).index)), op.type in FORWARDING_TYPES,
+                op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None,
+                _workspace(ir, op, "cudnn"))))
+        object.__setattr__(ir, "_plain_ops", cached)
     return cached
 
 
@@ -368,38 +413,57 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
             extra_deps[waiter].extend(ordering.after)
 
     plain = _plain_structure(ir)
-    reads_alias = _ops_reading_an_alias(ir)
-    # Ops whose reads and waits differ from the plain step's: re-pointed consumers, and readers of
-    # an alias (whose source may now be a swap-in or a clone). The others reuse the cached structure.
-    rebuilt = {consumer for consumer, _ in b.replace} | reads_alias if b.replace else set()
-    for op in ir.ops:
-        if op.type in ALIAS_TYPES:
+    # Ops whose reads and waits differ from the plain step's: re-pointed consumers, and the ops
+    # reading through a re-pointed alias op. The others reuse the cached structure.
+    rebuilt = {consumer for consumer, _ in b.replace}
+    through_alias = _readers_through_alias(ir)
+    for consumer in list(rebuilt):
+        rebuilt |= through_alias.get(consumer, frozenset())
+    with_workspace = kernels != "onednn"
+    settled = set()  # events whose dependencies are the plain op's (computed below for the others)
+    for op, cached in _plain_ops(ir):
+        if cached is None:  # an alias op: not run
             for extra in extra_after.get(op.name, ()):
                 extra.order = op.index + 0.5
                 b.index_of[extra.name] = b.add(extra)
             continue
-        cached_reads, writes, _ = plain[op.name]
-        reads = _canonical_reads(op, [b.source(op.name, t) for t in op.inputs] if op.name in rebuilt else cached_reads)
-        if op.name in pooled:
-            writes = writes + [(op.outputs[0] + POOL_WORKSPACE, _pool_workspace_bytes(ir, op.outputs[0]))]
-        if op.type in MAXPOOL_GRAD_TYPES and len(cached_reads) > 1 and ir.tensors[cached_reads[1]].producer in pooled:
-            # Max pools are never cloned (NEVER_CLONED_TYPES): the gradient reads the workspace its
-            # forward pool wrote, also when it reads the pool output itself from a swap-in.
-            reads.append(cached_reads[1] + POOL_WORKSPACE)
-        updates = op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None
-        index = b.add(Event(op.name, COMPUTE_STREAM, op_time(op), reads, writes, [],
-                          forwarding=op.type in FORWARDING_TYPES and op.name not in accumulated_sums,
-                          updates=updates, order=op.index,
-                          workspace=_workspace(ir, op, kernels)))
-        b.index_of[op.name] = index
+        name = op.name
+        if name in rebuilt:
+            reads = _canonical_reads(op, [b.source(name, t) for t in op.inputs])
+        else:
+            reads = list(cached.reads)
+        writes = cached.writes
+        if pooled:
+            cached_reads = plain[name][0]
+            if name in pooled:
+                writes = writes + [(op.outputs[0] + POOL_WORKSPACE, _pool_workspace_bytes(ir, op.outputs[0]))]
+            if op.type in MAXPOOL_GRAD_TYPES and len(cached_reads) > 1 and ir.tensors[cached_reads[1]].producer in pooled:
+                # Max pools are never cloned (NEVER_CLONED_TYPES): the gradient reads the workspace its
+                # forward pool wrote, also when it reads the pool output itself from a swap-in.
+                reads.append(cached_reads[1] + POOL_WORKSPACE)
+        event = Event(name, COMPUTE_STREAM, op_time(op), reads, writes, [],
+                      forwarding=cached.forwarding and (not accumulated_sums or name not in accumulated_sums),
+                      updates=cached.updates, order=op.index,
+                      workspace=cached.workspace if with_workspace else 0)
+        as_planned = name not in rebuilt and name not in extra_deps
+        if as_planned:
+            index_of = b.index_of
+            event.deps = [index_of[n] for n in cached.waits_for]
+        index = b.add(event)
+        b.index_of[name] = index
+        if as_planned:
+            settled.add(index)
         if op.type == "ReadVariableOp" and op.inputs:
             b.read_handles[op.outputs[0]] = op.inputs[0]
-        for extra in extra_after.get(op.name, ()):
+        for extra in extra_after.get(name, ()):
             extra.order = op.index + 0.5
             b.index_of[extra.name] = b.add(extra)
 
-    # Dependencies: producers of every buffer read, control edges, triggers (gates) and swap-ins.
+    # Dependencies of the others: producers of every buffer read, control edges, triggers (gates)
+    # and swap-ins.
     for index, sim in enumerate(b.ops):
+        if index in settled:
+            continue
         deps = {b.buffer_producer[k] for k in sim.reads if k in b.buffer_producer}
         if sim.trigger is not None:
             deps.update(b.indices_of(sim.trigger))

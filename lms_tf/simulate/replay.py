@@ -89,7 +89,22 @@ class Simulation:
 
 def _kind(key: str) -> Optional[str]:
     """The prefix of a recomputed or swapped-in buffer's key, None for any other buffer."""
-    return next((prefix for prefix in (RECOMPUTE_PREFIX, SWAP_IN_PREFIX) if key.startswith(prefix)), None)
+    if key.startswith(RECOMPUTE_PREFIX):
+        return RECOMPUTE_PREFIX
+    if key.startswith(SWAP_IN_PREFIX):
+        return SWAP_IN_PREFIX
+    return None
+
+
+def _forward_op_names(ir) -> Tuple[Tuple[str, ...], bool]:
+    """The IR's forward ops' names and whether it has a backward pass (cached on the IR: every
+    replay marks where the forward pass ends)."""
+    cached = ir.__dict__.get("_forward_op_names")
+    if cached is None:
+        cached = (tuple(op.name for op in ir.ops if op.phase is Phase.FORWARD),
+                  any(op.phase is Phase.BACKWARD for op in ir.ops))
+        object.__setattr__(ir, "_forward_op_names", cached)
+    return cached
 
 
 def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str, float]],
@@ -118,10 +133,10 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
                 op.order = priority[op.trigger] + 1e-9
             else:
                 op.order = previous = previous + 1e-9
-    uses: Dict[str, int] = collections.Counter()
+    uses: Dict[str, int] = {}
     for op in ops:
         for key in set(op.reads):
-            uses[key] += 1
+            uses[key] = uses.get(key, 0) + 1
     handle_reads: Dict[str, List[str]] = collections.defaultdict(list)
     for key, handle in read_handles.items():
         handle_reads[handle].append(key)
@@ -139,7 +154,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
     alive: Dict[str, int] = {}
     copy_on_write: Dict[str, List[str]] = {}  # cow buffer -> reads it waits for
     in_use = peak = 0
-    by_kind: Dict[Optional[str], int] = collections.Counter()  # bytes in use per _kind of buffer
+    by_kind: Dict[Optional[str], int] = {None: 0, RECOMPUTE_PREFIX: 0, SWAP_IN_PREFIX: 0}  # bytes per _kind
     peak_op, live_at_peak = "", ()
     in_flight = [0, 0, 0]
     timeline: List[Tuple[float, int, int, int, int, int]] = []
@@ -188,7 +203,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
                 continue
             reuse = None
             if op.forwarding:
-                reuse = next((r for r in op.reads if r in alive and uses[r] == 1 and alive[r] == nbytes), None)
+                reuse = next((r for r in op.reads if r in alive and uses.get(r, 0) == 1 and alive[r] == nbytes), None)
             if reuse is not None:
                 alive[key] = alive.pop(reuse)
                 by_kind[_kind(reuse)] -= alive[key]  # the buffer may now hold another kind of value
@@ -199,7 +214,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
                 continue
             allocate(key, nbytes)
         if op.updates is not None:
-            pending_reads = [r for r in handle_reads.get(op.updates, ()) if uses[r] > 0]
+            pending_reads = [r for r in handle_reads.get(op.updates, ()) if uses.get(r, 0) > 0]
             if pending_reads:
                 key = f"copy_on_write/{op.name}"
                 allocate(key, builder.ir.tensors[pending_reads[0]].nbytes or 0)
@@ -234,9 +249,9 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
             if uses[key] <= 0:
                 free(key)
         for key, _ in op.writes:
-            if uses[key] <= 0:
+            if uses.get(key, 0) <= 0:
                 free(key)
-        for key in [k for k, reads in copy_on_write.items() if all(uses[r] <= 0 for r in reads)]:
+        for key in [k for k, reads in copy_on_write.items() if all(uses.get(r, 0) <= 0 for r in reads)]:
             del copy_on_write[key]
             free(key)
         record(at)
@@ -269,8 +284,8 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
             f"its gates, orderings or waits for copies out form a cycle. Drop the plan's added waits for these ops.")
     # The forward pass ends with its last op (the loss): backward ops that need no gradient
     # (shapes, constants) may start long before it.
-    forward_ends = [intervals[op.name][1] for op in builder.ir.ops if op.phase is Phase.FORWARD and op.name in intervals]
-    has_backward = any(op.phase is Phase.BACKWARD for op in builder.ir.ops)
+    forward_names, has_backward = _forward_op_names(builder.ir)
+    forward_ends = [intervals[name][1] for name in forward_names if name in intervals]
     return Simulation(peak_bytes=peak, peak_op=peak_op, live_at_peak=live_at_peak, step_time_s=now,
                       compute_time_s=compute_time, swap_out_bytes=swap_bytes[TO_HOST_STREAM],
                       swap_in_bytes=swap_bytes[TO_DEVICE_STREAM], timeline=tuple(timeline), peak_time_s=peak_time,
