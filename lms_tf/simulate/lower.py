@@ -91,6 +91,11 @@ class Lowered:
         self.buffer_producer: Dict[str, int] = {}
         self.accumulated_sums: frozenset = frozenset()
         self.read_handles: Dict[str, str] = {}  # read buffer -> variable handle tensor
+        # Whether a buffer counts, per buffer key: the same for every plan of one IR, so kept on it.
+        self._counted_cache: Dict[str, bool] = ir.__dict__.get("_counted")
+        if self._counted_cache is None:
+            self._counted_cache = {}
+            object.__setattr__(ir, "_counted", self._counted_cache)
 
     def source(self, consumer: str, tensor: str) -> str:
         """The buffer ``consumer`` really reads for input ``tensor`` (aliases and re-pointing resolved).
@@ -123,13 +128,9 @@ class Lowered:
             >>> lowered.counted("a:0"), lowered.counted("x:0")   # x is the step's input
             (True, False)
         """
-        cache = self.ir.__dict__.get("_counted")
-        if cache is None:
-            cache = {}
-            object.__setattr__(self.ir, "_counted", cache)
-        known = cache.get(tensor)
+        known = self._counted_cache.get(tensor)
         if known is None:
-            known = cache[tensor] = self._counted(tensor)
+            known = self._counted_cache[tensor] = self._counted(tensor)
         return known
 
     def _counted(self, tensor: str) -> bool:
@@ -441,7 +442,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                 # Max pools are never cloned (NEVER_CLONED_TYPES): the gradient reads the workspace its
                 # forward pool wrote, also when it reads the pool output itself from a swap-in.
                 reads.append(cached_reads[1] + POOL_WORKSPACE)
-        event = Event(name, COMPUTE_STREAM, op_time(op), reads, writes, [],
+        event = Event(name, COMPUTE_STREAM, op_times[name] if op_times is not None else op_time(op), reads, writes, [],
                       forwarding=cached.forwarding and (not accumulated_sums or name not in accumulated_sums),
                       updates=cached.updates, order=op.index,
                       workspace=cached.workspace if with_workspace else 0)
@@ -449,7 +450,10 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         if as_planned:
             index_of = b.index_of
             event.deps = [index_of[n] for n in cached.waits_for]
-        index = b.add(event)
+        index = len(b.ops)  # b.add(event), inline: this loop runs once per op of the step
+        b.ops.append(event)
+        for key, _ in writes:
+            b.buffer_producer[key] = index
         b.index_of[name] = index
         if as_planned:
             settled.add(index)
