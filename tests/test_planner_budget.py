@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import lms_tf
-from lms_tf.core.errors import InfeasibleBudgetError
+from lms_tf.core.errors import InfeasibleBudgetError, PlanCycleError
 from lms_tf.core.ir import make_ir
 from lms_tf.core.plan import Decision, Plan, SwapIn, TensorDecision
 from lms_tf.core.policy import Policies, parse_budget
@@ -565,6 +565,54 @@ def test_remembered_replays_do_not_change_the_plan(name, monkeypatch):
     fresh, check = planned()
     assert check.replays >= check.simulations  # every check replayed (and its tie orders)
     assert fresh == remembered
+
+
+@pytest.mark.parametrize("name", ["resnet_style", "inception_style", "shared_multi_input_residual", "text_embedding"])
+def test_lowering_from_the_plain_template_equals_lowering_from_scratch(name, monkeypatch):
+    """Lowering takes the ops a plan leaves alone from a per-IR template of the plain step (reads,
+    writes, waits). Every plan a budget search replays (swaps, recompute clones, orderings, waits
+    for copies out, late swap-ins) lowers to the very events a lowering that rebuilds every op
+    from the IR gives, and replays to the same peak, time and allocations."""
+    from lms_tf.planner import fit_check
+    from lms_tf.planner.search import BudgetSearch
+    from lms_tf.planner.step import PlanningStep
+    from lms_tf.simulate.lower import lower
+    from lms_tf.simulate.replay import replay
+
+    model, (x, _) = zoo.FIT_ZOO[name]()
+    ir = build_ir(_unbatched_step_graph(model, x), batch_size=64)
+    cost = CostModel(get_device_spec("v100-16gb-pcie3"))
+    step = PlanningStep.build(ir, Policies(host="/CPU:1", budget="45%", recompute="auto"), device="/device:GPU:0",
+                              cost=cost)
+    plans = []
+
+    def recording(ir_, plan, **kwargs):
+        plans.append(plan)
+        return simulate(ir_, plan, **kwargs)
+
+    monkeypatch.setattr(fit_check, "simulate", recording)
+    BudgetSearch(step).fit(int(0.45 * step.baseline.peak_bytes))
+    monkeypatch.undo()
+    kinds = {"swap": any(p.swapped for p in plans), "recompute": any(p.recomputed for p in plans),
+             "ordering": any(p.orderings for p in plans)}
+    assert all(kinds.values()), kinds  # the comparison covers every kind of rewrite
+
+    def fields(lowered):
+        return [(e.name, e.stream, e.duration, list(e.reads), list(e.writes), list(e.deps), e.forwarding, e.updates,
+                 e.order, e.trigger, e.workspace) for e in lowered.ops]
+
+    for plan in [None] + plans:
+        template = lower(ir, plan, cost, step.op_times)
+        scratch = lower(ir, plan, cost, step.op_times, reuse_plain=False)
+        assert fields(template) == fields(scratch)
+        outcomes = []
+        for built in (template, scratch):
+            try:
+                sim = replay(built, top=None, priority=None, log_allocations=True, allocator=None, tie_seed=None)
+                outcomes.append((sim.peak_bytes, sim.step_time_s, sim.allocations))
+            except PlanCycleError as err:  # an ordering the search tried and dropped
+                outcomes.append(str(err))
+        assert outcomes[0] == outcomes[1]
 
 
 @pytest.mark.parametrize("jobs", [2, 3, 5])

@@ -333,8 +333,12 @@ def _pooled_for_gradient(b: "Lowered") -> frozenset:
 
 
 def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional[Mapping[str, float]] = None,
-           kernels: str = "cudnn", accumulated_sums: frozenset = frozenset()) -> Lowered:
+           kernels: str = "cudnn", accumulated_sums: frozenset = frozenset(), *, reuse_plain: bool = True) -> Lowered:
     """Lowers ``ir`` with ``plan`` (None: the plain step) to the events :func:`~lms_tf.simulate.replay.replay` runs.
+
+    A plan changes few ops: the others take their reads, writes and waits from a template of the
+    plain step built once per IR. ``reuse_plain=False`` builds every op from the IR instead (the
+    same events, slower: what the tests compare the template with).
 
     Examples:
         >>> from lms_tf.core.examples import chain_ir
@@ -420,6 +424,8 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
     through_alias = _readers_through_alias(ir)
     for consumer in list(rebuilt):
         rebuilt |= through_alias.get(consumer, frozenset())
+    if not reuse_plain:
+        rebuilt = ir_names
     with_workspace = kernels != "onednn"
     settled = set()  # events whose dependencies are the plain op's (computed below for the others)
     for op, cached in _plain_ops(ir):
