@@ -155,7 +155,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
     copy_on_write: Dict[str, List[str]] = {}  # cow buffer -> reads it waits for
     in_use = peak = 0
     by_kind: Dict[Optional[str], int] = {None: 0, RECOMPUTE_PREFIX: 0, SWAP_IN_PREFIX: 0}  # bytes per _kind
-    peak_op, live_at_peak = "", ()
+    peak_op, alive_at_peak = "", {}
     in_flight = [0, 0, 0]
     timeline: List[Tuple[float, int, int, int, int, int]] = []
     now = peak_time = 0.0
@@ -192,7 +192,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
     events: List[Tuple[float, int, int]] = []
 
     def start(stream: int, at: float) -> None:
-        nonlocal peak, peak_op, live_at_peak, compute_time, peak_time
+        nonlocal peak, peak_op, alive_at_peak, compute_time, peak_time
         i = ready[stream].popleft()
         op = ops[i]
         busy[stream] = True
@@ -229,7 +229,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
         intervals[op.name] = (at, at + op.duration)
         if in_use + op.workspace > peak:
             peak, peak_op, peak_time = in_use + op.workspace, op.name, at
-            live_at_peak = tuple(sorted(alive.items(), key=lambda kv: -kv[1])[:top])
+            alive_at_peak = dict(alive)  # sorted once, at the end: the peak rises thousands of times
         timeline.append((at, in_use, in_flight[TO_HOST_STREAM], in_flight[TO_DEVICE_STREAM],
                          by_kind[RECOMPUTE_PREFIX], by_kind[SWAP_IN_PREFIX]))
         heapq.heappush(events, (at + op.duration, i, stream))
@@ -285,6 +285,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
             f"its gates, orderings or waits for copies out form a cycle. Drop the plan's added waits for these ops.")
     # The forward pass ends with its last op (the loss): backward ops that need no gradient
     # (shapes, constants) may start long before it.
+    live_at_peak = tuple(sorted(alive_at_peak.items(), key=lambda kv: -kv[1])[:top])
     forward_names, has_backward = _forward_op_names(builder.ir)
     forward_ends = [intervals[name][1] for name in forward_names if name in intervals]
     return Simulation(peak_bytes=peak, peak_op=peak_op, live_at_peak=live_at_peak, step_time_s=now,
