@@ -145,6 +145,31 @@ def test_a_model_with_two_inputs_trains_as_a_pipeline(schedule):
 
 
 @pytest.mark.timeout(300)
+def test_the_partition_of_a_model_with_two_inputs_trains_as_a_pipeline():
+    """lms_tf.partition traces a model with several inputs (one spec per input); its stages train
+    as a pipeline exactly as one device, each input going to the stages that read it."""
+    reference, (x, y) = two_inputs()
+    pipelined_model, _ = two_inputs()
+    partition = lms_tf.partition(pipelined_model, stages=2, microbatches=MICROBATCHES, batch_size=zoo.BATCH)
+    assert sorted(name for stage in partition.stages for name in stage.layers) == sorted(
+        ["conv", "pool", "feature_dense", "join", "head"])
+    pipe_step = PipelineStep(pipelined_model, partition, devices=DEVICES[:2])
+    readers = {key: [s.index for s in pipe_step.stages if key in s.inputs] for key in ("image:0:0", "features:0:0")}
+    layer_stage = {name: s.index for s in pipe_step.stages for name in s.layers}
+    # The first stage takes every model input; a later stage takes the ones its layers read.
+    assert readers["image:0:0"] == [0] and layer_stage["conv"] == 0, (readers, layer_stage)
+    assert layer_stage["feature_dense"] in readers["features:0:0"], (readers, layer_stage)
+    assert len(partition.stages) == 2 and all(stage.layers for stage in partition.stages)
+    plain_step = accumulation_step(reference, MICROBATCHES)
+    batches = [({k: v[i * zoo.BATCH:(i + 1) * zoo.BATCH] for k, v in x.items()}, y[i * zoo.BATCH:(i + 1) * zoo.BATCH])
+               for i in range(3)]
+    plain = [float(plain_step(bx, by)) for bx, by in batches]
+    piped = [float(pipe_step(bx, by)) for bx, by in batches]
+    assert plain == piped and len(set(plain)) > 1, (plain, piped)
+    assert_same_state(reference, pipelined_model)
+
+
+@pytest.mark.timeout(300)
 def test_placed_stages_hold_their_own_weights_and_slots_and_train_the_same():
     """place_stages: each stage's weights and Adam's slots live on the stage's device, the user's
     model is untouched, and the placed pipeline trains exactly as one device."""

@@ -26,7 +26,7 @@ def weight_bytes(model) -> int:
 
 
 @pytest.mark.parametrize("family", ["sequential_cnn", "resnet_style", "inception_style", "text_embedding",
-                                    "stacked_recurrent"])
+                                    "stacked_recurrent", "shared_multi_input_residual"])
 def test_every_layer_and_every_weight_is_in_the_profile(family):
     model, _ = getattr(zoo, family)()
     profile = trace_profile(model, microbatch=4, cost=COST)

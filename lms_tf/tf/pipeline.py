@@ -38,7 +38,7 @@ def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None,
     plan`` traces) and ``optimizer`` (default SGD).
 
     Args:
-        model: A built Keras model (Sequential, Functional or subclassed) with one input.
+        model: A built Keras model (Sequential, Functional with one input or several, or subclassed).
         microbatch: Samples per micro-batch.
         cost: The cost model of the device planned for.
         optimizer: The optimizer of the uncompiled step (its slots count as memory per weight).
@@ -48,7 +48,7 @@ def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None,
         The :class:`~lms_tf.pipeline.profile.PipelineProfile`.
 
     Raises:
-        LMSOptionError: The model's input shape is unknown, or it has several inputs.
+        LMSOptionError: The model's input shape is unknown.
 
     Examples:
         >>> trace_profile.__name__
@@ -57,9 +57,6 @@ def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None,
     from lms_tf.tf.workloads import fit_step, step_specs, train_step
 
     inputs = getattr(model, "inputs", None)
-    if inputs and len(inputs) != 1:
-        raise LMSOptionError(f"partition traces models with one input; {model.name!r} has {len(inputs)} "
-                             f"({', '.join(str(i.shape) for i in inputs)}).")
     if input_shape is None and not inputs:
         raise LMSOptionError(f"the input shape of {model.name!r} is unknown (a subclassed model has no Input): pass "
                              f"input_shape=, one sample's shape, e.g. input_shape=(224, 224, 3).")

@@ -146,11 +146,12 @@ def build_model(spec: str, *, image_size: int = 224, classes: int = 1000):
 
 
 def step_specs(model, batch_size: Optional[int], input_shape=None,
-               sparse: bool = True) -> Tuple[tf.TensorSpec, tf.TensorSpec]:
-    """The specs a train step is traced with: the model's input (int32 token ids or float32) and
-    its labels (sparse int32 class ids, or float32 shaped as the output with ``sparse=False``),
-    ``batch_size`` samples (None: unknown). ``input_shape`` (one sample's) overrides the model's
-    and is traced through its forward pass once for the output (a subclassed model has no ``Input``).
+               sparse: bool = True) -> Tuple[object, tf.TensorSpec]:
+    """The specs a train step is traced with: the model's input (int32 token ids or float32; a list
+    of specs, one per input, for a model with several) and its labels (sparse int32 class ids, or
+    float32 shaped as the output with ``sparse=False``), ``batch_size`` samples (None: unknown).
+    ``input_shape`` (one sample's) overrides the model's and is traced through its forward pass
+    once for the output (a subclassed model has no ``Input``).
 
     Examples:
         >>> m = build_model("MobileNetV2", image_size=32, classes=10)
@@ -158,8 +159,9 @@ def step_specs(model, batch_size: Optional[int], input_shape=None,
         [[None, 32, 32, 3], [None]]
     """
     if input_shape is None:
-        x = tf.TensorSpec((batch_size,) + tuple(model.input_shape[1:]),
-                          "int32" if model.inputs[0].dtype in ("int32", "int64") else "float32")
+        specs = [tf.TensorSpec((batch_size,) + tuple(t.shape[1:]), "int32" if t.dtype in ("int32", "int64") else "float32")
+                 for t in model.inputs]
+        x = specs[0] if len(specs) == 1 else specs  # a model with several inputs takes a list
         output = (batch_size,) + tuple(model.output_shape[1:])
     else:
         x = tf.TensorSpec((batch_size,) + tuple(input_shape), "float32")
