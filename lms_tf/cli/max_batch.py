@@ -112,8 +112,8 @@ def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper:
     """Doubling then bisection over batch sizes; returns (largest fitting batch, its peak).
 
     With ``jobs`` > 1 each round also tries, ahead of time, the batches the search would try
-    next whichever way the earlier ones come out (nearest first, the "fits" branch before the
-    other), ``jobs`` at a time (``probe_all`` runs them, e.g. in processes): the search takes
+    next whichever way the earlier ones come out (nearest first, the branch that repeats the
+    latest verdict before the other), ``jobs`` at a time (``probe_all`` runs them, e.g. in processes): the search takes
     the same path to the same answer as one batch at a time, in fewer rounds, even where a
     batch that does not fit has a larger one that does.
 
@@ -145,17 +145,19 @@ def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper:
     search = _BatchSearch(upper)
     known: Dict[int, Tuple[bool, int]] = {}
     state = search.start(known_good)
+    last = True  # the latest verdict on the path (the start is a batch that fits)
     while True:
         batch = search.next_batch(state)
         if batch is None:
             break
         if batch not in known:
-            tries = search.ahead(state, known, jobs)
+            tries = search.ahead(state, known, jobs, last)
             for tried, outcome in zip(tries, probe_all(tries)):
                 known[tried] = outcome
                 if progress is not None:
                     progress(tried, outcome[0])
-        state = search.advance(state, batch, known[batch][0])
+        last = known[batch][0]
+        state = search.advance(state, batch, last)
     good = state[0]
     if good and good not in known:  # the known batch was never planned: plan it for its peak
         known[good] = probe_all([good])[0]
@@ -186,21 +188,23 @@ class _BatchSearch:
             return (batch, None, 2 * doubling) if ok else (good, batch, doubling)
         return (batch, bad, doubling) if ok else (good, batch, doubling)
 
-    def ahead(self, state, known, jobs: int) -> List[int]:
-        """Up to ``jobs`` batches not tried yet that the search may try next, nearest first."""
+    def ahead(self, state, known, jobs: int, last: bool = True) -> List[int]:
+        """Up to ``jobs`` batches not tried yet that the search may try next, nearest first; of
+        the two ways a batch may come out, the one like the latest verdict on its path first
+        (verdicts come in runs: doubling while batches fit, then often several that do not)."""
         tries: List[int] = []
-        frontier = [state]
+        frontier = [(state, last)]
         while frontier and len(tries) < jobs:
-            here = frontier.pop(0)
+            here, latest = frontier.pop(0)
             batch = self.next_batch(here)
             if batch is None:
                 continue
             if batch in known:
-                frontier.append(self.advance(here, batch, known[batch][0]))
+                frontier.append((self.advance(here, batch, known[batch][0]), known[batch][0]))
                 continue
             if batch not in tries:
                 tries.append(batch)
-            frontier += [self.advance(here, batch, True), self.advance(here, batch, False)]
+            frontier += [(self.advance(here, batch, ok), ok) for ok in (latest, not latest)]
         return tries
 
 
