@@ -14,7 +14,7 @@ Every row must give the same answers; the table gives the seconds, tries and rou
 its speed-up over "before". On a CPU: the planner is pure Python, so the figures are CPU time of
 planning, not of any GPU.
 
-Command: ``.venv/bin/python benchmarks/max_batch.py [JOBS]`` (about 10 minutes on 2 cores; writes
+Command: ``.venv/bin/python benchmarks/max_batch.py [JOBS]`` (about 7 minutes on 2 cores; writes
 ``benchmarks/out/max_batch.json`` and the table into ``docs/benchmarks/planner.md``).
 """
 
