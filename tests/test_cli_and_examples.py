@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -113,7 +114,8 @@ def test_help_answers_in_under_a_second():
 @pytest.mark.parametrize("verbose", [False, True])
 def test_the_cli_shows_only_its_own_lines_unless_verbose(verbose):
     """TensorFlow prints its C++ start-up lines before its log level applies; the CLI captures them
-    (``--verbose`` shows them, which is how the check could fail)."""
+    (``--verbose`` shows them, which is how the check could fail). ``--verbose`` adds lms-tf's debug
+    messages, not other libraries' (before, it turned on matplotlib's, h5py's and TensorFlow's)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_DETERMINISTIC_OPS")}
     env["PYTHONPATH"] = ROOT
     argv = [sys.executable, "-m", "lms_tf.cli", *(["--verbose"] if verbose else []), "plan", "--model", "UNet",
@@ -123,5 +125,9 @@ def test_the_cli_shows_only_its_own_lines_unless_verbose(verbose):
     foreign = [line for line in done.stderr.splitlines() if line.strip() and " lms_tf " not in line]
     if verbose:
         assert any("oneDNN" in line or "cuda" in line.lower() for line in foreign), done.stderr[-2000:]
+        # lms-tf's own debug messages, and no other Python library's (matplotlib, h5py, tensorflow)
+        logged = [line.split()[2:4] for line in done.stderr.splitlines() if re.match(r"\d{4}-\d\d-\d\d ", line)]
+        assert ["lms_tf", "DEBUG"] in logged, done.stderr[-2000:]
+        assert [entry for entry in logged if entry[1] == "DEBUG" and entry[0] != "lms_tf"] == [], logged
     else:
         assert foreign == [], foreign

@@ -50,8 +50,9 @@ def main(argv=None) -> int:
         0
     """
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    if args.verbose:  # lms-tf's own debug messages, not every library's (matplotlib, h5py, TensorFlow's Python)
+        logging.getLogger("lms_tf").setLevel(logging.DEBUG)
     from lms_tf.core.errors import LMSError
 
     try:
