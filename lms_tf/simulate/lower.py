@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.ir import GraphIR, OpInfo
@@ -107,16 +107,12 @@ class Lowered:
             >>> lowered.source("g1", "a:0")   # no alias and no plan: g1 reads a's own buffer
             'a:0'
         """
-        ir = self.ir
-        while True:
-            key = self.replace.get((consumer, tensor))
+        replace = self.replace
+        for reader, read in _alias_chain(self.ir, consumer, tensor):
+            key = replace.get((reader, read))
             if key is not None:
                 return key
-            producer = ir.op(ir.tensors[tensor].producer)
-            if producer.type not in ALIAS_TYPES or not producer.inputs:
-                return tensor
-            position = producer.outputs.index(tensor) if producer.type == "IdentityN" else 0
-            consumer, tensor = producer.name, producer.inputs[min(position, len(producer.inputs) - 1)]
+        return read
 
     def counted(self, tensor: str) -> bool:
         """Whether ``tensor``'s buffer counts as step memory (variables, constants and inputs are resident).
@@ -204,6 +200,19 @@ class Lowered:
         return names
 
 
+def _alias_chain(ir: GraphIR, consumer: str, tensor: str) -> Iterator[Tuple[str, str]]:
+    """The reads from ``consumer``'s input ``tensor`` up to the buffer behind it: that read, then
+    each alias op's read of the input it passes on (an ``IdentityN`` output's own input, else the
+    first). The last read's tensor is the buffer."""
+    while True:
+        yield consumer, tensor
+        producer = ir.op(ir.tensors[tensor].producer)
+        if producer.type not in ALIAS_TYPES or not producer.inputs:
+            return
+        position = producer.outputs.index(tensor) if producer.type == "IdentityN" else 0
+        consumer, tensor = producer.name, producer.inputs[min(position, len(producer.inputs) - 1)]
+
+
 def _readers_through_alias(ir: GraphIR) -> Dict[str, frozenset]:
     """Alias op name -> the non-alias ops whose reads resolve through it (:meth:`Lowered.source`
     follows one input of each alias op up the chain). Re-pointing an alias op's read re-points
@@ -215,72 +224,55 @@ def _readers_through_alias(ir: GraphIR) -> Dict[str, frozenset]:
             if op.type in ALIAS_TYPES:
                 continue
             for t in op.inputs:
-                producer = ir.op(ir.tensors[t].producer)
-                while producer.type in ALIAS_TYPES and producer.inputs:
-                    readers[producer.name].add(op.name)
-                    position = producer.outputs.index(t) if producer.type == "IdentityN" else 0
-                    t = producer.inputs[min(position, len(producer.inputs) - 1)]
-                    producer = ir.op(ir.tensors[t].producer)
+                for reader, _ in _alias_chain(ir, op.name, t):
+                    if reader != op.name:
+                        readers[reader].add(op.name)
         cached = {name: frozenset(names) for name, names in readers.items()}
         object.__setattr__(ir, "_readers_through_alias", cached)
-    return cached
-
-
-def _plain_structure(ir: GraphIR) -> Dict[str, Tuple[Tuple[str, ...], List[Tuple[str, int]], Tuple[str, ...]]]:
-    """Per non-alias op of the plain step: buffers read, buffers written, ops waited for.
-    Cached on the IR: planners replay one step many times and a plan changes few ops."""
-    cached = ir.__dict__.get("_plain_structure")
-    if cached is None:
-        b = Lowered(ir, None)
-        cached = {}
-        for op in ir.ops:
-            if op.type not in ALIAS_TYPES:
-                cached[op.name] = (tuple(b.source(op.name, t) for t in op.inputs),
-                                   [(t, ir.tensors[t].nbytes or 0) for t in op.outputs],
-                                   tuple(b.producer_deps(op)))
-        object.__setattr__(ir, "_plain_structure", cached)
     return cached
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _PlainOp:
     """What lowering needs of one non-alias op of the plain step, computed once per IR: the
-    buffers it reads (in the order TensorFlow runs them), writes and waits for. An op a plan does
-    not re-point or make wait reuses all of it; its waits are the plain ops it waits for, by name,
-    in graph order (so their indices in any lowering come out sorted)."""
-    op: OpInfo
+    buffers it reads (as resolved through aliases, and in the order TensorFlow runs them), writes
+    and waits for. An op a plan does not re-point or make wait reuses all of it; ``waits_for``
+    names the plain ops it waits for in graph order (so their indices in any lowering come out
+    sorted)."""
+    sources: Tuple[str, ...]
     reads: Tuple[str, ...]
     writes: List[Tuple[str, int]]
+    producer_deps: Tuple[str, ...]
     waits_for: Tuple[str, ...]
     forwarding: bool
     updates: Optional[str]
     workspace: int  # scratch bytes with kernels that take it from TensorFlow's allocator
 
 
-def _plain_ops(ir: GraphIR) -> List[Tuple[OpInfo, Optional[_PlainOp]]]:
-    """Every op of the IR in graph order with its :class:`_PlainOp` (None for alias ops, which
-    lowering does not run). Cached on the IR."""
-    cached = ir.__dict__.get("_plain_ops")
+def _plain_template(ir: GraphIR) -> Dict[str, _PlainOp]:
+    """Non-alias op name -> its :class:`_PlainOp`. Cached on the IR: planners replay one step
+    many times and a plan changes few ops."""
+    cached = ir.__dict__.get("_plain_template")
     if cached is None:
-        plain = _plain_structure(ir)
+        b = Lowered(ir, None)
         writer = {t: op.name for op in ir.ops if op.type not in ALIAS_TYPES for t in op.outputs}
-        cached = []
+        cached = {}
         for op in ir.ops:
             if op.type in ALIAS_TYPES:
-                cached.append((op, None))
                 continue
-            reads, writes, waits = plain[op.name]
+            sources = tuple(b.source(op.name, t) for t in op.inputs)
+            producer_deps = tuple(b.producer_deps(op))
             # What the plain lowering's dependency pass finds: the writers of the buffers read and
             # the ops waited for (a max-pool gradient's workspace read adds nothing: its writer is
             # the pool, whose output the gradient already reads).
-            names = {writer[k] for k in reads if k in writer} | set(waits)
+            names = {writer[k] for k in sources if k in writer} | set(producer_deps)
             names.discard(op.name)
-            cached.append((op, _PlainOp(
-                op, tuple(_canonical_reads(op, reads)), writes,
-                tuple(sorted(names, key=lambda n: ir.op(n).index)), op.type in FORWARDING_TYPES,
+            cached[op.name] = _PlainOp(
+                sources, tuple(_canonical_reads(op, sources)), [(t, ir.tensors[t].nbytes or 0) for t in op.outputs],
+                producer_deps, tuple(sorted(names, key=lambda n: ir.op(n).index)), op.type in FORWARDING_TYPES,
                 op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None,
-                _workspace(ir, op, "cudnn"))))
-        object.__setattr__(ir, "_plain_ops", cached)
+                _workspace(ir, op, "cudnn"))
+        object.__setattr__(ir, "_plain_template", cached)
     return cached
 
 
@@ -417,7 +409,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         for waiter in ordering.waiters:
             extra_deps[waiter].extend(ordering.after)
 
-    plain = _plain_structure(ir)
+    template = _plain_template(ir)
     # Ops whose reads and waits differ from the plain step's: re-pointed consumers, and the ops
     # reading through a re-pointed alias op. The others reuse the cached structure.
     rebuilt = {consumer for consumer, _ in b.replace}
@@ -428,7 +420,8 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         rebuilt = ir_names
     with_workspace = kernels != "onednn"
     settled = set()  # events whose dependencies are the plain op's (computed below for the others)
-    for op, cached in _plain_ops(ir):
+    for op in ir.ops:
+        cached = template.get(op.name)
         if cached is None:  # an alias op: not run
             for extra in extra_after.get(op.name, ()):
                 extra.order = op.index + 0.5
@@ -441,7 +434,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
             reads = list(cached.reads)
         writes = cached.writes
         if pooled:
-            cached_reads = plain[name][0]
+            cached_reads = cached.sources
             if name in pooled:
                 writes = writes + [(op.outputs[0] + POOL_WORKSPACE, _pool_workspace_bytes(ir, op.outputs[0]))]
             if op.type in MAXPOOL_GRAD_TYPES and len(cached_reads) > 1 and ir.tensors[cached_reads[1]].producer in pooled:
@@ -478,7 +471,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         if sim.trigger is not None:
             deps.update(b.indices_of(sim.trigger))
         if sim.name in ir_names:
-            names = b.producer_deps(ir.op(sim.name)) if sim.name in rebuilt else plain[sim.name][2]
+            names = b.producer_deps(ir.op(sim.name)) if sim.name in rebuilt else template[sim.name].producer_deps
             deps.update(b.index_of[n] for n in names)
             for n in extra_deps.get(sim.name, ()):
                 deps.update(b.indices_of(n))
