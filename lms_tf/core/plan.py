@@ -98,6 +98,51 @@ class TensorDecision:
 
 
 @dataclasses.dataclass(frozen=True)
+class WeightDecision:
+    """Where one variable lives during the step, and when the device gets a copy of it.
+
+    A variable on the host is not resident on the device: each window of device ops that read
+    it gets its own copy, made just before the window (like a swap-in, with nothing to copy out:
+    the host holds the variable itself) and freed after the window's last reader.
+
+    Attributes:
+        variable: The variable's handle in the step (the tensor its reads take).
+        reads: The step's reads of it that device ops consume (``ReadVariableOp`` outputs); a
+            variable read by several layers (a shared layer, tied embeddings) has several.
+        shape: Its shape, when known.
+        nbytes: Its size in bytes, when known.
+        decision: KEEP (resident on the device) or SWAP (on the host, fetched per window).
+        reason: Why, in words.
+        fetches: For SWAP, one per window: the op whose output triggers the copy (``""``: the
+            start of the step, for a window nothing on the device runs before) and the device
+            ops of the window, which read the copy instead of the variable.
+
+    Examples:
+        >>> w = WeightDecision("dense/kernel", ("dense/MatMul/ReadVariableOp:0",), (4, 4), 64, Decision.SWAP,
+        ...                    "weights='host'", (SwapIn("", ("dense/MatMul",)),))
+        >>> w.fetch_name(0)
+        'fetch/dense/kernel/0'
+    """
+
+    variable: str
+    reads: Tuple[str, ...]
+    shape: Optional[Tuple[Optional[int], ...]]
+    nbytes: Optional[int]
+    decision: Decision
+    reason: str
+    fetches: Tuple[SwapIn, ...] = ()
+
+    def fetch_name(self, window: int) -> str:
+        """The simulator's name of the copy for window ``window``.
+
+        Examples:
+            >>> WeightDecision("v", (), None, 0, Decision.SWAP, "", ()).fetch_name(2)
+            'fetch/v/2'
+        """
+        return f"fetch/{self.variable}/{window}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Ordering:
     """An order the backward pass must keep: ``waiters`` start only after every op in ``after`` ended.
 
@@ -206,6 +251,8 @@ class Plan:
         device_spec: Name of the device the simulation modelled.
         orderings: Backward branches made to run one after the other (see :class:`Ordering`).
         predictions: The simulator's peaks and times for this plan (:class:`Predictions`).
+        weights: One entry per variable the device reads (:class:`WeightDecision`); empty when
+            the weights stay on the device (the default).
 
     Examples:
         >>> plan = Plan((), "/device:GPU:0", "/device:CPU:0", {}, {"forward": 3})
@@ -222,6 +269,37 @@ class Plan:
     device_spec: Optional[str] = None
     orderings: Tuple[Ordering, ...] = ()
     predictions: Predictions = Predictions()
+    weights: Tuple[WeightDecision, ...] = ()
+
+    @property
+    def offloaded_weights(self) -> Tuple[WeightDecision, ...]:
+        """The variables that live on the host and are fetched per window.
+
+        Examples:
+            >>> Plan((), "d", "h", {}, {}).offloaded_weights
+            ()
+        """
+        return tuple(w for w in self.weights if w.decision is Decision.SWAP)
+
+    @property
+    def offloaded_weight_bytes(self) -> int:
+        """Bytes of the variables on the host (no longer resident on the device).
+
+        Examples:
+            >>> Plan((), "d", "h", {}, {}).offloaded_weight_bytes
+            0
+        """
+        return sum(w.nbytes or 0 for w in self.offloaded_weights)
+
+    @property
+    def num_weight_fetches(self) -> int:
+        """Copies of weights to the device per step (one per window of each offloaded variable).
+
+        Examples:
+            >>> Plan((), "d", "h", {}, {}).num_weight_fetches
+            0
+        """
+        return sum(len(w.fetches) for w in self.offloaded_weights)
 
     def layer_table(self) -> List[Dict[str, Any]]:
         """One row per layer: tensors and bytes per decision, and why, per decision the layer has.
@@ -341,6 +419,9 @@ class Plan:
         if self.recomputed:
             line += (f"; recomputed {len(self.recomputed)} ({_mib(self.recomputed_bytes)} MiB) "
                      f"with {self.num_recompute_clones} cloned ops")
+        if self.offloaded_weights:
+            line += (f"; weights on the host: {len(self.offloaded_weights)} variables "
+                     f"({_mib(self.offloaded_weight_bytes)} MiB) fetched {self.num_weight_fetches} times")
         return line
 
     def summary(self, max_rows: int = 60, wide: bool = False) -> str:
@@ -389,6 +470,14 @@ class Plan:
                              f"{len(d.recompute_ops):>5}  {d.gate}")
             if len(self.recomputed) > max_rows:
                 lines.append(f"... {len(self.recomputed) - max_rows} more recomputed tensors")
+        if self.offloaded_weights:
+            lines.append(f"{'weight on the host':<52} {'shape':<22} {'MiB':>8} {'reads':>5}  fetch triggers")
+            for w in self.offloaded_weights[:max_rows]:
+                triggers = ", ".join(f.trigger or "(start)" for f in w.fetches)
+                lines.append(f"{name(w.variable):<52} {str(w.shape)[:22]:<22} {_mib(w.nbytes):>8} "
+                             f"{len(w.reads):>5}  {triggers}")
+            if len(self.offloaded_weights) > max_rows:
+                lines.append(f"... {len(self.offloaded_weights) - max_rows} more weights on the host")
         reasons = self.kept_reasons()
         if reasons:
             lines.append("kept: " + "; ".join(f"{n} {r}" for r, n in sorted(reasons.items(), key=lambda x: -x[1])))
@@ -438,11 +527,17 @@ class Plan:
                  "decision": d.decision.value,
                  "swap_ins": [dataclasses.asdict(s) for s in d.swap_ins]}
                 for d in self.decisions],
+            "weights": [{**{k: v for k, v in dataclasses.asdict(w).items() if k != "fetches"},
+                         "decision": w.decision.value, "fetches": [dataclasses.asdict(f) for f in w.fetches]}
+                        for w in self.weights],
             "predictions": {**dataclasses.asdict(self.predictions), "overhead": self.predictions.overhead},
             # Derived from the decisions, for people and tools reading the file; ignored on load.
             "totals": {"swapped_bytes": self.swapped_bytes, "num_swapped": len(self.swapped),
                        "num_swap_ins": self.num_swap_ins, "recomputed_bytes": self.recomputed_bytes,
-                       "num_recomputed": len(self.recomputed), "num_recompute_clones": self.num_recompute_clones},
+                       "num_recomputed": len(self.recomputed), "num_recompute_clones": self.num_recompute_clones,
+                       "offloaded_weight_bytes": self.offloaded_weight_bytes,
+                       "num_offloaded_weights": len(self.offloaded_weights),
+                       "num_weight_fetches": self.num_weight_fetches},
             "layers": self.layer_table(),
         }
 
@@ -478,10 +573,11 @@ class Plan:
                               for o in data.get("orderings", ()))
             fields = {f.name for f in dataclasses.fields(Predictions)}
             predictions = Predictions(**{k: v for k, v in (data.get("predictions") or {}).items() if k in fields})
+            weights = tuple(_weight_from_dict(w) for w in data.get("weights", ()))
             return cls(decisions=decisions, device=data["device"], host=data["host"],
                        policies=dict(data.get("policies") or {}), phase_counts=dict(data.get("phase_counts") or {}),
                        budget_bytes=data.get("budget_bytes"), device_spec=data.get("device_spec"),
-                       orderings=orderings, predictions=predictions)
+                       orderings=orderings, predictions=predictions, weights=weights)
         except (KeyError, TypeError, ValueError) as err:
             raise LMSOptionError(f"malformed lms-tf plan: {type(err).__name__}: {err}. A plan file holds what "
                                  f"Plan.to_json() wrote; an edit may change a decision's 'decision' "
@@ -516,3 +612,11 @@ def _decision_from_dict(d: Mapping[str, Any]) -> TensorDecision:
         swap_ins=tuple(SwapIn(s["trigger"], tuple(s["consumers"])) for s in d.get("swap_ins", ())),
         recompute_ops=tuple(d.get("recompute_ops", ())), gate=d.get("gate"), consumers=tuple(d.get("consumers", ())),
         swap_out_before=d.get("swap_out_before"))
+
+
+def _weight_from_dict(w: Mapping[str, Any]) -> WeightDecision:
+    shape = w.get("shape")
+    return WeightDecision(
+        variable=w["variable"], reads=tuple(w["reads"]), shape=None if shape is None else tuple(shape),
+        nbytes=w.get("nbytes"), decision=Decision(w["decision"]), reason=w.get("reason", ""),
+        fetches=tuple(SwapIn(f["trigger"], tuple(f["consumers"])) for f in w.get("fetches", ())))

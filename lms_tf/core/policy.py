@@ -181,6 +181,28 @@ def resolve_budget(budget: Budget, *, baseline_peak_bytes: int, memory_bytes: in
     return int(budget)
 
 
+#: Where ``weights=`` may put the variables.
+WEIGHT_PLACES = ("device", "host")
+
+
+def parse_weights(value: Any) -> str:
+    """Checks ``weights=``: ``"device"`` (variables resident) or ``"host"`` (fetched per window).
+
+    Examples:
+        >>> parse_weights("host")
+        'host'
+        >>> parse_weights("cpu")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSOptionError: weights must be 'device' or 'host'; received 'cpu' (str)...
+    """
+    if value not in WEIGHT_PLACES:
+        raise LMSOptionError(f"weights must be 'device' or 'host'; received {describe(value)}. 'host' keeps the "
+                             f"variables in host memory and copies each to the device just before the layers "
+                             f"that read it; 'device' (the default) keeps them on the device.")
+    return value
+
+
 def parse_recompute(value: Any) -> Recompute:
     """Validates a recompute policy: False, ``"auto"``, ``"cheap"``, ``"sqrt"`` or layer names / op patterns.
 
@@ -261,6 +283,8 @@ class Policies:
             layer names / op-name patterns to recompute.
         exclude: Layer names or op-name patterns whose tensors are never moved.
         budget: None (the TFLMS rule), bytes, a fraction of the plain peak, or ``"auto"``.
+        weights: Where the variables live: ``"device"`` (resident, the default) or ``"host"``
+            (each device read is a copy fetched just before its window of readers).
 
     Examples:
         >>> Policies(budget=0.5, recompute="auto").replace(swap=False).swap
@@ -280,6 +304,7 @@ class Policies:
     recompute: Recompute = False
     exclude: Tuple[str, ...] = ()
     budget: Budget = None
+    weights: str = "device"
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -293,6 +318,7 @@ class Policies:
         check_int("swapin_groupby", self.swapin_groupby, 0)
         check_int("min_swap_bytes", self.min_swap_bytes, 0)
         set_("recompute", parse_recompute(self.recompute))
+        set_("weights", parse_weights(self.weights))
         set_("exclude", parse_exclude(self.exclude))
         # A fraction in (0, 1] is a budget parse_budget already turned "25%" into (a plan file keeps it so).
         if not (isinstance(self.budget, float) and 0 < self.budget <= 1):

@@ -160,7 +160,7 @@ def _after_the_forward_pass(ir: GraphIR) -> Set[str]:
     return {op.name for op in ir.ops if op.phase is Phase.BACKWARD and reach[op.name] >= level}
 
 
-def _gate_candidates(ir: GraphIR) -> List[OpInfo]:
+def backward_gates(ir: GraphIR) -> List[OpInfo]:
     """Backward ops that can trigger a swap-in: they carry gradient data, so they run in the backward pass."""
     candidates = []
     after_forward = _after_the_forward_pass(ir)
@@ -285,7 +285,7 @@ def collect_candidates(ir: GraphIR, policies: Policies, *, device: str,
         ()
     """
     excluded_by = exclusion_matcher(ir, policies.exclude, scope_aliases or {})
-    gates = _gate_candidates(ir)
+    gates = backward_gates(ir)
     order: List[str] = []
     kept: Dict[str, TensorDecision] = {}
     backward_of: Dict[str, Tuple[OpInfo, ...]] = {}

@@ -1,0 +1,128 @@
+"""Weights on the host (KARMA, ZeRO-Offload): each variable the device reads is fetched per window.
+
+With ``weights="host"`` the variables live in host memory. The device gets a copy of a variable
+just before each window of ops that read it (the forward layer, then its gradient ops), gated
+like a swap-in, and frees it after the window's last reader; nothing is copied out, since the
+host holds the variable itself. A variable read by several layers (a shared layer, tied
+embeddings) is fetched once per window, whichever of its reads the window's ops take.
+
+A window is a run of readers within ``swapin_groupby`` ops of its first; its copy is triggered
+``swapin_ahead`` gates before that first reader (the swap-in rule). Forward gates are forward ops
+that Grappler's remapper does not fuse into the op after them (a gate reads its trigger's output,
+and an extra reader would stop that fusion and change the kernels, so the numbers); backward gates
+are the swap-ins' (:mod:`~lms_tf.planner.candidates`).
+
+Examples:
+    >>> from lms_tf.core import Policies
+    >>> from lms_tf.core.examples import weighted_chain_ir
+    >>> policies = Policies(weights="host", swapin_groupby=1)
+    >>> [(w.variable, len(w.fetches)) for w in plan_weights(weighted_chain_ir(), policies)]
+    [('w1:0', 1), ('w2:0', 2)]
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Dict, List, Tuple
+
+from lms_tf.core.ir import GraphIR, OpInfo, Phase
+from lms_tf.core.op_kinds import CONTROL_FLOW_OP_TYPES, RESIDENT_TYPES
+from lms_tf.core.plan import Decision, SwapIn, WeightDecision
+from lms_tf.core.policy import Policies
+from lms_tf.planner.candidates import backward_gates
+
+#: Reads of a variable whose value a device op takes (a gather reads on the variable's own
+#: device, so an embedding lookup moves only its rows and needs no fetch).
+WEIGHT_READ_TYPES = frozenset({"ReadVariableOp"})
+
+#: Ops Grappler's remapper fuses into the op before them (bias, batch norm, activations, the
+#: residual add of a fused convolution): the op before must not be a gate.
+FUSED_AFTER_TYPES = frozenset({
+    "BiasAdd", "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "Relu", "Relu6", "Elu", "LeakyRelu",
+    "Selu", "Tanh", "Sigmoid", "Softplus", "Softsign", "Add", "AddV2", "Mul", "Erf", "Gelu",
+})
+
+
+def forward_gates(ir: GraphIR) -> List[OpInfo]:
+    """Forward ops that can trigger a weight fetch: they compute on the step's data (an input made
+    by a forward op), have a numeric output, and no reader Grappler fuses into them.
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> [op.name for op in forward_gates(weighted_chain_ir())]
+        ['r1', 'r2', 'loss']
+    """
+    gates = []
+    for op in ir.ops:
+        if op.phase is not Phase.FORWARD or op.type in RESIDENT_TYPES or op.type in ("Const", "NoOp") \
+                or op.type in CONTROL_FLOW_OP_TYPES:
+            continue
+        on_data = any(ir.op(ir.tensors[t].producer).phase is Phase.FORWARD
+                      and ir.op(ir.tensors[t].producer).type not in RESIDENT_TYPES for t in op.inputs)
+        numeric = any(ir.tensors[t].dtype not in ("resource", "variant", "string") for t in op.outputs)
+        fused_into = any(ir.op(c).type in FUSED_AFTER_TYPES for t in op.outputs for c in ir.tensors[t].consumers)
+        if on_data and numeric and not fused_into:
+            gates.append(op)
+    return gates
+
+
+def _windows(readers: List[OpInfo], groupby: int) -> List[List[OpInfo]]:
+    windows: List[List[OpInfo]] = []
+    for op in sorted(readers, key=lambda o: o.index):
+        if windows and op.index - windows[-1][0].index <= groupby:
+            windows[-1].append(op)
+        else:
+            windows.append([op])
+    return windows
+
+
+def plan_weights(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, ...]:
+    """One :class:`~lms_tf.core.plan.WeightDecision` per variable the step's forward or backward
+    ops read: SWAP (fetched per window) with ``weights="host"``, none with ``weights="device"``.
+
+    Cached on the IR per ``(swapin_ahead, swapin_groupby)``: the budget planner assembles many
+    plans of one step.
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> plan_weights(weighted_chain_ir(), Policies())   # weights on the device: nothing to plan
+        ()
+        >>> w1, w2 = plan_weights(weighted_chain_ir(), Policies(weights="host", swapin_ahead=1, swapin_groupby=1))
+        >>> [(f.trigger or "(start)", f.consumers) for f in w1.fetches]   # nothing runs before the first layer
+        [('(start)', ('m1',))]
+        >>> [(f.trigger, f.consumers) for f in w2.fetches]   # the forward layer, then its input's gradient
+        [('r1', ('m2',)), ('loss', ('gx2',))]
+    """
+    if policies.weights != "host":
+        return ()
+    key = (policies.swapin_ahead, policies.swapin_groupby)
+    cache = ir.__dict__.setdefault("_planned_weights", {})
+    if key in cache:
+        return cache[key]
+    reads: Dict[str, List[str]] = {}
+    readers: Dict[str, Dict[str, OpInfo]] = {}
+    for op in ir.ops:
+        if op.type not in WEIGHT_READ_TYPES or not op.inputs or not op.outputs:
+            continue
+        users = [ir.op(c) for c in ir.tensors[op.outputs[0]].consumers]
+        users = [u for u in users if u.phase in (Phase.FORWARD, Phase.BACKWARD)]
+        if not users:
+            continue  # read by the update only: it runs where the variable is
+        handle = op.inputs[0]
+        reads.setdefault(handle, []).append(op.outputs[0])
+        readers.setdefault(handle, {}).update((u.name, u) for u in users)
+    gates = forward_gates(ir) + backward_gates(ir)
+    gates.sort(key=lambda op: op.index)
+    positions = [op.index for op in gates]
+    decisions = []
+    for handle, names in reads.items():
+        info = ir.tensors[names[0]]
+        fetches = []
+        for window in _windows(list(readers[handle].values()), policies.swapin_groupby):
+            before = bisect.bisect_left(positions, window[0].index)
+            trigger = gates[max(0, before - policies.swapin_ahead)].name if before > 0 else ""
+            fetches.append(SwapIn(trigger, tuple(op.name for op in window)))
+        decisions.append(WeightDecision(handle, tuple(names), info.shape, info.nbytes, Decision.SWAP,
+                                        "weights='host': fetched before each window of readers", tuple(fetches)))
+    cache[key] = tuple(decisions)
+    return cache[key]
