@@ -22,6 +22,7 @@ from lms_tf.core.policy import (
     check_bucket_bytes,
     check_int,
     describe,
+    parse_weights,
     parse_budget,
     parse_exclude,
     parse_recompute,
@@ -102,6 +103,12 @@ class LMSOptions:
             host, the update runs there, and only the new weights come back. The optimizer
             must not have been built before the first traced step (its slots would already
             live on the device; a warning says so).
+        weights: ``"device"`` (default: the variables stay resident on the device) or ``"host"``
+            (KARMA, ZeRO-Offload): the model's variables and the optimizer's live in host memory,
+            each is copied to the device just before each window of ops that read it (its forward
+            layer, its gradient ops) and freed after, and the optimizer update runs on the host
+            (``optimizer_on_host`` is implied). The variables are moved to ``host`` before the
+            first traced step.
         horovod: Only for :func:`lms_tf.function`: average every gradient across Horovod
             ranks between the gradient and the optimizer update (pipelined in buckets, see
             :mod:`lms_tf.horovod`) and broadcast the variables from rank 0 before the first
@@ -152,11 +159,12 @@ class LMSOptions:
     device_spec: Any = None
     serialize: bool = False
     plan: Optional[Plan] = None
+    weights: str = "device"
 
     def __init__(self, *, device=None, host="/CPU:0", swapout_threshold=32, swapin_ahead=8,
                  swapin_groupby=4, min_swap_bytes=64 * 1024, exclude=(), batch_size=None, swap=True,
                  recompute=None, optimizer_on_host=False, horovod=False, bucket_bytes=_UNSET, budget=None, device_spec=None,
-                 serialize=False, plan=None):
+                 serialize=False, plan=None, weights="device"):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass init
         set_("device", None if device is None else _check_device("device", device))
         set_("host", _check_device("host", host))
@@ -197,17 +205,19 @@ class LMSOptions:
         set_("bucket_bytes", DEFAULT_BUCKET_BYTES if bucket_bytes is _UNSET
              else check_bucket_bytes(bucket_bytes))
         set_("plan", _load_plan(plan))
+        set_("weights", parse_weights(weights))
         if self.plan is not None and budget is not None:
             raise LMSOptionError(
                 f"plan= and budget={budget!r} both decide what to move; pass one. A plan made with a budget "
                 f"already holds its decisions (`lms-tf plan --budget ... --out plan.json`).")
         if not swap and not self.recompute and not optimizer_on_host and not horovod and not serialize \
-                and self.plan is None:
+                and self.plan is None and self.weights == "device":
             raise LMSOptionError(
                 "swap=False and recompute=False leave nothing to do; pass recompute='sqrt' or 'cheap' "
                 "(or a list of layer names) to recompute, optimizer_on_host=True, serialize=True, or "
                 "leave swap=True.")
-        if (self.swap or optimizer_on_host) and self.device is not None and self.device == self.host:
+        if (self.swap or optimizer_on_host or self.weights == "host") and self.device is not None \
+                and self.device == self.host:
             raise LMSOptionError(
                 f"device and host are the same device ({self.device}); swapping to the device "
                 f"itself saves nothing. Use host='/CPU:0' (default) with device='/GPU:0'."
@@ -252,7 +262,7 @@ class LMSOptions:
         return Policies(host=self.host, swap=self.swap, swapout_threshold=self.swapout_threshold,
                         swapin_ahead=self.swapin_ahead, swapin_groupby=self.swapin_groupby,
                         min_swap_bytes=self.min_swap_bytes, recompute=self.recompute, exclude=self.exclude,
-                        budget=self.budget)
+                        budget=self.budget, weights=self.weights)
 
     def rewrite_request(self, device: str, *, batch_size: Optional[int] = None):
         """What the driver is asked to do for a step traced on ``device``

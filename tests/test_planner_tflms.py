@@ -9,7 +9,7 @@ from lms_tf.core.ir import Phase
 from lms_tf.core.plan import Decision
 from lms_tf.core.policy import Policies
 from lms_tf.planner import make_plan
-from lms_tf.planner.candidates import _gate_candidates
+from lms_tf.planner.candidates import backward_gates
 from lms_tf.tf.trace import build_ir
 
 DEVICE = "/device:CPU:0"
@@ -53,8 +53,8 @@ def test_threshold_selects_tensors_by_distance_to_first_backward_consumer(chain_
             assert (d.decision is Decision.SWAP) == (d.distance >= cut), d
 
 
-def test_swapin_ahead_counts_gate_candidates_before_the_first_consumer(chain_ir):
-    gates = _gate_candidates(chain_ir)
+def test_swapin_ahead_countsbackward_gates_before_the_first_consumer(chain_ir):
+    gates = backward_gates(chain_ir)
     positions = [g.index for g in gates]
     for ahead in (1, 3):
         plan = make_plan(chain_ir, _options(swapout_threshold=1, swapin_ahead=ahead), device=DEVICE)

@@ -19,6 +19,7 @@ from lms_tf.core.ir import GraphIR
 from lms_tf.core.policy import Policies
 from lms_tf.cost.model import CostModel
 from lms_tf.planner.candidates import Candidates, collect_candidates
+from lms_tf.planner.weights import plan_weights
 from lms_tf.simulate import Simulation, pool_history, resident_buffers, simulate
 
 
@@ -86,6 +87,7 @@ class PlanningStep:
             0.0
         """
         aliases = dict(scope_aliases or {})
+        on_host = {w.variable for w in plan_weights(ir, policies)}  # weights="host": not resident
         found = collect_candidates(ir, policies, device=device, scope_aliases=aliases)
         op_times: Dict[str, float] = {op.name: cost.op_time(ir, op) for op in ir.ops}
         baseline = simulate(ir, None, cost=cost, top=None, op_times=op_times)
@@ -93,4 +95,5 @@ class PlanningStep:
         return cls(ir=ir, policies=policies, device=device, cost=cost, scope_aliases=aliases, found=found,
                    eligible=frozenset(found.eligible), op_times=op_times, baseline=baseline,
                    forward_seconds=min(backward_starts, default=baseline.compute_time_s),
-                   resident=sum(nbytes for _, nbytes in resident_buffers(ir)), pool_history=pool_history(ir))
+                   resident=sum(nbytes for _, nbytes in resident_buffers(ir, on_host)),
+                   pool_history=pool_history(ir, on_host=on_host))

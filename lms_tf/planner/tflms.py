@@ -42,6 +42,7 @@ from lms_tf.core.ir import GraphIR, OpInfo, layer_of
 from lms_tf.core.plan import Decision, Plan, SwapIn, TensorDecision
 from lms_tf.core.policy import Policies
 from lms_tf.planner.candidates import Candidates, clonable, collect_candidates
+from lms_tf.planner.weights import plan_weights
 from lms_tf.planner.recompute import RegionFinder, check_also_recompute, recompute_targets
 
 
@@ -162,4 +163,5 @@ def make_plan(ir: GraphIR, policies: Policies, *, device: str,
                 consumers=tuple(c.name for c in sorted(backward_of[name], key=lambda c: c.index)))
 
     return Plan(decisions=tuple(decisions[n] for n in order), device=device, host=policies.host,
-                policies=policies.to_dict(), phase_counts=ir.phase_counts())
+                policies=policies.to_dict(), phase_counts=ir.phase_counts(),
+                weights=plan_weights(ir, policies))

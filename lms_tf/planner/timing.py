@@ -20,6 +20,7 @@ from typing import Dict, List, Mapping, Optional, Set, Tuple
 from lms_tf.core.ir import layer_of
 from lms_tf.core.plan import Decision, Ordering, Plan, SwapIn, TensorDecision
 from lms_tf.planner.step import PlanningStep
+from lms_tf.planner.weights import plan_weights
 from lms_tf.simulate import Simulation
 
 logger = logging.getLogger("lms_tf")
@@ -234,7 +235,8 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
         decisions.update(swap_out_waits(step, swapped))
         decisions.update(lagged_swap_ins(step, [decisions[d.tensor] for d in swapped]))
     return Plan(decisions=tuple(decisions[n] for n in found.order), device=step.device, host=policies.host,
-                policies=policies.to_dict(), phase_counts=ir.phase_counts(), orderings=orderings)
+                policies=policies.to_dict(), phase_counts=ir.phase_counts(), orderings=orderings,
+                weights=plan_weights(ir, policies))
 
 
 def swap_round(step: PlanningStep, budget_bytes: int, sim: Simulation, swap: Set[str],

@@ -91,6 +91,7 @@ class Lowered:
         self.buffer_producer: Dict[str, int] = {}
         self.accumulated_sums: frozenset = frozenset()
         self.read_handles: Dict[str, str] = {}  # read buffer -> variable handle tensor
+        self.on_host: frozenset = frozenset()  # handles of the variables on the host (weights="host")
         # Whether a buffer counts, per buffer key: the same for every plan of one IR, so kept on it.
         self._counted_cache: Dict[str, bool] = ir.__dict__.get("_counted")
         if self._counted_cache is None:
@@ -408,6 +409,20 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
     for ordering in plan.orderings if plan is not None else ():
         for waiter in ordering.waiters:
             extra_deps[waiter].extend(ordering.after)
+    at_start: List[Event] = []  # weight fetches nothing on the device runs before
+    b.on_host = frozenset(w.variable for w in plan.offloaded_weights) if plan is not None else frozenset()
+    for weight in plan.offloaded_weights if plan is not None else ():
+        reads, nbytes = set(weight.reads), weight.nbytes or 0
+        for i, fetch in enumerate(weight.fetches):
+            key = weight.fetch_name(i)
+            event = Event(key, TO_DEVICE_STREAM, cost.transfer_time(nbytes, "host_to_device"), [f"host/{weight.variable}"],
+                          [(key, nbytes)], [], trigger=fetch.trigger or None)
+            (extra_after[fetch.trigger] if fetch.trigger else at_start).append(event)
+            for consumer in fetch.consumers:
+                for t in ir.op(consumer).inputs:
+                    if t in reads:
+                        b.replace[(consumer, t)] = key
+                extra_deps[consumer].append(key)
 
     template = _plain_template(ir)
     # Ops whose reads and waits differ from the plain step's: re-pointed consumers, and the ops
@@ -420,6 +435,9 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         rebuilt = ir_names
     with_workspace = kernels != "onednn"
     settled = set()  # events whose dependencies are the plain op's (computed below for the others)
+    for extra in at_start:
+        extra.order = -0.5
+        b.index_of[extra.name] = b.add(extra)
     for op in ir.ops:
         cached = template.get(op.name)
         if cached is None:  # an alias op: not run

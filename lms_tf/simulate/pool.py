@@ -8,28 +8,30 @@ Examples:
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Collection, Dict, Iterable, List, Tuple
 
 from lms_tf.core.ir import GraphIR
 
 
-def resident_buffers(ir: GraphIR) -> List[Tuple[str, int]]:
+def resident_buffers(ir: GraphIR, on_host: Collection[str] = ()) -> List[Tuple[str, int]]:
     """The variables the step reads (weights, optimizer slots), ``(handle, bytes)`` in graph
-    order: resident for the whole step.
+    order: resident for the whole step, except those whose handles are in ``on_host`` (weights
+    on the host: :class:`~lms_tf.core.plan.WeightDecision`).
 
     Examples:
-        >>> from lms_tf.core.ir import GraphIR
-        >>> resident_buffers(GraphIR((), {}, frozenset(), {}))
-        []
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> resident_buffers(weighted_chain_ir()), resident_buffers(weighted_chain_ir(), on_host={"w1:0"})
+        ([('w1:0', 262144), ('w2:0', 262144)], [('w2:0', 262144)])
     """
     sizes: Dict[str, int] = {}
     for op in ir.ops:
-        if op.type == "ReadVariableOp" and op.inputs:
+        if op.type == "ReadVariableOp" and op.inputs and op.inputs[0] not in on_host:
             sizes[op.inputs[0]] = max(sizes.get(op.inputs[0], 0), ir.tensors[op.outputs[0]].nbytes or 0)
     return list(sizes.items())
 
 
-def pool_history(ir: GraphIR, accumulated_sums: Iterable[str] = ()) -> List[Tuple[str, str, int]]:
+def pool_history(ir: GraphIR, accumulated_sums: Iterable[str] = (),
+                 on_host: Collection[str] = ()) -> List[Tuple[str, str, int]]:
     """What a Keras training process asks the allocator for before its first step, as
     ``("alloc" | "free", key, bytes)`` events (:func:`replay_allocations`' ``history``).
 
@@ -41,6 +43,8 @@ def pool_history(ir: GraphIR, accumulated_sums: Iterable[str] = ()) -> List[Tupl
     2. the step's inputs;
     3. for each of ``accumulated_sums``, the zeros constant its temporary variable starts from
        (kept while the step's function lives).
+
+    Variables whose handles are in ``on_host`` live on the host: the device never holds them.
 
     TensorFlow's allocation trace shows this sequence (``StatelessRandomUniformV2``, ``Mul``,
     ``AddV2`` per kernel; ``AddN_98/tmp_var_zeros`` on ResNet-50).
@@ -55,7 +59,7 @@ def pool_history(ir: GraphIR, accumulated_sums: Iterable[str] = ()) -> List[Tupl
     for op in ir.ops:
         if op.type == "ReadVariableOp" and op.inputs:
             ranks[op.inputs[0]] = max(ranks.get(op.inputs[0], 0), len(ir.tensors[op.outputs[0]].shape or ()))
-    for handle, nbytes in resident_buffers(ir):
+    for handle, nbytes in resident_buffers(ir, on_host):
         if ranks.get(handle, 0) >= 2:
             draw, scaled = f"{handle}#initializer_draw", f"{handle}#initializer_scaled"
             events += [("alloc", draw, nbytes), ("alloc", scaled, nbytes), ("alloc", handle, nbytes),
@@ -71,12 +75,13 @@ def pool_history(ir: GraphIR, accumulated_sums: Iterable[str] = ()) -> List[Tupl
     return events
 
 
-def resident_bytes(ir: GraphIR) -> int:
-    """Bytes of the variables the step reads (weights, optimizer slots): resident for the whole step.
+def resident_bytes(ir: GraphIR, on_host: Collection[str] = ()) -> int:
+    """Bytes of the variables the step reads (weights, optimizer slots): resident for the whole
+    step, except those whose handles are in ``on_host``.
 
     Examples:
         >>> from lms_tf.core.ir import GraphIR
         >>> resident_bytes(GraphIR((), {}, frozenset(), {}))
         0
     """
-    return sum(nbytes for _, nbytes in resident_buffers(ir))
+    return sum(nbytes for _, nbytes in resident_buffers(ir, on_host))

@@ -222,8 +222,9 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
         if stream == COMPUTE_STREAM:
             compute_time += op.duration
         else:
-            nbytes = sum(builder.ir.tensors[r[len("host/"):]].nbytes or 0 for r in op.reads if r.startswith("host/")) \
-                if stream == TO_DEVICE_STREAM else sum(builder.ir.tensors[r].nbytes or 0 for r in op.reads)
+            # A copy in writes what it brings (a swap-in, a weight fetch); a copy out reads it.
+            nbytes = sum(n for _, n in op.writes) if stream == TO_DEVICE_STREAM \
+                else sum(builder.ir.tensors[r].nbytes or 0 for r in op.reads)
             in_flight[stream] += nbytes
             swap_bytes[stream] += nbytes
         intervals[op.name] = (at, at + op.duration)
@@ -293,5 +294,6 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
                       swap_in_bytes=swap_bytes[TO_DEVICE_STREAM], timeline=tuple(timeline), peak_time_s=peak_time,
                       op_intervals=intervals, allocations=tuple(allocations or ()) if log_allocations else (),
                       allocator_peak_bytes=None if allocator is None else replay_allocations(
-                          allocations, allocator, history=pool_history(builder.ir, builder.accumulated_sums)),
+                          allocations, allocator, history=pool_history(builder.ir, builder.accumulated_sums,
+                                                               builder.on_host)),
                       backward_start_s=max(forward_ends) if forward_ends and has_backward else None)

@@ -19,10 +19,11 @@ from lms_tf.tf.rewrite.common import LMS_ATTR, SCOPE, RewriteReport, check_postc
 from lms_tf.tf.rewrite.order import insert_orderings
 from lms_tf.tf.rewrite.recompute import insert_recomputes
 from lms_tf.tf.rewrite.swap import insert_swaps
+from lms_tf.tf.rewrite.weights import insert_weight_fetches
 
 
 def apply_plan(graph: tf.Graph, ir: GraphIR, plan: Plan) -> RewriteReport:
-    """Inserts the swaps and recompute clones ``plan`` asks for, in place.
+    """Inserts the swaps, recompute clones and weight fetches ``plan`` asks for, in place.
 
     Must be called while ``graph`` is still being traced (inside the ``tf.function``
     body, after the gradients and the update were built).
@@ -73,6 +74,7 @@ def apply_plan(graph: tf.Graph, ir: GraphIR, plan: Plan) -> RewriteReport:
     with graph.as_default(), graph.name_scope(SCOPE), graph.control_dependencies(None):
         swap_outs, rerouted = insert_swaps(graph, plan, inserted)
         rerouted += insert_recomputes(graph, plan, swap_outs, inserted)
+        rerouted += insert_weight_fetches(graph, plan, inserted)
         insert_orderings(graph, plan, inserted)
         marker = tf.raw_ops.NoOp(name="rewritten")
         _compat.set_string_attr(marker, LMS_ATTR, "marker")

@@ -170,16 +170,20 @@ def check_postconditions(graph: tf.Graph, plan: Plan, forward_inputs_before) -> 
         >>> check_postconditions(tf.Graph(), Plan((), "/device:GPU:0", "/device:CPU:0", {}, {}), {})
     """
     check_acyclic(graph)
+    # A forward op may read a weight fetch instead of the read of a variable on the host; nothing else changes.
+    fetched = {read for weight in plan.offloaded_weights for read in weight.reads}
     for op_name, inputs in forward_inputs_before.items():
-        now = tuple(t.name for t in graph.get_operation_by_name(op_name).inputs)
-        if now != inputs:
-            raise RewriteError(f"postcondition failed: forward op {op_name!r} inputs changed from {inputs} to {now}.")
+        now = graph.get_operation_by_name(op_name).inputs
+        if any(t.name != before and not (before in fetched and _compat.string_attr(t.op, LMS_ATTR) == "weight_fetch")
+               for t, before in zip(now, inputs)) or len(now) != len(inputs):
+            raise RewriteError(f"postcondition failed: forward op {op_name!r} inputs changed from {inputs} to "
+                               f"{tuple(t.name for t in now)}.")
     for op in graph.get_operations():
         kind = _compat.string_attr(op, LMS_ATTR)
         if kind == "swap_in" and not any(_compat.string_attr(c, LMS_ATTR) == "swap_gate" for c in op.control_inputs):
             raise RewriteError(f"postcondition failed: swap-in {op.name!r} has no gate.")
-        if kind == "recompute" and not any(
-                _compat.string_attr(t.op, LMS_ATTR) in ("recompute", "recompute_gate", "swap_in") for t in op.inputs):
+        if kind == "recompute" and not any(_compat.string_attr(t.op, LMS_ATTR) in (
+                "recompute", "recompute_gate", "swap_in", "weight_fetch") for t in op.inputs):
             raise RewriteError(f"postcondition failed: recompute clone {op.name!r} is not gated.")
     for decision in plan.swapped:
         if decision.swap_out_before is not None and not any(
@@ -194,6 +198,14 @@ def check_postconditions(graph: tf.Graph, plan: Plan, forward_inputs_before) -> 
             if not any({a.name for a in b.control_inputs} >= set(ordering.after) for b in barriers):
                 raise RewriteError(f"postcondition failed: backward op {waiter!r} does not wait for "
                                    f"{list(ordering.after)[:3]}... as the plan's ordering asks.")
+    for weight in plan.offloaded_weights:
+        for fetch in weight.fetches:
+            for consumer_name in fetch.consumers:
+                read = next((t.name for t in graph.get_operation_by_name(consumer_name).inputs if t.name in weight.reads),
+                            None)
+                if read is not None:
+                    raise RewriteError(f"postcondition failed: device op {consumer_name!r} still reads {read!r} of a "
+                                       f"variable on the host instead of its fetch.")
     for decision in plan.swapped + plan.recomputed:
         consumers = [c for s in decision.swap_ins for c in s.consumers] + list(decision.consumers)
         for consumer_name in consumers:

@@ -29,6 +29,7 @@ from lms_tf.core.op_kinds import WHILE_OP_TYPES, recompute_clone_name
 from lms_tf.core.plan import Plan
 from lms_tf.tf.rewrite.common import mark, repoint_consumers
 from lms_tf.tf.rewrite.swap import gated_swap_in
+from lms_tf.tf.rewrite.weights import offloaded_reads
 
 CLONE_OF_ATTR = "_lms_clone_of"
 CLONE_GATE_ATTR = "_lms_gate"
@@ -83,6 +84,7 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
     """
     clones: Dict[Tuple[str, str], tf.Operation] = {}
     swap_ins: Dict[Tuple[str, str], tf.Tensor] = {}
+    weight_reads = offloaded_reads(graph, plan)  # a clone fetches a weight on the host behind its gate
     rerouted = 0
     for i, decision in enumerate(plan.recomputed):
         gate = graph.get_operation_by_name(decision.gate)
@@ -105,6 +107,14 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
                         inserted["swap_in"] += 1
                     inputs.append(swap_ins[key])
                     from_clone = True
+                elif tensor.name in weight_reads:
+                    key = (weight_reads[tensor.name].name, decision.gate)
+                    if key not in swap_ins:
+                        swap_ins[key] = gated_swap_in(graph, weight_reads[tensor.name], gate, plan.host,
+                                                      f"recompute_weight_fetch_{len(swap_ins)}", kind="weight_fetch")
+                        inserted["swap_gate"] += 2
+                        inserted["weight_fetch"] += 1
+                    inputs.append(swap_ins[key])
                 else:
                     inputs.append(tensor)
             if not from_clone:

@@ -58,8 +58,10 @@ def _signal(graph: tf.Graph, source: tf.Tensor, receiver: Union[str, tf.Operatio
     return signal.op
 
 
-def gated_swap_in(graph: tf.Graph, swap_out: tf.Tensor, trigger: tf.Operation, host: str, name: str) -> tf.Tensor:
-    """A host Identity of ``swap_out`` that cannot run before ``trigger``.
+def gated_swap_in(graph: tf.Graph, swap_out: tf.Tensor, trigger: tf.Operation, host: str, name: str,
+                  kind: str = "swap_in") -> tf.Tensor:
+    """A host Identity of ``swap_out`` that cannot run before ``trigger``, marked ``kind``
+    (``"swap_in"``, or ``"weight_fetch"`` when it copies a variable on the host).
 
     The gate reaches the host as a data edge: ``Shape(trigger output)`` on the trigger's
     device, received by a host ``Identity``, which is the swap-in's (host -> host) control input.
@@ -81,7 +83,7 @@ def gated_swap_in(graph: tf.Graph, swap_out: tf.Tensor, trigger: tf.Operation, h
     gate = _signal(graph, _gate_source(trigger), host, f"{name}_gate", "swap_gate")
     with graph.colocate_with(None, ignore_existing=True), graph.device(host), graph.control_dependencies([gate]):
         swap_in = tf.identity(swap_out, name=name)
-    mark(swap_in.op, "swap_in")
+    mark(swap_in.op, kind)
     return swap_in
 
 
