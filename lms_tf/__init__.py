@@ -30,6 +30,7 @@ _LAZY = {"LMSFunction": "lms_tf.decorator", "function": "lms_tf.decorator", "LMS
          "PeakMemory": "lms_tf.tf.memory", "measure_peak_memory": "lms_tf.tf.memory", "LMSOptions": "lms_tf.options",
          "partition": "lms_tf.partitioning", "PipelineStep": "lms_tf.tf.pipeline_step",
          "accumulation_step": "lms_tf.tf.pipeline_step", "place_stages": "lms_tf.tf.pipeline_step",
+         "place_weights": "lms_tf.tf.variables",
          "connect_stages": "lms_tf.tf.pipeline_cluster"}
 
 
@@ -84,4 +85,4 @@ def explain(obj) -> str:
 
 __all__ = ["Decision", "GraphAnalysisError", "InfeasibleBudgetError", "LMSCallback", "LMSError", "LMSFunction",
            "LMSOptionError", "LMSOptions", "LMSWarning", "PeakMemory", "PipelineStep", "Plan", "Policies", "RewriteError",
-           "accumulation_step", "place_stages", "connect_stages", "explain", "function", "measure_peak_memory", "partition", "__version__"]
+           "accumulation_step", "place_stages", "place_weights", "connect_stages", "explain", "function", "measure_peak_memory", "partition", "__version__"]

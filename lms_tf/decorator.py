@@ -115,7 +115,8 @@ class LMSFunction:
 
             stack.enter_context(intercept_optimizer_updates(
                 gradient_allreduce_hook(self.options.bucket_bytes, updates), order=ALLREDUCE_ORDER))
-        if self.options.optimizer_on_host and resolve_device(self.options.device, api=_API) is not None:
+        on_host = self.options.optimizer_on_host or self.options.weights == "host"
+        if on_host and resolve_device(self.options.device, api=_API) is not None:
             stack.enter_context(intercept_optimizer_updates(
                 host_update_hook(self.options.host, api=_API), order=HOST_UPDATE_ORDER))
         return stack
@@ -242,7 +243,9 @@ def function(func: Optional[Callable] = None, *, input_signature=None, autograph
         jit_compile: Must not be True: XLA ignores host placement and control edges.
         **options: lms-tf options (see :class:`~lms_tf.LMSOptions`): ``device``, ``host``,
             ``swapout_threshold``, ``swapin_ahead``, ``swapin_groupby``, ``min_swap_bytes``,
-            ``exclude``, ``batch_size``, ``swap``, ``recompute``, ``optimizer_on_host``,
+            ``exclude``, ``batch_size``, ``swap``, ``recompute``, ``optimizer_on_host``, ``weights``
+            (``"host"``: the variables live on the host, moved there first by
+            :func:`lms_tf.place_weights`, and are fetched per window of readers),
             ``horovod`` (data-parallel: average the gradients across Horovod ranks before
             the optimizer update, broadcast the variables from rank 0 before a trace first runs),
             ``bucket_bytes`` (with ``horovod``: bytes of gradients per allreduce; None for one),

@@ -22,10 +22,10 @@ from lms_tf.core.policy import (
     check_bucket_bytes,
     check_int,
     describe,
-    parse_weights,
     parse_budget,
     parse_exclude,
     parse_recompute,
+    parse_weights,
 )
 
 _UNSET = object()  # bucket_bytes not given: its default, and no complaint without horovod=True

@@ -71,12 +71,15 @@ def assert_same_numbers(plain, rewritten, rtol=0.0):
 NUMBERS_STEPS = 10
 
 
-def custom_loop(builder, decorate, steps=NUMBERS_STEPS, use_tf_gradients=False, optimizer=None):
+def custom_loop(builder, decorate, steps=NUMBERS_STEPS, use_tf_gradients=False, optimizer=None, prepare=None):
     """Trains a zoo model with a hand-written step; returns (losses, weights, step_function).
 
-    Batch i is rows [i * BATCH, (i + 1) * BATCH) of the builder's data, cycling over it."""
+    Batch i is rows [i * BATCH, (i + 1) * BATCH) of the builder's data, cycling over it.
+    ``prepare(model, optimizer)`` runs before the first step (e.g. ``lms_tf.place_weights``)."""
     model, (x, y) = builder()
     optimizer = optimizer or keras.optimizers.SGD(0.05, momentum=0.9)
+    if prepare is not None:
+        prepare(model, optimizer)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def step(xb, yb):

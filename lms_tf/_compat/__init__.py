@@ -50,8 +50,10 @@ from lms_tf._compat.keras import (
                                   keras_module,
                                   layer_scope_aliases,
                                   layer_scope_aliases_in,
+                                  move_variables,
                                   nodes_in_call_order,
                                   optimizer_entry_points,
+                                  rekey_optimizer,
                                   set_jit_compile,
                                   using_legacy_keras,
 )
@@ -62,7 +64,7 @@ __all__ = ["GRAPPLER_RECOMPUTED_PREFIX", "GRAPPLER_SWAP_OPS", "add_control_input
            "flat_model_inputs", "function_def", "functional_graph", "get_jit_compile", "grappler_accumulated_sums",
            "grappler_default_optimized", "grappler_memory_optimized", "grappler_peak_live_tensors",
            "grappler_peak_memory", "infer_shapes_with_inputs", "is_function_graph", "keras_module",
-           "layer_scope_aliases", "layer_scope_aliases_in", "nodes_in_call_order", "onednn_enabled",
-           "op_is_stateful", "optimizer_entry_points", "profile_allocations", "profile_executed_ops",
+           "layer_scope_aliases", "layer_scope_aliases_in", "move_variables", "nodes_in_call_order", "onednn_enabled",
+           "op_is_stateful", "optimizer_entry_points", "profile_allocations", "profile_executed_ops", "rekey_optimizer",
            "set_bool_attr", "set_int_attr", "set_jit_compile", "set_string_attr", "string_attr", "update_input",
            "using_legacy_keras"]

@@ -303,3 +303,46 @@ def call_node(graph, node, values: Dict[int, object], training) -> None:
     outputs = operation_fn(operation, training=training)(*args, **kwargs)
     for symbolic, value in zip(node.outputs, tree.flatten(outputs)):
         values[id(symbolic)] = value
+
+
+def move_variables(variables, device: str) -> int:
+    """Re-creates each Keras 3 variable's TensorFlow variable on ``device`` with its value, name and
+    settings (Keras keeps it in the private ``_value``); an optimizer built on them is re-keyed by
+    :func:`rekey_optimizer`. Returns how many moved (those already there stay).
+
+    Examples:
+        >>> keras = keras_module()
+        >>> layer = keras.layers.Dense(2)
+        >>> layer.build((None, 3))
+        >>> move_variables(layer.weights, "/CPU:0"), layer.kernel.value.device.endswith("CPU:0")
+        (0, True)
+    """
+    moved = 0
+    wanted = tf.DeviceSpec.from_string(device)
+    for variable in variables:
+        inner = getattr(variable, "_value", None)
+        if not isinstance(inner, tf.Variable):
+            continue
+        current = tf.DeviceSpec.from_string(inner.device)
+        if (current.device_type, current.device_index) == (wanted.device_type, wanted.device_index or 0):
+            continue
+        with tf.init_scope(), tf.device(device):
+            variable._value = tf.Variable(inner.read_value(), dtype=inner.dtype, trainable=inner.trainable,
+                                          name=inner.name.split(":")[0], aggregation=inner.aggregation,
+                                          synchronization=inner.synchronization)
+        moved += 1
+    return moved
+
+
+def rekey_optimizer(optimizer) -> None:
+    """Keras 3's TensorFlow optimizers find a variable's slots by its TensorFlow variable's id: after
+    :func:`move_variables`, the index must be rebuilt from the (same) Keras variables.
+
+    Examples:
+        >>> keras = keras_module()
+        >>> rekey_optimizer(keras.optimizers.SGD())   # not built: nothing to re-key
+    """
+    variables = getattr(optimizer, "_trainable_variables", None)
+    if not getattr(optimizer, "built", False) or variables is None:
+        return
+    optimizer._trainable_variables_indices = {optimizer._var_key(v): i for i, v in enumerate(variables)}

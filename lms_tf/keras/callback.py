@@ -13,6 +13,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import List, Optional
 
 from lms_tf import _compat
@@ -29,7 +30,9 @@ from lms_tf.tf.driver import (
 )
 from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
 from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
+from lms_tf.tf.variables import place_weights
 
+logger = logging.getLogger("lms_tf")
 _API = "LMSCallback"
 
 
@@ -111,7 +114,12 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
                                             "would have no effect")
         options = self.options
         request = options.rewrite_request(device, batch_size=_compat.fit_batch_size())
-        host_hook = host_update_hook(options.host, api=_API) if options.optimizer_on_host else None
+        if options.weights == "host":
+            moved = place_weights(model, getattr(model, "optimizer", None), options.host)
+            logger.info("%s(weights='host'): %d variables of %r moved to %s; each is copied to the device per "
+                        "window of the layers that read it", _API, moved, model.name, options.host)
+        on_host = options.optimizer_on_host or options.weights == "host"
+        host_hook = host_update_hook(options.host, api=_API) if on_host else None
 
         def lms_hook(step):
             def train_step(data):

@@ -26,7 +26,7 @@ import bisect
 from typing import Dict, List, Tuple
 
 from lms_tf.core.ir import GraphIR, OpInfo, Phase
-from lms_tf.core.op_kinds import CONTROL_FLOW_OP_TYPES, RESIDENT_TYPES
+from lms_tf.core.op_kinds import CONTROL_FLOW_OP_TYPES, RESIDENT_TYPES, STATE_READ_TYPES
 from lms_tf.core.plan import Decision, SwapIn, WeightDecision
 from lms_tf.core.policy import Policies
 from lms_tf.planner.candidates import backward_gates
@@ -66,6 +66,15 @@ def forward_gates(ir: GraphIR) -> List[OpInfo]:
     return gates
 
 
+def _computes_on_data(ir: GraphIR) -> set:
+    """Names of the forward ops that depend on the step's inputs (through data edges)."""
+    reached = set(ir.function_inputs)
+    for op in ir.ops:
+        if op.phase is Phase.FORWARD and any(ir.tensors[t].producer in reached for t in op.inputs):
+            reached.add(op.name)
+    return reached
+
+
 def _windows(readers: List[OpInfo], groupby: int) -> List[List[OpInfo]]:
     windows: List[List[OpInfo]] = []
     for op in sorted(readers, key=lambda o: o.index):
@@ -99,16 +108,27 @@ def plan_weights(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, ...]:
     cache = ir.__dict__.setdefault("_planned_weights", {})
     if key in cache:
         return cache[key]
+    # A variable the forward or backward pass writes (a metric's total, batch norm's moving
+    # statistics, a seed generator's state) is read before and after the write: one fetch cannot
+    # serve both, and such variables are small. TensorFlow copies them as it always does.
+    written = {t for op in ir.ops if op.phase in (Phase.FORWARD, Phase.BACKWARD)
+               and op.type not in STATE_READ_TYPES and op.type != "ResourceGather"
+               for t in op.inputs if ir.tensors[t].dtype == "resource"}
+    # A weight is read by the forward pass's work on the data, or by gradient ops; an optimizer's
+    # slot is read by ops on neither (the update's arithmetic, whatever phase it is tagged with).
+    on_data = _computes_on_data(ir)
     reads: Dict[str, List[str]] = {}
     readers: Dict[str, Dict[str, OpInfo]] = {}
     for op in ir.ops:
         if op.type not in WEIGHT_READ_TYPES or not op.inputs or not op.outputs:
             continue
         users = [ir.op(c) for c in ir.tensors[op.outputs[0]].consumers]
-        users = [u for u in users if u.phase in (Phase.FORWARD, Phase.BACKWARD)]
+        users = [u for u in users if u.phase is Phase.BACKWARD or (u.phase is Phase.FORWARD and u.name in on_data)]
         if not users:
             continue  # read by the update only: it runs where the variable is
         handle = op.inputs[0]
+        if handle in written:
+            continue
         reads.setdefault(handle, []).append(op.outputs[0])
         readers.setdefault(handle, {}).update((u.name, u) for u in users)
     gates = forward_gates(ir) + backward_gates(ir)

@@ -375,6 +375,8 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                                               [f"host/{t}"], [(key, nbytes)], [], trigger=s.trigger))
             for consumer in s.consumers:
                 extra_deps[consumer].append(key)
+    # Reads of variables on the host: a recompute clone fetches its own copy behind its gate.
+    weight_of = {read: w for w in plan.offloaded_weights for read in w.reads} if plan is not None else {}
     cloned = set()
     for d in decisions.values():
         if d.decision is not Decision.RECOMPUTE:
@@ -396,6 +398,14 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                         nbytes = decisions[t].nbytes or 0
                         extra_after[d.gate].append(Event(key, TO_DEVICE_STREAM, cost.transfer_time(nbytes, "host_to_device"),
                                                        [f"host/{t}"], [(key, nbytes)], [], trigger=d.gate))
+                    reads.append(key)
+                elif t in weight_of:
+                    weight = weight_of[t]
+                    key = f"fetch/{weight.variable}/@{d.gate}"
+                    if not any(o.name == key for o in extra_after[d.gate]):
+                        nbytes = weight.nbytes or 0
+                        extra_after[d.gate].append(Event(key, TO_DEVICE_STREAM, cost.transfer_time(nbytes, "host_to_device"),
+                                                       [f"host/{weight.variable}"], [(key, nbytes)], [], trigger=d.gate))
                     reads.append(key)
                 else:
                     reads.append(b.source(name, t))

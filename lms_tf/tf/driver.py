@@ -257,6 +257,7 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
         except UnknownSizeError as err:
             warn_once(f"unknown-size:{api}:{err.shape}", unknown_size_message(api, err))
             return None
+    check_weights_on_host(graph, plan, api=api)
     report = apply_plan(graph, ir, plan)
     _log_once(f"{plan.one_line()} (inserted {report.inserted})")
     if request.serialize:
@@ -264,6 +265,30 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
         edges = impose_order(graph, simulated_ranks(graph, ir, plan, request.cost_model()), leave_free=fused)
         logger.info("serialized graph %s in the simulated order (%d control edges)", graph.name, edges)
     return plan
+
+
+def check_weights_on_host(graph: tf.Graph, plan: Plan, *, api: str) -> None:
+    """Raises the library's error when a variable the plan fetches from the host lives elsewhere:
+    the fetches would copy it out of the device and back, saving nothing.
+
+    Examples:
+        >>> g = tf.Graph()
+        >>> check_weights_on_host(g, Plan((), "/device:CPU:0", "/device:CPU:1", {}, {}), api="doc")
+    """
+    if not plan.offloaded_weights:
+        return
+    device_of = {internal.name: getattr(external, "device", "") for external, internal in getattr(graph, "captures", ())}
+    wanted = tf.DeviceSpec.from_string(plan.host)
+    off = []
+    for weight in plan.offloaded_weights:
+        spec = tf.DeviceSpec.from_string(device_of.get(weight.variable, "") or "")
+        if (spec.device_type, spec.device_index or 0) != (wanted.device_type, wanted.device_index or 0):
+            off.append(f"{weight.variable} on {device_of.get(weight.variable) or 'an unknown device'}")
+    if off:
+        raise LMSOptionError(
+            f"{api}(weights='host'): {len(off)} of {len(plan.offloaded_weights)} variables the step reads do not "
+            f"live on the host {plan.host} (e.g. {off[0]}). Move them before the first step: "
+            f"lms_tf.place_weights(model, optimizer, host={plan.host!r}) (LMSCallback does it for model.fit).")
 
 
 def _grappler_memory_bytes(request: "RewriteRequest") -> int:

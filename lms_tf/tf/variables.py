@@ -47,3 +47,58 @@ def variable_bytes_by_device(variables) -> Dict[str, int]:
         device = variable_device(variable)
         totals[device] = totals.get(device, 0) + nbytes
     return totals
+
+
+def place_weights(model, optimizer=None, host: str = "/CPU:0") -> int:
+    """Moves a Keras model's variables (its metrics', and its optimizer's when built) to ``host`` memory, for
+    ``weights="host"``: each is then copied to the device per window of the layers that read it.
+
+    ``LMSCallback(weights="host")`` calls it at the start of ``fit``; a custom loop with
+    ``lms_tf.function(weights="host")`` calls it before the first step. Functions traced before
+    (``predict``, ``evaluate``) are traced again, since they captured the old variables.
+
+    Args:
+        model: A Keras model (or layer).
+        optimizer: Its optimizer (default: ``model.optimizer`` when the model is compiled).
+        host: The host device.
+
+    Returns:
+        How many variables moved.
+
+    Examples:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        >>> place_weights(model, host="/CPU:1"), sorted({variable_device(v)[-5:] for v in model.variables})
+        (2, ['CPU:1'])
+    """
+    from lms_tf import _compat
+
+    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    # The compiled metrics' variables too: the train step reads them on the device like weights.
+    variables = list(model.variables) + list(getattr(model, "metrics_variables", None) or []) \
+        + (list(optimizer.variables) if optimizer is not None else [])
+    moved = _compat.move_variables(variables, host)
+    if optimizer is not None:
+        _compat.rekey_optimizer(optimizer)
+    for cached in ("train_function", "test_function", "predict_function"):
+        if getattr(model, cached, None) is not None:
+            setattr(model, cached, None)
+    return moved
+
+
+def variables_not_on(variables, host: str) -> list:
+    """The names of ``variables`` that do not live on ``host``.
+
+    Examples:
+        >>> with tf.device("/CPU:0"):
+        ...     v = tf.Variable(1.0, name="v")
+        >>> variables_not_on([v], "/CPU:1")
+        ['v:0']
+    """
+    wanted = tf.DeviceSpec.from_string(host)
+    off = []
+    for variable in variables:
+        spec = tf.DeviceSpec.from_string(variable_device(variable))
+        if (spec.device_type, spec.device_index or 0) != (wanted.device_type, wanted.device_index or 0):
+            off.append(getattr(variable, "path", None) or variable.name)
+    return off

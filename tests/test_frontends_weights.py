@@ -1,0 +1,128 @@
+"""Weights on the host (``weights="host"``): numbers, structure and errors.
+
+Each variable lives on the host device (a second logical CPU here) and each window of device ops
+that read it reads a gated host copy instead. On logical CPUs the copy moves no bytes, so these
+tests prove the numbers and the graph; memory is the simulator's and Grappler's business.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lms_tf
+from lms_tf import _compat
+from lms_tf.tf.rewrite import LMS_ATTR
+from lms_tf.tf.variables import variable_device
+from tests import zoo
+from tests.helpers import BATCH, CPU_LMS, assert_same_numbers, fit_steps
+
+SMALL = dict(CPU_LMS, swapout_threshold=4, min_swap_bytes=1024, swapin_ahead=2)
+HOST = dict(SMALL, weights="host")
+FAMILIES = ["sequential_cnn", "resnet_style", "inception_style", "subclassed", "text_embedding",
+            "shared_multi_input_residual", "lstm"]
+
+
+def decoder_lm(vocab=64, width=32, heads=2, length=12):
+    """A decoder-only Transformer block: Embedding whose matrix is also the output projection
+    (tied), causal MultiHeadAttention, LayerNorm, an MLP."""
+    zoo._seed()
+    tokens = keras.Input((length,), dtype="int32")
+    embed = keras.layers.Embedding(vocab, width)
+    h = embed(tokens)
+    a = keras.layers.MultiHeadAttention(heads, width // heads)(h, h, use_causal_mask=True)
+    h = keras.layers.LayerNormalization()(h + a)
+    m = keras.layers.Dense(2 * width, activation="gelu")(h)
+    h = keras.layers.LayerNormalization()(h + keras.layers.Dense(width)(m))
+    logits = keras.layers.Lambda(lambda t: keras.ops.matmul(t, keras.ops.transpose(embed.embeddings)))(h)
+    logits = keras.layers.Lambda(lambda t: t[:, -1, :])(logits)
+    model = keras.Model(tokens, logits)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, vocab, size=(3 * BATCH, length)).astype("int32")
+    return model, (x, rng.integers(0, vocab, size=(3 * BATCH,)))
+
+
+BUILDERS = {**{name: zoo.FIT_ZOO[name] for name in FAMILIES}, "decoder_lm": decoder_lm}
+
+
+def _on_host(model) -> bool:
+    return all(variable_device(v).endswith("CPU:1") for v in model.variables)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_fit_with_weights_on_the_host_equals_plain_fit(name):
+    plain = fit_steps(BUILDERS[name])
+    callback = lms_tf.LMSCallback(**HOST)
+    rewritten = fit_steps(BUILDERS[name], callbacks=[callback])
+    plan = callback.plan
+    assert plan is not None and plan.offloaded_weights, lms_tf.explain(callback)
+    assert _on_host(rewritten[2]) and all(variable_device(v).endswith("CPU:1") for v in rewritten[2].optimizer.variables)
+    # Every variable the forward or backward pass reads is fetched at least once per window.
+    assert plan.num_weight_fetches >= len(plan.offloaded_weights)
+    assert_same_numbers(plain, rewritten)
+
+
+@pytest.mark.timeout(300)
+def test_swap_recompute_and_weights_on_the_host_together_equal_plain():
+    plain = fit_steps(zoo.resnet_style)
+    callback = lms_tf.LMSCallback(**HOST, recompute="cheap")
+    rewritten = fit_steps(zoo.resnet_style, callbacks=[callback])
+    assert callback.plan.recomputed and callback.plan.swapped and callback.plan.offloaded_weights
+    assert_same_numbers(plain, rewritten)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["resnet_style", "shared_multi_input_residual", "decoder_lm"])
+def test_every_device_read_of_a_weight_on_the_host_is_a_gated_fetch(name):
+    facts = {}
+    callback = lms_tf.LMSCallback(**HOST)
+    model, (x, y) = BUILDERS[name]()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[callback, _ProbeCallback(facts)])
+    graph, plan = facts["graph"], callback.plan
+    fetches = [op for op in graph.get_operations() if _compat.string_attr(op, LMS_ATTR) == "weight_fetch"]
+    clone_fetches = [op for op in fetches if "recompute_weight_fetch" in op.name]
+    # As many copies as the plan's windows (shared weights: one per window, not one per reader).
+    assert len(fetches) - len(clone_fetches) == plan.num_weight_fetches
+    for op in fetches:
+        assert op.device.endswith("CPU:1"), op.device
+        fetch = _window_of(plan, op)
+        gates = [c for c in op.control_inputs if _compat.string_attr(c, LMS_ATTR) == "swap_gate"]
+        assert bool(gates) == bool(fetch.trigger), (op.name, fetch)
+    for weight in plan.offloaded_weights:
+        for read in weight.reads:
+            readers = graph.get_tensor_by_name(read).consumers()
+            # Only fetches (and host ops of the update) read the variable itself.
+            assert all(_compat.string_attr(r, LMS_ATTR) == "weight_fetch" or r.name not in _device_ops(plan)
+                       for r in readers), [r.name for r in readers]
+    if name == "shared_multi_input_residual":
+        assert any(len(w.reads) > 1 for w in plan.offloaded_weights), "the shared layer's reads are one variable"
+
+
+def _device_ops(plan):
+    return {c for w in plan.offloaded_weights for f in w.fetches for c in f.consumers}
+
+
+def _window_of(plan, op):
+    i, j = (int(k) for k in op.name.rsplit("weight_fetch_", 1)[1].split("_")[:2])
+    return plan.offloaded_weights[i].fetches[j]
+
+
+class _ProbeCallback(keras.callbacks.Callback):
+    """Keeps the rewritten train graph (traced after LMSCallback's hook)."""
+
+    def __init__(self, facts):
+        super().__init__()
+        self.facts = facts
+
+    def on_train_batch_end(self, batch, logs=None):
+        if "graph" not in self.facts:
+            fn = self.model.train_function
+            concrete = getattr(fn, "_list_all_concrete_functions_for_serialization", lambda: [])()
+            self.facts["graph"] = (concrete[0] if concrete else fn.get_concrete_function()).graph
+
+
+def test_weights_option_is_checked():
+    with pytest.raises(lms_tf.LMSOptionError, match=r"weights must be 'device' or 'host'; received 'gpu'"):
+        lms_tf.LMSCallback(weights="gpu")
