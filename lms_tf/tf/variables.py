@@ -84,21 +84,3 @@ def place_weights(model, optimizer=None, host: str = "/CPU:0") -> int:
         if getattr(model, cached, None) is not None:
             setattr(model, cached, None)
     return moved
-
-
-def variables_not_on(variables, host: str) -> list:
-    """The names of ``variables`` that do not live on ``host``.
-
-    Examples:
-        >>> with tf.device("/CPU:0"):
-        ...     v = tf.Variable(1.0, name="v")
-        >>> variables_not_on([v], "/CPU:1")
-        ['v:0']
-    """
-    wanted = tf.DeviceSpec.from_string(host)
-    off = []
-    for variable in variables:
-        spec = tf.DeviceSpec.from_string(variable_device(variable))
-        if (spec.device_type, spec.device_index or 0) != (wanted.device_type, wanted.device_index or 0):
-            off.append(getattr(variable, "path", None) or variable.name)
-    return off
