@@ -16,7 +16,7 @@ from lms_tf.keras.step_hooks import add_step_hook
 from lms_tf.tf.rewrite import LMS_ATTR
 from lms_tf.tf.variables import variable_device
 from tests import zoo
-from tests.helpers import BATCH, CPU_LMS, assert_same_numbers, fit_steps, graph_probe
+from tests.helpers import BATCH, CPU_LMS, assert_same_numbers, custom_loop, fit_steps, graph_probe, lms_function
 
 SMALL = dict(CPU_LMS, swapout_threshold=4, min_swap_bytes=1024, swapin_ahead=2)
 HOST = dict(SMALL, weights="host")
@@ -63,6 +63,42 @@ def test_fit_with_weights_on_the_host_equals_plain_fit(name):
     # Every variable the forward or backward pass reads is fetched at least once per window.
     assert plan.num_weight_fetches >= len(plan.offloaded_weights)
     assert_same_numbers(plain, rewritten)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["resnet_style", "lstm", "decoder_lm"])
+def test_custom_loop_with_weights_on_the_host_equals_plain(name):
+    plain = custom_loop(BUILDERS[name], tf.function)
+    trained = {}
+
+    def prepare(model, optimizer):
+        trained["model"] = model
+        lms_tf.place_weights(model, optimizer, host="/CPU:1")
+
+    rewritten = custom_loop(BUILDERS[name], lms_function(**HOST), prepare=prepare)
+    plan = rewritten[2].plan
+    # Every trainable variable is fetched: the LSTM's and the tied embedding's too (their other
+    # reads, inside the loop and the gather, run where the variable lives).
+    assert len(plan.offloaded_weights) >= len(trained["model"].trainable_variables), lms_tf.explain(rewritten[2])
+    assert _on_host(trained["model"])
+    assert_same_numbers(plain, rewritten)
+
+
+@pytest.mark.timeout(120)
+def test_weights_on_the_host_without_moving_them_is_a_clear_error():
+    model, (x, y) = zoo.sequential_cnn()
+    optimizer = keras.optimizers.SGD(0.05)
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(yb, model(xb, training=True),
+                                                                               from_logits=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    with pytest.raises(lms_tf.LMSOptionError, match=r"do not live on the host .*lms_tf\.place_weights"):
+        lms_tf.function(step, **HOST)(tf.constant(x[:BATCH]), tf.constant(y[:BATCH]))
+    assert all(variable_device(v).endswith("CPU:0") for v in model.variables)  # untouched
 
 
 @pytest.mark.timeout(300)

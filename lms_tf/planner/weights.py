@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 from typing import Dict, List, Tuple
 
-from lms_tf.core.ir import GraphIR, OpInfo, Phase
+from lms_tf.core.ir import GraphIR, OpInfo, Phase, device_kind_and_index
 from lms_tf.core.op_kinds import CONTROL_FLOW_OP_TYPES, RESIDENT_TYPES, STATE_READ_TYPES
 from lms_tf.core.plan import Decision, SwapIn, WeightDecision
 from lms_tf.core.policy import Policies
@@ -108,27 +108,33 @@ def plan_weights(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, ...]:
     cache = ir.__dict__.setdefault("_planned_weights", {})
     if key in cache:
         return cache[key]
-    # A variable the forward or backward pass writes (a metric's total, batch norm's moving
-    # statistics, a seed generator's state) is read before and after the write: one fetch cannot
-    # serve both, and such variables are small. TensorFlow copies them as it always does.
-    written = {t for op in ir.ops if op.phase in (Phase.FORWARD, Phase.BACKWARD)
-               and op.type not in STATE_READ_TYPES and op.type != "ResourceGather"
-               for t in op.inputs if ir.tensors[t].dtype == "resource"}
+    # Where each variable is written (the optimizer's update; a metric's total, batch norm's
+    # moving statistics in the forward pass). A write between a variable's first read and its
+    # last reader would make one fetch serve values from both sides of it: such a variable is
+    # left where it is. (Phases cannot tell: in a custom loop's trace the update's last assign
+    # reads only a slot, so it is tagged forward; its place in the run order is after the readers.)
+    writes: Dict[str, List[int]] = {}
+    for op in ir.ops:
+        if op.type in STATE_READ_TYPES or op.type == "ResourceGather":
+            continue
+        for t in op.inputs:
+            if ir.tensors[t].dtype == "resource":
+                writes.setdefault(t, []).append(op.index)
     # A weight is read by the forward pass's work on the data, or by gradient ops; an optimizer's
     # slot is read by ops on neither (the update's arithmetic, whatever phase it is tagged with).
     on_data = _computes_on_data(ir)
+    host = device_kind_and_index(policies.host)
     reads: Dict[str, List[str]] = {}
     readers: Dict[str, Dict[str, OpInfo]] = {}
     for op in ir.ops:
         if op.type not in WEIGHT_READ_TYPES or not op.inputs or not op.outputs:
             continue
         users = [ir.op(c) for c in ir.tensors[op.outputs[0]].consumers]
-        users = [u for u in users if u.phase is Phase.BACKWARD or (u.phase is Phase.FORWARD and u.name in on_data)]
+        users = [u for u in users if (u.phase is Phase.BACKWARD or (u.phase is Phase.FORWARD and u.name in on_data))
+                 and not (u.device and device_kind_and_index(u.device) == host)]  # the host update reads it there
         if not users:
             continue  # read by the update only: it runs where the variable is
         handle = op.inputs[0]
-        if handle in written:
-            continue
         reads.setdefault(handle, []).append(op.outputs[0])
         readers.setdefault(handle, {}).update((u.name, u) for u in users)
     gates = forward_gates(ir) + backward_gates(ir)
@@ -136,6 +142,10 @@ def plan_weights(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, ...]:
     positions = [op.index for op in gates]
     decisions = []
     for handle, names in reads.items():
+        first_read = min(ir.op(ir.tensors[n].producer).index for n in names)
+        last_reader = max(op.index for op in readers[handle].values())
+        if any(first_read < w < last_reader for w in writes.get(handle, ())):
+            continue
         info = ir.tensors[names[0]]
         fetches = []
         for window in _windows(list(readers[handle].values()), policies.swapin_groupby):
