@@ -13,6 +13,7 @@ import tensorflow as tf
 import lms_tf
 from lms_tf import _compat
 from lms_tf.keras.step_hooks import add_step_hook
+from lms_tf.tf.diagnostics import executed_ops, find_executed, virtual_gpu_peak
 from lms_tf.tf.rewrite import LMS_ATTR
 from lms_tf.tf.variables import variable_device
 from tests import zoo
@@ -149,3 +150,93 @@ def _window_of(plan, op):
 def test_weights_option_is_checked():
     with pytest.raises(lms_tf.LMSOptionError, match=r"weights must be 'device' or 'host'; received 'gpu'"):
         lms_tf.LMSCallback(weights="gpu")
+
+
+def _wide_mlp():
+    """Weights dominate: six 1024-wide Dense layers (4 MiB each) at batch 16."""
+    keras.utils.set_random_seed(2)
+    return keras.Sequential([keras.Input((512,))] + [keras.layers.Dense(1024, activation="relu") for _ in range(6)]
+                            + [keras.layers.Dense(10)])
+
+
+def _mlp_step(model, optimizer):
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x, training=True),
+                                                                               from_logits=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+    return step
+
+
+def _mlp_data():
+    rng = np.random.default_rng(5)
+    return tf.constant(rng.random((16, 512), dtype=np.float32)), tf.constant(rng.integers(0, 10, 16))
+
+
+def _mlp_on_host(**options):
+    model, optimizer = _wide_mlp(), keras.optimizers.SGD(0.01)
+    lms_tf.place_weights(model, optimizer, host="/CPU:1")
+    return lms_tf.function(_mlp_step(model, optimizer), **CPU_LMS, weights="host", swap=False, **options)
+
+
+@pytest.mark.timeout(240)
+def test_executed_order_each_weight_arrives_after_its_trigger_and_before_its_readers():
+    """TensorFlow's profiler: each fetch's host->device transfer (the ``_Send`` named after it)
+    starts after its trigger ended and before any op of its window starts."""
+    x, y = _mlp_data()
+    fn = _mlp_on_host(swapin_ahead=1)
+    fn(x, y)
+    events = executed_ops(lambda: fn(x, y))
+    graph = fn.get_concrete_function(x, y).graph
+    sends = [e for e in events if e.type == "_Send"]
+    triggered = read_after = 0
+    for op in graph.get_operations():
+        if _compat.string_attr(op, LMS_ATTR) != "weight_fetch":
+            continue
+        transfer = min((e for e in sends if e.node.rsplit("/_", 1)[0].endswith(op.name)), key=lambda e: e.start_ps)
+        if op.control_inputs:
+            trigger = find_executed(events, op.control_inputs[0].inputs[0].op.inputs[0].op.name)
+            assert trigger is not None and transfer.start_ps >= trigger.end_ps, op.name
+            triggered += 1
+        for reader in op.outputs[0].consumers():
+            # A MatMul fused with its BiasAdd and Relu runs under the last one's name.
+            ran = next(filter(None, (find_executed(events, name) for name in _fusion_chain(reader))), None)
+            assert ran is not None, f"no run of {reader.name} (or what it is fused into) in the profile"
+            assert ran.start_ps >= transfer.start_ps, (op.name, reader.name)
+            read_after += 1
+    plan = fn.plan
+    assert triggered == sum(1 for w in plan.offloaded_weights for f in w.fetches if f.trigger) >= 10
+    assert read_after >= plan.num_weight_fetches
+
+
+def _fusion_chain(op):
+    """``op``, then its only reader, and so on (at most three ops: MatMul, BiasAdd, Relu)."""
+    chain = [op.name]
+    for _ in range(2):
+        readers = op.outputs[0].consumers() if op.outputs else []
+        if len(readers) != 1:
+            break
+        op = readers[0]
+        chain.append(op.name)
+    return chain
+
+
+@pytest.mark.timeout(240)
+def test_grappler_virtual_gpu_holds_the_fetched_windows_not_every_weight():
+    """Grappler's virtual GPU, told the variable shapes: the plain step holds every weight (and
+    its read) for the whole step; with the weights on the host it holds the fetched windows only.
+    Grappler's scheduler starts a copy as soon as its host side may run, so it keeps more windows
+    at once than the executor does (the order test above): an upper bound, not the simulator's figure."""
+    x, y = _mlp_data()
+    model, optimizer = _wide_mlp(), keras.optimizers.SGD(0.01)
+    plain = tf.function(_mlp_step(model, optimizer))
+    plain(x, y)
+    fn = _mlp_on_host(swapin_ahead=1)
+    fn(x, y)
+    weight_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+    before = virtual_gpu_peak(plain.get_concrete_function(x, y), include_variables=True, variable_shapes=True)
+    after = virtual_gpu_peak(fn.get_concrete_function(x, y), include_variables=True, variable_shapes=True)
+    largest = 1024 * 1024 * 4
+    assert before >= weight_bytes  # every weight resident
+    assert largest <= after < 0.35 * before, (before / 2**20, after / 2**20)

@@ -137,8 +137,15 @@ def virtual_gpu_peak_report(concrete_function, *, host: str = "/CPU:1", gpu_memo
     """
     graph = concrete_function.graph
     graph_def = with_variable_shapes(graph.as_graph_def(add_shapes=True)) if variable_shapes else graph.as_graph_def()
+    # TensorFlow's placer runs an op that takes a variable's handle where the variable lives: a
+    # read of a variable on the host (weights="host") runs on the host, whatever its device string.
+    on_host = {internal.op.name for external, internal in graph.captures
+               if getattr(external, "dtype", None) == tf.resource and _same_device(external.device or "", host)}
     for node in graph_def.node:
-        node.device = _VIRTUAL_CPU if node.device and _same_device(node.device, host) else _VIRTUAL_GPU
+        # (with_variable_shapes turns a read's handle input into a control input: "^handle")
+        takes_host_handle = any(name.lstrip("^").split(":")[0] in on_host for name in node.input)
+        node.device = _VIRTUAL_CPU if (node.device and _same_device(node.device, host)) or node.name in on_host \
+            or takes_host_handle else _VIRTUAL_GPU
     fetches = sorted({t.op.name for t in graph.outputs} | {op.name for op in graph.control_outputs})
     peaks = _compat.grappler_peak_live_tensors(
         graph_def, fetches, [(_VIRTUAL_GPU, "GPU", gpu_memory_bytes), (_VIRTUAL_CPU, "CPU", host_memory_bytes)])
