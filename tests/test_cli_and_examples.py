@@ -131,3 +131,23 @@ def test_the_cli_shows_only_its_own_lines_unless_verbose(verbose):
         assert [entry for entry in logged if entry[1] == "DEBUG" and entry[0] != "lms_tf"] == [], logged
     else:
         assert foreign == [], foreign
+
+
+@pytest.mark.timeout(200)
+def test_plan_with_weights_on_the_host_counts_no_resident_weights_and_pays_the_fetched_windows():
+    out = {}
+    for weights in ("device", "host"):
+        done, _ = _run(["-m", "lms_tf.cli", "plan", "--model", "UNet", "--input-shape", "32x32", "--batch", "2",
+                        "--weights", weights, "--json"], timeout=190)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out[weights] = json.loads(done.stdout)
+    device, host = out["device"], out["host"]
+    assert device["offloaded_weight_bytes"] == 0 and host["weights"] == "host"
+    # Every weight the layers read moves off the device (the optimizer's step counter stays).
+    assert host["offloaded_weight_bytes"] > 0.99 * device["resident_bytes"]
+    assert host["resident_bytes"] == device["resident_bytes"] - host["offloaded_weight_bytes"]
+    # The step's own peak now holds the fetched copies, each only for its window.
+    assert device["planned_peak_bytes"] < host["planned_peak_bytes"] \
+        < device["planned_peak_bytes"] + host["offloaded_weight_bytes"]
+    # Grappler judged the rewritten step (its fetches placed as TensorFlow places them).
+    assert host["oracle_planned_peak_bytes"] is not None

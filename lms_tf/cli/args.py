@@ -110,6 +110,19 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, batch: bool = True) 
         parser.add_argument("--batch", type=positive_int, required=True, help="batch size of the traced step")
 
 
+def add_weights_argument(parser: argparse.ArgumentParser) -> None:
+    """``--weights``: where the variables live, as ``weights=`` of ``LMSCallback`` and ``lms_tf.function``.
+
+    Examples:
+        >>> p = argparse.ArgumentParser(); add_weights_argument(p)
+        >>> p.parse_args([]).weights, p.parse_args(["--weights", "host"]).weights
+        ('device', 'host')
+    """
+    parser.add_argument("--weights", choices=("device", "host"), default="device",
+                        help="device: variables resident (default); host: each is fetched per window of its "
+                             "readers, as weights='host' does")
+
+
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
     """``--device``: the device preset planned for (and the virtual GPU's memory).
 

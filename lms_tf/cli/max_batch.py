@@ -47,6 +47,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     maxb = subparsers.add_parser("max-batch", help="largest batch that fits a device without and with lms-tf")
     cli_args.add_model_arguments(maxb, batch=False)
     cli_args.add_device_argument(maxb)
+    cli_args.add_weights_argument(maxb)
     maxb.add_argument("--max", type=cli_args.positive_int, default=4096, help="largest batch to try")
     maxb.add_argument("--jobs", type=cli_args.positive_int, default=default_jobs(),
                       help="batch sizes planned at once, one process each (default: the usable CPUs, at most "
@@ -95,9 +96,9 @@ def fits(ir_for_batch, batch: int, policies: Policies, cost: CostModel, with_lms
     """
     ir = ir_for_batch(batch)
     baseline = simulate(ir, cost=cost)
-    budget = resolve_budget("auto", baseline_peak_bytes=baseline.peak_bytes, memory_bytes=cost.device.memory_bytes,
-                            device_name=cost.device.name, resident=resident_bytes(ir))
     if not with_lms:
+        budget = resolve_budget("auto", baseline_peak_bytes=baseline.peak_bytes, memory_bytes=cost.device.memory_bytes,
+                                device_name=cost.device.name, resident=resident_bytes(ir))
         return baseline.peak_bytes <= budget, baseline.peak_bytes
     try:
         plan = make_budget_plan(ir, policies.replace(budget="auto"), device=device, cost=cost)
@@ -308,7 +309,7 @@ def run(args) -> int:
         >>> from lms_tf.cli import build_parser
         >>> run(build_parser().parse_args(["max-batch", "--model", "resnet50", "--input-shape", "32x32", "--classes", "10",
         ...                                "--max", "2", "--json"]))  # doctest: +ELLIPSIS
-        {"model": "resnet50", "device": "v100-16gb-pcie3", "max_batch_plain": 2, "max_batch_lms": 2, ...}
+        {"model": "resnet50", "device": "v100-16gb-pcie3", "weights": "device", "max_batch_plain": 2, "max_batch_lms": 2, ...}
         0
     """
     from lms_tf.cli.workload import devices, trace_unbatched
@@ -319,7 +320,7 @@ def run(args) -> int:
     cost = CostModel(spec)
     _, _, graph, _, _ = trace_unbatched(args)
     ir_for_batch, by_arithmetic = sized_by_batch(graph)
-    policies = Policies(host=host, budget="auto", recompute="auto")
+    policies = Policies(host=host, budget="auto", recompute="auto", weights=args.weights)
     # Probes run in forked processes, which must not call TensorFlow: only when the sizes come
     # by arithmetic (BatchSizedIR), not from TensorFlow's shape inference.
     jobs = args.jobs if by_arithmetic and "fork" in multiprocessing.get_all_start_methods() else 1
@@ -342,7 +343,8 @@ def run(args) -> int:
     finally:
         logger.setLevel(level)
     (plain, plain_peak), (lms, lms_peak) = answers[False], answers[True]
-    result = {"model": args.model, "device": spec.name, "max_batch_plain": plain, "max_batch_lms": lms,
+    result = {"model": args.model, "device": spec.name, "weights": args.weights,
+              "max_batch_plain": plain, "max_batch_lms": lms,
               "peak_bytes_plain": plain_peak, "peak_bytes_lms": lms_peak,
               "ratio": round(lms / plain, 2) if plain else None}
     if args.json:

@@ -46,6 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--no-swap", action="store_true", help="recompute only")
     plan.add_argument("--no-recompute", action="store_true", help="swap only")
     plan.add_argument("--no-oracle", action="store_true", help="skip Grappler's virtual-GPU second opinion")
+    cli_args.add_weights_argument(plan)
     cli_args.add_output_arguments(plan, max_rows=40)
     return plan
 
@@ -96,7 +97,7 @@ def run(args) -> int:
     else:
         ir = trace_step_ir(step, *batch)
     policies = Policies(host=host, budget=args.budget, swap=not args.no_swap,
-                        recompute=False if args.no_recompute else "auto")
+                        recompute=False if args.no_recompute else "auto", weights=args.weights)
     logger.info("[2/4] simulating and planning on %s", spec.name)
     started = time.perf_counter()
     baseline = simulate(ir, cost=cost)
@@ -118,6 +119,9 @@ def run(args) -> int:
         if plan is not None:
             logger.info("[4/4] Grappler's virtual GPU: planned step (traced and rewritten)")
             # The same plan, applied: the oracle judges what was planned, without planning again.
+            if plan.offloaded_weights:  # the fetches copy variables that live on the host
+                lms_tf.place_weights(model, getattr(model, "optimizer", None), host=host)
+                step = fit_step(model) if args.step == "fit" else train_step(model)  # a fresh optimizer
             fn = lms_tf.function(step, device=device, host=host, plan=plan, device_spec=spec)
             oracle_planned = virtual_gpu_peak(fn.get_concrete_function(*step_args), host=host,
                                               gpu_memory_bytes=spec.memory_bytes)
@@ -130,7 +134,8 @@ def run(args) -> int:
         "planned_peak_bytes": planned.peak_bytes if planned else None,
         "planned_allocator_peak_bytes": plan.predictions.planned_allocator_peak_bytes if plan else None,
         "oracle_baseline_peak_bytes": oracle_plain, "oracle_planned_peak_bytes": oracle_planned,
-        "resident_bytes": resident_bytes(ir),
+        "resident_bytes": resident_bytes(ir, {w.variable for w in plan.offloaded_weights} if plan else ()),
+        "weights": args.weights, "offloaded_weight_bytes": plan.offloaded_weight_bytes if plan else 0,
         "swapped_bytes": swapped, "recomputed_bytes": plan.recomputed_bytes if plan else 0,
         "num_swapped": len(plan.swapped) if plan else 0, "num_recomputed": len(plan.recomputed) if plan else 0,
         "baseline_step_time_s": baseline.step_time_s,

@@ -68,7 +68,9 @@ def forward_gates(ir: GraphIR) -> List[OpInfo]:
 
 def _computes_on_data(ir: GraphIR) -> set:
     """Names of the forward ops that depend on the step's inputs (through data edges)."""
-    reached = set(ir.function_inputs)
+    # The step's data, not the variables' handles (captured inputs too).
+    reached = {name for name in ir.function_inputs
+               if any(ir.tensors[t].dtype != "resource" for t in ir.op(name).outputs)}
     for op in ir.ops:
         if op.phase is Phase.FORWARD and any(ir.tensors[t].producer in reached for t in op.inputs):
             reached.add(op.name)
