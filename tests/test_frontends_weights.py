@@ -240,3 +240,20 @@ def test_grappler_virtual_gpu_holds_the_fetched_windows_not_every_weight():
     largest = 1024 * 1024 * 4
     assert before >= weight_bytes  # every weight resident
     assert largest <= after < 0.35 * before, (before / 2**20, after / 2**20)
+
+
+@pytest.mark.timeout(300)
+def test_mixed_precision_weights_on_the_host_equal_plain():
+    """``mixed_bfloat16``: each kernel is cast to bfloat16 before its layer; the cast reads the fetch."""
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        plain = fit_steps(zoo.sequential_cnn)
+        callback = lms_tf.LMSCallback(**HOST)
+        rewritten = fit_steps(zoo.sequential_cnn, callbacks=[callback])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    kernels = [v for v in rewritten[2].trainable_variables if v.path.endswith("kernel")]
+    fetched = {r for w in callback.plan.offloaded_weights for r in w.reads}
+    assert len(callback.plan.offloaded_weights) >= len(rewritten[2].trainable_variables) >= len(kernels) > 0
+    assert any("Cast" in r for r in fetched), sorted(fetched)[:5]
+    assert_same_numbers(plain, rewritten)

@@ -77,6 +77,15 @@ def _computes_on_data(ir: GraphIR) -> set:
     return reached
 
 
+def _leads_to_the_step(ir: GraphIR, op: OpInfo, on_data: set, hops: int = 3) -> bool:
+    """Whether ``op`` is, or feeds within ``hops`` forward ops, an op on the data or a gradient op."""
+    if op.phase is Phase.BACKWARD or op.name in on_data:
+        return True
+    if hops == 0 or op.phase is not Phase.FORWARD:
+        return False
+    return any(_leads_to_the_step(ir, ir.op(c), on_data, hops - 1) for t in op.outputs for c in ir.tensors[t].consumers)
+
+
 def _windows(readers: List[OpInfo], groupby: int) -> List[List[OpInfo]]:
     windows: List[List[OpInfo]] = []
     for op in sorted(readers, key=lambda o: o.index):
@@ -132,8 +141,12 @@ def plan_weights(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, ...]:
         if op.type not in WEIGHT_READ_TYPES or not op.inputs or not op.outputs:
             continue
         users = [ir.op(c) for c in ir.tensors[op.outputs[0]].consumers]
-        users = [u for u in users if (u.phase is Phase.BACKWARD or (u.phase is Phase.FORWARD and u.name in on_data))
+        users = [u for u in users if u.phase in (Phase.FORWARD, Phase.BACKWARD)
                  and not (u.device and device_kind_and_index(u.device) == host)]  # the host update reads it there
+        # A layer may shape or cast its weight first (a convolution's bias reshaped, a bfloat16
+        # cast): those ops read it on the device too, on the way to the work on the data.
+        if not any(_leads_to_the_step(ir, u, on_data) for u in users):
+            users = []
         if not users:
             continue  # read by the update only: it runs where the variable is
         handle = op.inputs[0]

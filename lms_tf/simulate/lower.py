@@ -14,7 +14,7 @@ import dataclasses
 from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from lms_tf.core.errors import LMSOptionError
-from lms_tf.core.ir import GraphIR, OpInfo
+from lms_tf.core.ir import GraphIR, OpInfo, Phase
 from lms_tf.core.op_kinds import (
     ALIAS_TYPES,
     COMMUTATIVE_TYPES,
@@ -434,6 +434,26 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                         b.replace[(consumer, t)] = key
                 extra_deps[consumer].append(key)
 
+    # Weights on the host: the optimizer update runs there too. Each device buffer it reads (a
+    # weight gradient) is copied out as soon as it is complete and freed after the copy; the update
+    # ops hold no device memory and take no device time.
+    host_update = set()
+    if b.on_host:
+        for op in ir.ops:
+            if op.phase is not Phase.UPDATE or op.name not in ir_names:
+                continue
+            host_update.add(op.name)
+            for t in op.inputs:
+                source = b.source(op.name, t)
+                producer = ir.tensors[source].producer if source in ir.tensors else None
+                if producer is None or ir.op(producer).phase is Phase.UPDATE or not b.counted(source):
+                    continue
+                key = f"to_host/{source}"
+                if not any(e.name == key for e in extra_after[producer]):
+                    nbytes = ir.tensors[source].nbytes or 0
+                    extra_after[producer].append(Event(key, TO_HOST_STREAM, cost.transfer_time(nbytes, "device_to_host"),
+                                                       [source], [], []))
+                extra_deps[op.name].append(key)
     template = _plain_template(ir)
     # Ops whose reads and waits differ from the plain step's: re-pointed consumers, and the ops
     # reading through a re-pointed alias op. The others reuse the cached structure.
@@ -473,7 +493,10 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                       forwarding=cached.forwarding and (not accumulated_sums or name not in accumulated_sums),
                       updates=cached.updates, order=op.index,
                       workspace=cached.workspace if with_workspace else 0)
-        as_planned = name not in rebuilt and name not in extra_deps
+        if name in host_update:  # runs on the host: nothing on the device, no device time
+            event.reads, event.writes, event.duration, event.updates, event.workspace = [], [], 0.0, None, 0
+            writes = []
+        as_planned = name not in rebuilt and name not in extra_deps and name not in host_update
         if as_planned:
             index_of = b.index_of
             event.deps = [index_of[n] for n in cached.waits_for]
