@@ -97,11 +97,12 @@ def compile_(model):
     return model
 
 
-def fit_scenario(name: str, lms_first: bool, results: dict, weights: dict) -> None:
+def fit_scenario(name: str, lms_first: bool, results: dict, weights: dict, lms_options=None) -> None:
     x, y = global_data(LOCAL_BATCH * SIZE * STEPS)
     model = compile_(conv_model(seed=100 + RANK))
     initial = [w.numpy() for w in model.weights]  # on rank 0: what DistributedCallback broadcasts
-    lms = lms_tf.LMSCallback(**CPU_LMS, recompute="cheap", optimizer_on_host=(name == "fit_dist_first"))
+    lms = lms_tf.LMSCallback(**CPU_LMS, recompute="cheap", optimizer_on_host=(name == "fit_dist_first"),
+                             **(lms_options or {}))
     dist = DistributedCallback(bucket_bytes=1024)
     facts: dict = {}
     add_step_hook(model, graph_probe(facts))
@@ -112,7 +113,7 @@ def fit_scenario(name: str, lms_first: bool, results: dict, weights: dict) -> No
     results[name] = dict(history=history.history, local_logs=[{k: float(v) for k, v in logs.items()}
                                                                 for logs in dist.local_logs],
                          broadcast=dist.broadcast_count, plan_swapped=len(lms.plan.swapped),
-                         **count_ops(facts["graph"]))
+                         offloaded=len(lms.plan.offloaded_weights), **count_ops(facts["graph"]))
     if RANK == 0:
         reference = compile_(conv_model(seed=100))
         reference.set_weights(initial)
@@ -120,7 +121,7 @@ def fit_scenario(name: str, lms_first: bool, results: dict, weights: dict) -> No
         weights[f"{name}/reference"] = [w.numpy() for w in reference.weights]
 
 
-def custom_loop_scenario(results: dict, weights: dict, key: str = "custom", **options) -> None:
+def custom_loop_scenario(results: dict, weights: dict, key: str = "custom", lms_options=None) -> None:
     x, y = global_data(LOCAL_BATCH * SIZE * STEPS)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -136,13 +137,17 @@ def custom_loop_scenario(results: dict, weights: dict, key: str = "custom", **op
 
     model = conv_model(seed=200 + RANK)
     initial = [w.numpy() for w in model.weights]
-    step = make_step(model, keras.optimizers.Adam(1e-2), lms_tf.function(horovod=True, **CPU_LMS, **options))
+    optimizer = keras.optimizers.Adam(1e-2)
+    options = lms_options or {}
+    if options.get("weights") == "host":
+        lms_tf.place_weights(model, optimizer, host=CPU_LMS["host"])
+    step = make_step(model, optimizer, lms_tf.function(horovod=True, **CPU_LMS, **options))
     xs, ys = shard(x, y)
     losses = [float(step(xs[k * LOCAL_BATCH:(k + 1) * LOCAL_BATCH], ys[k * LOCAL_BATCH:(k + 1) * LOCAL_BATCH]))
               for k in range(STEPS)]
     weights[f"{key}/dist"] = [w.numpy() for w in model.weights]
     graph = step.get_concrete_function(xs[:LOCAL_BATCH], ys[:LOCAL_BATCH]).graph
-    results[key] = dict(losses=losses, plan_swapped=len(step.plan.swapped),
+    results[key] = dict(losses=losses, plan_swapped=len(step.plan.swapped), offloaded=len(step.plan.offloaded_weights),
                              allreduce_ops=sum(op.type.startswith("HorovodGroupedAllreduce")
                                                for op in graph.get_operations()))
     if RANK == 0:
@@ -300,12 +305,17 @@ def main() -> None:
         return
     results: dict = {"rank": RANK, "size": SIZE}
     weights: dict = {}
-    wanted = set(os.environ.get("LMS_TF_SCENARIOS", "fit_lms_first,fit_dist_first,custom,custom_buckets,pipelined,one_bucket,pipelined_lms").split(","))
+    wanted = set(os.environ.get("LMS_TF_SCENARIOS", "fit_lms_first,fit_dist_first,custom,custom_buckets,pipelined,"
+                                "one_bucket,pipelined_lms,fit_weights_host,custom_weights_host").split(","))
     for name, run in [("fit_lms_first", lambda: fit_scenario("fit_lms_first", True, results, weights)),
                       ("fit_dist_first", lambda: fit_scenario("fit_dist_first", False, results, weights)),
+                      ("fit_weights_host", lambda: fit_scenario("fit_weights_host", True, results, weights,
+                                                                {"weights": "host"})),
+                      ("custom_weights_host", lambda: custom_loop_scenario(results, weights, "custom_weights_host",
+                                                                           {"weights": "host"})),
                       ("custom", lambda: custom_loop_scenario(results, weights)),
                       ("custom_buckets", lambda: custom_loop_scenario(results, weights, "custom_buckets",
-                                                                      bucket_bytes=1024)),
+                                                                      {"bucket_bytes": 1024})),
                       ("pipelined", lambda: pipelined_scenario(results, weights, 1, "pipelined")),
                       ("one_bucket", lambda: pipelined_scenario(results, weights, None, "one_bucket")),
                       ("pipelined_lms", lambda: pipelined_scenario(results, weights, 1, "pipelined_lms", LMS_BUDGET))]:

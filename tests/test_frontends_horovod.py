@@ -55,7 +55,7 @@ def job(tmp_path_factory):
     return ranks
 
 
-SCENARIOS = ["fit_lms_first", "fit_dist_first", "custom", "custom_buckets"]
+SCENARIOS = ["fit_lms_first", "fit_dist_first", "custom", "custom_buckets", "fit_weights_host", "custom_weights_host"]
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
@@ -74,6 +74,8 @@ def test_ranks_end_equal_to_one_process_on_the_global_batch(job, scenario):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # The LMS rewrite was really active in the distributed step.
     assert all(rank[scenario]["plan_swapped"] > 0 for rank in job)
+    if scenario.endswith("weights_host"):  # every kernel and bias of the conv model fetched from the host
+        assert all(rank[scenario]["offloaded"] >= 8 for rank in job)
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)

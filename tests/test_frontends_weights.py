@@ -21,7 +21,7 @@ from tests.helpers import BATCH, CPU_LMS, assert_same_numbers, custom_loop, fit_
 
 SMALL = dict(CPU_LMS, swapout_threshold=4, min_swap_bytes=1024, swapin_ahead=2)
 HOST = dict(SMALL, weights="host")
-FAMILIES = ["sequential_cnn", "resnet_style", "inception_style", "text_embedding",
+FAMILIES = ["sequential_cnn", "resnet_style", "inception_style", "subclassed", "text_embedding",
             "shared_multi_input_residual", "lstm"]
 
 
@@ -97,7 +97,7 @@ def test_weights_on_the_host_without_moving_them_is_a_clear_error():
         optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
         return loss
 
-    with pytest.raises(lms_tf.LMSOptionError, match=r"do not live on the host .*lms_tf\.place_weights"):
+    with pytest.raises(lms_tf.LMSOptionError, match=r"none of the .* variables the step reads lives on the host .*lms_tf\.place_weights"):
         lms_tf.function(step, **HOST)(tf.constant(x[:BATCH]), tf.constant(y[:BATCH]))
     assert all(variable_device(v).endswith("CPU:0") for v in model.variables)  # untouched
 

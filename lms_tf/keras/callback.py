@@ -30,7 +30,7 @@ from lms_tf.tf.driver import (
 )
 from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
 from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
-from lms_tf.tf.variables import place_weights
+from lms_tf.tf.variables import place_weights, variables_created_on
 
 logger = logging.getLogger("lms_tf")
 _API = "LMSCallback"
@@ -123,8 +123,11 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
 
         def lms_hook(step):
             def train_step(data):
-                hooks = contextlib.nullcontext() if host_hook is None else \
-                    intercept_optimizer_updates(host_hook, order=HOST_UPDATE_ORDER)
+                hooks = contextlib.ExitStack()
+                if host_hook is not None:
+                    hooks.enter_context(intercept_optimizer_updates(host_hook, order=HOST_UPDATE_ORDER))
+                if options.weights == "host":  # what the first trace creates (lazy layers, metrics) too
+                    hooks.enter_context(variables_created_on(options.host))
                 with hooks:
                     outputs = call_step_for_rewrite(options.serialize, step, data)
                 aliases = _compat.layer_scope_aliases(model, _compat.current_graph())

@@ -20,7 +20,7 @@ from typing import Dict, List, Mapping, Optional, Set, Tuple
 from lms_tf.core.ir import layer_of
 from lms_tf.core.plan import Decision, Ordering, Plan, SwapIn, TensorDecision
 from lms_tf.planner.step import PlanningStep
-from lms_tf.planner.weights import plan_weights
+from lms_tf.planner.weights import plan_weights, timed_fetches
 from lms_tf.simulate import Simulation
 
 logger = logging.getLogger("lms_tf")
@@ -236,7 +236,28 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
         decisions.update(lagged_swap_ins(step, [decisions[d.tensor] for d in swapped]))
     return Plan(decisions=tuple(decisions[n] for n in found.order), device=step.device, host=policies.host,
                 policies=policies.to_dict(), phase_counts=ir.phase_counts(), orderings=orderings,
-                weights=plan_weights(ir, policies))
+                weights=timed_weights(step))
+
+
+def timed_weights(step: PlanningStep):
+    """The step's weight fetches (``weights="host"``) timed by the plain step's simulation: each
+    copy starts just early enough to end before its window (cached on the step's IR).
+
+    Examples:
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> timed_weights(PlanningStep.example())   # weights on the device: nothing to time
+        ()
+    """
+    planned = plan_weights(step.ir, step.policies)
+    if not planned:
+        return planned
+    cache = step.ir.__dict__.setdefault("_timed_weights", {})
+    key = (id(step.baseline), step.policies.swapin_ahead, step.policies.swapin_groupby)
+    if key not in cache:
+        cache.clear()
+        cache[key] = timed_fetches(step.ir, planned, step.baseline.op_intervals,
+                                   lambda nbytes: step.cost.transfer_time(nbytes, "host_to_device"))
+    return cache[key]
 
 
 def swap_round(step: PlanningStep, budget_bytes: int, sim: Simulation, swap: Set[str],

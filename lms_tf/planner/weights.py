@@ -23,7 +23,8 @@ Examples:
 from __future__ import annotations
 
 import bisect
-from typing import Dict, List, Tuple
+import dataclasses
+from typing import Callable, Dict, List, Mapping, Tuple
 
 from lms_tf.core.ir import GraphIR, OpInfo, Phase, device_kind_and_index
 from lms_tf.core.op_kinds import CONTROL_FLOW_OP_TYPES, RESIDENT_TYPES, STATE_READ_TYPES
@@ -64,6 +65,68 @@ def forward_gates(ir: GraphIR) -> List[OpInfo]:
         if on_data and numeric and not fused_into:
             gates.append(op)
     return gates
+
+
+def weight_gates(ir: GraphIR) -> List[OpInfo]:
+    """:func:`forward_gates` and the backward gates, in run order (cached on the IR).
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> [op.name for op in weight_gates(weighted_chain_ir())]
+        ['r1', 'r2', 'loss', 'gx2', 'gw2', 'g1', 'gw1']
+    """
+    cached = ir.__dict__.get("_weight_gates")
+    if cached is None:
+        cached = sorted(forward_gates(ir) + backward_gates(ir), key=lambda op: op.index)
+        ir.__dict__["_weight_gates"] = cached
+    return cached
+
+
+def timed_fetches(ir: GraphIR, weights: Tuple[WeightDecision, ...], intervals: Mapping[str, Tuple[float, float]],
+                  copy_time: Callable[[int], float], lead: float = 1.0) -> Tuple[WeightDecision, ...]:
+    """``weights`` with each fetch triggered by the latest gate that ends at least ``lead`` copy
+    times before its window's first reader starts (by a simulation's ``intervals``): the copy is
+    hidden behind compute and the device holds it as briefly as it can. A window no gate ends
+    early enough for is fetched at the start of the step. A copy that would start before the
+    previous window's last reader ends is not made: that window's copy is kept for both.
+
+    Examples:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> ir = weighted_chain_ir()
+        >>> planned = plan_weights(ir, Policies(weights="host", swapin_groupby=1))
+        >>> intervals = {op.name: (float(op.index), op.index + 1.0) for op in ir.ops}   # one second per op
+        >>> w2 = timed_fetches(ir, planned, intervals, copy_time=lambda nbytes: 0.5)[1]
+        >>> [(f.trigger, f.consumers) for f in w2.fetches]   # r1 ends as m2 starts: too late to copy
+        [('', ('m2',)), ('loss', ('gx2',))]
+    """
+    gates = weight_gates(ir)
+    positions = [op.index for op in gates]
+    timed = []
+    for weight in weights:
+        head_start = lead * copy_time(weight.nbytes or 0)
+        fetches: List[SwapIn] = []
+        last_read = -1.0  # when the previous window's last reader ends
+        for fetch in weight.fetches:
+            readers = sorted((ir.op(c) for c in fetch.consumers if c in intervals), key=lambda op: op.index)
+            if not readers:  # alias ops only (no time of their own): keep the rule's trigger
+                fetches.append(fetch)
+                continue
+            position = bisect.bisect_left(positions, readers[0].index) - 1
+            deadline = intervals[readers[0].name][0] - head_start
+            while position >= 0 and intervals.get(gates[position].name, (0.0, float("inf")))[1] > deadline:
+                position -= 1
+            trigger = gates[position].name if position >= 0 else ""
+            # A copy that would have to start before the previous window ends (a large weight read
+            # again soon: the last layers' forward and backward) holds it twice: keep the first.
+            if fetches and (position < 0 or intervals.get(trigger, (0.0, 0.0))[1] < last_read):
+                fetches[-1] = SwapIn(fetches[-1].trigger, fetches[-1].consumers + fetch.consumers)
+            else:
+                fetches.append(SwapIn(trigger, fetch.consumers))
+            last_read = max([last_read] + [intervals[op.name][1] for op in readers])
+        timed.append(dataclasses.replace(weight, fetches=tuple(fetches),
+                                         reason="weights='host': fetched just in time for each window of readers"))
+    return tuple(timed)
 
 
 def _computes_on_data(ir: GraphIR) -> set:
@@ -152,8 +215,7 @@ def plan_weights(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, ...]:
         handle = op.inputs[0]
         reads.setdefault(handle, []).append(op.outputs[0])
         readers.setdefault(handle, {}).update((u.name, u) for u in users)
-    gates = forward_gates(ir) + backward_gates(ir)
-    gates.sort(key=lambda op: op.index)
+    gates = weight_gates(ir)
     positions = [op.index for op in gates]
     decisions = []
     for handle, names in reads.items():

@@ -20,7 +20,7 @@ import tensorflow as tf
 from lms_tf import _compat
 from lms_tf.core.errors import LMSError, LMSOptionError, UnknownSizeError, warn_once
 from lms_tf.core.ir import GraphIR
-from lms_tf.core.plan import Plan
+from lms_tf.core.plan import Decision, Plan
 from lms_tf.core.policy import Policies
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.planner import make_budget_plan, make_plan
@@ -257,7 +257,7 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
         except UnknownSizeError as err:
             warn_once(f"unknown-size:{api}:{err.shape}", unknown_size_message(api, err))
             return None
-    check_weights_on_host(graph, plan, api=api)
+    plan = check_weights_on_host(graph, plan, api=api)
     report = apply_plan(graph, ir, plan)
     _log_once(f"{plan.one_line()} (inserted {report.inserted})")
     if request.serialize:
@@ -267,28 +267,52 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
     return plan
 
 
-def check_weights_on_host(graph: tf.Graph, plan: Plan, *, api: str) -> None:
-    """Raises the library's error when a variable the plan fetches from the host lives elsewhere:
-    the fetches would copy it out of the device and back, saving nothing.
+def check_weights_on_host(graph: tf.Graph, plan: Plan, *, api: str) -> Plan:
+    """The plan, with only the fetches of variables that live on the host.
+
+    When none of them does, the variables were not moved (a custom loop without
+    :func:`lms_tf.place_weights`): the library's error says so. A few that do not (created in the
+    first traced step, such as a compiled metric's or a lazily built layer's) stay on the device:
+    their decisions become KEEP and a warning names them.
+
+    Raises:
+        LMSOptionError: No variable the plan fetches lives on the host.
 
     Examples:
         >>> g = tf.Graph()
-        >>> check_weights_on_host(g, Plan((), "/device:CPU:0", "/device:CPU:1", {}, {}), api="doc")
+        >>> check_weights_on_host(g, Plan((), "/device:CPU:0", "/device:CPU:1", {}, {}), api="doc").weights
+        ()
     """
     if not plan.offloaded_weights:
-        return
+        return plan
     device_of = {internal.name: getattr(external, "device", "") for external, internal in getattr(graph, "captures", ())}
     wanted = tf.DeviceSpec.from_string(plan.host)
-    off = []
-    for weight in plan.offloaded_weights:
+
+    def where(weight) -> str:
+        return device_of.get(weight.variable) or "an unknown device"
+
+    def on_host(weight) -> bool:
         spec = tf.DeviceSpec.from_string(device_of.get(weight.variable, "") or "")
-        if (spec.device_type, spec.device_index or 0) != (wanted.device_type, wanted.device_index or 0):
-            off.append(f"{weight.variable} on {device_of.get(weight.variable) or 'an unknown device'}")
-    if off:
+        return (spec.device_type, spec.device_index or 0) == (wanted.device_type, wanted.device_index or 0)
+
+    off = [w for w in plan.offloaded_weights if not on_host(w)]
+    if not off:
+        return plan
+    if len(off) == len(plan.offloaded_weights):
         raise LMSOptionError(
-            f"{api}(weights='host'): {len(off)} of {len(plan.offloaded_weights)} variables the step reads do not "
-            f"live on the host {plan.host} (e.g. {off[0]}). Move them before the first step: "
+            f"{api}(weights='host'): none of the {len(off)} variables the step reads lives on the host {plan.host} "
+            f"(e.g. {off[0].variable} on {where(off[0])}). Move them before the first step: "
             f"lms_tf.place_weights(model, optimizer, host={plan.host!r}) (LMSCallback does it for model.fit).")
+    names = ", ".join(f"{w.variable} on {where(w)}" for w in off[:3])
+    warn_once(f"weights-off-host:{api}:{graph.name}",
+              f"{api}(weights='host'): {len(off)} of {len(plan.offloaded_weights)} variables the step reads were "
+              f"created after the others moved to the host (in the first traced step: a compiled metric's, a layer "
+              f"built lazily), so they stay on the device: {names}{', ...' if len(off) > 3 else ''}. Build the "
+              f"model (and compile its metrics) before training, or call lms_tf.place_weights again, to move them.")
+    kept = {w.variable for w in off}
+    return dataclasses.replace(plan, weights=tuple(
+        dataclasses.replace(w, decision=Decision.KEEP, fetches=(), reason=f"lives on {where(w)}, not on the host")
+        if w.variable in kept else w for w in plan.weights))
 
 
 def _grappler_memory_bytes(request: "RewriteRequest") -> int:

@@ -10,6 +10,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict
 
 import numpy as np
@@ -84,3 +85,23 @@ def place_weights(model, optimizer=None, host: str = "/CPU:0") -> int:
         if getattr(model, cached, None) is not None:
             setattr(model, cached, None)
     return moved
+
+
+@contextlib.contextmanager
+def variables_created_on(device: str):
+    """Variables created inside (a layer built on its first call, an optimizer's slots, a compiled
+    metric's totals, all during the first traced step) are created on ``device``: with
+    ``weights="host"``, those :func:`place_weights` could not move yet.
+
+    Examples:
+        >>> with variables_created_on("/CPU:0"):
+        ...     v = tf.Variable(1.0)
+        >>> variable_device(v).endswith("CPU:0")
+        True
+    """
+    def creator(next_creator, **kwargs):
+        with tf.device(device):
+            return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator):
+        yield
