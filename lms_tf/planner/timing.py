@@ -252,7 +252,7 @@ def timed_weights(step: PlanningStep):
     if not planned:
         return planned
     cache = step.ir.__dict__.setdefault("_timed_weights", {})
-    key = (id(step.baseline), step.policies.swapin_ahead, step.policies.swapin_groupby)
+    key = (id(step.baseline), step.policies.swapin_ahead, step.policies.swapin_groupby, step.policies.host)
     if key not in cache:
         cache.clear()
         cache[key] = timed_fetches(step.ir, planned, step.baseline.op_intervals,

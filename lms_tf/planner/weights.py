@@ -163,8 +163,8 @@ def plan_weights(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, ...]:
     """One :class:`~lms_tf.core.plan.WeightDecision` per variable the step's forward or backward
     ops read: SWAP (fetched per window) with ``weights="host"``, none with ``weights="device"``.
 
-    Cached on the IR per ``(swapin_ahead, swapin_groupby)``: the budget planner assembles many
-    plans of one step.
+    Cached on the IR per ``(swapin_ahead, swapin_groupby, host)``: the budget planner assembles
+    many plans of one step.
 
     Examples:
         >>> from lms_tf.core.examples import weighted_chain_ir
@@ -178,7 +178,7 @@ def plan_weights(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, ...]:
     """
     if policies.weights != "host":
         return ()
-    key = (policies.swapin_ahead, policies.swapin_groupby)
+    key = (policies.swapin_ahead, policies.swapin_groupby, policies.host)
     cache = ir.__dict__.setdefault("_planned_weights", {})
     if key in cache:
         return cache[key]
