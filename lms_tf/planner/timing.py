@@ -241,7 +241,7 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
 
 def timed_weights(step: PlanningStep):
     """The step's weight fetches (``weights="host"``) timed by the plain step's simulation: each
-    copy starts just early enough to end before its window (cached on the step's IR).
+    copy starts just early enough to end before its window (cached on the step).
 
     Examples:
         >>> from lms_tf.planner.step import PlanningStep
@@ -251,13 +251,12 @@ def timed_weights(step: PlanningStep):
     planned = plan_weights(step.ir, step.policies)
     if not planned:
         return planned
-    cache = step.ir.__dict__.setdefault("_timed_weights", {})
-    key = (id(step.baseline), step.policies.swapin_ahead, step.policies.swapin_groupby, step.policies.host)
-    if key not in cache:
-        cache.clear()
-        cache[key] = timed_fetches(step.ir, planned, step.baseline.op_intervals,
-                                   lambda nbytes: step.cost.transfer_time(nbytes, "host_to_device"))
-    return cache[key]
+    timed = step.__dict__.get("_timed_weights")  # one step: one IR, policies, cost and baseline
+    if timed is None:
+        timed = timed_fetches(step.ir, planned, step.baseline.op_intervals,
+                              lambda nbytes: step.cost.transfer_time(nbytes, "host_to_device"))
+        step.__dict__["_timed_weights"] = timed
+    return timed
 
 
 def swap_round(step: PlanningStep, budget_bytes: int, sim: Simulation, swap: Set[str],
