@@ -115,12 +115,13 @@ class LMSFunction:
 
             stack.enter_context(intercept_optimizer_updates(
                 gradient_allreduce_hook(self.options.bucket_bytes, updates), order=ALLREDUCE_ORDER))
-        if self.options.weights == "host" and resolve_device(self.options.device, api=_API) is not None:
+        managed = resolve_device(self.options.device, api=_API) is not None
+        if self.options.weights == "host" and managed:
             from lms_tf.tf.variables import variables_created_on
 
             stack.enter_context(variables_created_on(self.options.host))  # slots, lazily built layers
         on_host = self.options.optimizer_on_host or self.options.weights == "host"
-        if on_host and resolve_device(self.options.device, api=_API) is not None:
+        if on_host and managed:
             stack.enter_context(intercept_optimizer_updates(
                 host_update_hook(self.options.host, api=_API), order=HOST_UPDATE_ORDER))
         return stack

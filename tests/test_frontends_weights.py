@@ -88,15 +88,7 @@ def test_custom_loop_with_weights_on_the_host_equals_plain(name):
 @pytest.mark.timeout(120)
 def test_weights_on_the_host_without_moving_them_is_a_clear_error():
     model, (x, y) = zoo.sequential_cnn()
-    optimizer = keras.optimizers.SGD(0.05)
-
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(yb, model(xb, training=True),
-                                                                               from_logits=True))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        return loss
-
+    step = _mlp_step(model, keras.optimizers.SGD(0.05))   # any step: the variables were never moved
     with pytest.raises(lms_tf.LMSOptionError, match=r"none of the .* variables the step reads lives on the host .*lms_tf\.place_weights"):
         lms_tf.function(step, **HOST)(tf.constant(x[:BATCH]), tf.constant(y[:BATCH]))
     assert all(variable_device(v).endswith("CPU:0") for v in model.variables)  # untouched

@@ -325,6 +325,19 @@ def _pooled_for_gradient(b: "Lowered") -> frozenset:
     return frozenset(pools)
 
 
+def _copy_in(key: str, host_buffer: str, nbytes: int, cost: CostModel, trigger: Optional[str]) -> Event:
+    """A host-to-device copy of ``host_buffer`` into device buffer ``key``, started after ``trigger``
+    (a swap-in, a weight fetch, or the copy a recompute clone reads)."""
+    return Event(key, TO_DEVICE_STREAM, cost.transfer_time(nbytes, "host_to_device"), [host_buffer], [(key, nbytes)],
+                 [], trigger=trigger)
+
+
+def _once(events: List[Event], event: Event) -> None:
+    """Appends ``event`` unless one of that name is there (several clones behind one gate share a copy)."""
+    if not any(e.name == event.name for e in events):
+        events.append(event)
+
+
 def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional[Mapping[str, float]] = None,
            kernels: str = "cudnn", accumulated_sums: frozenset = frozenset(), *, reuse_plain: bool = True) -> Lowered:
     """Lowers ``ir`` with ``plan`` (None: the plain step) to the events :func:`~lms_tf.simulate.replay.replay` runs.
@@ -371,8 +384,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
             extra_deps[d.swap_out_before].append(f"swap_out/{t}")
         for i, s in enumerate(d.swap_ins):
             key = f"{SWAP_IN_PREFIX}{t}/{i}"
-            extra_after[s.trigger].append(Event(key, TO_DEVICE_STREAM, cost.transfer_time(nbytes, "host_to_device"),
-                                              [f"host/{t}"], [(key, nbytes)], [], trigger=s.trigger))
+            extra_after[s.trigger].append(_copy_in(key, f"host/{t}", nbytes, cost, s.trigger))
             for consumer in s.consumers:
                 extra_deps[consumer].append(key)
     # Reads of variables on the host: a recompute clone fetches its own copy behind its gate.
@@ -394,18 +406,12 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                     reads.append(recompute_clone_name(d.gate, t))
                 elif t in swapped:
                     key = f"{SWAP_IN_PREFIX}{t}/@{d.gate}"
-                    if not any(o.name == key for o in extra_after[d.gate]):
-                        nbytes = decisions[t].nbytes or 0
-                        extra_after[d.gate].append(Event(key, TO_DEVICE_STREAM, cost.transfer_time(nbytes, "host_to_device"),
-                                                       [f"host/{t}"], [(key, nbytes)], [], trigger=d.gate))
+                    _once(extra_after[d.gate], _copy_in(key, f"host/{t}", decisions[t].nbytes or 0, cost, d.gate))
                     reads.append(key)
                 elif t in weight_of:
                     weight = weight_of[t]
                     key = f"fetch/{weight.variable}/@{d.gate}"
-                    if not any(o.name == key for o in extra_after[d.gate]):
-                        nbytes = weight.nbytes or 0
-                        extra_after[d.gate].append(Event(key, TO_DEVICE_STREAM, cost.transfer_time(nbytes, "host_to_device"),
-                                                       [f"host/{weight.variable}"], [(key, nbytes)], [], trigger=d.gate))
+                    _once(extra_after[d.gate], _copy_in(key, f"host/{weight.variable}", weight.nbytes or 0, cost, d.gate))
                     reads.append(key)
                 else:
                     reads.append(b.source(name, t))
@@ -425,8 +431,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         reads, nbytes = set(weight.reads), weight.nbytes or 0
         for i, fetch in enumerate(weight.fetches):
             key = weight.fetch_name(i)
-            event = Event(key, TO_DEVICE_STREAM, cost.transfer_time(nbytes, "host_to_device"), [f"host/{weight.variable}"],
-                          [(key, nbytes)], [], trigger=fetch.trigger or None)
+            event = _copy_in(key, f"host/{weight.variable}", nbytes, cost, fetch.trigger or None)
             (extra_after[fetch.trigger] if fetch.trigger else at_start).append(event)
             for consumer in fetch.consumers:
                 for t in ir.op(consumer).inputs:
@@ -449,10 +454,9 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                 if producer is None or ir.op(producer).phase is Phase.UPDATE or not b.counted(source):
                     continue
                 key = f"to_host/{source}"
-                if not any(e.name == key for e in extra_after[producer]):
-                    nbytes = ir.tensors[source].nbytes or 0
-                    extra_after[producer].append(Event(key, TO_HOST_STREAM, cost.transfer_time(nbytes, "device_to_host"),
-                                                       [source], [], []))
+                nbytes = ir.tensors[source].nbytes or 0
+                _once(extra_after[producer],
+                      Event(key, TO_HOST_STREAM, cost.transfer_time(nbytes, "device_to_host"), [source], [], []))
                 extra_deps[op.name].append(key)
     template = _plain_template(ir)
     # Ops whose reads and waits differ from the plain step's: re-pointed consumers, and the ops
