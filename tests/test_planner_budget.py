@@ -640,6 +640,120 @@ def test_batches_tried_ahead_take_the_one_at_a_time_path(jobs):
         assert max(map(len, many)) <= jobs and len(many) < len(one)
 
 
+def _need_curves():
+    """Memory a batch needs, as the max-batch search meets it: the plain peak (a constant part and
+    a slope), and lms-tf's smallest feasible budget, proportional to the batch with a steeper
+    slope just below the boundary (ResNet-50 224 on a V100: 19.27 MB a sample from batch 801
+    up, 20.07 MB below, so a line through a far batch overshoots), and one whose constant part
+    is negative (the line through zero then undershoots)."""
+    budget = 15_000
+    return budget, {
+        "plain, weights + slope": lambda b: 900 + 80 * b,
+        "lms, two regimes": lambda b: 19.27 * b if b >= 801 else 20.07 * b,
+        "lms, large constant": lambda b: 9_000 + 7 * b,
+        "lms, negative constant": lambda b: -3_000 + 25 * b,
+    }
+
+
+@pytest.mark.parametrize("curve", ["plain, weights + slope", "lms, two regimes", "lms, large constant",
+                                   "lms, negative constant"])
+@pytest.mark.parametrize("jobs", [1, 2, 3])
+def test_guided_search_finds_the_bisection_answer_in_fewer_tries(curve, jobs):
+    """Steered by the memory each try reports, the search ends on the batch bisection ends on
+    (memory growing with the batch: one boundary), in fewer tries and rounds, whatever the
+    number of jobs; the answer fits and the batch after it was tried and does not."""
+    from lms_tf.cli.max_batch import Probe, largest_batch
+
+    budget, curves = _need_curves()
+    need = curves[curve]
+    plain = curve.startswith("plain")
+
+    def probe(b):
+        ok = need(b) <= budget
+        return Probe(ok, int(need(b)), int(need(b)) if plain or not ok else None, budget)
+
+    exact = max(b for b in range(1, 5000) if need(b) <= budget)
+    answers, tried, rounds = {}, {}, {}
+    for guided in (False, True):
+        tried[guided], rounds[guided] = [], []
+
+        def probe_all(batches, guided=guided):
+            rounds[guided].append(batches)
+            tried[guided].extend(batches)
+            return [probe(b) for b in batches]
+
+        answers[guided] = largest_batch(None, None, None, not plain, 4096, device="", known_good=0 if plain else 100,
+                                        probe_all=probe_all, jobs=jobs if guided else 1, guided=guided)
+    assert answers[True] == answers[False] == (exact, int(need(exact)))
+    assert exact + 1 in tried[True] and max(map(len, rounds[True])) <= jobs
+    assert len(set(tried[True])) < len(tried[False]) and len(rounds[True]) < len(rounds[False])
+
+
+def test_guided_search_on_a_verdict_that_is_not_monotone_ends_on_a_boundary():
+    """Where batches that do not fit have larger ones that do, the answer is still a batch that
+    fits whose next batch was tried and does not, the same with 1 and 2 jobs."""
+    from lms_tf.cli.max_batch import Probe, largest_batch
+
+    def verdict(batch):
+        return batch <= 91 or 100 <= batch <= 110 or 300 <= batch <= 310
+
+    def probe_all(batches):
+        return [Probe(verdict(b), b, None if verdict(b) else 150 * b, 10_000) for b in batches]
+
+    for known_good, upper in ((0, 4096), (40, 4096), (0, 300), (0, 97)):
+        one = largest_batch(None, None, None, True, upper, device="", known_good=known_good, probe_all=probe_all)
+        two = largest_batch(None, None, None, True, upper, device="", known_good=known_good, probe_all=probe_all,
+                            jobs=2)
+        assert one == two and verdict(one[0]) and (one[0] == upper or not verdict(one[0] + 1))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model_name", ["UNet", "TransformerEncoder"])
+def test_max_batch_guided_equals_bisection_on_real_models(model_name):
+    """On two built-in workloads, on a device holding about 40 samples of each, the guided search
+    (the CLI's) answers what bisection answers, plain and with lms-tf, in fewer tries (ResNet-50
+    224 on a V100: ``test_cli_max_batch_resnet50_answer``)."""
+    import dataclasses
+
+    from lms_tf.cli.max_batch import largest_batch, sized_by_batch
+    from lms_tf.core.policy import SAFETY_MARGIN_MIN_BYTES
+    from lms_tf.simulate import resident_bytes
+    from lms_tf.tf.workloads import build_model, step_specs, train_step
+
+    model = build_model(model_name, image_size=64, classes=10)
+    graph = tf.function(train_step(model)).get_concrete_function(*step_specs(model, None)).graph
+    ir_for_batch, by_arithmetic = sized_by_batch(graph)
+    assert by_arithmetic
+    per_sample = (simulate(ir_for_batch(64), cost=V100).peak_bytes - simulate(ir_for_batch(32), cost=V100).peak_bytes) // 32
+    memory = SAFETY_MARGIN_MIN_BYTES + resident_bytes(ir_for_batch(1)) + 40 * per_sample
+    cost = CostModel(dataclasses.replace(V100.device, name="small", memory_bytes=memory))
+    policies = Policies(host="/CPU:1", budget="auto", recompute="auto")
+    answers, tries = {}, {}
+    for guided in (False, True):
+        plain_tries, lms_tries = [], []
+        plain = largest_batch(ir_for_batch, policies, cost, False, 4096, device="/device:CPU:0", guided=guided,
+                              progress=lambda b, ok: plain_tries.append(b))
+        lms = largest_batch(ir_for_batch, policies, cost, True, 4096, device="/device:CPU:0", guided=guided,
+                            known_good=plain[0], progress=lambda b, ok: lms_tries.append(b))
+        answers[guided], tries[guided] = (plain, lms), (len(plain_tries), len(lms_tries))
+    assert answers[True] == answers[False]
+    (plain, _), (lms, _) = answers[True]
+    assert 20 < plain < 64 and lms > plain
+    assert tries[True][0] < tries[False][0] and tries[True][1] <= tries[False][1]
+
+
+@pytest.mark.timeout(600)
+def test_cli_max_batch_resnet50_answer():
+    """The README's command on ResNet-50 224 (``v100-16gb-pcie3``) gives the answer the bisection
+    gave before the guided search (``docs/benchmarks/planner.md``: 178 plain, 754 with lms-tf)."""
+    out = subprocess.run([sys.executable, "-m", "lms_tf.cli", "max-batch", "--model", "resnet50", "--json"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=560)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (result["max_batch_plain"], result["max_batch_lms"]) == (178, 754)
+    assert "fits 754, not 755" in out.stderr
+
+
 @pytest.mark.timeout(300)
 def test_largest_batch_bisects_and_lms_fits_a_larger_one():
     """The max-batch search on a device whose free memory holds about 40 samples of the zoo's residual

@@ -23,7 +23,7 @@ import multiprocessing
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from lms_tf.cli import args as cli_args
 from lms_tf.core.errors import InfeasibleBudgetError
@@ -76,22 +76,46 @@ def default_jobs() -> int:
 _PROBE_CONTEXT: dict = {}
 
 
-def _probe(batch: int) -> Tuple[bool, int]:
+def _probe(batch: int) -> "Probe":
     context = _PROBE_CONTEXT
     return fits(context["ir_for_batch"], batch, context["policies"], context["cost"], context["with_lms"],
                 device=context["device"])
 
 
+class Probe(NamedTuple):
+    """What trying one batch found.
+
+    Attributes:
+        fits: Whether the batch fits (plain, or planned with ``budget="auto"``).
+        peak_bytes: The plain step's simulated peak, or the plan's when it fits with lms-tf.
+        need_bytes: The least memory the batch needs as far as the try found out: the plain peak;
+            with lms-tf, the smallest feasible budget when it does not fit (None when it fits:
+            the planner stops at the first plan under the budget).
+        budget_bytes: The budget the batch was held to.
+
+    Examples:
+        >>> Probe(False, 300, 200, 150).fits
+        False
+    """
+
+    fits: bool
+    peak_bytes: int
+    need_bytes: Optional[int] = None
+    budget_bytes: Optional[int] = None
+
+
 def fits(ir_for_batch, batch: int, policies: Policies, cost: CostModel, with_lms: bool, *,
-         device: str) -> Tuple[bool, int]:
-    """Whether ``batch`` fits the device (plain, or planned with ``budget="auto"``), and its peak.
+         device: str) -> Probe:
+    """Whether ``batch`` fits the device (plain, or planned with ``budget="auto"``), its peak and
+    the memory it needs.
 
     Examples:
         >>> from lms_tf.core import Policies
         >>> from lms_tf.core.examples import chain_ir
         >>> from lms_tf.cost import CostModel, get_device_spec
-        >>> fits(lambda mib: chain_ir(mib=mib), 8, Policies(), CostModel(get_device_spec("v100-16gb-pcie3")), False,
-        ...      device="/device:GPU:0")   # three 8 MiB activations fit a 16 GB V100
+        >>> probe = fits(lambda mib: chain_ir(mib=mib), 8, Policies(), CostModel(get_device_spec("v100-16gb-pcie3")),
+        ...              False, device="/device:GPU:0")   # three 8 MiB activations fit a 16 GB V100
+        >>> probe.fits, probe.peak_bytes
         (True, 25165828)
     """
     ir = ir_for_batch(batch)
@@ -99,24 +123,30 @@ def fits(ir_for_batch, batch: int, policies: Policies, cost: CostModel, with_lms
     if not with_lms:
         budget = resolve_budget("auto", baseline_peak_bytes=baseline.peak_bytes, memory_bytes=cost.device.memory_bytes,
                                 device_name=cost.device.name, resident=resident_bytes(ir))
-        return baseline.peak_bytes <= budget, baseline.peak_bytes
+        return Probe(baseline.peak_bytes <= budget, baseline.peak_bytes, baseline.peak_bytes, budget)
     try:
         plan = make_budget_plan(ir, policies.replace(budget="auto"), device=device, cost=cost)
-    except InfeasibleBudgetError:
-        return False, baseline.peak_bytes
-    return True, plan.predictions.planned_peak_bytes
+    except InfeasibleBudgetError as err:
+        return Probe(False, baseline.peak_bytes, err.smallest_feasible_bytes, err.budget_bytes)
+    return Probe(True, plan.predictions.planned_peak_bytes, None, plan.budget_bytes)
 
 
 def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper: int, *,
                   device: str, known_good: int = 0, progress=None, probe_all=None,
-                  jobs: int = 1) -> Tuple[int, Optional[int]]:
-    """Doubling then bisection over batch sizes; returns (largest fitting batch, its peak).
+                  jobs: int = 1, guided: bool = True) -> Tuple[int, Optional[int]]:
+    """The largest batch that fits; returns it and its peak.
 
-    With ``jobs`` > 1 each round also tries, ahead of time, the batches the search would try
-    next whichever way the earlier ones come out (nearest first, the branch that repeats the
-    latest verdict before the other), ``jobs`` at a time (``probe_all`` runs them, e.g. in processes): the search takes
-    the same path to the same answer as one batch at a time, in fewer rounds, even where a
-    batch that does not fit has a larger one that does.
+    Doubling until a batch does not fit, then, ``guided``, each next batch where the memory the
+    tries so far need puts the boundary (:func:`boundary_estimate`) and, when it fits, the one
+    after it: two tries that fit and do not, one apart, end the search. Every few estimates
+    that do not end it, one bisection step. Without ``guided``, plain bisection.
+
+    The answer is always a batch that fits with the one after it tried and not fitting. With
+    ``jobs`` > 1 each round also tries, ahead of time, the batches the search would try next
+    whichever way the earlier ones come out, as far as that does not depend on the memory they
+    report (nearest first, the branch that repeats the latest verdict before the other),
+    ``jobs`` at a time (``probe_all`` runs them, e.g. in processes): the search takes the same
+    path to the same answer as one batch at a time, in fewer rounds.
 
     Args:
         ir_for_batch: Batch size -> the step's IR at that size (traced once, sized per batch).
@@ -128,9 +158,10 @@ def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper:
         known_good: A batch known to fit, where the doubling starts (with lms-tf: the plain
             answer, since a step that fits plain fits with lms-tf).
         progress: Called with ``(batch, fits)`` after each batch tried.
-        probe_all: Batch sizes -> their ``(fits, peak)``, in order (default: :func:`fits` on
-            each, one after the other).
+        probe_all: Batch sizes -> their :class:`Probe`, in order (default: :func:`fits` on each,
+            one after the other).
         jobs: How many batches each round tries.
+        guided: Steer by the memory each try reports (else bisect).
 
     Examples:
         >>> from lms_tf.core import Policies
@@ -143,70 +174,161 @@ def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper:
     if probe_all is None:
         def probe_all(batches):
             return [fits(ir_for_batch, batch, policies, cost, with_lms, device=device) for batch in batches]
-    search = _BatchSearch(upper)
-    known: Dict[int, Tuple[bool, int]] = {}
+    search = _BatchSearch(upper, guided)
+    known: Dict[int, Probe] = {}
     state = search.start(known_good)
     last = True  # the latest verdict on the path (the start is a batch that fits)
     while True:
-        batch = search.next_batch(state)
-        if batch is None:
+        step = search.next_batch(state, known)
+        if step is None:
             break
+        batch, kind = step
         if batch not in known:
             tries = search.ahead(state, known, jobs, last)
             for tried, outcome in zip(tries, probe_all(tries)):
-                known[tried] = outcome
+                known[tried] = Probe(*outcome)
                 if progress is not None:
-                    progress(tried, outcome[0])
-        last = known[batch][0]
-        state = search.advance(state, batch, last)
-    good = state[0]
+                    progress(tried, known[tried].fits)
+        last = known[batch].fits
+        state = search.advance(state, batch, kind, last)
+    good = state.good
     if good and good not in known:  # the known batch was never planned: plan it for its peak
-        known[good] = probe_all([good])[0]
-    return good, known[good][1] if good else None
+        known[good] = Probe(*probe_all([good])[0])
+    return good, known[good].peak_bytes if good else None
+
+
+def boundary_estimate(bad: int, at_bad: Probe, other: Optional[Tuple[int, Probe]] = None) -> Optional[int]:
+    """The largest batch the memory needed at ``bad`` (a batch that does not fit) and at one
+    ``other`` batch says fits, by a line through both; without ``other`` (or its need), through
+    ``bad``'s need and zero memory at batch 0 (with lms-tf only a batch that does not fit
+    reports its need, and the budget already leaves out the weights). Memory grows with the
+    batch, and a part that does not grow makes the line through zero put the boundary high, so
+    those estimates come down to it from above. None without ``bad``'s need.
+
+    Examples:
+        >>> boundary_estimate(200, Probe(False, 2100, 2100, 1500), (100, Probe(True, 1100, 1100, 1500)))
+        140
+        >>> boundary_estimate(200, Probe(False, 0, 3000, 1500))   # lms-tf: half of 200
+        100
+    """
+    if at_bad.need_bytes is None or at_bad.budget_bytes is None or at_bad.need_bytes <= 0:
+        return None
+    budget = at_bad.budget_bytes
+    if other is not None and other[1].need_bytes is not None and other[0] != bad:
+        batch, need = other[0], other[1].need_bytes
+        slope = (at_bad.need_bytes - need) / (bad - batch)
+        if slope > 0:
+            return batch + int((budget - need) // slope)
+    return int(bad * budget // at_bad.need_bytes)
+
+
+class _SearchState(NamedTuple):
+    good: int
+    bad: Optional[int]
+    doubling: int
+    confirm: Optional[int] = None  # the batch after an estimate that fit
+    failed_estimates: Tuple[int, ...] = ()  # estimates that did not fit, since the last bisection step
+    misses: int = 0  # estimates since the last bisection step that did not end the search
+
+
+#: After this many estimates that did not end the search, one bisection step (the bracket at
+#: least halves however the memory curves).
+ESTIMATES_PER_BISECTION = 3
 
 
 class _BatchSearch:
-    """The doubling-then-bisection search as a state machine (``(good, bad, next doubling)``), so
-    the batches it would try next can be listed ahead of their outcomes."""
+    """The search as a state machine, so the batches it would try next can be listed ahead of
+    their outcomes: ``next_batch`` gives a batch and how it was chosen (``"double"``,
+    ``"estimate"``, ``"confirm"``, ``"bisect"``), ``advance`` takes the verdict."""
 
-    def __init__(self, upper: int):
-        self.upper = upper
+    def __init__(self, upper: int, guided: bool = True):
+        self.upper, self.guided = upper, guided
 
     @staticmethod
-    def start(known_good: int) -> Tuple[int, Optional[int], int]:
-        return known_good, None, 2 * known_good if known_good else 1
+    def start(known_good: int) -> _SearchState:
+        return _SearchState(known_good, None, 2 * known_good if known_good else 1)
 
-    def next_batch(self, state) -> Optional[int]:
-        good, bad, doubling = state
+    def next_batch(self, state: _SearchState, known, speculated=frozenset()):
+        """The next batch and its kind; None when the search is over; :data:`_UNKNOWN` when it
+        depends on the memory reported by a try not made yet (``speculated``)."""
+        good, bad = state.good, state.bad
         if bad is None:
-            return min(doubling, self.upper) if good < self.upper else None
-        return (good + bad) // 2 if bad - good > 1 else None
+            return (min(state.doubling, self.upper), "double") if good < self.upper else None
+        if bad - good <= 1:
+            return None
+        if state.confirm is not None and good < state.confirm < bad:
+            return state.confirm, "confirm"
+        if self.guided and state.misses < ESTIMATES_PER_BISECTION:
+            if any(batch >= good for batch in speculated):
+                return _UNKNOWN  # a line below would go through a verdict or a need not known yet
+            estimate = self._estimate(state, known)
+            if estimate is not None:
+                return estimate, "estimate"
+        return (good + bad) // 2, "bisect"
 
     @staticmethod
-    def advance(state, batch: int, ok: bool):
-        good, bad, doubling = state
-        if bad is None:  # doubling
-            return (batch, None, 2 * doubling) if ok else (good, batch, doubling)
-        return (batch, bad, doubling) if ok else (good, batch, doubling)
+    def _estimate(state: _SearchState, known) -> Optional[int]:
+        """Where the memory reported so far puts the boundary, strictly between ``good`` and
+        ``bad``, or None. The line goes through ``bad``'s need and: the need of the batch that
+        fits when it reports one (the plain peak); else the estimate before ``bad`` when both
+        did not fit (the two nearest the boundary, on the same side of any bend in the memory
+        curve); else zero at batch 0, and when that lands on a batch known to fit (the curve has
+        a negative part: estimates from zero come up short), the next larger batch that did not fit."""
+        good, bad = state.good, state.bad
 
-    def ahead(self, state, known, jobs: int, last: bool = True) -> List[int]:
+        def need(batch):
+            return (batch, known[batch]) if batch in known and known[batch].need_bytes is not None else None
+
+        def within(estimate):
+            return estimate if estimate is not None and good < estimate < bad else None
+
+        failed = state.failed_estimates
+        second = need(good) or (need(failed[-2]) if len(failed) > 1 and failed[-1] == bad else None)
+        if second is not None:
+            return within(boundary_estimate(bad, known[bad], second))
+        estimate = within(boundary_estimate(bad, known[bad]))
+        if estimate is None:
+            larger = min((b for b in known if b > bad and not known[b].fits and need(b)), default=None)
+            if larger is not None:
+                estimate = within(boundary_estimate(bad, known[bad], need(larger)))
+        return estimate
+
+    @staticmethod
+    def advance(state: _SearchState, batch: int, kind: str, ok: bool) -> _SearchState:
+        good, bad = (batch, state.bad) if ok else (state.good, batch)
+        if kind == "double":
+            return state._replace(good=good, bad=bad, doubling=2 * state.doubling if ok else state.doubling)
+        if kind == "estimate":
+            return state._replace(good=good, bad=bad, confirm=batch + 1 if ok else None, misses=state.misses + 1,
+                                  failed_estimates=state.failed_estimates + (() if ok else (batch,)))
+        if kind == "bisect":
+            return state._replace(good=good, bad=bad, confirm=None, misses=0, failed_estimates=())
+        return state._replace(good=good, bad=bad, confirm=None)  # confirm
+
+    def ahead(self, state: _SearchState, known, jobs: int, last: bool = True) -> List[int]:
         """Up to ``jobs`` batches not tried yet that the search may try next, nearest first; of
         the two ways a batch may come out, the one like the latest verdict on its path first
-        (verdicts come in runs: doubling while batches fit, then often several that do not)."""
+        (verdicts come in runs: doubling while batches fit, then often several that do not). A
+        branch whose next batch depends on memory not reported yet stops there."""
         tries: List[int] = []
-        frontier = [(state, last)]
+        frontier = [(state, last, frozenset())]
         while frontier and len(tries) < jobs:
-            here, latest = frontier.pop(0)
-            batch = self.next_batch(here)
-            if batch is None:
+            here, latest, speculated = frontier.pop(0)
+            step = self.next_batch(here, known, speculated)
+            if step is None or step is _UNKNOWN:
                 continue
-            if batch in known:
-                frontier.append((self.advance(here, batch, known[batch][0]), known[batch][0]))
+            batch, kind = step
+            if batch in known and batch not in speculated:
+                frontier.append((self.advance(here, batch, kind, known[batch].fits), known[batch].fits, speculated))
                 continue
             if batch not in tries:
                 tries.append(batch)
-            frontier += [(self.advance(here, batch, ok), ok) for ok in (latest, not latest)]
+            frontier += [(self.advance(here, batch, kind, ok), ok, speculated | {batch}) for ok in (latest, not latest)]
         return tries
+
+
+#: :meth:`_BatchSearch.next_batch` when the next batch depends on a try not made yet.
+_UNKNOWN = ("unknown", "")
 
 
 class ProgressBar:
