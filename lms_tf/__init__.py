@@ -15,6 +15,7 @@ import importlib
 
 from lms_tf.core.errors import (
     GraphAnalysisError,
+    HostBudgetError,
     InfeasibleBudgetError,
     LMSError,
     LMSOptionError,
@@ -83,6 +84,6 @@ def explain(obj) -> str:
     return obj.plan.summary()
 
 
-__all__ = ["Decision", "GraphAnalysisError", "InfeasibleBudgetError", "LMSCallback", "LMSError", "LMSFunction",
+__all__ = ["Decision", "GraphAnalysisError", "HostBudgetError", "InfeasibleBudgetError", "LMSCallback", "LMSError", "LMSFunction",
            "LMSOptionError", "LMSOptions", "LMSWarning", "PeakMemory", "PipelineStep", "Plan", "Policies", "RewriteError",
            "accumulation_step", "place_stages", "place_weights", "connect_stages", "explain", "function", "measure_peak_memory", "partition", "__version__"]

@@ -24,6 +24,7 @@ from lms_tf.core.policy import (
     describe,
     parse_budget,
     parse_exclude,
+    parse_host_budget,
     parse_recompute,
     parse_weights,
 )
@@ -109,6 +110,11 @@ class LMSOptions:
             layer, its gradient ops) and freed after, and the optimizer update runs on the host
             (``optimizer_on_host`` is implied). The variables are moved to ``host`` before the
             first traced step.
+        host_budget: Host memory this process's planned step may hold at once (bytes or
+            ``"64GiB"``): weights and optimizer slots on the host, swapped tensors, gradients
+            copied out. A plan that needs more raises :class:`lms_tf.HostBudgetError` naming both
+            figures. None (default): the machine's physical memory; with several processes on
+            one machine (Horovod ranks), pass each its share.
         horovod: Only for :func:`lms_tf.function`: average every gradient across Horovod
             ranks between the gradient and the optimizer update (pipelined in buckets, see
             :mod:`lms_tf.horovod`) and broadcast the variables from rank 0 before the first
@@ -160,11 +166,12 @@ class LMSOptions:
     serialize: bool = False
     plan: Optional[Plan] = None
     weights: str = "device"
+    host_budget: Optional[int] = None
 
     def __init__(self, *, device=None, host="/CPU:0", swapout_threshold=32, swapin_ahead=8,
                  swapin_groupby=4, min_swap_bytes=64 * 1024, exclude=(), batch_size=None, swap=True,
                  recompute=None, optimizer_on_host=False, horovod=False, bucket_bytes=_UNSET, budget=None, device_spec=None,
-                 serialize=False, plan=None, weights="device"):
+                 serialize=False, plan=None, weights="device", host_budget=None):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass init
         set_("device", None if device is None else _check_device("device", device))
         set_("host", _check_device("host", host))
@@ -180,10 +187,15 @@ class LMSOptions:
             raise LMSOptionError(f"swap must be True or False; received {describe(swap)}.")
         set_("swap", swap)
         set_("budget", parse_budget(budget))
+        set_("host_budget", parse_host_budget(host_budget))
         recompute = parse_recompute(recompute if recompute is not None else ("auto" if self.budget else False))
         if recompute == "auto" and self.budget is None:
             set_("budget", "auto")
         set_("recompute", recompute)
+        if self.host_budget is not None and self.budget is None:
+            raise LMSOptionError(
+                f"host_budget={host_budget!r} is checked by the budget planner, and no budget was given (the TFLMS "
+                f"rule predicts no memory). Pass budget= too, e.g. budget='auto'.")
         if device_spec is not None and device_spec != "auto":
             from lms_tf.cost.devices import get_device_spec
 
@@ -262,7 +274,7 @@ class LMSOptions:
         return Policies(host=self.host, swap=self.swap, swapout_threshold=self.swapout_threshold,
                         swapin_ahead=self.swapin_ahead, swapin_groupby=self.swapin_groupby,
                         min_swap_bytes=self.min_swap_bytes, recompute=self.recompute, exclude=self.exclude,
-                        budget=self.budget, weights=self.weights)
+                        budget=self.budget, weights=self.weights, host_budget=self.host_budget)
 
     def rewrite_request(self, device: str, *, batch_size: Optional[int] = None):
         """What the driver is asked to do for a step traced on ``device``

@@ -42,6 +42,12 @@ def _cases():
         make_budget_plan(chain_ir(), Policies(host="/CPU:1", budget="1KiB"), device="/device:GPU:0",
                          cost=CostModel(get_device_spec("v100-16gb-pcie3")))
 
+    def host_memory():
+        from lms_tf.core.examples import weighted_chain_ir
+
+        make_budget_plan(weighted_chain_ir(), Policies(host="/CPU:1", budget="auto", weights="host", host_budget="512KiB"),
+                         device="/device:GPU:0", cost=CostModel(get_device_spec("v100-16gb-pcie3")))
+
     def unassigned_layer():
         import keras
 
@@ -67,6 +73,7 @@ def _cases():
     return [
         ("A budget that no plan can fit", infeasible),
         ("A budget string lms-tf cannot read", lambda: parse_budget("12 gigs")),
+        ("A plan that needs more host memory than the process may use", host_memory),
         ("An option out of range", lambda: lms_tf.LMSOptions(swapin_ahead=0)),
         ("An unknown device preset", lambda: get_device_spec("v200-16gb")),
         ("Horovod's bucket size without Horovod", lambda: lms_tf.function(lambda x: x, bucket_bytes=2**20)),
@@ -109,8 +116,8 @@ def troubleshooting_markdown() -> str:
                 if not caught:
                     raise RuntimeError(f"troubleshooting case {title!r} raised and warned nothing")
                 kind, message = caught[-1].category.__name__, str(caught[-1].message)
-        if kind not in ("LMSError", "LMSOptionError", "InfeasibleBudgetError", "LMSWarning", "RewriteError",
-                        "GraphAnalysisError"):
+        if kind not in ("LMSError", "LMSOptionError", "InfeasibleBudgetError", "HostBudgetError", "LMSWarning",
+                        "RewriteError", "GraphAnalysisError"):
             raise RuntimeError(f"troubleshooting case {title!r} gave {kind}, not one of lms-tf's types: {message}")
         sections.append(f"## {title}\n\n```text\nlms_tf.{kind}: {message}\n```\n")
     return "\n".join(sections)

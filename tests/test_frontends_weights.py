@@ -5,6 +5,8 @@ that read it reads a gated host copy instead. On logical CPUs the copy moves no 
 tests prove the numbers and the graph; memory is the simulator's and Grappler's business.
 """
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -249,3 +251,72 @@ def test_mixed_precision_weights_on_the_host_equal_plain():
     assert len(callback.plan.offloaded_weights) >= len(rewritten[2].trainable_variables) >= len(kernels) > 0
     assert any("Cast" in r for r in fetched), sorted(fetched)[:5]
     assert_same_numbers(plain, rewritten)
+
+
+def test_host_memory_is_what_the_host_holds_over_the_replayed_step():
+    """The simulator's host peak against the same step's copies summed by hand: each swapped
+    tensor from its copy out's start to its last copy back's end (a sweep over those intervals),
+    and with weights on the host, the weights plus every gradient copied out for the update."""
+    from lms_tf.core.examples import chain_ir, weighted_chain_ir
+    from lms_tf.core.plan import Decision, Plan, SwapIn, TensorDecision
+    from lms_tf.cost import CostModel, get_device_spec
+    from lms_tf.planner import make_budget_plan
+    from lms_tf.simulate import simulate
+    from lms_tf.simulate.lower import TO_HOST_STREAM, lower
+
+    cost = CostModel(get_device_spec("v100-16gb-pcie3"))
+    ir = chain_ir()
+    MiB = 2**20
+    plan = Plan(tuple(TensorDecision(t, "", (MiB,), 4 * MiB, Decision.SWAP, "swap", 6, (SwapIn(trigger, (reader,)),))
+                      for t, trigger, reader in (("a:0", "g2", "g1"), ("b:0", "g3", "g2"))),
+                "/device:GPU:0", "/device:CPU:0", {}, {})
+    sim = simulate(ir, plan, cost=cost)
+    events = lower(ir, plan, cost).ops
+    changes = []
+    for out in (e for e in events if e.stream == TO_HOST_STREAM):
+        key = out.writes[0][0]
+        back = [e.name for e in events if key in e.reads]
+        start, end = sim.op_intervals[out.name][0], max(sim.op_intervals[name][1] for name in back)
+        nbytes = sum(ir.tensors[r].nbytes for r in out.reads)
+        changes += [(start, 1, nbytes), (end, 0, -nbytes)]  # at one instant, frees before allocations
+    held = peak = 0
+    for _, _, delta in sorted(changes):
+        held += delta
+        peak = max(peak, held)
+    assert sim.host_peak_bytes == peak == 8 * MiB  # both copies out start before either comes back
+
+    weighted = weighted_chain_ir()
+    host_plan = make_budget_plan(weighted, lms_tf.core.Policies(budget="auto", weights="host"),
+                                 device="/device:GPU:0", cost=CostModel(get_device_spec("v100-16gb-pcie3")))
+    weights = sum(w.nbytes for w in host_plan.offloaded_weights)
+    gradients = sum(ir_t.nbytes for ir_t in weighted.tensors.values() if ir_t.name.startswith("gw"))
+    assert weights == 2 * 256 * 1024 and gradients == weights
+    assert host_plan.predictions.host_peak_bytes == weights + gradients
+    assert "host memory at most 1.00 MiB" in host_plan.one_line()
+
+
+@pytest.mark.timeout(120)
+def test_a_host_budget_the_plan_exceeds_is_a_clear_error_and_nothing_runs():
+    """The wide MLP's weights alone (about 21 MiB) are more than a 1 MiB host budget: the error
+    names both figures before the step runs, and the weights are the initial ones."""
+    model, optimizer = _wide_mlp(), keras.optimizers.SGD(0.01)
+    lms_tf.place_weights(model, optimizer, host="/CPU:1")
+    before = [np.array(v) for v in model.weights]
+    step = lms_tf.function(_mlp_step(model, optimizer), **CPU_LMS, weights="host", swap=False, budget="auto",
+                           device_spec="v100-16gb-pcie3", host_budget="1MiB")
+    with pytest.raises(lms_tf.HostBudgetError,
+                       match=r"holds .* in host memory at its peak \(.* of weights and optimizer slots on the host.*"
+                             r"more than host_budget: 1\.0 MiB \(1048576 bytes\)\. Pass a larger host_budget") as err:
+        step(*_mlp_data())
+    # (AutoGraph re-raises the error from its message alone, so the figures are read from the text.)
+    needed = int(re.search(r"holds [0-9.]+ MiB \((\d+) bytes\)", str(err.value)).group(1))
+    assert needed >= sum(np.array(v).nbytes for v in model.weights) > 2**20
+    for old, now in zip(before, model.weights):
+        np.testing.assert_array_equal(old, np.array(now))
+
+
+def test_host_budget_is_checked():
+    with pytest.raises(lms_tf.LMSOptionError, match=r"host_budget must be a positive size .* received 'lots'"):
+        lms_tf.LMSCallback(budget="auto", host_budget="lots")
+    with pytest.raises(lms_tf.LMSOptionError, match=r"host_budget='8GiB' is checked by the budget planner.*budget="):
+        lms_tf.LMSCallback(weights="host", host_budget="8GiB")

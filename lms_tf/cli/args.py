@@ -123,6 +123,19 @@ def add_weights_argument(parser: argparse.ArgumentParser) -> None:
                              "readers, as weights='host' does")
 
 
+def add_host_budget_argument(parser: argparse.ArgumentParser) -> None:
+    """``--host-budget``: host memory one process may hold, as ``host_budget=`` of the front-ends.
+
+    Examples:
+        >>> p = argparse.ArgumentParser(); add_host_budget_argument(p)
+        >>> p.parse_args([]).host_budget, p.parse_args(["--host-budget", "1KiB"]).host_budget
+        (None, 1024)
+    """
+    parser.add_argument("--host-budget", type=size, default=None,
+                        help="host memory one process's planned step may hold (weights and slots on the host, "
+                             "swapped tensors, gradients copied out); default: this machine's physical memory")
+
+
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
     """``--device``: the device preset planned for (and the virtual GPU's memory).
 

@@ -2,10 +2,14 @@
 
 The step is traced once with an unknown batch dimension. Each batch size is sized from that
 trace (by arithmetic when every size is linear in the batch, :func:`sized_by_batch`), simulated
-and, with lms-tf, planned for ``budget="auto"``: doubling, then bisection. The search with lms-tf
-starts from the plain answer (what fits plain fits with lms-tf). ``--jobs`` plans the batches the
-search may try next ahead of time in forked processes, on the same path to the same answer. A
-progress bar on stderr shows each try (``#`` fits, ``-`` does not).
+and, with lms-tf, planned for ``budget="auto"``. The search doubles until a batch does not fit,
+then goes where the memory the tries report puts the boundary (the plain peak; with lms-tf, the
+smallest feasible budget a batch that does not fit reports), trying each estimate and the batch
+after it: it ends on a batch that fits whose next batch does not, both tried (the answer
+bisection gives whenever memory grows with the batch, in about half the tries). The search with
+lms-tf starts from the plain answer (what fits plain fits with lms-tf). ``--jobs`` plans the
+batches the search may try next ahead of time in forked processes, on the same path to the same
+answer. A progress bar on stderr shows each try (``#`` fits, ``-`` does not).
 
 Examples:
     >>> from lms_tf.cli import build_parser
@@ -48,6 +52,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     cli_args.add_model_arguments(maxb, batch=False)
     cli_args.add_device_argument(maxb)
     cli_args.add_weights_argument(maxb)
+    cli_args.add_host_budget_argument(maxb)
     maxb.add_argument("--max", type=cli_args.positive_int, default=4096, help="largest batch to try")
     maxb.add_argument("--jobs", type=cli_args.positive_int, default=default_jobs(),
                       help="batch sizes planned at once, one process each (default: the usable CPUs, at most "
@@ -442,7 +447,8 @@ def run(args) -> int:
     cost = CostModel(spec)
     _, _, graph, _, _ = trace_unbatched(args)
     ir_for_batch, by_arithmetic = sized_by_batch(graph)
-    policies = Policies(host=host, budget="auto", recompute="auto", weights=args.weights)
+    policies = Policies(host=host, budget="auto", recompute="auto", weights=args.weights,
+                        host_budget=args.host_budget)
     # Probes run in forked processes, which must not call TensorFlow: only when the sizes come
     # by arithmetic (BatchSizedIR), not from TensorFlow's shape inference.
     jobs = args.jobs if by_arithmetic and "fork" in multiprocessing.get_all_start_methods() else 1

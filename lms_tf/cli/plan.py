@@ -47,6 +47,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--no-recompute", action="store_true", help="swap only")
     plan.add_argument("--no-oracle", action="store_true", help="skip Grappler's virtual-GPU second opinion")
     cli_args.add_weights_argument(plan)
+    cli_args.add_host_budget_argument(plan)
     cli_args.add_output_arguments(plan, max_rows=40)
     return plan
 
@@ -97,7 +98,8 @@ def run(args) -> int:
     else:
         ir = trace_step_ir(step, *batch)
     policies = Policies(host=host, budget=args.budget, swap=not args.no_swap,
-                        recompute=False if args.no_recompute else "auto", weights=args.weights)
+                        recompute=False if args.no_recompute else "auto", weights=args.weights,
+                        host_budget=args.host_budget)
     logger.info("[2/4] simulating and planning on %s", spec.name)
     started = time.perf_counter()
     baseline = simulate(ir, cost=cost)
@@ -136,6 +138,7 @@ def run(args) -> int:
         "oracle_baseline_peak_bytes": oracle_plain, "oracle_planned_peak_bytes": oracle_planned,
         "resident_bytes": resident_bytes(ir, {w.variable for w in plan.offloaded_weights} if plan else ()),
         "weights": args.weights, "offloaded_weight_bytes": plan.offloaded_weight_bytes if plan else 0,
+        "host_peak_bytes": plan.predictions.host_peak_bytes if plan else None,
         "swapped_bytes": swapped, "recomputed_bytes": plan.recomputed_bytes if plan else 0,
         "num_swapped": len(plan.swapped) if plan else 0, "num_recomputed": len(plan.recomputed) if plan else 0,
         "baseline_step_time_s": baseline.step_time_s,

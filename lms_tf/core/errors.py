@@ -130,6 +130,37 @@ def infeasible(message: str, budget_bytes: int, smallest_feasible_bytes: int) ->
     return err
 
 
+class HostBudgetError(InfeasibleBudgetError):
+    """The plan fits the device but needs more host memory than the process may use
+    (``host_budget=``, by default the machine's physical memory); the message names both.
+
+    Attributes:
+        host_budget_bytes: The host memory the process may use.
+        host_needed_bytes: What the planned step holds on the host at its peak.
+
+    Examples:
+        >>> err = host_budget_error("too much", 10, 20)
+        >>> isinstance(err, InfeasibleBudgetError), err.host_needed_bytes
+        (True, 20)
+    """
+
+    host_budget_bytes: int = 0
+    host_needed_bytes: int = 0
+
+
+def host_budget_error(message: str, host_budget_bytes: int, host_needed_bytes: int) -> HostBudgetError:
+    """A :class:`HostBudgetError` carrying both figures (no device figure: the device budget is met).
+
+    Examples:
+        >>> host_budget_error("no room", 10, 20).smallest_feasible_bytes is None
+        True
+    """
+    err = HostBudgetError(message)
+    err.host_budget_bytes, err.host_needed_bytes = host_budget_bytes, host_needed_bytes
+    err.budget_bytes, err.smallest_feasible_bytes = None, None
+    return err
+
+
 _warned = set()
 
 

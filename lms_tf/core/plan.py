@@ -183,6 +183,8 @@ class Predictions:
             moves (:func:`lms_tf.simulate.bounds.fit_lower_bound`); None where moving tensors alone
             cannot fit and the plan also reorders ops.
         least_traffic_bytes: The bytes that least-time plan copies each way.
+        host_peak_bytes: The most host memory the planned step holds at once in one process:
+            weights and optimizer slots on the host, swapped tensors, gradients copied out.
 
     Examples:
         >>> Predictions(baseline_step_time_s=2.0, predicted_step_time_s=2.5).overhead
@@ -199,6 +201,7 @@ class Predictions:
     bytes_to_device: Optional[int] = None
     least_step_time_s: Optional[float] = None
     least_traffic_bytes: Optional[int] = None
+    host_peak_bytes: Optional[int] = None
 
     @property
     def overhead(self) -> Optional[float]:
@@ -422,6 +425,8 @@ class Plan:
         if self.offloaded_weights:
             line += (f"; weights on the host: {len(self.offloaded_weights)} variables "
                      f"({_mib(self.offloaded_weight_bytes)} MiB) fetched {self.num_weight_fetches} times")
+        if self.predictions.host_peak_bytes:
+            line += f"; host memory at most {_mib(self.predictions.host_peak_bytes)} MiB"
         return line
 
     def summary(self, max_rows: int = 60, wide: bool = False) -> str:

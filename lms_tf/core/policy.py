@@ -19,6 +19,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping, Optional, Tuple, Union
 
 from lms_tf.core.errors import InfeasibleBudgetError, LMSOptionError, infeasible
@@ -267,6 +268,40 @@ def check_bucket_bytes(value: Any, api: str = "") -> Optional[int]:
     return value
 
 
+def parse_host_budget(value: Any) -> Optional[int]:
+    """Validates ``host_budget``: None (the machine's physical memory) or a positive size.
+
+    Examples:
+        >>> parse_host_budget("2GiB"), parse_host_budget(None)
+        (2147483648, None)
+        >>> parse_host_budget("lots")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSOptionError: host_budget must be a positive size such as '64GiB' or a number of bytes...
+    """
+    if value is None:
+        return None
+    nbytes = parse_bytes(value)
+    if nbytes is None:
+        raise LMSOptionError(f"host_budget must be a positive size such as '64GiB' or a number of bytes (or None for "
+                             f"the machine's physical memory); received {describe(value)}. With several processes "
+                             f"on one machine (Horovod ranks, pipeline stages), pass each its share.")
+    return nbytes
+
+
+def machine_memory_bytes() -> Optional[int]:
+    """This machine's physical memory, None where the OS does not say.
+
+    Examples:
+        >>> machine_memory_bytes() > 0
+        True
+    """
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Policies:
     """What the planner is asked to do with one step, checked when built.
@@ -285,6 +320,9 @@ class Policies:
         budget: None (the TFLMS rule), bytes, a fraction of the plain peak, or ``"auto"``.
         weights: Where the variables live: ``"device"`` (resident, the default) or ``"host"``
             (each device read is a copy fetched just before its window of readers).
+        host_budget: Host memory one process's step may hold (bytes or ``"64GiB"``-style text):
+            weights and slots on the host, swapped tensors, gradients copied out. None: the
+            machine's physical memory (:func:`machine_memory_bytes`).
 
     Examples:
         >>> Policies(budget=0.5, recompute="auto").replace(swap=False).swap
@@ -305,6 +343,7 @@ class Policies:
     exclude: Tuple[str, ...] = ()
     budget: Budget = None
     weights: str = "device"
+    host_budget: Optional[int] = None
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -319,6 +358,7 @@ class Policies:
         check_int("min_swap_bytes", self.min_swap_bytes, 0)
         set_("recompute", parse_recompute(self.recompute))
         set_("weights", parse_weights(self.weights))
+        set_("host_budget", parse_host_budget(self.host_budget))
         set_("exclude", parse_exclude(self.exclude))
         # A fraction in (0, 1] is a budget parse_budget already turned "25%" into (a plan file keeps it so).
         if not (isinstance(self.budget, float) and 0 < self.budget <= 1):
@@ -359,4 +399,5 @@ class Policies:
 
 
 __all__ = ["BYTE_UNITS", "Budget", "InfeasibleBudgetError", "Policies", "RECOMPUTE_POLICIES", "check_int",
-           "describe", "parse_budget", "parse_bytes", "parse_exclude", "parse_recompute", "resolve_budget"]
+           "describe", "machine_memory_bytes", "parse_budget", "parse_bytes", "parse_exclude", "parse_host_budget",
+           "parse_recompute", "resolve_budget"]

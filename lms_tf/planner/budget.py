@@ -55,14 +55,15 @@ import logging
 import time
 from typing import Mapping, Optional
 
-from lms_tf.core.errors import LMSOptionError, infeasible
+from lms_tf.core.errors import LMSOptionError, host_budget_error, infeasible
 from lms_tf.core.ir import GraphIR
 from lms_tf.core.plan import Decision, Plan, Predictions
-from lms_tf.core.policy import Policies, format_bytes, resolve_budget
+from lms_tf.core.policy import Policies, format_bytes, machine_memory_bytes, resolve_budget
 from lms_tf.cost.model import CostModel
 from lms_tf.planner.candidates import UNSIZED_LOOP_REASON
 from lms_tf.planner.search import BudgetSearch
 from lms_tf.planner.step import PlanningStep
+from lms_tf.simulate import host_resident
 from lms_tf.simulate.bounds import fit_lower_bound
 
 logger = logging.getLogger("lms_tf")
@@ -153,6 +154,7 @@ def _make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, scope_ali
             f"pass budget >= that, "
             f"a smaller batch{hint}.{_what_stays(plan)}",
             budget_bytes, floor)
+    _check_host_memory(step, plan, sim.host_peak_bytes)
     logger.info("lms-tf planner: %s peak %.1f -> %.1f MiB (budget %.1f MiB; recompute %s; %d simulations) "
                 "in %.2f s", spec.name, baseline.peak_bytes / 2**20, sim.peak_bytes / 2**20, budget_bytes / 2**20,
                 label, search.check.simulations, time.perf_counter() - started)
@@ -160,7 +162,24 @@ def _make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, scope_ali
         baseline_peak_bytes=baseline.peak_bytes, planned_peak_bytes=sim.peak_bytes,
         planned_allocator_peak_bytes=sim.allocator_peak_bytes, baseline_step_time_s=baseline.step_time_s,
         predicted_step_time_s=sim.step_time_s, feasible=True, bytes_to_host=sim.swap_out_bytes,
-        bytes_to_device=sim.swap_in_bytes, **_least_time_to_fit(step, budget_bytes)))
+        bytes_to_device=sim.swap_in_bytes, host_peak_bytes=sim.host_peak_bytes,
+        **_least_time_to_fit(step, budget_bytes)))
+
+
+def _check_host_memory(step: PlanningStep, plan: Plan, needed: int) -> None:
+    """Raises :class:`HostBudgetError` when the planned step holds more on the host than
+    ``host_budget`` (default: the machine's physical memory) allows."""
+    limit = step.policies.host_budget or machine_memory_bytes()
+    if limit is None or needed <= limit:
+        return
+    what = "host_budget" if step.policies.host_budget else "this machine's physical memory"
+    held = sum(nbytes for _, nbytes in host_resident(step.ir, {w.variable for w in plan.offloaded_weights}))
+    raise host_budget_error(
+        f"the plan fits the device but holds {_bytes_text(needed)} in host memory at its peak "
+        f"({_bytes_text(held)} of weights and optimizer slots on the host, the rest swapped tensors and gradients "
+        f"copied out), more than {what}: {_bytes_text(limit)}. Pass a larger host_budget (per process: with several "
+        f"processes on one machine, each its share), weights='device' for some variables, or a larger budget= so "
+        f"fewer tensors are swapped.", limit, needed)
 
 
 def _least_time_to_fit(step: PlanningStep, budget_bytes: int) -> dict:

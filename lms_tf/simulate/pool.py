@@ -1,4 +1,5 @@
-"""What lives on the device besides the step: resident variables, and the pool's history before the first step.
+"""What lives on the device besides the step: resident variables, and the pool's history before the first
+step; and what lives on the host for the whole step (weights placed there, their optimizer slots).
 
 Examples:
     >>> from lms_tf.core import make_ir
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Collection, Dict, Iterable, List, Tuple
 
-from lms_tf.core.ir import GraphIR
+from lms_tf.core.ir import GraphIR, Phase
 
 
 def resident_buffers(ir: GraphIR, on_host: Collection[str] = ()) -> List[Tuple[str, int]]:
@@ -28,6 +29,29 @@ def resident_buffers(ir: GraphIR, on_host: Collection[str] = ()) -> List[Tuple[s
         if op.type == "ReadVariableOp" and op.inputs and op.inputs[0] not in on_host:
             sizes[op.inputs[0]] = max(sizes.get(op.inputs[0], 0), ir.tensors[op.outputs[0]].nbytes or 0)
     return list(sizes.items())
+
+
+def host_resident(ir: GraphIR, on_host: Collection[str] = ()) -> List[Tuple[str, int]]:
+    """The variables that live in host memory for the whole step, ``(handle, bytes)``: the
+    offloaded weights (``on_host``) and, when there are any, the variables only the optimizer
+    update reads (its slots: with weights on the host the update runs there, and so do they).
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> host_resident(weighted_chain_ir(), on_host={"w1:0"}), host_resident(weighted_chain_ir())
+        ([('w1:0', 262144)], [])
+    """
+    if not on_host:
+        return []
+    sizes: Dict[str, int] = {}
+    phases: Dict[str, set] = {}
+    for op in ir.ops:
+        if op.type == "ReadVariableOp" and op.inputs:
+            handle = op.inputs[0]
+            sizes[handle] = max(sizes.get(handle, 0), ir.tensors[op.outputs[0]].nbytes or 0)
+            phases.setdefault(handle, set()).add(op.phase)
+    return [(handle, nbytes) for handle, nbytes in sizes.items()
+            if handle in on_host or phases[handle] == {Phase.UPDATE}]
 
 
 def pool_history(ir: GraphIR, accumulated_sums: Iterable[str] = (),

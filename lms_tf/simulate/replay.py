@@ -19,7 +19,7 @@ from lms_tf.core.ir import Phase
 from lms_tf.core.op_kinds import RECOMPUTE_PREFIX, SWAP_IN_PREFIX
 from lms_tf.simulate.allocator import BFCAllocatorModel, replay_allocations
 from lms_tf.simulate.lower import COMPUTE_STREAM, TO_DEVICE_STREAM, TO_HOST_STREAM, Lowered
-from lms_tf.simulate.pool import pool_history
+from lms_tf.simulate.pool import host_resident, pool_history
 
 #: How many out-edges TensorFlow keeps in insertion order (``EdgeSet``'s inline array: 64 bytes
 #: of pointers); a node with more keeps them in a hash set of pointers, whose order changes from
@@ -55,6 +55,9 @@ class Simulation:
             ``lms_tf.measure_peak_memory`` on a real run.
         backward_start_s: When the forward pass ended (its last op finished) in a step that has a
             backward pass, else None: where a plot marks the boundary.
+        host_peak_bytes: Peak host bytes the step needs in this process: the variables on the
+            host (:func:`~lms_tf.simulate.pool.host_resident`), each copy out from its start until
+            its last copy back ends, and weight gradients copied out for the host update.
 
     Examples:
         >>> Simulation(10, "a", (), 1.0, 1.0, 0, 0, ()).peak_bytes
@@ -74,6 +77,7 @@ class Simulation:
     allocations: Tuple[Tuple[str, str, object], ...] = ()
     allocator_peak_bytes: Optional[int] = None
     backward_start_s: Optional[float] = None
+    host_peak_bytes: int = 0
 
     @property
     def held_bytes(self) -> int:
@@ -152,6 +156,11 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
                 rng.shuffle(ready_together)
 
     alive: Dict[str, int] = {}
+    # Host memory: the offloaded weights for the whole step, plus each copy out from its start
+    # until its last reader (a swap-in) ends; a weight gradient copied out for the host update
+    # stays until the update, at the end of the step.
+    on_host_alive: Dict[str, int] = {}
+    host_in_use = host_peak = sum(nbytes for handle, nbytes in host_resident(builder.ir, builder.on_host))
     copy_on_write: Dict[str, List[str]] = {}  # cow buffer -> reads it waits for
     in_use = peak = 0
     by_kind: Dict[Optional[str], int] = {None: 0, RECOMPUTE_PREFIX: 0, SWAP_IN_PREFIX: 0}  # bytes per _kind
@@ -176,13 +185,15 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
             allocations.append(("alloc", key, nbytes))
 
     def free(key: str) -> None:
-        nonlocal in_use
+        nonlocal in_use, host_in_use
         size = alive.pop(key, None)
         if size is not None:
             in_use -= size
             by_kind[_kind(key)] -= size
             if allocations is not None:
                 allocations.append(("free", key, 0))
+        elif key in on_host_alive:
+            host_in_use -= on_host_alive.pop(key)
 
     ready: List[collections.deque] = [collections.deque(), collections.deque(), collections.deque()]
     initial = sorted((i for i, n in enumerate(pending) if n == 0), key=lambda i: ops[i].order)
@@ -192,7 +203,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
     events: List[Tuple[float, int, int]] = []
 
     def start(stream: int, at: float) -> None:
-        nonlocal peak, peak_op, alive_at_peak, compute_time, peak_time
+        nonlocal peak, peak_op, alive_at_peak, compute_time, peak_time, host_in_use, host_peak
         i = ready[stream].popleft()
         op = ops[i]
         busy[stream] = True
@@ -227,6 +238,10 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
                 else sum(builder.ir.tensors[r].nbytes or 0 for r in op.reads)
             in_flight[stream] += nbytes
             swap_bytes[stream] += nbytes
+            if stream == TO_HOST_STREAM:
+                on_host_alive[op.writes[0][0] if op.writes else op.name] = nbytes
+                host_in_use += nbytes
+                host_peak = max(host_peak, host_in_use)
         intervals[op.name] = (at, at + op.duration)
         if in_use + op.workspace > peak:
             peak, peak_op, peak_time = in_use + op.workspace, op.name, at
@@ -296,4 +311,5 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
                       allocator_peak_bytes=None if allocator is None else replay_allocations(
                           allocations, allocator, history=pool_history(builder.ir, builder.accumulated_sums,
                                                                builder.on_host)),
-                      backward_start_s=max(forward_ends) if forward_ends and has_backward else None)
+                      backward_start_s=max(forward_ends) if forward_ends and has_backward else None,
+                      host_peak_bytes=host_peak)
