@@ -617,7 +617,7 @@ def test_lowering_from_the_plain_template_equals_lowering_from_scratch(name, mon
 
 @pytest.mark.parametrize("jobs", [2, 3, 5])
 def test_batches_tried_ahead_take_the_one_at_a_time_path(jobs):
-    """Trying batches ahead (``jobs``) never changes the answer, even where the verdict is not
+    """Bisection (``guided=False``): trying batches ahead (``jobs``) never changes the answer, even where the verdict is not
     monotone in the batch (here 100-110 fit while 92-99 do not): every batch the one-at-a-time
     search tries is tried, the answer is its answer, in fewer rounds."""
     from lms_tf.cli.max_batch import largest_batch
@@ -632,9 +632,9 @@ def test_batches_tried_ahead_take_the_one_at_a_time_path(jobs):
     for known_good, upper in ((0, 4096), (40, 4096), (0, 300), (0, 97)):
         one, many = [], []
         expected = largest_batch(None, None, None, True, upper, device="", known_good=known_good,
-                                 probe_all=lambda b: probe_all(b, one))
+                                 probe_all=lambda b: probe_all(b, one), guided=False)
         got = largest_batch(None, None, None, True, upper, device="", known_good=known_good,
-                            probe_all=lambda b: probe_all(b, many), jobs=jobs)
+                            probe_all=lambda b: probe_all(b, many), jobs=jobs, guided=False)
         assert got == expected and got[1] == 1000 * got[0]
         assert {b for r in one for b in r} <= {b for r in many for b in r}
         assert max(map(len, many)) <= jobs and len(many) < len(one)
@@ -686,6 +686,10 @@ def test_guided_search_finds_the_bisection_answer_in_fewer_tries(curve, jobs):
                                         probe_all=probe_all, jobs=jobs if guided else 1, guided=guided)
     assert answers[True] == answers[False] == (exact, int(need(exact)))
     assert exact + 1 in tried[True] and max(map(len, rounds[True])) <= jobs
+    one_at_a_time = []
+    assert largest_batch(None, None, None, not plain, 4096, device="", known_good=0 if plain else 100,
+                         probe_all=lambda bs: [one_at_a_time.append(b) or probe(b) for b in bs]) == answers[True]
+    assert set(one_at_a_time) <= set(tried[True])  # the batches tried ahead are on its path or extra
     assert len(set(tried[True])) < len(tried[False]) and len(rounds[True]) < len(rounds[False])
 
 
@@ -739,7 +743,11 @@ def test_max_batch_guided_equals_bisection_on_real_models(model_name):
     assert answers[True] == answers[False]
     (plain, _), (lms, _) = answers[True]
     assert 20 < plain < 64 and lms > plain
-    assert tries[True][0] < tries[False][0] and tries[True][1] <= tries[False][1]
+    # Plain peaks are lines in the batch: a few tries. The planner's floor is not always one (on this
+    # U-Net it is 2.3 MB a sample near batch 82 and 5.5 between 83 and 88), so with lms-tf the guided
+    # search can take a try or two more than bisection; it is the total that must be smaller.
+    assert tries[True][0] < tries[False][0] and sum(tries[True]) < sum(tries[False])
+    assert tries[True][1] <= tries[False][1] + 2
 
 
 @pytest.mark.timeout(600)

@@ -179,7 +179,7 @@ def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper:
     if probe_all is None:
         def probe_all(batches):
             return [fits(ir_for_batch, batch, policies, cost, with_lms, device=device) for batch in batches]
-    search = _BatchSearch(upper, guided)
+    search = _BatchSearch(upper, guided, fits_report_needs=not with_lms)
     known: Dict[int, Probe] = {}
     state = search.start(known_good)
     last = True  # the latest verdict on the path (the start is a batch that fits)
@@ -203,8 +203,9 @@ def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper:
 
 
 def boundary_estimate(bad: int, at_bad: Probe, other: Optional[Tuple[int, Probe]] = None) -> Optional[int]:
-    """The largest batch the memory needed at ``bad`` (a batch that does not fit) and at one
-    ``other`` batch says fits, by a line through both; without ``other`` (or its need), through
+    """The largest batch the memory needed at ``bad`` (usually a batch that does not fit; two
+    plain batches that fit also draw a line) and at one ``other`` batch says fits, by a line
+    through both; without ``other`` (or its need), through
     ``bad``'s need and zero memory at batch 0 (with lms-tf only a batch that does not fit
     reports its need, and the budget already leaves out the weights). Memory grows with the
     batch, and a part that does not grow makes the line through zero put the boundary high, so
@@ -233,8 +234,15 @@ class _SearchState(NamedTuple):
     doubling: int
     confirm: Optional[int] = None  # the batch after an estimate that fit
     failed_estimates: Tuple[int, ...] = ()  # estimates that did not fit, since the last bisection step
+    previous_good: int = 0  # the batch that fit before ``good``
+    failed: Tuple[int, ...] = ()  # every batch on the path that did not fit
     misses: int = 0  # estimates since the last bisection step that did not end the search
 
+
+#: Before any batch fails, the guided search multiplies the batch by this much each step: a batch
+#: far too large costs little to plan (the planner gives up early) and its smallest feasible
+#: budget puts the boundary about as well as a near one.
+GUIDED_GROWTH = 4
 
 #: After this many estimates that did not end the search, one bisection step (the bracket at
 #: least halves however the memory curves).
@@ -246,19 +254,30 @@ class _BatchSearch:
     their outcomes: ``next_batch`` gives a batch and how it was chosen (``"double"``,
     ``"estimate"``, ``"confirm"``, ``"bisect"``), ``advance`` takes the verdict."""
 
-    def __init__(self, upper: int, guided: bool = True):
-        self.upper, self.guided = upper, guided
+    def __init__(self, upper: int, guided: bool = True, fits_report_needs: bool = False):
+        self.upper, self.guided, self.fits_report_needs = upper, guided, fits_report_needs
+        self.growth = GUIDED_GROWTH if guided else 2
 
-    @staticmethod
-    def start(known_good: int) -> _SearchState:
-        return _SearchState(known_good, None, 2 * known_good if known_good else 1)
+    def start(self, known_good: int) -> _SearchState:
+        return _SearchState(known_good, None, self.growth * known_good if known_good else 1)
 
     def next_batch(self, state: _SearchState, known, speculated=frozenset()):
         """The next batch and its kind; None when the search is over; :data:`_UNKNOWN` when it
         depends on the memory reported by a try not made yet (``speculated``)."""
         good, bad = state.good, state.bad
         if bad is None:
-            return (min(state.doubling, self.upper), "double") if good < self.upper else None
+            if good >= self.upper:
+                return None
+            if state.confirm is not None:
+                return min(state.confirm, self.upper), "confirm"
+            if self.guided and self.fits_report_needs and state.previous_good in known and good in known:
+                if speculated & {good, state.previous_good}:
+                    return _UNKNOWN
+                # Two batches that fit and their peaks: a line through them to the budget.
+                estimate = boundary_estimate(good, known[good], (state.previous_good, known[state.previous_good]))
+                if estimate is not None and estimate > good:
+                    return min(estimate, self.upper), "estimate"
+            return min(state.doubling, self.upper), "double"
         if bad - good <= 1:
             return None
         if state.confirm is not None and good < state.confirm < bad:
@@ -293,16 +312,17 @@ class _BatchSearch:
             return within(boundary_estimate(bad, known[bad], second))
         estimate = within(boundary_estimate(bad, known[bad]))
         if estimate is None:
-            larger = min((b for b in known if b > bad and not known[b].fits and need(b)), default=None)
+            larger = min((b for b in state.failed if b > bad and need(b)), default=None)
             if larger is not None:
                 estimate = within(boundary_estimate(bad, known[bad], need(larger)))
         return estimate
 
-    @staticmethod
-    def advance(state: _SearchState, batch: int, kind: str, ok: bool) -> _SearchState:
+    def advance(self, state: _SearchState, batch: int, kind: str, ok: bool) -> _SearchState:
         good, bad = (batch, state.bad) if ok else (state.good, batch)
+        state = state._replace(previous_good=state.good) if ok else state._replace(failed=state.failed + (batch,))
         if kind == "double":
-            return state._replace(good=good, bad=bad, doubling=2 * state.doubling if ok else state.doubling)
+            return state._replace(good=good, bad=bad,
+                                  doubling=self.growth * state.doubling if ok else state.doubling)
         if kind == "estimate":
             return state._replace(good=good, bad=bad, confirm=batch + 1 if ok else None, misses=state.misses + 1,
                                   failed_estimates=state.failed_estimates + (() if ok else (batch,)))
