@@ -19,7 +19,8 @@ from lms_tf.tf.diagnostics import executed_ops, find_executed, virtual_gpu_peak
 from lms_tf.tf.rewrite import LMS_ATTR
 from lms_tf.tf.variables import variable_device
 from tests import zoo
-from tests.helpers import BATCH, CPU_LMS, assert_same_numbers, custom_loop, fit_steps, graph_probe, lms_function
+from tests.helpers import (BATCH, CPU_LMS, assert_same_numbers, custom_loop, fit_steps, graph_probe, keras_train_step,
+                           lms_function)
 
 SMALL = dict(CPU_LMS, swapout_threshold=4, min_swap_bytes=1024, swapin_ahead=2)
 HOST = dict(SMALL, weights="host")
@@ -320,3 +321,31 @@ def test_host_budget_is_checked():
         lms_tf.LMSCallback(budget="auto", host_budget="lots")
     with pytest.raises(lms_tf.LMSOptionError, match=r"host_budget='8GiB' is checked by the budget planner.*budget="):
         lms_tf.LMSCallback(weights="host", host_budget="8GiB")
+
+
+@pytest.mark.timeout(120)
+def test_with_weights_on_the_host_the_optimizer_slots_are_host_memory_not_device_memory():
+    """A decoder trained with Adam, its variables placed on the host: the planner counts none of
+    them resident on the device (the weights are fetched per window, Adam's moments and step
+    count live where the update runs), and the host peak holds every one of them."""
+    from lms_tf.cost import CostModel, get_device_spec
+    from lms_tf.planner import make_budget_plan
+    from lms_tf.planner.step import PlanningStep
+    from lms_tf.simulate import host_resident
+    from lms_tf.tf.trace import build_ir
+
+    model, (x, y) = decoder_lm()
+    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer.build(model.trainable_variables)
+    lms_tf.place_weights(model, optimizer, host="/CPU:1")
+    step = tf.function(keras_train_step(model, optimizer))
+    ir = build_ir(step.get_concrete_function(tf.constant(x[:BATCH]), tf.constant(y[:BATCH])).graph)
+    policies = lms_tf.core.Policies(host="/CPU:1", budget="auto", weights="host")
+    cost = CostModel(get_device_spec("v100-16gb-pcie3"))
+    plan = make_budget_plan(ir, policies, device="/device:CPU:0", cost=cost)
+    assert PlanningStep.build(ir, policies, device="/device:CPU:0", cost=cost).resident == 0
+    on_host = sum(nbytes for _, nbytes in host_resident(ir, {w.variable for w in plan.offloaded_weights}))
+    slots = sum(np.array(v).nbytes for v in optimizer.variables if "moment" in v.path or "velocity" in v.path)
+    weights = sum(np.array(v).nbytes for v in model.trainable_variables)
+    assert plan.offloaded_weight_bytes == weights and slots == 2 * weights
+    assert on_host >= weights + slots and plan.predictions.host_peak_bytes >= on_host

@@ -75,7 +75,7 @@ def run(args) -> int:
     from lms_tf.core.policy import format_bytes as human_bytes
     from lms_tf.cost import CostModel, get_device_spec
     from lms_tf.planner import make_budget_plan
-    from lms_tf.simulate import link_lower_bound, resident_bytes, simulate
+    from lms_tf.simulate import link_lower_bound, resident_bytes, simulate, variables_on_host
     from lms_tf.tf.diagnostics import virtual_gpu_peak
     from lms_tf.tf.trace import trace_step_ir
 
@@ -136,7 +136,8 @@ def run(args) -> int:
         "planned_peak_bytes": planned.peak_bytes if planned else None,
         "planned_allocator_peak_bytes": plan.predictions.planned_allocator_peak_bytes if plan else None,
         "oracle_baseline_peak_bytes": oracle_plain, "oracle_planned_peak_bytes": oracle_planned,
-        "resident_bytes": resident_bytes(ir, {w.variable for w in plan.offloaded_weights} if plan else ()),
+        "resident_bytes": resident_bytes(ir, variables_on_host(ir, [w.variable for w in plan.offloaded_weights])
+                                         if plan else ()),
         "weights": args.weights, "offloaded_weight_bytes": plan.offloaded_weight_bytes if plan else 0,
         "host_peak_bytes": plan.predictions.host_peak_bytes if plan else None,
         "swapped_bytes": swapped, "recomputed_bytes": plan.recomputed_bytes if plan else 0,

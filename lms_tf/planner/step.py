@@ -20,7 +20,7 @@ from lms_tf.core.policy import Policies
 from lms_tf.cost.model import CostModel
 from lms_tf.planner.candidates import Candidates, collect_candidates
 from lms_tf.planner.weights import plan_weights
-from lms_tf.simulate import Simulation, pool_history, resident_buffers, simulate
+from lms_tf.simulate import Simulation, pool_history, resident_buffers, simulate, variables_on_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +87,8 @@ class PlanningStep:
             0.0
         """
         aliases = dict(scope_aliases or {})
-        on_host = {w.variable for w in plan_weights(ir, policies)}  # weights="host": not resident
+        # weights="host": the offloaded weights and the optimizer's slots are not resident
+        on_host = variables_on_host(ir, {w.variable for w in plan_weights(ir, policies)})
         found = collect_candidates(ir, policies, device=device, scope_aliases=aliases)
         op_times: Dict[str, float] = {op.name: cost.op_time(ir, op) for op in ir.ops}
         baseline = simulate(ir, None, cost=cost, top=None, op_times=op_times)

@@ -29,6 +29,7 @@ from lms_tf.core.op_kinds import (
 )
 from lms_tf.core.plan import Decision, Plan
 from lms_tf.cost.model import CostModel
+from lms_tf.simulate.pool import variables_on_host
 
 #: Kernel libraries whose scratch memory :func:`simulate` models (``kernels=``). ``"cudnn"`` (a GPU)
 #: and ``"eigen"`` (TensorFlow's CPU kernels with ``TF_ENABLE_ONEDNN_OPTS=0``) take convolution
@@ -426,7 +427,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         for waiter in ordering.waiters:
             extra_deps[waiter].extend(ordering.after)
     at_start: List[Event] = []  # weight fetches nothing on the device runs before
-    b.on_host = frozenset(w.variable for w in plan.offloaded_weights) if plan is not None else frozenset()
+    b.on_host = variables_on_host(ir, [w.variable for w in plan.offloaded_weights] if plan is not None else ())
     for weight in plan.offloaded_weights if plan is not None else ():
         reads, nbytes = set(weight.reads), weight.nbytes or 0
         for i, fetch in enumerate(weight.fetches):

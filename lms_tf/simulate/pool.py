@@ -31,27 +31,40 @@ def resident_buffers(ir: GraphIR, on_host: Collection[str] = ()) -> List[Tuple[s
     return list(sizes.items())
 
 
+def variables_on_host(ir: GraphIR, offloaded: Collection[str]) -> frozenset:
+    """The handles of the variables that live on the host: the ``offloaded`` weights and, when
+    there are any, the variables only the optimizer update reads (its slots: with weights on the
+    host the optimizer's variables are placed there too, and the update runs there).
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> sorted(variables_on_host(weighted_chain_ir(), {"w1:0"})), variables_on_host(weighted_chain_ir(), ())
+        (['w1:0'], frozenset())
+    """
+    if not offloaded:
+        return frozenset()
+    phases: Dict[str, set] = {}
+    for op in ir.ops:
+        if op.type == "ReadVariableOp" and op.inputs:
+            phases.setdefault(op.inputs[0], set()).add(op.phase)
+    return frozenset(offloaded) | {handle for handle, seen in phases.items() if seen == {Phase.UPDATE}}
+
+
 def host_resident(ir: GraphIR, on_host: Collection[str] = ()) -> List[Tuple[str, int]]:
-    """The variables that live in host memory for the whole step, ``(handle, bytes)``: the
-    offloaded weights (``on_host``) and, when there are any, the variables only the optimizer
-    update reads (its slots: with weights on the host the update runs there, and so do they).
+    """The variables that live in host memory for the whole step, ``(handle, bytes)``
+    (:func:`variables_on_host` of the offloaded weights ``on_host``).
 
     Examples:
         >>> from lms_tf.core.examples import weighted_chain_ir
         >>> host_resident(weighted_chain_ir(), on_host={"w1:0"}), host_resident(weighted_chain_ir())
         ([('w1:0', 262144)], [])
     """
-    if not on_host:
-        return []
+    handles = variables_on_host(ir, on_host)
     sizes: Dict[str, int] = {}
-    phases: Dict[str, set] = {}
     for op in ir.ops:
-        if op.type == "ReadVariableOp" and op.inputs:
-            handle = op.inputs[0]
-            sizes[handle] = max(sizes.get(handle, 0), ir.tensors[op.outputs[0]].nbytes or 0)
-            phases.setdefault(handle, set()).add(op.phase)
-    return [(handle, nbytes) for handle, nbytes in sizes.items()
-            if handle in on_host or phases[handle] == {Phase.UPDATE}]
+        if op.type == "ReadVariableOp" and op.inputs and op.inputs[0] in handles:
+            sizes[op.inputs[0]] = max(sizes.get(op.inputs[0], 0), ir.tensors[op.outputs[0]].nbytes or 0)
+    return list(sizes.items())
 
 
 def pool_history(ir: GraphIR, accumulated_sums: Iterable[str] = (),
