@@ -2,9 +2,10 @@
 
 The step is traced once with an unknown batch dimension. Each batch size is sized from that
 trace (by arithmetic when every size is linear in the batch, :func:`sized_by_batch`), simulated
-and, with lms-tf, planned for ``budget="auto"``. The search doubles until a batch does not fit,
-then goes where the memory the tries report puts the boundary (the plain peak; with lms-tf, the
-smallest feasible budget a batch that does not fit reports), trying each estimate and the batch
+and, with lms-tf, planned for ``budget="auto"``. Until a batch does not fit, the search grows
+the batch 4x a step (plain: to where a line through two peaks meets the budget), then goes
+where the memory the tries report puts the boundary (the plain peak; with lms-tf, the smallest
+feasible budget a batch that does not fit reports), trying each estimate and the batch
 after it: it ends on a batch that fits whose next batch does not, both tried (the answer
 bisection gives whenever memory grows with the batch, in about half the tries). The search with
 lms-tf starts from the plain answer (what fits plain fits with lms-tf). ``--jobs`` plans the
@@ -141,10 +142,12 @@ def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper:
                   jobs: int = 1, guided: bool = True) -> Tuple[int, Optional[int]]:
     """The largest batch that fits; returns it and its peak.
 
-    Doubling until a batch does not fit, then, ``guided``, each next batch where the memory the
-    tries so far need puts the boundary (:func:`boundary_estimate`) and, when it fits, the one
-    after it: two tries that fit and do not, one apart, end the search. Every few estimates
-    that do not end it, one bisection step. Without ``guided``, plain bisection.
+    ``guided`` (the default): the batch grows :data:`GUIDED_GROWTH` times a step until one does
+    not fit (a plain search jumps to where a line through two fitting peaks meets the budget);
+    then each next batch is where the memory the tries report puts the boundary
+    (:func:`boundary_estimate`) and, when it fits, the one after it: two tries that fit and do
+    not, one apart, end the search. Every few estimates that do not end it, one bisection step.
+    Without ``guided``: doubling, then bisection.
 
     The answer is always a batch that fits with the one after it tried and not fitting. With
     ``jobs`` > 1 each round also tries, ahead of time, the batches the search would try next
