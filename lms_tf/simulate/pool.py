@@ -60,11 +60,7 @@ def host_resident(ir: GraphIR, on_host: Collection[str] = ()) -> List[Tuple[str,
         ([('w1:0', 262144)], [])
     """
     handles = variables_on_host(ir, on_host)
-    sizes: Dict[str, int] = {}
-    for op in ir.ops:
-        if op.type == "ReadVariableOp" and op.inputs and op.inputs[0] in handles:
-            sizes[op.inputs[0]] = max(sizes.get(op.inputs[0], 0), ir.tensors[op.outputs[0]].nbytes or 0)
-    return list(sizes.items())
+    return [(handle, nbytes) for handle, nbytes in resident_buffers(ir) if handle in handles] if handles else []
 
 
 def pool_history(ir: GraphIR, accumulated_sums: Iterable[str] = (),
