@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+from fractions import Fraction
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from lms_tf.core.errors import LMSOptionError
@@ -371,4 +372,119 @@ class BatchSizedIR:
             (7, 3)
         """
         tensors, resolved = self._sizes(batch)
+        return dataclasses.replace(self.template, tensors=tensors, resolved_dims=resolved)
+
+
+Polynomial = Tuple[Fraction, ...]  # coefficients, the constant first
+
+
+def _polynomial(points: Sequence[Tuple[int, Optional[int]]]) -> Optional[Polynomial]:
+    """The polynomial of degree ``len(points) - 1`` through ``points`` (exact, in fractions), or
+    None when a value is unknown."""
+    if any(y is None for _, y in points):
+        return None
+    n = len(points)
+    coefficients = [Fraction(0)] * n
+    for i, (xi, yi) in enumerate(points):
+        # yi times the Lagrange basis polynomial of xi, expanded
+        basis, scale = [Fraction(1)], Fraction(yi)
+        for j, (xj, _) in enumerate(points):
+            if j != i:
+                basis = [Fraction(0)] + basis  # times x
+                for k in range(len(basis) - 1):
+                    basis[k] -= xj * basis[k + 1]
+                scale /= xi - xj
+        for k, c in enumerate(basis):
+            coefficients[k] += scale * c
+    while len(coefficients) > 1 and coefficients[-1] == 0:
+        coefficients.pop()
+    return tuple(coefficients)
+
+
+def _evaluate(polynomial: Optional[Polynomial], x: int) -> Optional[int]:
+    if polynomial is None:
+        return None
+    value = sum(c * x**k for k, c in enumerate(polynomial))
+    return int(value) if value.denominator == 1 else None
+
+
+class ScaledIR:
+    """One model family's step IR at any value of a scale (the width of a Transformer), from its
+    IRs at a few values: every dimension is a polynomial of degree ``dims_degree`` in the scale
+    and every byte size one of degree ``bytes_degree`` (a width-``d`` model: dimensions are lines
+    in ``d`` - ``d``, ``4 d``, ``d / 64`` heads - and a ``d x 4d`` kernel's bytes a quadratic).
+
+    :meth:`fit` takes ``bytes_degree + 2`` samples or more: the first ``bytes_degree + 1`` fix the
+    polynomials, the others check them, so a size that is not such a polynomial gives None.
+
+    Examples:
+        >>> def ir(d):   # a d x 4d kernel and a 2 x d activation
+        ...     return make_ir([dict(name="w", type="Placeholder", outputs=[("w:0", (d, 4 * d))]),
+        ...                     dict(name="x", type="Placeholder", outputs=[("x:0", (2, d))])])
+        >>> sized = ScaledIR.fit({8: ir(8), 16: ir(16), 24: ir(24), 32: ir(32)})
+        >>> sized.at(1024).tensors["w:0"].nbytes == ir(1024).tensors["w:0"].nbytes == 16 * 1024 * 1024
+        True
+    """
+
+    def __init__(self, template: GraphIR, shapes, nbytes, resolved):
+        self.template, self.shapes, self.nbytes, self.resolved = template, shapes, nbytes, resolved
+
+    @classmethod
+    def fit(cls, samples: Mapping[int, GraphIR], dims_degree: int = 1,
+            bytes_degree: int = 2) -> Optional["ScaledIR"]:
+        """The sizes of ``samples`` (scale -> the same step's IR at it) as polynomials in the
+        scale, checked against every sample; None when they are not.
+
+        Examples:
+            >>> def ir(d):
+            ...     return make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (2 ** d,))])])
+            >>> ScaledIR.fit({1: ir(1), 2: ir(2), 3: ir(3), 4: ir(4)}) is None   # not a polynomial
+            True
+        """
+        if len(samples) < bytes_degree + 2:
+            raise LMSOptionError(f"ScaledIR.fit needs the IR at {bytes_degree + 2} scales or more (the first "
+                                 f"{bytes_degree + 1} fix the sizes, the others check them); received {sorted(samples)}")
+        ordered = sorted(samples.items())
+        first = ordered[0][1]
+        for _, ir in ordered[1:]:
+            if [op.name for op in ir.ops] != [op.name for op in first.ops] or ir.tensors.keys() != first.tensors.keys():
+                return None
+        dims_at, bytes_at = ordered[:dims_degree + 1], ordered[:bytes_degree + 1]
+        shapes, nbytes = {}, {}
+        for name, info in first.tensors.items():
+            ranks = {None if ir.tensors[name].shape is None else len(ir.tensors[name].shape) for _, ir in ordered}
+            if len(ranks) != 1:
+                return None
+            rank = ranks.pop()
+            shapes[name] = None if rank is None else tuple(
+                _polynomial([(x, ir.tensors[name].shape[k]) for x, ir in dims_at]) for k in range(rank))
+            nbytes[name] = _polynomial([(x, ir.tensors[name].nbytes) for x, ir in bytes_at])
+        resolved = {name: tuple(_polynomial([(x, ir.resolved_dims.get(name, ())[k] if k < len(ir.resolved_dims.get(
+            name, ())) else None) for x, ir in dims_at]) for k in range(len(dims)))
+            for name, dims in first.resolved_dims.items()}
+        sized = cls(first, shapes, nbytes, resolved)
+        for x, ir in ordered:
+            if sized._sizes(x) != (ir.tensors, ir.resolved_dims):
+                return None
+        return sized
+
+    def _sizes(self, x: int):
+        tensors = {}
+        for name, info in self.template.tensors.items():
+            shape = self.shapes[name]
+            tensors[name] = dataclasses.replace(
+                info, shape=None if shape is None else tuple(_evaluate(p, x) for p in shape),
+                nbytes=_evaluate(self.nbytes[name], x))
+        return tensors, {name: tuple(_evaluate(p, x) for p in dims) for name, dims in self.resolved.items()}
+
+    def at(self, x: int) -> GraphIR:
+        """The step's IR at scale ``x``.
+
+        Examples:
+            >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (2, 3))])])
+            >>> ScaledIR(ir, {"x:0": ((Fraction(2),), (Fraction(0), Fraction(1)))},
+            ...          {"x:0": (Fraction(0), Fraction(8))}, {}).at(5).tensors["x:0"].shape
+            (2, 5)
+        """
+        tensors, resolved = self._sizes(x)
         return dataclasses.replace(self.template, tensors=tensors, resolved_dims=resolved)
