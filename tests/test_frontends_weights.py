@@ -349,3 +349,41 @@ def test_with_weights_on_the_host_the_optimizer_slots_are_host_memory_not_device
     weights = sum(np.array(v).nbytes for v in model.trainable_variables)
     assert plan.offloaded_weight_bytes == weights and slots == 2 * weights
     assert on_host >= weights + slots and plan.predictions.host_peak_bytes >= on_host
+
+
+def test_the_update_on_the_host_runs_on_the_host_stream_timed_by_host_memory_bandwidth():
+    """With weights on the host, each update op is an event on the host stream: it starts only
+    after the gradient it reads has been copied out, its time is its bytes over the host's memory
+    bandwidth, and the step ends no earlier than the last of them. A host with no bandwidth
+    given times them at zero (what the simulator did before it modelled the host)."""
+    import dataclasses
+
+    from lms_tf.core.examples import weighted_chain_ir
+    from lms_tf.core.ir import Phase
+    from lms_tf.cost import CostModel, get_device_spec
+    from lms_tf.planner import make_budget_plan
+    from lms_tf.simulate import simulate
+    from lms_tf.simulate.lower import HOST_COMPUTE_STREAM, TO_HOST_STREAM, lower
+
+    ir = weighted_chain_ir()
+    spec = get_device_spec("v100-16gb-pcie3")
+    cost = CostModel(spec)
+    plan = make_budget_plan(ir, lms_tf.core.Policies(budget="auto", weights="host"), device="/device:GPU:0", cost=cost)
+    events = lower(ir, plan, cost).ops
+    host_events = [e for e in events if e.stream == HOST_COMPUTE_STREAM]
+    update_ops = [op for op in ir.ops if op.phase is Phase.UPDATE]
+    assert {e.name for e in host_events} == {op.name for op in update_ops} and update_ops
+    sim = simulate(ir, plan, cost=cost)
+    copies_out = {e.name: sim.op_intervals[e.name] for e in events if e.stream == TO_HOST_STREAM}
+    for event in host_events:
+        op = ir.op(event.name)
+        moved = sum(ir.tensors[t].nbytes or 0 for t in (*op.inputs, *op.outputs))
+        assert event.duration == pytest.approx(moved / spec.host_memory_bytes_per_s)
+        start, end = sim.op_intervals[event.name]
+        gradients_in = [copies_out[f"to_host/{t}"][1] for t in op.inputs if f"to_host/{t}" in copies_out]
+        assert all(start >= arrived for arrived in gradients_in)
+        assert sim.step_time_s >= end
+    assert any(e.duration > 0 for e in host_events)
+    untimed = CostModel(dataclasses.replace(spec, host_memory_bytes_per_s=None))
+    assert all(e.duration == 0 for e in lower(ir, plan, untimed).ops if e.stream == HOST_COMPUTE_STREAM)
+    assert simulate(ir, plan, cost=untimed).step_time_s <= sim.step_time_s

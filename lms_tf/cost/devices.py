@@ -54,6 +54,9 @@ class DeviceSpec:
         device_to_host_bytes_per_s: Achieved device -> host copy bandwidth.
         launch_overhead_s: Fixed time per kernel (launch and scheduling).
         source: Where the figures come from.
+        host_memory_bytes: Memory of the host the device is in (None: unknown).
+        host_memory_bytes_per_s: The host's achieved memory bandwidth, which times the
+            optimizer update when it runs on the host (None: that update takes no time).
 
     Examples:
         >>> DeviceSpec("toy", 2**30, {"float32": 1e12}, {"float32": 1e12}, 1e11, 1e10, 1e10).flops("float32")
@@ -69,6 +72,8 @@ class DeviceSpec:
     device_to_host_bytes_per_s: float
     launch_overhead_s: float = 5e-6
     source: str = ""
+    host_memory_bytes: Optional[int] = None
+    host_memory_bytes_per_s: Optional[float] = None
 
     def flops(self, dtype: str, matmul: bool = True) -> float:
         """Peak FLOP/s for ``dtype`` (float32 figures for dtypes the table does not list).
@@ -90,24 +95,24 @@ class DeviceSpec:
         return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in dataclasses.asdict(self).items()}
 
 
-def _spec(name, memory_mib, fp32, tf32, fp16, vector_fp32, bandwidth_gb, link_gb, source):
+def _spec(name, memory_mib, fp32, tf32, fp16, vector_fp32, bandwidth_gb, link_gb, host_gb, host_gb_per_s, source):
     matmul = {"float32": tf32 * TERA, "float16": fp16 * TERA, "bfloat16": fp16 * TERA,
               "float64": fp32 / 2 * TERA}
     vector = {"float32": vector_fp32 * TERA, "float16": 2 * vector_fp32 * TERA, "bfloat16": 2 * vector_fp32 * TERA}
     return DeviceSpec(name, memory_mib * MiB, matmul, vector, bandwidth_gb * GB, link_gb * GB, link_gb * GB,
-                      source=source)
+                      source=source, host_memory_bytes=host_gb * GB, host_memory_bytes_per_s=host_gb_per_s * GB)
 
 
 #: Named device presets (see the module docstring for sources).
 PRESETS: Dict[str, DeviceSpec] = {s.name: s for s in (
-    _spec("v100-16gb-pcie3", 16160, 14.0, 14.0, 112.0, 14.0, 900, 12.0, "V100 PCIe datasheet; PCIe Gen3 x16 achieved"),
-    _spec("v100-32gb-nvlink2", 32510, 15.7, 15.7, 125.0, 15.7, 900, 75.0,
+    _spec("v100-16gb-pcie3", 16160, 14.0, 14.0, 112.0, 14.0, 900, 12.0, 384, 150, "V100 PCIe datasheet; PCIe Gen3 x16 achieved"),
+    _spec("v100-32gb-nvlink2", 32510, 15.7, 15.7, 125.0, 15.7, 900, 75.0, 512, 270,
           "V100 SXM2 datasheet; NVLink 2.0 CPU-GPU on POWER9 (AC922), 3 bricks x 25 GB/s"),
-    _spec("a100-40gb-pcie4", 40536, 19.5, 156.0, 312.0, 19.5, 1555, 25.0, "A100 PCIe datasheet; PCIe Gen4 x16 achieved"),
-    _spec("a100-80gb-pcie4", 81920, 19.5, 156.0, 312.0, 19.5, 1935, 25.0, "A100 80GB PCIe datasheet; PCIe Gen4 x16"),
-    _spec("h100-80gb-pcie5", 81559, 51.0, 378.0, 756.0, 51.0, 2000, 50.0, "H100 PCIe datasheet; PCIe Gen5 x16 achieved"),
-    _spec("h200-141gb-pcie5", 143771, 60.0, 418.0, 835.0, 60.0, 4800, 50.0, "H200 NVL datasheet; PCIe Gen5 x16"),
-    _spec("gh200-96gb-c2c", 97871, 67.0, 494.0, 989.0, 67.0, 4000, 450.0,
+    _spec("a100-40gb-pcie4", 40536, 19.5, 156.0, 312.0, 19.5, 1555, 25.0, 1000, 300, "A100 PCIe datasheet; PCIe Gen4 x16 achieved"),
+    _spec("a100-80gb-pcie4", 81920, 19.5, 156.0, 312.0, 19.5, 1935, 25.0, 1000, 300, "A100 80GB PCIe datasheet; PCIe Gen4 x16"),
+    _spec("h100-80gb-pcie5", 81559, 51.0, 378.0, 756.0, 51.0, 2000, 50.0, 2000, 450, "H100 PCIe datasheet; PCIe Gen5 x16 achieved"),
+    _spec("h200-141gb-pcie5", 143771, 60.0, 418.0, 835.0, 60.0, 4800, 50.0, 2000, 450, "H200 NVL datasheet; PCIe Gen5 x16"),
+    _spec("gh200-96gb-c2c", 97871, 67.0, 494.0, 989.0, 67.0, 4000, 450.0, 480, 450,
           "GH200 datasheet (H100 SXM-class GPU); NVLink-C2C 450 GB/s each way"),
 )}
 

@@ -176,6 +176,25 @@ class CostModel:
         launches = op.inner_kernels * self.device.launch_overhead_s * self.scale.get("elementwise", 1.0)
         return self.time_of(op_cost(ir, op)) + launches
 
+    def host_op_time(self, ir: GraphIR, op: OpInfo) -> float:
+        """Predicted seconds of one op run on the host (the optimizer update with weights on the
+        host): the bytes it reads and writes over the host's memory bandwidth, since an update
+        does a few flops per byte. Zero when the device spec gives no host bandwidth.
+
+        Examples:
+            >>> from lms_tf.core.examples import chain_ir
+            >>> from lms_tf.cost.devices import get_device_spec
+            >>> ir = chain_ir()   # g1 reads two 4 MiB tensors and writes one
+            >>> round(CostModel(get_device_spec("gh200-96gb-c2c")).host_op_time(ir, ir.op("g1")) * 1e6)
+            28
+        """
+        bandwidth = self.device.host_memory_bytes_per_s
+        if not bandwidth:
+            return 0.0
+        tensors = ir.tensors
+        nbytes = sum(tensors[t].nbytes or 0 for t in (*op.inputs, *op.outputs) if t in tensors)
+        return nbytes / bandwidth
+
     def transfer_time(self, nbytes: int, direction: str) -> float:
         """Seconds to copy ``nbytes`` over the host link (``"device_to_host"`` or ``"host_to_device"``).
 

@@ -44,7 +44,7 @@ KERNEL_LIBRARIES = ("cudnn", "eigen", "onednn")
 POOL_WORKSPACE = "#workspace"
 
 
-COMPUTE_STREAM, TO_HOST_STREAM, TO_DEVICE_STREAM = 0, 1, 2
+COMPUTE_STREAM, TO_HOST_STREAM, TO_DEVICE_STREAM, HOST_COMPUTE_STREAM = 0, 1, 2, 3
 
 
 @dataclasses.dataclass(slots=True)
@@ -442,7 +442,8 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
 
     # Weights on the host: the optimizer update runs there too. Each device buffer it reads (a
     # weight gradient) is copied out as soon as it is complete and freed after the copy; the update
-    # ops hold no device memory and take no device time.
+    # ops hold no device memory and run one after another on the host's own stream, timed by the
+    # bytes they move through host memory (:meth:`CostModel.host_op_time`).
     host_update = set()
     if b.on_host:
         for op in ir.ops:
@@ -498,8 +499,9 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                       forwarding=cached.forwarding and (not accumulated_sums or name not in accumulated_sums),
                       updates=cached.updates, order=op.index,
                       workspace=cached.workspace if with_workspace else 0)
-        if name in host_update:  # runs on the host: nothing on the device, no device time
-            event.reads, event.writes, event.duration, event.updates, event.workspace = [], [], 0.0, None, 0
+        if name in host_update:  # runs on the host: nothing on the device, host time
+            event.reads, event.writes, event.updates, event.workspace = [], [], None, 0
+            event.stream, event.duration = HOST_COMPUTE_STREAM, cost.host_op_time(ir, op)
             writes = []
         as_planned = name not in rebuilt and name not in extra_deps and name not in host_update
         if as_planned:

@@ -1,5 +1,6 @@
 """The replay engine: runs lowered events as TensorFlow's executor does (one compute stream, first ready
-first run, one copy stream per direction) and tracks live buffers, the peak and the step time.
+first run, one copy stream per direction, and one host stream for an optimizer update
+that runs on the host) and tracks live buffers, the peak and the step time.
 
 Examples:
     >>> EDGE_SET_INLINE
@@ -18,8 +19,11 @@ from lms_tf.core.errors import PlanCycleError
 from lms_tf.core.ir import Phase
 from lms_tf.core.op_kinds import RECOMPUTE_PREFIX, SWAP_IN_PREFIX
 from lms_tf.simulate.allocator import BFCAllocatorModel, replay_allocations
-from lms_tf.simulate.lower import COMPUTE_STREAM, TO_DEVICE_STREAM, TO_HOST_STREAM, Lowered
+from lms_tf.simulate.lower import COMPUTE_STREAM, HOST_COMPUTE_STREAM, TO_DEVICE_STREAM, TO_HOST_STREAM, Lowered
 from lms_tf.simulate.pool import host_resident, pool_history
+
+#: The streams events run on; each runs one event at a time.
+STREAMS = (COMPUTE_STREAM, TO_HOST_STREAM, TO_DEVICE_STREAM, HOST_COMPUTE_STREAM)
 
 #: How many out-edges TensorFlow keeps in insertion order (``EdgeSet``'s inline array: 64 bytes
 #: of pointers); a node with more keeps them in a hash set of pointers, whose order changes from
@@ -165,12 +169,12 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
     in_use = peak = 0
     by_kind: Dict[Optional[str], int] = {None: 0, RECOMPUTE_PREFIX: 0, SWAP_IN_PREFIX: 0}  # bytes per _kind
     peak_op, alive_at_peak = "", {}
-    in_flight = [0, 0, 0]
+    in_flight = [0] * len(STREAMS)
     timeline: List[Tuple[float, int, int, int, int, int]] = []
     now = peak_time = 0.0
     intervals: Dict[str, Tuple[float, float]] = {}
     compute_time = 0.0
-    swap_bytes = [0, 0, 0]
+    swap_bytes = [0] * len(STREAMS)
 
     # (The timeline is appended to inline after each start and finish: a replay of ResNet-50
     # starts and finishes about 15,000 events.)
@@ -195,11 +199,11 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
         elif key in on_host_alive:
             host_in_use -= on_host_alive.pop(key)
 
-    ready: List[collections.deque] = [collections.deque(), collections.deque(), collections.deque()]
+    ready: List[collections.deque] = [collections.deque() for _ in STREAMS]
     initial = sorted((i for i, n in enumerate(pending) if n == 0), key=lambda i: ops[i].order)
     for i in initial:
         ready[ops[i].stream].append(i)
-    busy = [False, False, False]
+    busy = [False] * len(STREAMS)
     events: List[Tuple[float, int, int]] = []
 
     def start(stream: int, at: float) -> None:
@@ -232,7 +236,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
             allocations.append(("alloc", f"workspace/{op.name}", op.workspace))
         if stream == COMPUTE_STREAM:
             compute_time += op.duration
-        else:
+        elif stream != HOST_COMPUTE_STREAM:
             # A copy in writes what it brings (a swap-in, a weight fetch); a copy out reads it.
             nbytes = sum(n for _, n in op.writes) if stream == TO_DEVICE_STREAM \
                 else sum(builder.ir.tensors[r].nbytes or 0 for r in op.reads)
@@ -255,7 +259,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
         busy[op.stream] = False
         if allocations is not None and op.workspace:
             allocations.append(("free", f"workspace/{op.name}", 0))
-        if op.stream != COMPUTE_STREAM:
+        if op.stream in (TO_HOST_STREAM, TO_DEVICE_STREAM):
             in_flight[op.stream] -= sum(builder.ir.tensors[r[len("host/"):]].nbytes or 0 for r in op.reads
                                         if r.startswith("host/")) if op.stream == TO_DEVICE_STREAM else \
                 sum(builder.ir.tensors[r].nbytes or 0 for r in op.reads)
@@ -284,7 +288,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
                         ready[ops[s].stream] = collections.deque(sorted(queue, key=lambda j: ops[j].order))
 
     while True:
-        for stream in (COMPUTE_STREAM, TO_HOST_STREAM, TO_DEVICE_STREAM):
+        for stream in STREAMS:
             if not busy[stream] and ready[stream]:
                 start(stream, now)
         if not events:

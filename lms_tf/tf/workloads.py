@@ -70,6 +70,53 @@ def transformer_encoder(seq_len: int = 128, vocab: int = 1000, dim: int = 256, h
     return keras.Model(inputs, outputs, name="transformer_encoder")
 
 
+def decoder_lm(width: int = 256, depth: int = 2, seq_len: int = 128, vocab: int = 1000, head_size: int = 64):
+    """A decoder-only Transformer language model (GPT-style), the family ``lms-tf max-params`` scales.
+
+    Token embedding whose matrix is also the output projection (tied), then ``depth`` pre-norm
+    blocks: causal ``MultiHeadAttention`` with ``width // head_size`` heads of ``head_size``, and
+    a ``4 * width`` GELU MLP, each added to the residual stream; a final LayerNorm; a softmax over
+    the vocabulary at every position (sparse labels shaped ``(batch, seq_len)``). Every layer is
+    named, so two models of the same depth trace to graphs with the same op names at any width.
+
+    Args:
+        width: Model width (a multiple of ``head_size``).
+        depth: Number of blocks.
+        seq_len: Tokens per sample.
+        vocab: Vocabulary size.
+        head_size: Width of one attention head.
+
+    Raises:
+        LMSOptionError: ``width`` is not a positive multiple of ``head_size``.
+
+    Examples:
+        >>> model = decoder_lm(width=64, depth=1, seq_len=8, vocab=50, head_size=32)
+        >>> model.output_shape, model.count_params()
+        ((None, 8, 50), 53312)
+    """
+    if width <= 0 or width % head_size:
+        raise LMSOptionError(f"decoder_lm: width must be a positive multiple of head_size={head_size}; "
+                             f"received width={width}. Pick a width such as {max(1, width // head_size) * head_size}.")
+    keras = _compat.keras_module()
+    layers = keras.layers
+    tokens = keras.Input((seq_len,), dtype="int32", name="tokens")
+    embedding = layers.Embedding(vocab, width, name="embedding")
+    x = embedding(tokens)
+    for block in range(depth):
+        h = layers.LayerNormalization(name=f"block{block}_norm1")(x)
+        h = layers.MultiHeadAttention(width // head_size, head_size, name=f"block{block}_attention")(
+            h, h, use_causal_mask=True)
+        x = layers.Add(name=f"block{block}_add1")([x, h])
+        h = layers.LayerNormalization(name=f"block{block}_norm2")(x)
+        h = layers.Dense(4 * width, activation="gelu", name=f"block{block}_mlp1")(h)
+        x = layers.Add(name=f"block{block}_add2")([x, layers.Dense(width, name=f"block{block}_mlp2")(h)])
+    x = layers.LayerNormalization(name="final_norm")(x)
+    # The output projection is the embedding matrix, transposed (tied weights, as GPT-2).
+    logits = layers.Lambda(lambda t: keras.ops.matmul(t, keras.ops.transpose(embedding.embeddings)),
+                           name="tied_output")(x)
+    return keras.Model(tokens, layers.Activation("softmax", name="softmax")(logits), name="decoder_lm")
+
+
 def stacked_rnn(seq_len: int = 100, vocab: int = 1000, dim: int = 64, units: int = 128, classes: int = 10):
     """A stacked recurrent classifier: embedding, bidirectional GRU, LSTM and GRU, all returning sequences.
 
