@@ -22,6 +22,7 @@ Command: ``.venv/bin/python benchmarks/max_batch.py [JOBS]`` (about 10 minutes o
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from benchmarks.publish import OUT, publish  # noqa: E402
 from lms_tf.cli import build_parser  # noqa: E402
-from lms_tf.cli.max_batch import _probes, default_jobs, largest_batch, sized_by_batch  # noqa: E402
+from lms_tf.cli.max_batch import default_jobs, fits, probes, largest_batch, sized_by_batch  # noqa: E402
 from lms_tf.cli.workload import trace_unbatched  # noqa: E402
 from lms_tf.core.policy import Policies  # noqa: E402
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
@@ -52,8 +53,8 @@ def search(ir_for_batch, jobs: int, guided: bool) -> dict:
     answers, tries, rounds = {}, 0, 0
     started = time.perf_counter()
     for with_lms in (False, True):
-        with _probes(jobs, ir_for_batch=ir_for_batch, policies=policies, cost=cost, with_lms=with_lms,
-                     device="/device:GPU:0") as probe_all:
+        with probes(jobs, functools.partial(fits, ir_for_batch, policies=policies, cost=cost, with_lms=with_lms,
+                                            device="/device:GPU:0")) as probe_all:
             def counted(batches):
                 nonlocal tries, rounds
                 tries, rounds = tries + len(batches), rounds + 1

@@ -4,6 +4,7 @@ Hand-built graphs with known answers, the simulator against TensorFlow's real CP
 planned steps training to the plain step's numbers, budget errors, and the CLI's JSON and PNG.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -807,14 +808,14 @@ def test_largest_batch_bisects_and_lms_fits_a_larger_one():
     # Two batches per round (the next, and the one after it if that fits), planned in two forked
     # processes (sizes by arithmetic: the forks never call TensorFlow), take the same path to the
     # same answers in fewer rounds.
-    from lms_tf.cli.max_batch import SAMPLE_BATCHES, _probes
+    from lms_tf.cli.max_batch import SAMPLE_BATCHES, fits, probes
     from lms_tf.core.ir import BatchSizedIR
 
     sized = BatchSizedIR.fit({b: ir_for_batch(b) for b in SAMPLE_BATCHES})
     for with_lms in (False, True):
         rounds = []
-        with _probes(2, ir_for_batch=sized.at, policies=policies, cost=cost, with_lms=with_lms,
-                     device="/device:CPU:0") as probe_all:
+        with probes(2, functools.partial(fits, sized.at, policies=policies, cost=cost, with_lms=with_lms,
+                                         device="/device:CPU:0")) as probe_all:
             def counted(batches):
                 rounds.append(batches)
                 return probe_all(batches)

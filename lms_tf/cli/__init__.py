@@ -18,10 +18,11 @@ import os
 import sys
 import tempfile
 
-from lms_tf.cli import explain, launch, max_batch, partition, plan, stage_server, version
+from lms_tf.cli import explain, launch, max_batch, max_params, partition, plan, stage_server, version
 
 logger = logging.getLogger("lms_tf")
 SUBCOMMANDS = {"version": version, "explain": explain, "plan": plan, "max-batch": max_batch,
+               "max-params": max_params,
                "partition": partition, "stage-server": stage_server, "launch": launch}
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import multiprocessing
@@ -78,14 +79,12 @@ def default_jobs() -> int:
     return max(1, min(usable, MAX_DEFAULT_JOBS))
 
 
-#: What the probes plan (:func:`_probes` sets it before forking: the processes inherit it).
+#: The probe the forked processes run (:func:`probes` sets it before forking: they inherit it).
 _PROBE_CONTEXT: dict = {}
 
 
 def _probe(batch: int) -> "Probe":
-    context = _PROBE_CONTEXT
-    return fits(context["ir_for_batch"], batch, context["policies"], context["cost"], context["with_lms"],
-                device=context["device"])
+    return _PROBE_CONTEXT["probe"](batch)
 
 
 class Probe(NamedTuple):
@@ -371,8 +370,8 @@ class ProgressBar:
         'max-batch with lms-tf [#-] 2 tries: fits 64, not 128'
     """
 
-    def __init__(self, label: str, stream=None):
-        self.label, self.stream = label, stream or sys.stderr
+    def __init__(self, label: str, stream=None, command: str = "max-batch", show: Callable[[int], str] = str):
+        self.label, self.stream, self.command, self.show = label, stream or sys.stderr, command, show
         self.marks, self.good, self.bad = "", None, None
 
     def __call__(self, batch: int, ok: bool) -> None:
@@ -381,16 +380,16 @@ class ProgressBar:
             self.good = batch if self.good is None else max(self.good, batch)
         else:
             self.bad = batch if self.bad is None else min(self.bad, batch)
-        logger.debug("max-batch %s: batch %d %s", self.label, batch, "fits" if ok else "does not fit")
+        logger.debug("%s %s: %s %s", self.command, self.label, self.show(batch), "fits" if ok else "does not fit")
         self.stream.write("\r" + self._line())
         self.stream.flush()
 
     def _line(self) -> str:
         if not self.marks:
-            return f"max-batch {self.label}: nothing to try (the answer so far is the largest allowed, --max)"
-        bracket = ", ".join(part for part in (f"fits {self.good}" if self.good is not None else "",
-                                              f"not {self.bad}" if self.bad is not None else "") if part)
-        return f"max-batch {self.label} [{self.marks}] {len(self.marks)} tries: {bracket}"
+            return f"{self.command} {self.label}: nothing to try (the answer so far is the largest allowed)"
+        bracket = ", ".join(part for part in (f"fits {self.show(self.good)}" if self.good is not None else "",
+                                              f"not {self.show(self.bad)}" if self.bad is not None else "") if part)
+        return f"{self.command} {self.label} [{self.marks}] {len(self.marks)} tries: {bracket}"
 
     def close(self) -> None:
         self.stream.write("\r" + self._line() + "\n")
@@ -434,11 +433,17 @@ def sized_by_batch(graph) -> Tuple[Callable[[int], object], bool]:
 
 
 @contextlib.contextmanager
-def _probes(jobs: int, **context):
-    """Batch sizes -> their ``(fits, peak)`` (:func:`fits` with ``context``: ``ir_for_batch``,
-    ``policies``, ``cost``, ``with_lms``, ``device``), one after the other or in ``jobs`` forked
-    processes, which inherit the context (nothing is pickled but batch sizes and answers)."""
-    _PROBE_CONTEXT.update(context)
+def probes(jobs: int, probe: Callable[[int], Probe]):
+    """Yields a function from sizes to their :class:`Probe` (``probe`` on each), run one after
+    the other or in ``jobs`` forked processes, which inherit ``probe`` and what it holds (nothing
+    is pickled but sizes and answers). ``probe`` must not call TensorFlow when ``jobs`` > 1.
+
+    Examples:
+        >>> with probes(1, lambda n: Probe(n < 3, n)) as probe_all:
+        ...     [p.fits for p in probe_all([2, 3])]
+        [True, False]
+    """
+    _PROBE_CONTEXT["probe"] = probe
     try:
         if jobs == 1:
             yield lambda batches: [_probe(batch) for batch in batches]
@@ -485,8 +490,9 @@ def run(args) -> int:
     try:
         for with_lms in (False, True):
             bar = ProgressBar("with lms-tf" if with_lms else "plain")
-            with _probes(jobs, ir_for_batch=ir_for_batch, policies=policies, cost=cost, with_lms=with_lms,
-                         device=device) as probe_all:
+            probe = functools.partial(fits, ir_for_batch, policies=policies, cost=cost, with_lms=with_lms,
+                                      device=device)
+            with probes(jobs, probe) as probe_all:
                 answers[with_lms] = largest_batch(ir_for_batch, policies, cost, with_lms, args.max, device=device,
                                                   known_good=answers[False][0] if with_lms else 0, progress=bar,
                                                   probe_all=probe_all, jobs=jobs)

@@ -12,6 +12,8 @@ from typing import Tuple
 
 import tensorflow as tf
 
+from lms_tf import _compat
+
 logger = logging.getLogger("lms_tf")
 
 
@@ -58,3 +60,33 @@ def trace_unbatched(args):
     logger.info("traced the plain train step (%d ops) in %.1f s", len(graph.get_operations()),
                 time.perf_counter() - started)
     return model, step, graph, x_spec, y_spec
+
+
+def trace_decoder_widths(widths, *, depth: int, seq_len: int, batch: int, vocab: int, head_size: int):
+    """The Adam train step of :func:`~lms_tf.tf.workloads.decoder_lm` traced at each width, as IRs.
+
+    The optimizer is named, and every layer is, so the graphs at every width have the same op
+    names (what :meth:`~lms_tf.core.ir.ScaledIR.fit` needs).
+
+    Returns:
+        Width -> the step's :class:`~lms_tf.core.ir.GraphIR`.
+
+    Examples:
+        >>> irs = trace_decoder_widths((64, 128), depth=1, seq_len=8, batch=2, vocab=50, head_size=32)
+        >>> [op.name for op in irs[64].ops] == [op.name for op in irs[128].ops]
+        True
+    """
+    keras = _compat.keras_module()
+    from lms_tf.tf.trace import build_ir
+    from lms_tf.tf.workloads import decoder_lm, train_step
+
+    irs = {}
+    for i, width in enumerate(widths):
+        started = time.perf_counter()
+        model = decoder_lm(width=width, depth=depth, seq_len=seq_len, vocab=vocab, head_size=head_size)
+        spec = tf.TensorSpec((batch, seq_len), tf.int32)
+        graph = tf.function(train_step(model, keras.optimizers.Adam(name="adam"))).get_concrete_function(spec, spec).graph
+        irs[width] = build_ir(graph)
+        logger.info("[%d/%d] traced the decoder's Adam train step at width %d (%d ops) in %.1f s", i + 1, len(widths),
+                    width, len(irs[width].ops), time.perf_counter() - started)
+    return irs

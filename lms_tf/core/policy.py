@@ -150,6 +150,18 @@ def parse_budget(value: Any) -> Budget:
         f"margin); received {describe(value)}.")
 
 
+def safety_margin_bytes(memory_bytes: int) -> int:
+    """What ``budget="auto"`` leaves free on a device of ``memory_bytes``: the CUDA context,
+    cuDNN/cuBLAS workspaces and allocator fragmentation (:data:`SAFETY_MARGIN_FRACTION`, at least
+    :data:`SAFETY_MARGIN_MIN_BYTES`).
+
+    Examples:
+        >>> safety_margin_bytes(100 * 2**30) == int(SAFETY_MARGIN_FRACTION * 100 * 2**30)
+        True
+    """
+    return max(SAFETY_MARGIN_MIN_BYTES, int(SAFETY_MARGIN_FRACTION * memory_bytes))
+
+
 def resolve_budget(budget: Budget, *, baseline_peak_bytes: int, memory_bytes: int, device_name: str,
                    resident: int) -> int:
     """Turns a parsed budget (:func:`parse_budget`) into bytes.
@@ -171,7 +183,7 @@ def resolve_budget(budget: Budget, *, baseline_peak_bytes: int, memory_bytes: in
     if isinstance(budget, float):
         return int(budget * baseline_peak_bytes)
     if budget == "auto":
-        margin = max(SAFETY_MARGIN_MIN_BYTES, int(SAFETY_MARGIN_FRACTION * memory_bytes))
+        margin = safety_margin_bytes(memory_bytes)
         available = memory_bytes - resident - margin
         if available <= 0:
             raise infeasible(

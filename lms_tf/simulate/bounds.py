@@ -10,16 +10,17 @@ from lms_tf.cost.model import CostModel
 
 
 def link_lower_bound(compute_s: float, planned, cost: CostModel) -> float:
-    """Least possible step time for the bytes the plan moves: the compute (recompute included)
-    or the busier link direction, whichever is longer.
+    """Least possible step time for the bytes the plan moves: the compute (recompute included),
+    the busier link direction or the host's own work (an optimizer update run there), whichever
+    is longest.
 
     Examples:
         >>> from lms_tf.cost import CostModel, get_device_spec
-        >>> class P: compute_time_s, swap_out_bytes, swap_in_bytes = 0.5, 12 * 10**9, 6 * 10**9
+        >>> class P: compute_time_s, swap_out_bytes, swap_in_bytes, host_compute_time_s = 0.5, 12 * 10**9, 6 * 10**9, 0.0
         >>> link_lower_bound(0.4, P, CostModel(get_device_spec("v100-16gb-pcie3")))
         1.0
     """
-    return max(planned.compute_time_s, compute_s,
+    return max(planned.compute_time_s, compute_s, planned.host_compute_time_s,
                cost.transfer_time(planned.swap_out_bytes, "device_to_host"),
                cost.transfer_time(planned.swap_in_bytes, "host_to_device"))
 

@@ -43,11 +43,23 @@ def variables_on_host(ir: GraphIR, offloaded: Collection[str]) -> frozenset:
     """
     if not offloaded:
         return frozenset()
+    return frozenset(offloaded) | optimizer_slots(ir)
+
+
+def optimizer_slots(ir: GraphIR) -> frozenset:
+    """The handles of the variables only the optimizer update reads: its slots (Adam's moments,
+    the step count), what ``optimizer_on_host=True`` keeps in host memory.
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> optimizer_slots(weighted_chain_ir())   # the weights are read forward: not slots
+        frozenset()
+    """
     phases: Dict[str, set] = {}
     for op in ir.ops:
         if op.type == "ReadVariableOp" and op.inputs:
             phases.setdefault(op.inputs[0], set()).add(op.phase)
-    return frozenset(offloaded) | {handle for handle, seen in phases.items() if seen == {Phase.UPDATE}}
+    return frozenset(handle for handle, seen in phases.items() if seen == {Phase.UPDATE})
 
 
 def host_resident(ir: GraphIR, on_host: Collection[str] = ()) -> List[Tuple[str, int]]:

@@ -62,6 +62,8 @@ class Simulation:
         host_peak_bytes: Peak host bytes the step needs in this process: the variables on the
             host (:func:`~lms_tf.simulate.pool.host_resident`), each copy out from its start until
             its last copy back ends, and weight gradients copied out for the host update.
+        host_compute_time_s: Sum of the host stream's op times (the optimizer update, when it
+            runs on the host).
 
     Examples:
         >>> Simulation(10, "a", (), 1.0, 1.0, 0, 0, ()).peak_bytes
@@ -82,6 +84,7 @@ class Simulation:
     allocator_peak_bytes: Optional[int] = None
     backward_start_s: Optional[float] = None
     host_peak_bytes: int = 0
+    host_compute_time_s: float = 0.0
 
     @property
     def held_bytes(self) -> int:
@@ -173,7 +176,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
     timeline: List[Tuple[float, int, int, int, int, int]] = []
     now = peak_time = 0.0
     intervals: Dict[str, Tuple[float, float]] = {}
-    compute_time = 0.0
+    compute_time = host_compute_time = 0.0
     swap_bytes = [0] * len(STREAMS)
 
     # (The timeline is appended to inline after each start and finish: a replay of ResNet-50
@@ -207,7 +210,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
     events: List[Tuple[float, int, int]] = []
 
     def start(stream: int, at: float) -> None:
-        nonlocal peak, peak_op, alive_at_peak, compute_time, peak_time, host_in_use, host_peak
+        nonlocal peak, peak_op, alive_at_peak, compute_time, host_compute_time, peak_time, host_in_use, host_peak
         i = ready[stream].popleft()
         op = ops[i]
         busy[stream] = True
@@ -236,7 +239,9 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
             allocations.append(("alloc", f"workspace/{op.name}", op.workspace))
         if stream == COMPUTE_STREAM:
             compute_time += op.duration
-        elif stream != HOST_COMPUTE_STREAM:
+        elif stream == HOST_COMPUTE_STREAM:
+            host_compute_time += op.duration
+        else:
             # A copy in writes what it brings (a swap-in, a weight fetch); a copy out reads it.
             nbytes = sum(n for _, n in op.writes) if stream == TO_DEVICE_STREAM \
                 else sum(builder.ir.tensors[r].nbytes or 0 for r in op.reads)
@@ -309,7 +314,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
     forward_names, has_backward = _forward_op_names(builder.ir)
     forward_ends = [intervals[name][1] for name in forward_names if name in intervals]
     return Simulation(peak_bytes=peak, peak_op=peak_op, live_at_peak=live_at_peak, step_time_s=now,
-                      compute_time_s=compute_time, swap_out_bytes=swap_bytes[TO_HOST_STREAM],
+                      compute_time_s=compute_time, host_compute_time_s=host_compute_time, swap_out_bytes=swap_bytes[TO_HOST_STREAM],
                       swap_in_bytes=swap_bytes[TO_DEVICE_STREAM], timeline=tuple(timeline), peak_time_s=peak_time,
                       op_intervals=intervals, allocations=tuple(allocations or ()) if log_allocations else (),
                       allocator_peak_bytes=None if allocator is None else replay_allocations(

@@ -117,6 +117,18 @@ def decoder_lm(width: int = 256, depth: int = 2, seq_len: int = 128, vocab: int 
     return keras.Model(tokens, layers.Activation("softmax", name="softmax")(logits), name="decoder_lm")
 
 
+def decoder_lm_params(width: int, depth: int, vocab: int) -> int:
+    """The trainable parameters of :func:`decoder_lm`, by arithmetic (no model built): the
+    embedding (also the output projection), per block two LayerNorms, four ``width x width``
+    attention projections and the ``width x 4 width`` MLP with their biases, a final LayerNorm.
+
+    Examples:
+        >>> decoder_lm_params(64, 1, 50) == decoder_lm(width=64, depth=1, seq_len=8, vocab=50, head_size=32).count_params()
+        True
+    """
+    return vocab * width + depth * (12 * width * width + 13 * width) + 2 * width
+
+
 def stacked_rnn(seq_len: int = 100, vocab: int = 1000, dim: int = 64, units: int = 128, classes: int = 10):
     """A stacked recurrent classifier: embedding, bidirectional GRU, LSTM and GRU, all returning sequences.
 
