@@ -76,6 +76,9 @@ def test_cli_explain_recompute_only():
     (["plan", "--model", "resnet50", "--batch", "8", "--budget", "0"], "argument --budget: budget must be > 0"),
     (["explain", "--model", "resnet50", "--batch", "8", "--device", "v200"], "argument --device:"),
     (["max-batch", "--model", "resnet50", "--input-shape", "32x64"], "must be HxW with H == W"),
+    (["max-params", "--max-width", "64"], "argument --max-width: must be at least 128"),
+    (["max-params", "--family", "cnn"], "argument --family: invalid choice: 'cnn'"),
+    (["max-params", "--host-budget", "lots"], "argument --host-budget:"),
 ])
 def test_help_and_bad_values_answer_before_tensorflow_is_imported(argv, message):
     """Usage is checked while parsing: exit code 2 and the rule broken, with TensorFlow never imported."""

@@ -8,7 +8,8 @@ size in it is a polynomial in the width (dimensions lines, bytes at most quadrat
 :class:`~lms_tf.core.ir.ScaledIR` gives the step at any width by arithmetic, checked against
 the fourth trace. Each width tried is simulated (and planned) for the device, four ways:
 
-* ``plain``: every variable resident, the plain step's peak on top;
+* ``plain``: every variable resident, the plain step's peak on top (held, like every plan, as
+  TensorFlow's allocator holds it: in whole chunks);
 * ``optimizer_on_host``: Adam's moments and step count in host memory (``optimizer_on_host=True``),
   the weights and the plain step's peak on the device;
 * ``activations_planned``: swap and recompute planned for ``budget="auto"``, every variable
@@ -42,7 +43,7 @@ from lms_tf.core.errors import HostBudgetError, InfeasibleBudgetError, LMSError
 from lms_tf.core.ir import GraphIR, ScaledIR
 from lms_tf.core.policy import Policies, format_bytes, machine_memory_bytes, safety_margin_bytes
 from lms_tf.cost.model import CostModel
-from lms_tf.planner import make_budget_plan
+from lms_tf.planner import check_plain_step, make_budget_plan
 from lms_tf.simulate import (link_lower_bound, optimizer_slots, resident_buffers, resident_bytes, simulate,
                              variables_on_host)
 
@@ -83,12 +84,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     maxp.add_argument("--host-budget", type=cli_args.size, default=None,
                       help="host memory one process's planned step may hold (weights and slots on the host, "
                            "swapped tensors, gradients copied out); default: the host of the device preset's class")
-    maxp.add_argument("--max-width", type=cli_args.positive_int, default=65536,
+    maxp.add_argument("--max-width", type=max_width, default=65536,
                       help="largest width to try (default 65536)")
     maxp.add_argument("--jobs", type=cli_args.positive_int, default=default_jobs(),
                       help="widths planned at once, one process each (default: the usable CPUs, at most 4)")
     maxp.add_argument("--json", action="store_true", help="print one JSON object")
     return maxp
+
+
+def max_width(text: str) -> int:
+    """``--max-width``: an int of at least the narrowest width traced.
+
+    Examples:
+        >>> max_width("64")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: must be at least 128 (two heads of 64: the narrowest width traced); received '64'
+    """
+    value = cli_args.positive_int(text)
+    if value < SAMPLE_WIDTHS[0]:
+        raise argparse.ArgumentTypeError(f"must be at least {SAMPLE_WIDTHS[0]} (two heads of {HEAD_SIZE}: the narrowest "
+                                         f"width traced); received {text!r}")
+    return value
 
 
 def width_of(step: int) -> int:
@@ -134,7 +151,13 @@ def way_probe(ir_at: Callable[[int], GraphIR], way: str, cost: CostModel, *, dev
             host_need = host_bytes_with_slots_on_host(ir, slots)
             if host_need > host_budget:
                 return Probe(False, baseline.peak_bytes, math.isqrt(host_need), math.isqrt(host_budget))
-            need = baseline.peak_bytes + resident_bytes(ir, slots) + safety_margin_bytes(memory)
+            # Held as the planner holds its plans (TensorFlow's allocator's whole chunks), so the
+            # plain ways and the planned ones are judged by the same rule.
+            resident, margin = resident_bytes(ir, slots), safety_margin_bytes(memory)
+            budget = memory - resident - margin
+            held = baseline.peak_bytes if budget <= 0 else check_plain_step(
+                ir, budget, Policies(host=host), device=device, cost=cost).held_bytes
+            need = held + resident + margin
             return Probe(need <= memory, baseline.peak_bytes, math.isqrt(need), math.isqrt(memory))
         policies = Policies(host=host, budget="auto", recompute="auto", host_budget=host_budget,
                             weights="host" if way == "weights_and_activations" else "device")
@@ -218,9 +241,10 @@ def largest_models(ir_at: Callable[[int], GraphIR], cost: CostModel, *, depth: i
             if progress:
                 bar(step, ok)
 
-        # What fits plain fits with the slots on the host or with activations planned; weights
-        # on the host also need the host's memory, so that search starts from nothing known.
-        known_good = found["plain"]["step"] if way in ("optimizer_on_host", "activations_planned") else 0
+        # What fits plain fits with the slots on the host (the same test, fewer bytes). The planned
+        # ways search from nothing known: the planner also counts the allocator's whole chunks, and
+        # weights on the host need the host's memory, so plain's answer need not fit them.
+        known_good = found["plain"]["step"] if way == "optimizer_on_host" else 0
         probe = way_probe(ir_at, way, cost, device=device, host=host, host_budget=host_budget)
         with probes(jobs, probe) as probe_all:
             step, peak = largest_batch(None, None, cost, way not in ("plain", "optimizer_on_host"), upper,
@@ -265,9 +289,6 @@ def run(args) -> int:
     from lms_tf.cli.workload import devices
     from lms_tf.cost import get_device_spec
 
-    if args.max_width < SAMPLE_WIDTHS[0]:
-        raise LMSError(f"max-params: --max-width must be at least {SAMPLE_WIDTHS[0]} (two heads of {HEAD_SIZE}); "
-                       f"received {args.max_width}")
     spec = get_device_spec(args.device)
     host_budget = args.host_budget or spec.host_memory_bytes or machine_memory_bytes()
     device, host = devices()

@@ -12,6 +12,7 @@ Examples:
 """
 
 from lms_tf.planner.budget import make_budget_plan
+from lms_tf.planner.fit_check import check_plain_step
 from lms_tf.planner.tflms import make_plan
 
-__all__ = ["make_budget_plan", "make_plan"]
+__all__ = ["check_plain_step", "make_budget_plan", "make_plan"]

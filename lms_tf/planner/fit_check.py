@@ -164,3 +164,26 @@ class FitCheck:
         """
         return replay_allocations(sim.allocations, tensorflow_gpu_allocator(self._region()),
                                   history=self.step.pool_history)
+
+
+def check_plain_step(ir, budget_bytes: int, policies, *, device: str, cost) -> Simulation:
+    """The plain step (nothing moved) replayed as the planner holds its plans to ``budget_bytes``:
+    ``held_bytes`` of the result is what must fit (whole chunks of TensorFlow's allocator, in
+    graph order and the checked tie orders, when its tensors fit; else its tensors' peak). A
+    plain step and a planned one are then judged by the same rule.
+
+    Examples:
+        >>> from lms_tf.core import Policies
+        >>> from lms_tf.core.examples import MiB, chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> sim = check_plain_step(chain_ir(), 64 * MiB, Policies(), device="/device:GPU:0",
+        ...                        cost=CostModel(get_device_spec("v100-16gb-pcie3")))
+        >>> sim.held_bytes >= sim.peak_bytes == 12 * MiB + 4
+        True
+    """
+    from lms_tf.planner.timing import assemble  # timing builds on this module
+
+    step = PlanningStep.build(ir, policies, device=device, cost=cost)
+    check = FitCheck(step)
+    check.budget_bytes = budget_bytes
+    return check.simulate(assemble(step, set(), {}))
