@@ -140,6 +140,10 @@ class GraphIR:
         resolved_dims: How unknown dimensions were resolved, e.g. ``{"data:0": (32, 224, 224, 3)}``.
         data_dependent: Ops computed from the batch (function inputs that are not
             resources, iterator outputs), not only from constants and variables.
+        grappler_rewritten: Ops TensorFlow's default graph optimizer fuses, folds or regroups
+            in this step (found by the TensorFlow side when it matters; empty when not looked
+            for). A new reader of one of them, or of an op they read, can stop that rewrite
+            and change the rounding, so the planner gates nothing on them.
 
     Examples:
         >>> ir = GraphIR(ops=(), tensors={}, function_inputs=frozenset(), resolved_dims={})
@@ -152,6 +156,7 @@ class GraphIR:
     function_inputs: FrozenSet[str]
     resolved_dims: Mapping[str, Tuple[Optional[int], ...]]
     data_dependent: FrozenSet[str] = frozenset()
+    grappler_rewritten: FrozenSet[str] = frozenset()
 
     def __post_init__(self):
         object.__setattr__(self, "_by_name", {op.name: op for op in self.ops})

@@ -96,6 +96,12 @@ FUSABLE_GATE_PARTNER_TYPES = frozenset({"Conv2DBackpropFilter", "MatMul"})
 #: (``ConstantPushDown``): ``c * x`` read by a ``*`` of the backward pass is regrouped with it, which
 #: changes the rounding. A swapped or recomputed ``c * x`` hides it from that rewrite.
 CONSTANT_PUSHDOWN_FAMILIES = (frozenset({"Mul", "RealDiv", "Div"}), frozenset({"Add", "AddV2", "Sub"}))
+#: Ops Grappler's arithmetic optimizer regroups as chains and trees (``AddOpsRewrite``,
+#: ``MinimizeBroadcasts``, ``HoistCommonFactorOutOfAggregation``), which changes the rounding.
+#: It regroups only through ops whose output has one reader: a gate that reads one of them
+#: (an extra reader) stops a regrouping the plain step gets. Seen on a decoder's GELU gradient
+#: (a backward ``Mul`` read by a ``Mul``): Adam's first update differed from the plain step's.
+REGROUPED_ARITHMETIC_TYPES = frozenset({"Mul", "RealDiv", "Div", "Add", "AddV2", "AddN", "Sub"})
 #: Constant producers in a traced step.
 CONSTANT_TYPES = frozenset({"Const", "HostConst"})
 

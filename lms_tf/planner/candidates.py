@@ -23,6 +23,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 from lms_tf.core.errors import LMSOptionError, UnknownSizeError
 from lms_tf.core.ir import GraphIR, OpInfo, Phase, device_kind_and_index, layer_of
 from lms_tf.core.op_kinds import (
+    REGROUPED_ARITHMETIC_TYPES,
     CONSTANT_PUSHDOWN_FAMILIES,
     CONSTANT_TYPES,
     CONTROL_FLOW_OP_TYPES,
@@ -171,9 +172,31 @@ def backward_gates(ir: GraphIR) -> List[OpInfo]:
         gradient_input = any(ir.op(ir.tensors[t].producer).phase is Phase.BACKWARD
                              and ir.op(ir.tensors[t].producer).type != "Const" for t in op.inputs)
         numeric_output = any(ir.tensors[t].dtype not in ("resource", "variant", "string") for t in op.outputs)
-        if gradient_input and numeric_output:
+        if gradient_input and numeric_output and not regrouped_with_a_reader(ir, op):
             candidates.append(op)
     return candidates
+
+
+def regrouped_with_a_reader(ir: GraphIR, op: OpInfo) -> bool:
+    """Whether Grappler's arithmetic optimizer may regroup ``op`` with the ops next to it: ``op``
+    and one of its readers or one of its inputs' producers are all
+    :data:`~lms_tf.core.op_kinds.REGROUPED_ARITHMETIC_TYPES` (a chain or a tree of them). It
+    regroups only through ops with one reader and none that waits on them, so a gate reading
+    ``op`` would change the plain step's arithmetic. Seen at run time, not in an offline run of
+    Grappler: a LayerNorm's ``beta + mean * scale + x * scale`` tree, gated at its root, was
+    summed in another order.
+
+    Examples:
+        >>> from lms_tf.core.examples import chain_ir
+        >>> ir = chain_ir()
+        >>> regrouped_with_a_reader(ir, ir.op("a"))
+        False
+    """
+    if op.type not in REGROUPED_ARITHMETIC_TYPES:
+        return False
+    readers = (c for t in op.outputs for c in ir.tensors[t].consumers)
+    producers = (ir.tensors[t].producer for t in op.inputs if t in ir.tensors)
+    return any(ir.op(name).type in REGROUPED_ARITHMETIC_TYPES for name in (*readers, *producers))
 
 
 def _accumulates(ir: GraphIR, op: OpInfo, tensor: str) -> bool:
@@ -220,7 +243,26 @@ def _ineligible(ir: GraphIR, op: OpInfo, tensor, readers, device: str, excluded_
     if _constant_pushed_into_reader(ir, op, readers):
         return ("constant factor Grappler regroups with a backward reader (ConstantPushDown); a copy or a clone "
                 "in between would change the rounding")
+    if _read_by_duplicate_backward_ops(ir, readers):
+        return ("read by two identical backward ops that Grappler merges into one (a LayerNorm's gradient "
+                "computes dy * scale twice); a copy or a clone would keep them apart and change the rounding")
     return None
+
+
+def _read_by_duplicate_backward_ops(ir: GraphIR, readers) -> bool:
+    """Whether two backward readers compute the same thing (same op type, same inputs in any
+    order): Grappler's arithmetic optimizer merges them (``DedupComputations``), and what it
+    rewrites after that, so the numbers, depends on it. When one of them reads a swap-in or a clone
+    and the other does not, or each its own copy, they are no longer the same and stay apart."""
+    seen = set()
+    for reader in readers:
+        if reader.phase is not Phase.BACKWARD:
+            continue
+        key = (reader.type, tuple(sorted(reader.inputs)))
+        if key in seen:
+            return True
+        seen.add(key)
+    return False
 
 
 def _constant_pushed_into_reader(ir: GraphIR, op: OpInfo, readers) -> bool:

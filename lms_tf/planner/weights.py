@@ -30,7 +30,7 @@ from lms_tf.core.ir import GraphIR, OpInfo, Phase, device_kind_and_index
 from lms_tf.core.op_kinds import CONTROL_FLOW_OP_TYPES, RESIDENT_TYPES, STATE_READ_TYPES
 from lms_tf.core.plan import Decision, SwapIn, WeightDecision
 from lms_tf.core.policy import Policies
-from lms_tf.planner.candidates import backward_gates
+from lms_tf.planner.candidates import backward_gates, regrouped_with_a_reader
 
 #: Reads of a variable whose value a device op takes (a gather reads on the variable's own
 #: device, so an embedding lookup moves only its rows and needs no fetch).
@@ -62,9 +62,30 @@ def forward_gates(ir: GraphIR) -> List[OpInfo]:
                       and ir.op(ir.tensors[t].producer).type not in RESIDENT_TYPES for t in op.inputs)
         numeric = any(ir.tensors[t].dtype not in ("resource", "variant", "string") for t in op.outputs)
         fused_into = any(ir.op(c).type in FUSED_AFTER_TYPES for t in op.outputs for c in ir.tensors[t].consumers)
-        if on_data and numeric and not fused_into:
+        if on_data and numeric and not fused_into and not regrouped_with_a_reader(ir, op) \
+                and not rewritten_by_grappler(ir, op):
             gates.append(op)
     return gates
+
+
+def rewritten_by_grappler(ir: GraphIR, op: OpInfo) -> bool:
+    """Whether Grappler rewrites ``op`` or one of its readers in this step
+    (:attr:`GraphIR.grappler_rewritten`): a gate reading ``op`` would stop that rewrite. Seen on
+    a decoder trained with Adam: fetches gated on its GELU's and LayerNorm's gradient ops and on a
+    kernel's gradient ``MatMul`` (which the CPU fuses with the bias gradient) made the first update
+    differ from the plain step's in the last bits.
+
+    Examples:
+        >>> import dataclasses
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> ir = dataclasses.replace(weighted_chain_ir(), grappler_rewritten=frozenset({"m2"}))
+        >>> rewritten_by_grappler(ir, ir.op("r1")), rewritten_by_grappler(ir, ir.op("loss"))   # r1 feeds m2
+        (True, False)
+    """
+    rewritten = ir.grappler_rewritten
+    if not rewritten:
+        return False
+    return op.name in rewritten or any(c in rewritten for t in op.outputs for c in ir.tensors[t].consumers)
 
 
 def weight_gates(ir: GraphIR) -> List[OpInfo]:
@@ -77,7 +98,8 @@ def weight_gates(ir: GraphIR) -> List[OpInfo]:
     """
     cached = ir.__dict__.get("_weight_gates")
     if cached is None:
-        cached = sorted(forward_gates(ir) + backward_gates(ir), key=lambda op: op.index)
+        backward = [op for op in backward_gates(ir) if not rewritten_by_grappler(ir, op)]
+        cached = sorted(forward_gates(ir) + backward, key=lambda op: op.index)
         ir.__dict__["_weight_gates"] = cached
     return cached
 
