@@ -149,8 +149,9 @@ def string_attr(op: tf.Operation, name: str) -> Optional[str]:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def clone_op(graph: tf.Graph, op: tf.Operation, inputs: List[tf.Tensor], name: str) -> tf.Operation:
-    """Creates a copy of ``op`` (same type and attributes, on the same device) reading ``inputs``.
+def clone_op(graph: tf.Graph, op: tf.Operation, inputs: List[tf.Tensor], name: str,
+             device: Optional[str] = None) -> tf.Operation:
+    """Creates a copy of ``op`` (same type and attributes, on the same device or on ``device``) reading ``inputs``.
 
     The copy has no control inputs; colocation constraints of the original are dropped.
 
@@ -166,7 +167,7 @@ def clone_op(graph: tf.Graph, op: tf.Operation, inputs: List[tf.Tensor], name: s
         ('d_clone', ['b:0'])
     """
     attrs = {key: value for key, value in op.node_def.attr.items() if key != "_class"}
-    with graph.device(op.device):
+    with graph.device(op.device if device is None else device):
         return graph._create_op_internal(  # pylint: disable=protected-access
             op.type, inputs, dtypes=[out.dtype for out in op.outputs], name=name, attrs=attrs, op_def=op.op_def)
 

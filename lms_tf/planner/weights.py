@@ -27,10 +27,16 @@ import dataclasses
 from typing import Callable, Dict, List, Mapping, Tuple
 
 from lms_tf.core.ir import GraphIR, OpInfo, Phase, device_kind_and_index
-from lms_tf.core.op_kinds import CONTROL_FLOW_OP_TYPES, RESIDENT_TYPES, STATE_READ_TYPES
+from lms_tf.core.op_kinds import CONSTANT_TYPES, CONTROL_FLOW_OP_TYPES, RESIDENT_TYPES, STATE_READ_TYPES
 from lms_tf.core.plan import Decision, SwapIn, WeightDecision
 from lms_tf.core.policy import Policies
 from lms_tf.planner.candidates import backward_gates, regrouped_with_a_reader
+
+#: Ops that give a view of a weight without computing anything (Keras 3's ``EinsumDense``, in
+#: every ``MultiHeadAttention``, reshapes its kernel before the einsum): when a read's only reader
+#: is one of them, the view is what the layer reads, forward and backward, and what is fetched.
+WEIGHT_VIEW_TYPES = frozenset({"Reshape", "Identity", "Squeeze", "ExpandDims", "StopGradient", "Snapshot",
+                               "EnsureShape"})
 
 #: Reads of a variable whose value a device op takes (a gather reads on the variable's own
 #: device, so an embedding lookup moves only its rows and needs no fetch).
@@ -181,6 +187,29 @@ def _windows(readers: List[OpInfo], groupby: int) -> List[List[OpInfo]]:
     return windows
 
 
+def weight_view(ir: GraphIR, read: str) -> str:
+    """The tensor device ops take a weight as: ``read`` itself, or, when its only reader is a view
+    of it (:data:`WEIGHT_VIEW_TYPES`, whose other inputs are constants), that view's output
+    (followed as far as views go). Fetching the view keeps the backward pass from reading a view
+    of the forward pass's copy, which would hold that copy on the device until then.
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> weight_view(weighted_chain_ir(), "w1:0")   # read by a matmul directly
+        'w1:0'
+    """
+    while True:
+        readers = ir.tensors[read].consumers
+        if len(readers) != 1:
+            return read
+        view = ir.op(readers[0])
+        if view.type not in WEIGHT_VIEW_TYPES or view.phase is not Phase.FORWARD or len(view.outputs) != 1 \
+                or view.inputs[0] != read \
+                or any(ir.op(ir.tensors[t].producer).type not in CONSTANT_TYPES for t in view.inputs[1:]):
+            return read
+        read = view.outputs[0]
+
+
 def plan_weights(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, ...]:
     """One :class:`~lms_tf.core.plan.WeightDecision` per variable the step's forward or backward
     ops read: SWAP (fetched per window) with ``weights="host"``, none with ``weights="device"``.
@@ -225,7 +254,8 @@ def plan_weights(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, ...]:
     for op in ir.ops:
         if op.type not in WEIGHT_READ_TYPES or not op.inputs or not op.outputs:
             continue
-        users = [ir.op(c) for c in ir.tensors[op.outputs[0]].consumers]
+        form = weight_view(ir, op.outputs[0])
+        users = [ir.op(c) for c in ir.tensors[form].consumers]
         users = [u for u in users if u.phase in (Phase.FORWARD, Phase.BACKWARD)
                  and not (u.device and device_kind_and_index(u.device) == host)]  # the host update reads it there
         # A layer may shape or cast its weight first (a convolution's bias reshaped, a bfloat16
@@ -235,7 +265,7 @@ def plan_weights(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, ...]:
         if not users:
             continue  # read by the update only: it runs where the variable is
         handle = op.inputs[0]
-        reads.setdefault(handle, []).append(op.outputs[0])
+        reads.setdefault(handle, []).append(form)
         readers.setdefault(handle, {}).update((u.name, u) for u in users)
     gates = weight_gates(ir)
     positions = [op.index for op in gates]

@@ -23,13 +23,14 @@ from typing import Dict
 
 import tensorflow as tf
 
+from lms_tf import _compat
 from lms_tf.core.plan import Plan
 from lms_tf.tf.rewrite.common import mark, repoint_consumers
 from lms_tf.tf.rewrite.swap import gated_swap_in
 
 
 def offloaded_reads(graph: tf.Graph, plan: Plan) -> Dict[str, tf.Tensor]:
-    """Each read of a variable the plan puts on the host -> the read its fetches copy (the first).
+    """Each read of a variable the plan puts on the host -> the host tensor its fetches copy.
 
     Examples:
         >>> offloaded_reads(tf.Graph(), Plan((), "/device:CPU:0", "/device:CPU:1", {}, {}))
@@ -37,9 +38,40 @@ def offloaded_reads(graph: tf.Graph, plan: Plan) -> Dict[str, tf.Tensor]:
     """
     sources = {}
     for weight in plan.offloaded_weights:
-        source = graph.get_tensor_by_name(weight.reads[0])
+        source = host_source(graph, weight.reads[0], plan.host)
         sources.update((read, source) for read in weight.reads)
     return sources
+
+
+def host_source(graph: tf.Graph, read: str, host: str) -> tf.Tensor:
+    """The host tensor a fetch of ``read`` copies: the variable's read itself, or for a view of it
+    (a layer that reshapes its kernel: :func:`~lms_tf.planner.weights.weight_view`) the same view
+    made on the host, once per graph. The view on the device is left without readers.
+
+    Examples:
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     with tf.device("/CPU:1"):
+        ...         v = tf.Variable(tf.ones((2, 3)), name="w")
+        ...     view = tf.reshape(v.read_value(), (3, 2), name="view")
+        ...     made = host_source(g, "view:0", "/CPU:1")
+        ...     again = host_source(g, "view:0", "/CPU:1")
+        >>> made.op.type, made.device.endswith("CPU:1"), made.shape.as_list(), again is made or again.name == made.name
+        ('Reshape', True, [3, 2], True)
+    """
+    tensor = graph.get_tensor_by_name(read)
+    if tensor.op.type == "ReadVariableOp":
+        return tensor
+    # Named after the view, so a second fetch (a window, a recompute clone) finds the first's.
+    base = "weight_view_" + tensor.op.name.replace("/", "_")
+    scope = graph.get_name_scope()
+    full = f"{scope}/{base}" if scope else base
+    if graph.unique_name(base, mark_as_used=False) != full:
+        return graph.get_operation_by_name(full).outputs[tensor.value_index]
+    inner = host_source(graph, tensor.op.inputs[0].name, host)
+    clone = _compat.clone_op(graph, tensor.op, [inner, *tensor.op.inputs[1:]], name=base, device=host)
+    mark(clone, "weight_view", keep=False)
+    return clone.outputs[tensor.value_index]
 
 
 def insert_weight_fetches(graph: tf.Graph, plan: Plan, inserted: Dict[str, int]) -> int:
@@ -71,7 +103,7 @@ def insert_weight_fetches(graph: tf.Graph, plan: Plan, inserted: Dict[str, int])
     """
     rerouted = 0
     for i, weight in enumerate(plan.offloaded_weights):
-        source = graph.get_tensor_by_name(weight.reads[0])
+        source = host_source(graph, weight.reads[0], plan.host)
         for j, fetch in enumerate(weight.fetches):
             name = f"weight_fetch_{i}_{j}"
             if fetch.trigger:
