@@ -247,10 +247,11 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
             f"tf.config.run_functions_eagerly(True).")
     ir = build_ir(graph, input_shapes=input_shapes, batch_size=request.batch_size)
     if request.plan is None and request.policies.weights == "host":
-        # A weight fetch's gate reads its trigger: on an op Grappler rewrites (or one whose reader
-        # it rewrites) that extra reader would stop the rewrite and change the numbers.
+        # A weight fetch's gate reads its trigger: on an op Grappler folds into another (an inner
+        # op of a fused or regrouped group) that extra reader would stop the rewrite and change
+        # the numbers.
         ir = dataclasses.replace(ir, grappler_rewritten=grappler_rewritten_ops(
-            graph, request.device, _grappler_memory_bytes(request)))
+            graph, request.device, _grappler_memory_bytes(request), removed_only=True))
     if irs is not None:
         irs.append(ir)
     if request.plan is not None:

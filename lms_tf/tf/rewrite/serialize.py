@@ -159,8 +159,11 @@ def serial_chain(graph: tf.Graph) -> List[tf.Operation]:
     return sorted(chained, key=lambda op: op.get_attr(SERIAL_ATTR))
 
 
-def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int) -> FrozenSet[str]:
-    """The ops of ``graph`` that TensorFlow's default Grappler pipeline fuses, folds or regroups.
+def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int, *,
+                           removed_only: bool = False) -> FrozenSet[str]:
+    """The ops of ``graph`` that TensorFlow's default Grappler pipeline fuses, folds or regroups
+    (with ``removed_only``, those it leaves out of its result: the inner ops of a fused or
+    regrouped group, whose last op keeps its name).
 
     Runs the pipeline offline, as the runtime will before the first run, with every op on one
     virtual device of ``device``'s type (the remapper's patterns differ between CPU and GPU), and
@@ -180,6 +183,8 @@ def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int) -> F
         ...     y = tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w, name="mm"), b, name="bias"), name="act")
         >>> sorted(grappler_rewritten_ops(g, "/device:CPU:0", 2**28) & {"mm", "bias", "act"})
         ['act', 'bias', 'mm']
+        >>> sorted(grappler_rewritten_ops(g, "/device:CPU:0", 2**28, removed_only=True) & {"mm", "bias", "act"})
+        ['bias', 'mm']
     """
     kind = tf.DeviceSpec.from_string(device).device_type or "CPU"
     virtual = f"/job:localhost/replica:0/task:0/device:{kind}:0"
@@ -190,6 +195,9 @@ def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int) -> F
     sinks = [op.name for op in ops if not any(t.consumers() for t in op.outputs) and not op._control_outputs]
     fetches = sorted(set(sinks) | {op.name for op in ops if _compat.op_is_stateful(op.type)})
     optimized = _compat.grappler_default_optimized(graph_def, fetches, (virtual, kind, memory_bytes))
+    if removed_only:
+        kept = {node.name for node in optimized.node}
+        return frozenset(node.name for node in graph_def.node if node.name not in kept)
     return frozenset(_changed_nodes(graph_def, optimized))
 
 
