@@ -144,6 +144,9 @@ class GraphIR:
             in this step (found by the TensorFlow side when it matters; empty when not looked
             for). A new reader of one of them, or of an op they read, can stop that rewrite
             and change the rounding, so the planner gates nothing on them.
+        host_placed: Ops the step places on the host device itself (the optimizer update under
+            ``optimizer_on_host`` or ``weights="host"``): their outputs are host memory, not the
+            device's (set by the TensorFlow side; empty when nothing is).
 
     Examples:
         >>> ir = GraphIR(ops=(), tensors={}, function_inputs=frozenset(), resolved_dims={})
@@ -157,6 +160,7 @@ class GraphIR:
     resolved_dims: Mapping[str, Tuple[Optional[int], ...]]
     data_dependent: FrozenSet[str] = frozenset()
     grappler_rewritten: FrozenSet[str] = frozenset()
+    host_placed: FrozenSet[str] = frozenset()
 
     def __post_init__(self):
         object.__setattr__(self, "_by_name", {op.name: op for op in self.ops})

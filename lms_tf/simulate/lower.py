@@ -137,7 +137,8 @@ class Lowered:
             return True  # a buffer the plan introduced
         producer = self.ir.op(info.producer)
         return not (producer.type in RESIDENT_TYPES or producer.name in self.ir.function_inputs
-                    or info.dtype in ("resource", "variant", "string") or not info.nbytes)
+                    or info.dtype in ("resource", "variant", "string") or not info.nbytes
+                    or producer.name in self.ir.host_placed)
 
     def add(self, op: Event) -> int:
         """Appends ``op`` and records it as the producer of the buffers it writes; returns its index.

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.core.errors import LMSError, LMSOptionError, UnknownSizeError, warn_once
-from lms_tf.core.ir import GraphIR
+from lms_tf.core.ir import GraphIR, device_kind_and_index
 from lms_tf.core.plan import Decision, Plan
 from lms_tf.core.policy import Policies
 from lms_tf.cost import CostModel, get_device_spec
@@ -246,6 +246,10 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
             f"there is no graph to rewrite. Remove run_eagerly=True from compile() and do not call "
             f"tf.config.run_functions_eagerly(True).")
     ir = build_ir(graph, input_shapes=input_shapes, batch_size=request.batch_size)
+    host = device_kind_and_index(request.policies.host)
+    on_host = frozenset(op.name for op in ir.ops if op.device and device_kind_and_index(op.device) == host)
+    if on_host:  # the update traced on the host (optimizer_on_host, weights="host"): host memory
+        ir = dataclasses.replace(ir, host_placed=on_host)
     if request.plan is None and request.policies.weights == "host":
         # A weight fetch's gate reads its trigger: on an op Grappler folds into another (an inner
         # op of a fused or regrouped group) that extra reader would stop the rewrite and change
