@@ -172,7 +172,7 @@ def backward_gates(ir: GraphIR) -> List[OpInfo]:
         gradient_input = any(ir.op(ir.tensors[t].producer).phase is Phase.BACKWARD
                              and ir.op(ir.tensors[t].producer).type != "Const" for t in op.inputs)
         numeric_output = any(ir.tensors[t].dtype not in ("resource", "variant", "string") for t in op.outputs)
-        if gradient_input and numeric_output and not regrouped_with_a_reader(ir, op):
+        if gradient_input and numeric_output:
             candidates.append(op)
     return candidates
 
@@ -256,7 +256,9 @@ def _read_by_duplicate_backward_ops(ir: GraphIR, readers) -> bool:
     and the other does not, or each its own copy, they are no longer the same and stay apart."""
     seen = set()
     for reader in readers:
-        if reader.phase is not Phase.BACKWARD:
+        # Arithmetic only: what Grappler regroups after merging them (shape ops and gradient
+        # kernels merged or not compute the same values).
+        if reader.phase is not Phase.BACKWARD or reader.type not in REGROUPED_ARITHMETIC_TYPES:
             continue
         key = (reader.type, tuple(sorted(reader.inputs)))
         if key in seen:
