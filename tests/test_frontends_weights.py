@@ -384,6 +384,9 @@ def test_the_update_on_the_host_runs_on_the_host_stream_timed_by_host_memory_ban
         assert all(start >= arrived for arrived in gradients_in)
         assert sim.step_time_s >= end
     assert any(e.duration > 0 for e in host_events)
+    # Every copy's bytes leave the in-flight count when it ends (a weight fetch's too: its host
+    # side is the variable, whose handle has no size).
+    assert sim.timeline[-1][2] == sim.timeline[-1][3] == 0 and max(t[3] for t in sim.timeline) > 0
     untimed = CostModel(dataclasses.replace(spec, host_memory_bytes_per_s=None))
     assert all(e.duration == 0 for e in lower(ir, plan, untimed).ops if e.stream == HOST_COMPUTE_STREAM)
     assert simulate(ir, plan, cost=untimed).step_time_s <= sim.step_time_s

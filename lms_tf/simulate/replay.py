@@ -173,6 +173,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
     by_kind: Dict[Optional[str], int] = {None: 0, RECOMPUTE_PREFIX: 0, SWAP_IN_PREFIX: 0}  # bytes per _kind
     peak_op, alive_at_peak = "", {}
     in_flight = [0] * len(STREAMS)
+    copying: Dict[int, int] = {}  # copy event -> the bytes it put in flight (a weight fetch's are the weight's)
     timeline: List[Tuple[float, int, int, int, int, int]] = []
     now = peak_time = 0.0
     intervals: Dict[str, Tuple[float, float]] = {}
@@ -246,6 +247,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
             nbytes = sum(n for _, n in op.writes) if stream == TO_DEVICE_STREAM \
                 else sum(builder.ir.tensors[r].nbytes or 0 for r in op.reads)
             in_flight[stream] += nbytes
+            copying[i] = nbytes  # what its end takes off again
             swap_bytes[stream] += nbytes
             if stream == TO_HOST_STREAM:
                 on_host_alive[op.writes[0][0] if op.writes else op.name] = nbytes
@@ -265,9 +267,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
         if allocations is not None and op.workspace:
             allocations.append(("free", f"workspace/{op.name}", 0))
         if op.stream in (TO_HOST_STREAM, TO_DEVICE_STREAM):
-            in_flight[op.stream] -= sum(builder.ir.tensors[r[len("host/"):]].nbytes or 0 for r in op.reads
-                                        if r.startswith("host/")) if op.stream == TO_DEVICE_STREAM else \
-                sum(builder.ir.tensors[r].nbytes or 0 for r in op.reads)
+            in_flight[op.stream] -= copying.pop(i, 0)
         for key in dict.fromkeys(op.reads):  # TensorFlow's executor releases inputs in order
             uses[key] -= 1
             if uses[key] <= 0:
