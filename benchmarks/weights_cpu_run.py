@@ -30,7 +30,7 @@ import lms_tf  # noqa: E402
 from benchmarks.publish import OUT, publish  # noqa: E402
 from lms_tf.cli.workload import devices  # noqa: E402
 from lms_tf.tf.diagnostics import virtual_gpu_peak  # noqa: E402
-from lms_tf.tf.workloads import decoder_lm, decoder_lm_params  # noqa: E402
+from lms_tf.tf.workloads import decoder_lm, decoder_lm_params, train_step  # noqa: E402
 
 WIDTH, DEPTH, SEQ_LEN, VOCAB, BATCH, STEPS = 512, 4, 32, 1024, 1, 10
 MiB = 2**20
@@ -40,13 +40,7 @@ def train(budget=None):
     keras.utils.set_random_seed(0)
     model = decoder_lm(width=WIDTH, depth=DEPTH, seq_len=SEQ_LEN, vocab=VOCAB)
     optimizer = keras.optimizers.Adam()
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        return loss
+    step = train_step(model, optimizer)
 
     if budget is None:
         fn = tf.function(step)

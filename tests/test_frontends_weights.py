@@ -395,18 +395,12 @@ def test_the_update_on_the_host_runs_on_the_host_stream_timed_by_host_memory_ban
 def _gpt_style_run(lms: bool, steps: int = 10, width=256, seq_len=64, vocab=2048, batch=2, budget="64MiB"):
     """``lms_tf.tf.workloads.decoder_lm`` (pre-norm blocks, MultiHeadAttention's EinsumDense
     projections, GELU, a tied embedding; 4 blocks) trained with Keras's default Adam in a custom loop."""
-    from lms_tf.tf.workloads import decoder_lm
+    from lms_tf.tf.workloads import decoder_lm, train_step
 
     keras.utils.set_random_seed(0)
     model = decoder_lm(width=width, depth=4, seq_len=seq_len, vocab=vocab)
     optimizer = keras.optimizers.Adam()
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        return loss
+    step = train_step(model, optimizer)  # the workloads' step: sparse cross-entropy, tape, update
 
     if lms:
         optimizer.build(model.trainable_variables)
