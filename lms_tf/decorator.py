@@ -120,7 +120,7 @@ class LMSFunction:
             from lms_tf.tf.variables import variables_created_on
 
             stack.enter_context(variables_created_on(self.options.host))  # slots, lazily built layers
-        on_host = self.options.optimizer_on_host or self.options.weights == "host"
+        on_host = self.options.optimizer_on_host or self.options.weights != "device"
         if on_host and managed:
             stack.enter_context(intercept_optimizer_updates(
                 host_update_hook(self.options.host, api=_API), order=HOST_UPDATE_ORDER))

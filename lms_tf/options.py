@@ -222,13 +222,17 @@ class LMSOptions:
             raise LMSOptionError(
                 f"plan= and budget={budget!r} both decide what to move; pass one. A plan made with a budget "
                 f"already holds its decisions (`lms-tf plan --budget ... --out plan.json`).")
+        if self.weights == "auto" and self.budget is None and self.plan is None:
+            raise LMSOptionError("weights='auto' lets the budget planner choose which variables live on the host, "
+                                 "so it needs a budget; received budget=None. Pass budget= (bytes, '25%' or 'auto'), "
+                                 "or weights='host' to put every variable on the host.")
         if not swap and not self.recompute and not optimizer_on_host and not horovod and not serialize \
                 and self.plan is None and self.weights == "device":
             raise LMSOptionError(
                 "swap=False and recompute=False leave nothing to do; pass recompute='sqrt' or 'cheap' "
                 "(or a list of layer names) to recompute, optimizer_on_host=True, serialize=True, or "
                 "leave swap=True.")
-        if (self.swap or optimizer_on_host or self.weights == "host") and self.device is not None \
+        if (self.swap or optimizer_on_host or self.weights != "device") and self.device is not None \
                 and self.device == self.host:
             raise LMSOptionError(
                 f"device and host are the same device ({self.device}); swapping to the device "

@@ -25,11 +25,13 @@ from lms_tf._compat.graph import (
                                   function_def,
                                   infer_shapes_with_inputs,
                                   is_function_graph,
+                                  move_variable_in_place,
                                   op_is_stateful,
                                   set_bool_attr,
                                   set_int_attr,
                                   set_string_attr,
                                   string_attr,
+                                  traced_variables,
                                   update_input,
 )
 from lms_tf._compat.grappler import (

@@ -273,3 +273,58 @@ def op_is_stateful(op_type: str) -> bool:
 
     op_def = op_def_registry.get(op_type)
     return True if op_def is None else bool(op_def.is_stateful)
+
+
+def traced_variables(graph: tf.Graph) -> List[tf.Variable]:
+    """The variables a ``tf.function`` being traced has read so far (its ``variables`` are set only
+    when the trace ends).
+
+    Examples:
+        >>> v = tf.Variable(1.0)
+        >>> @tf.function
+        ... def f():
+        ...     seen.extend(traced_variables(tf.compat.v1.get_default_graph()))
+        ...     return v + 1.0
+        >>> seen = []
+        >>> _ = f.get_concrete_function(); seen == [] or seen[0] is v
+        True
+    """
+    watched = list(getattr(graph, "_watched_variables", ()))  # pylint: disable=protected-access
+    return watched + [v for v in getattr(graph, "variables", ()) if all(v is not w for w in watched)]
+
+
+#: The parts of a ``ResourceVariable`` that name its resource; :func:`move_variable_in_place` swaps them.
+_RESOURCE_ATTRS = ("_handle", "_cached_value", "_graph_element", "_initializer_op", "_is_initialized_op")
+
+
+def move_variable_in_place(variable: tf.Variable, device: str, graph: Optional[tf.Graph] = None) -> None:
+    """Moves ``variable`` to ``device`` keeping the Python object: a new resource there takes its
+    value, and the object (so every Keras variable, optimizer index and tape that holds it) now
+    names that resource. ``weights="auto"`` decides where a variable lives while the step is
+    traced, after the step has read it: ``graph`` (the trace) is re-pointed from the old handle to
+    the new one. Other functions traced before keep the old resource: they must be traced again.
+
+    Examples:
+        >>> v = tf.Variable([1.0, 2.0])
+        >>> move_variable_in_place(v, "/CPU:0")
+        >>> v.device.endswith("CPU:0"), v.numpy().tolist()
+        (True, [1.0, 2.0])
+    """
+    old_handle = variable.handle
+    with tf.init_scope(), tf.device(device):
+        moved = tf.Variable(variable.read_value(), dtype=variable.dtype, trainable=variable.trainable,
+                            name=variable.name.split(":")[0], aggregation=variable.aggregation,
+                            synchronization=variable.synchronization)
+    missing = [attr for attr in _RESOURCE_ATTRS if not hasattr(variable, attr)]
+    if missing:
+        raise LMSError(f"TensorFlow {tf.__version__}'s ResourceVariable lacks {missing}, which lms-tf swaps to "
+                       f"move a variable to the host (weights='auto'). Use weights='host' with "
+                       f"lms_tf.place_weights, or a tested TensorFlow (see README).")
+    for attr in _RESOURCE_ATTRS:
+        setattr(variable, attr, getattr(moved, attr))
+    if graph is not None:
+        captures = graph._function_captures  # pylint: disable=protected-access
+        pairs = list(graph.captures)
+        if any(external is old_handle for external, _ in pairs):
+            captures.reset_captures([variable.handle if external is old_handle else external for external, _ in pairs],
+                                    [internal for _, internal in pairs])

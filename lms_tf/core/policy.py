@@ -194,25 +194,28 @@ def resolve_budget(budget: Budget, *, baseline_peak_bytes: int, memory_bytes: in
     return int(budget)
 
 
-#: Where ``weights=`` may put the variables.
-WEIGHT_PLACES = ("device", "host")
+#: Where ``weights=`` may put the variables: all on the device, all on the host, or each where
+#: the budget planner puts it.
+WEIGHT_PLACES = ("device", "host", "auto")
 
 
 def parse_weights(value: Any) -> str:
-    """Checks ``weights=``: ``"device"`` (variables resident) or ``"host"`` (fetched per window).
+    """Checks ``weights=``: ``"device"`` (variables resident), ``"host"`` (fetched per window) or
+    ``"auto"`` (the budget planner chooses per variable).
 
     Examples:
-        >>> parse_weights("host")
-        'host'
+        >>> parse_weights("auto")
+        'auto'
         >>> parse_weights("cpu")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        lms_tf.LMSOptionError: weights must be 'device' or 'host'; received 'cpu' (str)...
+        lms_tf.LMSOptionError: weights must be 'device', 'host' or 'auto'; received 'cpu' (str)...
     """
     if value not in WEIGHT_PLACES:
-        raise LMSOptionError(f"weights must be 'device' or 'host'; received {describe(value)}. 'host' keeps the "
-                             f"variables in host memory and copies each to the device just before the layers "
-                             f"that read it; 'device' (the default) keeps them on the device.")
+        raise LMSOptionError(f"weights must be 'device', 'host' or 'auto'; received {describe(value)}. 'host' "
+                             f"keeps the variables in host memory and copies each to the device just before the "
+                             f"layers that read it; 'auto' moves only the variables the budget planner needs "
+                             f"moved; 'device' (the default) keeps them on the device.")
     return value
 
 
@@ -330,8 +333,10 @@ class Policies:
             layer names / op-name patterns to recompute.
         exclude: Layer names or op-name patterns whose tensors are never moved.
         budget: None (the TFLMS rule), bytes, a fraction of the plain peak, or ``"auto"``.
-        weights: Where the variables live: ``"device"`` (resident, the default) or ``"host"``
-            (each device read is a copy fetched just before its window of readers).
+        weights: Where the variables live: ``"device"`` (resident, the default), ``"host"``
+            (each device read is a copy fetched just before its window of readers) or ``"auto"``
+            (needs a ``budget``: the optimizer's slots on the host, and each weight on the host
+            only when the budget needs it, the fewest link seconds first).
         host_budget: Host memory one process's step may hold (bytes or ``"64GiB"``-style text):
             weights and slots on the host, swapped tensors, gradients copied out. None: the
             machine's physical memory (:func:`machine_memory_bytes`).

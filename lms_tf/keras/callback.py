@@ -118,7 +118,13 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
             moved = place_weights(model, getattr(model, "optimizer", None), options.host)
             logger.info("%s(weights='host'): %d variables of %r moved to %s; each is copied to the device per "
                         "window of the layers that read it", _API, moved, model.name, options.host)
-        on_host = options.optimizer_on_host or options.weights == "host"
+        if options.weights == "auto":
+            # The plan, made while the first step is traced, moves the variables it puts on the
+            # host then; functions traced before (evaluate, predict) would read the old copies.
+            for cached in ("test_function", "predict_function"):
+                if getattr(model, cached, None) is not None:
+                    setattr(model, cached, None)
+        on_host = options.optimizer_on_host or options.weights != "device"
         host_hook = host_update_hook(options.host, api=_API) if on_host else None
 
         def lms_hook(step):

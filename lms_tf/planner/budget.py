@@ -53,16 +53,17 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 from lms_tf.core.errors import LMSOptionError, host_budget_error, infeasible
 from lms_tf.core.ir import GraphIR
-from lms_tf.core.plan import Decision, Plan, Predictions
+from lms_tf.core.plan import Decision, Plan, Predictions, WeightDecision
 from lms_tf.core.policy import Policies, format_bytes, machine_memory_bytes, resolve_budget
 from lms_tf.cost.model import CostModel
 from lms_tf.planner.candidates import UNSIZED_LOOP_REASON
 from lms_tf.planner.search import BudgetSearch
 from lms_tf.planner.step import PlanningStep
+from lms_tf.planner.weights import weight_candidates
 from lms_tf.simulate import host_resident
 from lms_tf.simulate.bounds import fit_lower_bound
 
@@ -137,33 +138,114 @@ def _make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, scope_ali
     started = time.perf_counter()
     spec = cost.device
     step = PlanningStep.build(ir, policies, device=device, cost=cost, scope_aliases=scope_aliases)
-    search = BudgetSearch(step)
     baseline = step.baseline
-    budget_bytes = resolve_budget(policies.budget, baseline_peak_bytes=baseline.peak_bytes,
-                                  memory_bytes=spec.memory_bytes, device_name=spec.name, resident=step.resident)
-    plan, sim, label, floor = search.fit(budget_bytes)
+    total_bytes = None
+    if policies.weights == "auto":
+        # The budget is the device's memory for the whole step, the variables that stay included:
+        # only then does moving one to the host make room.
+        total_bytes = resolve_budget(policies.budget, baseline_peak_bytes=baseline.peak_bytes + step.resident,
+                                     memory_bytes=spec.memory_bytes, device_name=spec.name, resident=0)
+        step, search, (plan, sim, label, floor) = _choose_weights_on_host(step, total_bytes)
+        budget_bytes = total_bytes - step.resident
+        floor = floor if floor is None else floor + step.resident
+    else:
+        budget_bytes = resolve_budget(policies.budget, baseline_peak_bytes=baseline.peak_bytes,
+                                      memory_bytes=spec.memory_bytes, device_name=spec.name, resident=step.resident)
+        search = BudgetSearch(step)
+        plan, sim, label, floor = search.fit(budget_bytes)
     if sim.held_bytes > budget_bytes:
         counted = "in TensorFlow's allocator's whole chunks" if floor > sim.peak_bytes else "simulated"
         kinds = " and ".join(k for k, on in (("swapping", policies.swap), ("recomputing", policies.recompute)) if on)
         hint = ("" if policies.swap and policies.recompute else
                 f", or allow {'recompute' if not policies.recompute else 'swap'} too")
+        asked = budget_bytes if total_bytes is None else total_bytes
+        counting = "" if total_bytes is None else " with every variable on the host (weights='auto' counts them)"
         raise infeasible(
-            f"budget {_bytes_text(budget_bytes)} is infeasible on {spec.name}: the plain step peaks at "
-            f"{_bytes_text(baseline.peak_bytes)} (simulated) and {kinds or 'moving'} every movable tensor still "
-            f"needs {_bytes_text(floor)} ({counted}). The smallest feasible budget is about {_bytes_text(floor)}; "
-            f"pass budget >= that, "
+            f"budget {_bytes_text(asked)} is infeasible on {spec.name}: the plain step peaks at "
+            f"{_bytes_text(baseline.peak_bytes)} (simulated) and {kinds or 'moving'} every movable tensor{counting} "
+            f"still needs {_bytes_text(floor)} ({counted}). The smallest feasible budget is about "
+            f"{_bytes_text(floor)}; pass budget >= that, "
             f"a smaller batch{hint}.{_what_stays(plan)}",
-            budget_bytes, floor)
+            asked, floor)
     _check_host_memory(step, plan, sim.host_peak_bytes)
     logger.info("lms-tf planner: %s peak %.1f -> %.1f MiB (budget %.1f MiB; recompute %s; %d simulations) "
                 "in %.2f s", spec.name, baseline.peak_bytes / 2**20, sim.peak_bytes / 2**20, budget_bytes / 2**20,
                 label, search.check.simulations, time.perf_counter() - started)
-    return dataclasses.replace(plan, budget_bytes=budget_bytes, device_spec=spec.name, predictions=Predictions(
+    return dataclasses.replace(plan, budget_bytes=budget_bytes if total_bytes is None else total_bytes,
+                               device_spec=spec.name, predictions=Predictions(
         baseline_peak_bytes=baseline.peak_bytes, planned_peak_bytes=sim.peak_bytes,
         planned_allocator_peak_bytes=sim.allocator_peak_bytes, baseline_step_time_s=baseline.step_time_s,
         predicted_step_time_s=sim.step_time_s, feasible=True, bytes_to_host=sim.swap_out_bytes,
         bytes_to_device=sim.swap_in_bytes, host_peak_bytes=sim.host_peak_bytes,
         **_least_time_to_fit(step, budget_bytes)))
+
+
+def offload_order(step: PlanningStep) -> List[WeightDecision]:
+    """``weights="auto"``: the variables in the order the planner puts them on the host, the least
+    link time per byte freed first. A weight on the host frees its bytes of device memory for the
+    whole step and costs a copy per window of its readers, each copy a fixed latency plus its
+    bytes over the link: large weights read in few windows come first, a bias (latency for a few
+    bytes) or a weight shared by many layers last.
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> step = PlanningStep.build(weighted_chain_ir(), Policies(weights="auto", budget="50%", swapin_groupby=1),
+        ...                           device="/device:GPU:0", cost=CostModel(get_device_spec("v100-16gb-pcie3")))
+        >>> [(w.variable, len(w.fetches)) for w in offload_order(step)]   # w1: the forward read only
+        [('w1:0', 1), ('w2:0', 2)]
+    """
+    def seconds_per_byte(weight: WeightDecision) -> float:
+        nbytes = max(1, weight.nbytes or 0)
+        return len(weight.fetches) * step.cost.transfer_time(nbytes, "host_to_device") / nbytes
+
+    return sorted(weight_candidates(step.ir, step.policies), key=lambda w: (seconds_per_byte(w), w.variable))
+
+
+def _choose_weights_on_host(step: PlanningStep, total_bytes: int):
+    """``weights="auto"``: the fewest variables on the host (in :func:`offload_order`) with which
+    the step fits ``total_bytes`` of device memory, the variables that stay counted, then whether
+    moving more makes the step faster (fewer activations to swap or recompute). Each count tried
+    is one budget search for what the resident variables leave; fitting grows with the count, so
+    the least is found by bisection. Returns the chosen step, its search and its result; when
+    nothing fits, those with every variable on the host (whose floor the error names)."""
+    order = offload_order(step)
+    tried: Dict[int, tuple] = {}
+
+    def attempt(count: int):
+        if count not in tried:
+            chosen = step.with_offloaded(frozenset(w.variable for w in order[:count]))
+            search = BudgetSearch(chosen)
+            result = search.fit(max(0, total_bytes - chosen.resident))
+            tried[count] = (chosen, search, result)
+            needed = chosen.resident + result[1].held_bytes
+            logger.info("lms-tf planner, weights='auto': %d of %d variables on the host (%.1f MiB): the step needs "
+                        "%.1f MiB of the device (%.1f MiB of it resident variables), budget %.1f MiB: %s, "
+                        "predicted %.4f s", count, len(order), sum(w.nbytes or 0 for w in order[:count]) / 2**20,
+                        needed / 2**20, chosen.resident / 2**20, total_bytes / 2**20,
+                        "fits" if needed <= total_bytes else "does not fit", result[1].step_time_s)
+        return tried[count]
+
+    def fits(count: int) -> bool:
+        chosen, _, result = attempt(count)
+        return chosen.resident + result[1].held_bytes <= total_bytes
+
+    if fits(0) or not order or not fits(len(order)):
+        return attempt(0) if fits(0) or not order else attempt(len(order))
+    low, high = 0, len(order)  # low does not fit, high fits
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    # Moving more than the least may free enough to swap or recompute less: try twice as many, and all.
+    for count in {min(len(order), 2 * high), len(order)}:
+        fits(count)
+    fitting = [count for count in tried if fits(count)]
+    best = min(fitting, key=lambda count: (tried[count][2][1].step_time_s, count))
+    chosen, search, (plan, sim, label, floor) = tried[best]
+    kept = [dataclasses.replace(w, decision=Decision.KEEP, fetches=(),
+                                reason="weights='auto': stays on the device (the budget fits without moving it)")
+            for w in order[best:]]
+    return chosen, search, (dataclasses.replace(plan, weights=plan.weights + tuple(kept)), sim, label, floor)
 
 
 def _check_host_memory(step: PlanningStep, plan: Plan, needed: int) -> None:

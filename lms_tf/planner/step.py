@@ -20,7 +20,7 @@ from lms_tf.core.policy import Policies
 from lms_tf.cost.model import CostModel
 from lms_tf.planner.candidates import Candidates, collect_candidates
 from lms_tf.planner.weights import plan_weights
-from lms_tf.simulate import Simulation, pool_history, resident_buffers, simulate, variables_on_host
+from lms_tf.simulate import Simulation, optimizer_slots, pool_history, resident_buffers, simulate, variables_on_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,8 @@ class PlanningStep:
         resident: Bytes of the variables resident on the device.
         pool_history: What the process allocated before its first step (the allocator's free chunks
             depend on it: Keras builds each kernel through two temporaries of its size).
+        offloaded: With ``weights="auto"``, the handles of the weights planned on the host (the
+            budget planner tries several); None otherwise.
 
     Examples:
         >>> PlanningStep.build.__doc__.splitlines()[0]
@@ -59,6 +61,7 @@ class PlanningStep:
     forward_seconds: float
     resident: int
     pool_history: List[Tuple[str, str, int]]
+    offloaded: Optional[FrozenSet[str]] = None
 
     @classmethod
     def example(cls) -> "PlanningStep":
@@ -74,9 +77,36 @@ class PlanningStep:
         return cls.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
                          cost=CostModel(get_device_spec("gh200-96gb-c2c")))
 
+    def with_offloaded(self, offloaded: FrozenSet[str]) -> "PlanningStep":
+        """The same step with ``weights="auto"``'s choice ``offloaded`` (the handles of the weights
+        on the host): what is resident changes; the plain simulation and the candidates do not.
+
+        Examples:
+            >>> from lms_tf.core import Policies
+            >>> from lms_tf.core.examples import weighted_chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> step = PlanningStep.build(weighted_chain_ir(), Policies(weights="auto", budget="50%"),
+            ...                           device="/device:GPU:0", cost=CostModel(get_device_spec("v100-16gb-pcie3")))
+            >>> step.resident, step.with_offloaded(frozenset({"w1:0"})).resident
+            (524288, 262144)
+        """
+        on_host = self._on_host(self.ir, self.policies, offloaded)
+        return dataclasses.replace(self, offloaded=offloaded, pool_history=pool_history(self.ir, on_host=on_host),
+                                   resident=sum(nbytes for _, nbytes in resident_buffers(self.ir, on_host)))
+
+    @staticmethod
+    def _on_host(ir: GraphIR, policies: Policies, offloaded: Optional[FrozenSet[str]]) -> FrozenSet[str]:
+        # weights="host": the offloaded weights and the optimizer's slots are not resident;
+        # weights="auto" keeps the slots on the host whatever it does with the weights.
+        on_host = variables_on_host(ir, {w.variable for w in plan_weights(ir, policies, offloaded)})
+        if policies.weights == "auto":
+            on_host |= optimizer_slots(ir)
+        return on_host
+
     @classmethod
     def build(cls, ir: GraphIR, policies: Policies, *, device: str, cost: CostModel,
-              scope_aliases: Optional[Mapping[str, str]] = None) -> "PlanningStep":
+              scope_aliases: Optional[Mapping[str, str]] = None,
+              offloaded: Optional[FrozenSet[str]] = None) -> "PlanningStep":
         """Simulates the plain step once and finds the candidates.
 
         Examples:
@@ -87,8 +117,7 @@ class PlanningStep:
             0.0
         """
         aliases = dict(scope_aliases or {})
-        # weights="host": the offloaded weights and the optimizer's slots are not resident
-        on_host = variables_on_host(ir, {w.variable for w in plan_weights(ir, policies)})
+        on_host = cls._on_host(ir, policies, offloaded)
         found = collect_candidates(ir, policies, device=device, scope_aliases=aliases)
         op_times: Dict[str, float] = {op.name: cost.op_time(ir, op) for op in ir.ops}
         baseline = simulate(ir, None, cost=cost, top=None, op_times=op_times)
@@ -97,4 +126,4 @@ class PlanningStep:
                    eligible=frozenset(found.eligible), op_times=op_times, baseline=baseline,
                    forward_seconds=min(backward_starts, default=baseline.compute_time_s),
                    resident=sum(nbytes for _, nbytes in resident_buffers(ir, on_host)),
-                   pool_history=pool_history(ir, on_host=on_host))
+                   pool_history=pool_history(ir, on_host=on_host), offloaded=offloaded)

@@ -209,7 +209,9 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
              orderings: Tuple[Ordering, ...] = (), leads: Optional[Mapping[str, float]] = None) -> Plan:
     """The plan of these choices: ``swap`` swapped (timed by :func:`timed_swap`, with ``leads`` scaling
     their head starts), ``recomputed`` recomputed, the rest kept; with ``tools.throttle`` the forward pass
-    waits for its copies out and swap-ins lag behind the compute.
+    waits for its copies out and swap-ins lag behind the compute, and each weight fetch keeps the rule's
+    trigger (``swapin_ahead`` gates before its window) instead of the earliest that hides its copy (a
+    link-bound step fetches every weight at its start to save time, and holds them all).
 
     Examples:
         >>> from lms_tf.core.examples import MiB
@@ -236,7 +238,7 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
         decisions.update(lagged_swap_ins(step, [decisions[d.tensor] for d in swapped]))
     return Plan(decisions=tuple(decisions[n] for n in found.order), device=step.device, host=policies.host,
                 policies=policies.to_dict(), phase_counts=ir.phase_counts(), orderings=orderings,
-                weights=timed_weights(step))
+                weights=(plan_weights(step.ir, policies, step.offloaded) if tools.throttle else timed_weights(step)))
 
 
 def timed_weights(step: PlanningStep):
@@ -248,7 +250,7 @@ def timed_weights(step: PlanningStep):
         >>> timed_weights(PlanningStep.example())   # weights on the device: nothing to time
         ()
     """
-    planned = plan_weights(step.ir, step.policies)
+    planned = plan_weights(step.ir, step.policies, step.offloaded)
     if not planned:
         return planned
     timed = step.__dict__.get("_timed_weights")  # one step: one IR, policies, cost and baseline

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Callable, Dict, List, Mapping, Tuple
+from typing import AbstractSet, Callable, Dict, List, Mapping, Optional, Tuple
 
 from lms_tf.core.ir import GraphIR, OpInfo, Phase, device_kind_and_index
 from lms_tf.core.op_kinds import CONSTANT_TYPES, CONTROL_FLOW_OP_TYPES, RESIDENT_TYPES, STATE_READ_TYPES
@@ -210,9 +210,12 @@ def weight_view(ir: GraphIR, read: str) -> str:
         read = view.outputs[0]
 
 
-def plan_weights(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, ...]:
+def plan_weights(ir: GraphIR, policies: Policies,
+                 offloaded: Optional[AbstractSet[str]] = None) -> Tuple[WeightDecision, ...]:
     """One :class:`~lms_tf.core.plan.WeightDecision` per variable the step's forward or backward
     ops read: SWAP (fetched per window) with ``weights="host"``, none with ``weights="device"``.
+    With ``weights="auto"``, those of the variables in ``offloaded`` (their handles: the budget
+    planner's choice among :func:`weight_candidates`), none when it is None.
 
     Cached on the IR per ``(swapin_ahead, swapin_groupby, host)``: the budget planner assembles
     many plans of one step.
@@ -226,9 +229,25 @@ def plan_weights(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, ...]:
         [('(start)', ('m1',))]
         >>> [(f.trigger, f.consumers) for f in w2.fetches]   # the forward layer, then its input's gradient
         [('r1', ('m2',)), ('loss', ('gx2',))]
+        >>> [w.variable for w in plan_weights(weighted_chain_ir(), Policies(weights="auto", budget="50%"), {"w2:0"})]
+        ['w2:0']
     """
-    if policies.weights != "host":
+    if policies.weights == "device" or (policies.weights == "auto" and not offloaded):
         return ()
+    every = weight_candidates(ir, policies)
+    return every if policies.weights == "host" else tuple(w for w in every if w.variable in offloaded)
+
+
+def weight_candidates(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, ...]:
+    """Every variable the device reads that could live on the host, each fetched per window
+    (what ``weights="host"`` plans; ``weights="auto"`` chooses among them), in the order of the
+    step's first reads.
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> [w.variable for w in weight_candidates(weighted_chain_ir(), Policies())]
+        ['w1:0', 'w2:0']
+    """
     key = (policies.swapin_ahead, policies.swapin_groupby, policies.host)
     cache = ir.__dict__.setdefault("_planned_weights", {})
     if key in cache:

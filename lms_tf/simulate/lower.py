@@ -29,7 +29,7 @@ from lms_tf.core.op_kinds import (
 )
 from lms_tf.core.plan import Decision, Plan
 from lms_tf.cost.model import CostModel
-from lms_tf.simulate.pool import variables_on_host
+from lms_tf.simulate.pool import optimizer_slots, variables_on_host
 
 #: Kernel libraries whose scratch memory :func:`simulate` models (``kernels=``). ``"cudnn"`` (a GPU)
 #: and ``"eigen"`` (TensorFlow's CPU kernels with ``TF_ENABLE_ONEDNN_OPTS=0``) take convolution
@@ -429,6 +429,8 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
             extra_deps[waiter].extend(ordering.after)
     at_start: List[Event] = []  # weight fetches nothing on the device runs before
     b.on_host = variables_on_host(ir, [w.variable for w in plan.offloaded_weights] if plan is not None else ())
+    if plan is not None and plan.policies.get("weights") == "auto":  # the slots live on the host whatever moves
+        b.on_host |= optimizer_slots(ir)
     for weight in plan.offloaded_weights if plan is not None else ():
         reads, nbytes = set(weight.reads), weight.nbytes or 0
         for i, fetch in enumerate(weight.fetches):

@@ -58,8 +58,27 @@ def optimizer_slots(ir: GraphIR) -> frozenset:
     phases: Dict[str, set] = {}
     for op in ir.ops:
         if op.type == "ReadVariableOp" and op.inputs:
-            phases.setdefault(op.inputs[0], set()).add(op.phase)
-    return frozenset(handle for handle, seen in phases.items() if seen == {Phase.UPDATE})
+            seen = phases.setdefault(op.inputs[0], set())
+            seen.add(op.phase)
+            if _feeds_the_backward_pass(ir, op):
+                seen.add(Phase.BACKWARD)
+    # In a custom loop's trace some of the update's reads of a slot are tagged forward (the phases
+    # follow data edges, and the update's last assign reads only a slot); a slot is still never
+    # read on the way to a gradient, which every trained weight is.
+    return frozenset(handle for handle, seen in phases.items()
+                     if Phase.UPDATE in seen and Phase.BACKWARD not in seen)
+
+
+def _feeds_the_backward_pass(ir: GraphIR, op, hops: int = 3) -> bool:
+    """Whether an output of ``op`` is read by a backward op within ``hops`` ops."""
+    if hops == 0:
+        return False
+    for t in op.outputs:
+        for name in ir.tensors[t].consumers:
+            consumer = ir.op(name)
+            if consumer.phase is Phase.BACKWARD or _feeds_the_backward_pass(ir, consumer, hops - 1):
+                return True
+    return False
 
 
 def host_resident(ir: GraphIR, on_host: Collection[str] = ()) -> List[Tuple[str, int]]:

@@ -250,7 +250,7 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
     on_host = frozenset(op.name for op in ir.ops if op.device and device_kind_and_index(op.device) == host)
     if on_host:  # the update traced on the host (optimizer_on_host, weights="host"): host memory
         ir = dataclasses.replace(ir, host_placed=on_host)
-    if request.plan is None and request.policies.weights == "host":
+    if request.plan is None and request.policies.weights != "device":
         # A weight fetch's gate reads its trigger: on an op Grappler folds into another (an inner
         # op of a fused or regrouped group) that extra reader would stop the rewrite and change
         # the numbers.
@@ -267,6 +267,8 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
         except UnknownSizeError as err:
             warn_once(f"unknown-size:{api}:{err.shape}", unknown_size_message(api, err))
             return None
+    if plan.policies.get("weights") == "auto":
+        move_planned_weights(graph, plan, api=api)
     plan = check_weights_on_host(graph, plan, api=api)
     report = apply_plan(graph, ir, plan)
     _log_once(f"{plan.one_line()} (inserted {report.inserted})")
@@ -275,6 +277,46 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
         edges = impose_order(graph, simulated_ranks(graph, ir, plan, request.cost_model()), leave_free=fused)
         logger.info("serialized graph %s in the simulated order (%d control edges)", graph.name, edges)
     return plan
+
+
+def move_planned_weights(graph: tf.Graph, plan: Plan, *, api: str) -> int:
+    """``weights="auto"``: moves each variable the plan puts on the host and the step being traced
+    reads from the device, and each the plan keeps on the device that an earlier trace moved to the
+    host back, and points the trace at the moved variables. The plan is made from the traced step,
+    so this happens while it is traced; the variable objects stay the same (Keras's and the
+    optimizer's references hold). Returns how many moved.
+
+    Examples:
+        >>> move_planned_weights(tf.Graph(), Plan((), "/device:CPU:0", "/device:CPU:1", {}, {}), api="doc")
+        0
+    """
+    by_placeholder = {internal.name: external for external, internal in getattr(graph, "captures", ())}
+    by_handle = {id(v.handle): v for v in _compat.traced_variables(graph)}
+    moved, nbytes, back = [], 0, []
+    for weight in plan.weights:
+        variable = by_handle.get(id(by_placeholder.get(weight.variable)))
+        if variable is None:
+            continue  # not a captured variable of this trace: check_weights_on_host names it
+        to_host = weight.decision is Decision.SWAP
+        if _same_device(variable.device, plan.host) == to_host:
+            continue
+        _compat.move_variable_in_place(variable, plan.host if to_host else plan.device, graph)
+        if to_host:
+            moved.append(variable.name)
+            nbytes += weight.nbytes or 0
+        else:
+            back.append(variable.name)
+    if moved or back:
+        logger.info("%s(weights='auto'): the plan moved %d of %d variables (%.1f MiB) to %s%s, e.g. %s; functions "
+                    "traced before that read them must be traced again", api, len(moved), len(plan.weights),
+                    nbytes / 2**20, plan.host, f" and {len(back)} back to {plan.device}" if back else "",
+                    ", ".join((moved + back)[:3]))
+    return len(moved) + len(back)
+
+
+def _same_device(a: str, b: str) -> bool:
+    spec_a, spec_b = tf.DeviceSpec.from_string(a or ""), tf.DeviceSpec.from_string(b or "")
+    return (spec_a.device_type, spec_a.device_index or 0) == (spec_b.device_type, spec_b.device_index or 0)
 
 
 def check_weights_on_host(graph: tf.Graph, plan: Plan, *, api: str) -> Plan:
