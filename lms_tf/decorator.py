@@ -123,7 +123,8 @@ class LMSFunction:
         on_host = self.options.optimizer_on_host or self.options.weights != "device"
         if on_host and managed:
             stack.enter_context(intercept_optimizer_updates(
-                host_update_hook(self.options.host, api=_API), order=HOST_UPDATE_ORDER))
+                host_update_hook(self.options.host, api=_API, move_slots=self.options.weights == "auto"),
+                order=HOST_UPDATE_ORDER))
         return stack
 
     def _broadcast_new_variables(self, args, kwargs) -> None:

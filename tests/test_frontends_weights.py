@@ -143,7 +143,7 @@ def _window_of(plan, op):
 
 
 def test_weights_option_is_checked():
-    with pytest.raises(lms_tf.LMSOptionError, match=r"weights must be 'device' or 'host'; received 'gpu'"):
+    with pytest.raises(lms_tf.LMSOptionError, match=r"weights must be 'device', 'host' or 'auto'; received 'gpu'"):
         lms_tf.LMSCallback(weights="gpu")
 
 

@@ -124,8 +124,14 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
             for cached in ("test_function", "predict_function"):
                 if getattr(model, cached, None) is not None:
                     setattr(model, cached, None)
+            # Slots built now, on the host, are variables; built by the first traced step, their
+            # initial values would be tensors of that step, which its plan would count.
+            optimizer = getattr(model, "optimizer", None)
+            if optimizer is not None and not getattr(optimizer, "built", True) and model.built:
+                with variables_created_on(options.host):
+                    optimizer.build(model.trainable_variables)
         on_host = options.optimizer_on_host or options.weights != "device"
-        host_hook = host_update_hook(options.host, api=_API) if on_host else None
+        host_hook = host_update_hook(options.host, api=_API, move_slots=options.weights == "auto") if on_host else None
 
         def lms_hook(step):
             def train_step(data):

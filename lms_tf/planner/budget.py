@@ -230,18 +230,20 @@ def _choose_weights_on_host(step: PlanningStep, total_bytes: int):
         chosen, _, result = attempt(count)
         return chosen.resident + result[1].held_bytes <= total_bytes
 
-    if fits(0) or not order or not fits(len(order)):
-        return attempt(0) if fits(0) or not order else attempt(len(order))
-    low, high = 0, len(order)  # low does not fit, high fits
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (low, middle) if fits(middle) else (middle, high)
-    # Moving more than the least may free enough to swap or recompute less: try twice as many, and all.
-    for count in {min(len(order), 2 * high), len(order)}:
-        fits(count)
-    fitting = [count for count in tried if fits(count)]
-    best = min(fitting, key=lambda count: (tried[count][2][1].step_time_s, count))
-    chosen, search, (plan, sim, label, floor) = tried[best]
+    if fits(0) or not order:
+        best = 0
+    elif not fits(len(order)):
+        best = len(order)  # nothing fits: the error names this floor
+    else:
+        low, high = 0, len(order)  # low does not fit, high fits
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if fits(middle) else (middle, high)
+        # Moving more than the least may free enough to swap or recompute less: try twice as many, and all.
+        for count in {min(len(order), 2 * high), len(order)}:
+            fits(count)
+        best = min((count for count in tried if fits(count)), key=lambda count: (tried[count][2][1].step_time_s, count))
+    chosen, search, (plan, sim, label, floor) = attempt(best)
     kept = [dataclasses.replace(w, decision=Decision.KEEP, fetches=(),
                                 reason="weights='auto': stays on the device (the budget fits without moving it)")
             for w in order[best:]]

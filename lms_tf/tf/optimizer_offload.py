@@ -47,12 +47,14 @@ def variables_off_device(variables, device: str) -> List[str]:
     return off
 
 
-def host_update_hook(host: str, api: str) -> Callable:
+def host_update_hook(host: str, api: str, move_slots: bool = False) -> Callable:
     """An optimizer-update hook (see ``intercept_optimizer_updates``) that updates on ``host``.
 
     Args:
         host: The host device, e.g. ``"/CPU:0"``.
         api: The front-end's name, for the warning about an optimizer built too early.
+        move_slots: Move the slots of an optimizer built before the step was traced to the host
+            (``weights="auto"``, whose plans count them there) instead of warning.
 
     Returns:
         ``hook(optimizer, grads, variables, update)``.
@@ -64,6 +66,15 @@ def host_update_hook(host: str, api: str) -> Callable:
     """
     def hook(optimizer, grads, variables, update):
         built_before = bool(getattr(optimizer, "built", False)) and bool(optimizer.variables)
+        if built_before and move_slots:
+            from lms_tf import _compat
+
+            graph = _compat.current_graph()
+            for variable in optimizer.variables:
+                inner = getattr(variable, "_value", variable)  # the TensorFlow variable under a Keras 3 one
+                if "iteration" not in variable.name and "learning_rate" not in variable.name \
+                        and variables_off_device([inner], host) and isinstance(inner, tf.Variable):
+                    _compat.move_variable_in_place(inner, host, graph if _compat.is_function_graph(graph) else None)
         with tf.device(host):
             result = update(grads, variables)
         slots = [v for v in optimizer.variables if "iteration" not in v.name and "learning_rate" not in v.name]
