@@ -118,9 +118,10 @@ def add_weights_argument(parser: argparse.ArgumentParser) -> None:
         >>> p.parse_args([]).weights, p.parse_args(["--weights", "host"]).weights
         ('device', 'host')
     """
-    parser.add_argument("--weights", choices=("device", "host"), default="device",
+    parser.add_argument("--weights", choices=("device", "host", "auto"), default="device",
                         help="device: variables resident (default); host: each is fetched per window of its "
-                             "readers, as weights='host' does")
+                             "readers, as weights='host' does; auto: the planner puts on the host only the "
+                             "weights the budget needs there (the budget then counts the resident variables)")
 
 
 def add_host_budget_argument(parser: argparse.ArgumentParser) -> None:

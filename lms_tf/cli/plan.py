@@ -121,10 +121,12 @@ def run(args) -> int:
         if plan is not None:
             logger.info("[4/4] Grappler's virtual GPU: planned step (traced and rewritten)")
             # The same plan, applied: the oracle judges what was planned, without planning again.
-            if plan.offloaded_weights:  # the fetches copy variables that live on the host
+            # The fetches copy variables that live on the host ('auto' moves its choice while tracing).
+            if plan.offloaded_weights and args.weights == "host":
                 lms_tf.place_weights(model, getattr(model, "optimizer", None), host=host)
                 step = fit_step(model) if args.step == "fit" else train_step(model)  # a fresh optimizer
-            fn = lms_tf.function(step, device=device, host=host, plan=plan, device_spec=spec)
+            fn = lms_tf.function(step, device=device, host=host, plan=plan, device_spec=spec,
+                                 weights="auto" if args.weights == "auto" and plan.offloaded_weights else "device")
             oracle_planned = virtual_gpu_peak(fn.get_concrete_function(*step_args), host=host,
                                               gpu_memory_bytes=spec.memory_bytes)
 
