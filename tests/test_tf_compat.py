@@ -145,3 +145,24 @@ def test_a_models_inputs_flatten_in_its_input_order():
         assert [tuple(t.shape) for t in flat] == [(4, 2), (4, 3)] and np.array_equal(np.asarray(flat[0]), left)
     single = _compat.functional_graph(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
     assert len(_compat.flat_model_inputs(single, left)) == 1
+
+
+def test_a_variable_moved_while_a_step_is_traced_is_the_one_the_step_reads_and_writes():
+    """``weights="auto"``: the same Python variable now names a resource on the other device, and
+    the trace that had already read it captures the new handle, not the old one."""
+    v = tf.Variable([1.0, 2.0])
+    moved = []
+
+    @tf.function
+    def step():
+        v.assign_add([1.0, 1.0])
+        if not moved:
+            graph = _compat.current_graph()
+            assert any(w is v for w in _compat.traced_variables(graph))
+            _compat.move_variable_in_place(v, "/CPU:1", graph)
+            moved.append(True)
+        return v.read_value()
+
+    assert step().numpy().tolist() == [2.0, 3.0] and step().numpy().tolist() == [3.0, 4.0]
+    assert v.device.endswith("CPU:1") and v.numpy().tolist() == [3.0, 4.0]
+    assert all(external.device.endswith("CPU:1") for external, _ in step.get_concrete_function().graph.captures)
