@@ -205,6 +205,33 @@ def test_executed_order_each_weight_arrives_after_its_trigger_and_before_its_rea
     assert read_after >= plan.num_weight_fetches
 
 
+@pytest.mark.timeout(240)
+def test_executed_order_each_weight_gradient_leaves_the_device_as_soon_as_it_is_complete():
+    """TensorFlow's profiler: each weight gradient's copy to the host (the ``_Send`` named after
+    its producer), which the update on the host reads, starts after that gradient op ends and
+    before the next weight gradient is complete: gradients are not held until the backward pass
+    ends. (On logical CPUs the copy moves no bytes, but the executor orders it as on a GPU.)"""
+    x, y = _mlp_data()
+    fn = _mlp_on_host(swapin_ahead=1)
+    fn(x, y)
+    events = executed_ops(lambda: fn(x, y))
+    copies = []
+    for send in (e for e in events if e.type == "_Send"):
+        producer_name = send.node.rsplit("/_", 1)[0]
+        if "gradient_tape/" not in producer_name:
+            continue  # a weight fetch (host -> device), not a gradient
+        producer = find_executed(events, producer_name[producer_name.index("gradient_tape/"):])
+        assert producer is not None, f"no run of {producer_name} in the profile"
+        copies.append((producer, send))
+    kernels = [(p, s) for p, s in copies if p.type == "MatMul"]
+    assert len(kernels) == 7, [p.node for p, _ in copies]   # one per Dense kernel
+    for producer, send in copies:
+        assert send.start_ps >= producer.end_ps, producer.node
+    kernels.sort(key=lambda pair: pair[0].end_ps)
+    for (producer, send), (following, _) in zip(kernels, kernels[1:]):
+        assert send.start_ps <= following.end_ps, (producer.node, following.node)
+
+
 def _fusion_chain(op):
     """``op``, then its only reader, and so on (at most three ops: MatMul, BiasAdd, Relu)."""
     chain = [op.name]
