@@ -169,8 +169,38 @@ def bucket_by_bytes(order: Sequence[int], sizes: Sequence[int], bucket_bytes: Op
     return buckets
 
 
+#: The attribute :func:`mark_sharded` sets on a variable: (shard index, number of shards).
+SHARD_ATTR = "_lms_tf_shard"
+
+
+def mark_sharded(variable, index: int, count: int) -> None:
+    """Marks ``variable`` as shard ``index`` of ``count`` of a layer sharded across ranks
+    (:mod:`lms_tf.parallel`): each rank holds a different part, so its gradient is already the
+    whole batch's and is not averaged with the other ranks' (:func:`allreduce_gradients`).
+
+    Examples:
+        >>> v = tf.Variable([1.0, 2.0])
+        >>> mark_sharded(v, 0, 2); is_sharded(v), is_sharded(tf.Variable(0.0))
+        (True, False)
+    """
+    setattr(variable, SHARD_ATTR, (index, count))
+    inner = getattr(variable, "_value", None)  # the TensorFlow variable under a Keras 3 one
+    if inner is not None and inner is not variable:
+        setattr(inner, SHARD_ATTR, (index, count))
+
+
+def is_sharded(variable) -> bool:
+    """Whether ``variable`` is a shard (:func:`mark_sharded`).
+
+    Examples:
+        >>> is_sharded(tf.Variable(1.0))
+        False
+    """
+    return getattr(variable, SHARD_ATTR, None) is not None
+
+
 def allreduce_gradients(grads: Sequence, *, bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES,
-                        name: str = "lms_tf_allreduce") -> List:
+                        name: str = "lms_tf_allreduce", variables: Optional[Sequence] = None) -> List:
     """Averages gradients across Horovod ranks, one ``grouped_allreduce`` per bucket.
 
     Args:
@@ -178,6 +208,8 @@ def allreduce_gradients(grads: Sequence, *, bucket_bytes: Optional[int] = DEFAUL
         bucket_bytes: Bucket capacity in bytes, filled in backward order (pipelined
             exchange). None: one group for all gradients (starts after the whole backward).
         name: Prefix of the allreduce op names (identical on every rank).
+        variables: The variables of ``grads``, in the same order: the gradients of sharded ones
+            (:func:`mark_sharded`) are left as they are.
 
     Returns:
         The averaged gradients, in the order given (None stays None).
@@ -189,6 +221,9 @@ def allreduce_gradients(grads: Sequence, *, bucket_bytes: Optional[int] = DEFAUL
     hvd = horovod_tensorflow()
     grads = list(grads)
     averaged = list(grads)
+    if variables is not None:
+        # A shard's gradient stays where it is: its own rank is the only one that has it.
+        grads = [None if is_sharded(v) else g for g, v in zip(grads, variables)]
     order = backward_order(grads)
     dense = [i for i in order if grads[i] is not None and not isinstance(grads[i], tf.IndexedSlices)]
     for i in order:
@@ -223,12 +258,13 @@ def gradient_allreduce_hook(bucket_bytes: Optional[int], counter: Optional[List[
         # Horovod matches tensors across ranks by op name, so the name must not depend on
         # anything rank-local (an optimizer's auto-name counts the optimizers this process
         # made). A second update in the same trace gets a graph-uniquified name, in trace order.
-        return update(allreduce_gradients(grads, bucket_bytes=bucket_bytes), variables)
+        return update(allreduce_gradients(grads, bucket_bytes=bucket_bytes, variables=variables), variables)
     return hook
 
 
 def broadcast_variables(variables: Sequence, root_rank: int = 0) -> int:
-    """Sets ``variables`` on every rank to their values on ``root_rank`` (eagerly).
+    """Sets ``variables`` on every rank to their values on ``root_rank`` (eagerly); shards
+    (:func:`mark_sharded`) are left alone.
 
     Args:
         variables: Keras or TF variables, identical in order and shape on every rank.
@@ -242,7 +278,8 @@ def broadcast_variables(variables: Sequence, root_rank: int = 0) -> int:
         1
     """
     hvd = horovod_tensorflow()
-    variables = list(variables)
+    # A shard differs from rank to rank by design: the root's must not overwrite it.
+    variables = [v for v in variables if not is_sharded(v)]
 
     # One traced function that closes over the variables (Horovod's own broadcast_variables
     # passes them as arguments, which turns Keras 3 variables into tensors that cannot be

@@ -1,0 +1,279 @@
+"""Hybrid parallelism (SplitBrain): the memory-heavy layers of a model sharded across ranks.
+
+:func:`plan_hybrid` decides, per layer, sharded or replicated, and says why; :func:`hybridize`
+returns a copy of the model with those layers replaced by sharded ones holding this rank's part
+of the original weights; :func:`unshard` gathers the parts back into an ordinary model (to save
+it, or to evaluate on one process).
+
+Examples:
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(10)])
+    >>> print(plan_hybrid(model, min_param_bytes=32 * 1024, group_size=2).summary())  # doctest: +NORMALIZE_WHITESPACE
+    layer   kind   parameters  MiB    decision    why
+    dense   Dense  16640       0.06   sharded     16640 parameters (0.06 MiB) >= min_param_bytes (0.03 MiB)
+    dense_1 Dense  2570        0.01   replicated  2570 parameters (0.01 MiB) < min_param_bytes (0.03 MiB)
+    sharded: 16640 of 19210 parameters (86.6%); each of 2 ranks holds 1/2 of them
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from lms_tf import _compat
+from lms_tf.core.errors import LMSOptionError
+from lms_tf.core.policy import describe
+from lms_tf.horovod import horovod_tensorflow
+from lms_tf.parallel.sharded import ShardedDense
+
+keras = _compat.keras_module()
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerChoice:
+    """One layer of a :class:`HybridPlan`.
+
+    Attributes:
+        layer: The layer's name.
+        kind: Its class name.
+        parameters: Its number of parameters.
+        nbytes: Their bytes.
+        sharded: Whether it is split across the group.
+        why: The rule's reason, in words.
+
+    Examples:
+        >>> LayerChoice("fc1", "Dense", 10, 40, True, "large").sharded
+        True
+    """
+
+    layer: str
+    kind: str
+    parameters: int
+    nbytes: int
+    sharded: bool
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridPlan:
+    """Which layers are sharded across a group of ranks, and why (data: print, edit, apply).
+
+    Attributes:
+        group_size: Ranks each sharded layer is split across.
+        layers: One :class:`LayerChoice` per layer with weights, in model order.
+
+    Examples:
+        >>> plan = HybridPlan(2, (LayerChoice("fc1", "Dense", 10, 40, True, "large"),))
+        >>> plan.sharded_layers
+        ('fc1',)
+    """
+
+    group_size: int
+    layers: Tuple[LayerChoice, ...]
+
+    @property
+    def sharded_layers(self) -> Tuple[str, ...]:
+        """Names of the sharded layers.
+
+        Examples:
+            >>> HybridPlan(2, ()).sharded_layers
+            ()
+        """
+        return tuple(c.layer for c in self.layers if c.sharded)
+
+    def summary(self) -> str:
+        """A table: layer, kind, parameters, MiB, sharded or replicated, why; then the totals.
+
+        Examples:
+            >>> print(HybridPlan(2, ()).summary().splitlines()[-1])
+            sharded: 0 of 0 parameters (0.0%); each of 2 ranks holds 1/2 of them
+        """
+        rows = [("layer", "kind", "parameters", "MiB", "decision", "why")]
+        rows += [(c.layer, c.kind, str(c.parameters), f"{c.nbytes / 2**20:.2f}", "sharded" if c.sharded
+                  else "replicated", c.why) for c in self.layers]
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(r[:5], widths)) + "  " + r[5] for r in rows]
+        total = sum(c.parameters for c in self.layers)
+        sharded = sum(c.parameters for c in self.layers if c.sharded)
+        lines.append(f"sharded: {sharded} of {total} parameters ({100 * sharded / max(total, 1):.1f}%); each of "
+                     f"{self.group_size} ranks holds 1/{self.group_size} of them")
+        return "\n".join(lines)
+
+
+def _check_group_size(group_size) -> int:
+    if group_size is None:
+        return horovod_tensorflow().size()
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise LMSOptionError(f"group_size must be an int >= 1 (the ranks a sharded layer is split across); "
+                             f"received {describe(group_size)}.")
+    return group_size
+
+
+def plan_hybrid(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int] = None,
+                layers: Optional[Sequence[str]] = None) -> HybridPlan:
+    """Chooses the layers to shard: ``Dense`` layers holding at least ``min_param_bytes`` of
+    parameters whose units the group divides (or exactly ``layers``, names given).
+
+    Args:
+        model: A Keras model.
+        min_param_bytes: A ``Dense`` layer at least this large is sharded.
+        group_size: Ranks to split across (default: the Horovod size).
+        layers: Names of the layers to shard instead of the rule (the user's override).
+
+    Returns:
+        The :class:`HybridPlan`.
+
+    Raises:
+        LMSOptionError: A bad ``group_size`` or ``min_param_bytes``, or a named layer that is not a
+            ``Dense`` layer of the model, or whose units the group does not divide.
+
+    Examples:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="fc")])
+        >>> plan_hybrid(model, group_size=2, layers=["fc"]).sharded_layers
+        ('fc',)
+    """
+    group_size = _check_group_size(group_size)
+    if not isinstance(min_param_bytes, int) or min_param_bytes < 0:
+        raise LMSOptionError(f"min_param_bytes must be an int >= 0; received {describe(min_param_bytes)}.")
+    named = set(layers or ())
+    known = {layer.name: layer for layer in _layers(model)}
+    unknown = sorted(named - set(known))
+    if unknown:
+        raise LMSOptionError(f"layers={unknown} are not layers of {model.name!r}; its layers with weights are "
+                             f"{sorted(n for n, layer in known.items() if layer.weights)}.")
+    choices: List[LayerChoice] = []
+    for layer in known.values():
+        if not layer.weights:
+            continue
+        parameters = int(sum(np.prod(w.shape) for w in layer.weights))
+        nbytes = int(sum(np.prod(w.shape) * np.dtype(w.dtype).itemsize for w in layer.weights))
+        kind = type(layer).__name__
+        size = f"{parameters} parameters ({nbytes / 2**20:.2f} MiB)"
+        dense = isinstance(layer, keras.layers.Dense) and len(layer.kernel.shape) == 2
+        divides = dense and layer.units % group_size == 0
+        if named:
+            if layer.name in named and not divides:
+                raise LMSOptionError(
+                    f"layers=[{layer.name!r}]: only a Dense layer whose units the group divides can be sharded; "
+                    f"{layer.name!r} is a {kind}" + (f" with {layer.units} units, group_size={group_size}"
+                                                     if dense else "") + ".")
+            sharded, why = layer.name in named, "named in layers=" if layer.name in named else "not named in layers="
+        elif not dense:
+            sharded, why = False, f"{size}; only Dense layers are sharded"
+        elif nbytes < min_param_bytes:
+            sharded, why = False, f"{size} < min_param_bytes ({min_param_bytes / 2**20:.2f} MiB)"
+        elif not divides:
+            sharded, why = False, f"{size}, but {layer.units} units do not split across {group_size} ranks"
+        else:
+            sharded, why = True, f"{size} >= min_param_bytes ({min_param_bytes / 2**20:.2f} MiB)"
+        choices.append(LayerChoice(layer.name, kind, parameters, nbytes, sharded, why))
+    return HybridPlan(group_size, tuple(choices))
+
+
+def _layers(model) -> List:
+    return [layer for layer in model.layers]
+
+
+def hybridize(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int] = None,
+              layers: Optional[Sequence[str]] = None, plan: Optional[HybridPlan] = None):
+    """A copy of ``model`` whose chosen ``Dense`` layers are :class:`ShardedDense` layers holding
+    this rank's columns of the original weights; the other layers are copies with the original
+    weights. ``model`` is left as it is. Every rank of the group calls it, with the same model.
+
+    Args:
+        model: A built Sequential or Functional Keras model.
+        min_param_bytes, group_size, layers: The rule of :func:`plan_hybrid`.
+        plan: A :class:`HybridPlan` to apply instead (from :func:`plan_hybrid`, maybe edited).
+
+    Returns:
+        The new model (its ``hybrid_plan`` attribute holds the plan), not compiled.
+
+    Raises:
+        LMSOptionError: A subclassed model (its layers cannot be replaced from outside), or a bad
+            argument (:func:`plan_hybrid`).
+
+    Examples:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="fc")])
+        >>> hybrid = hybridize(model, min_param_bytes=0, group_size=1)
+        >>> type(hybrid.get_layer("fc")).__name__, hybrid.hybrid_plan.sharded_layers
+        ('ShardedDense', ('fc',))
+    """
+    if not isinstance(model, (keras.Sequential, keras.Model)) or not _is_graph_model(model):
+        raise LMSOptionError(
+            f"hybridize needs a Sequential or Functional model; received {type(model).__name__}, whose layers "
+            f"cannot be replaced from outside. Use lms_tf.parallel.ShardedDense in its definition instead.")
+    plan = plan or plan_hybrid(model, min_param_bytes=min_param_bytes, group_size=group_size, layers=layers)
+    hvd = horovod_tensorflow() if plan.group_size > 1 else None
+    index = hvd.rank() if hvd is not None else 0
+    if hvd is not None and hvd.size() != plan.group_size:
+        raise LMSOptionError(f"the plan shards across {plan.group_size} ranks, but this Horovod job has "
+                             f"{hvd.size()}; plan with group_size={hvd.size()}.")
+    chosen = set(plan.sharded_layers)
+
+    def clone(layer):
+        if layer.name not in chosen:
+            return layer.__class__.from_config(layer.get_config())
+        return ShardedDense(layer.units, activation=layer.activation, use_bias=layer.use_bias, name=layer.name,
+                            shard_index=index, shard_count=plan.group_size, dtype=layer.dtype_policy)
+
+    hybrid = keras.models.clone_model(model, clone_function=clone)
+    for original in model.layers:
+        if not original.weights:
+            continue  # (an input layer's name may differ in the copy)
+        copy = hybrid.get_layer(original.name)
+        if original.name in chosen:
+            weights = original.get_weights()
+            copy.set_whole_weights(weights[0], weights[1] if len(weights) > 1 else None)
+        elif original.weights:
+            copy.set_weights(original.get_weights())
+    hybrid.hybrid_plan = plan
+    return hybrid
+
+
+def _is_graph_model(model) -> bool:
+    return isinstance(model, keras.Sequential) or getattr(model, "_is_graph_network", False) \
+        or type(model).__name__ == "Functional"
+
+
+def unshard(hybrid):
+    """The ordinary model a :func:`hybridize` model stands for: each sharded layer a ``Dense`` layer
+    with the whole weights, gathered from every rank (a collective: every rank calls it).
+
+    Examples:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="fc")])
+        >>> back = unshard(hybridize(model, min_param_bytes=0, group_size=1))
+        >>> type(back.get_layer("fc")).__name__, np.array_equal(back.get_weights()[0], model.get_weights()[0])
+        ('Dense', True)
+    """
+    hvd = None
+    sharded = [layer for layer in hybrid.layers if isinstance(layer, ShardedDense)]
+    if any(layer.shard_count > 1 for layer in sharded):
+        hvd = horovod_tensorflow()
+
+    def clone(layer):
+        if not isinstance(layer, ShardedDense):
+            return layer.__class__.from_config(layer.get_config())
+        return keras.layers.Dense(layer.units, activation=layer.activation, use_bias=layer.use_bias, name=layer.name,
+                                  dtype=layer.dtype_policy)
+
+    model = keras.models.clone_model(hybrid, clone_function=clone)
+    for layer in hybrid.layers:
+        if not layer.weights:
+            continue
+        copy = model.get_layer(layer.name)
+        if isinstance(layer, ShardedDense):
+            parts = [layer.kernel.numpy()] + ([layer.bias.numpy()] if layer.bias is not None else [])
+            if hvd is not None:
+                # Shards are gathered along their first axis, in rank order: gather the transposed kernel.
+                parts = [hvd.allgather(parts[0].T, name=f"lms_tf_unshard_{layer.name}_kernel").numpy().T] + \
+                        ([hvd.allgather(parts[1], name=f"lms_tf_unshard_{layer.name}_bias").numpy()]
+                         if len(parts) > 1 else [])
+            copy.set_weights(parts)
+        elif layer.weights:
+            copy.set_weights(layer.get_weights())
+    return model

@@ -1,0 +1,160 @@
+"""One Horovod rank of the hybrid-parallel tests; started by ``horovodrun --gloo -np G`` from
+test_parallel_hybrid.py.
+
+Usage: python hybrid_worker.py OUTDIR
+
+Every rank builds the same model (one seed), shards its large Dense layers with
+``lms_tf.parallel.hybridize`` and trains on its own rows of each global batch, 10 steps, through a
+custom loop (``lms_tf.function(horovod=True)``) and through ``fit`` (``DistributedCallback``), each
+also with lms-tf swapping the step's activations. Rank 0 also trains the original model in one
+process on the whole global batches (the reference). Each rank writes OUTDIR/rank<r>.json (losses,
+variable bytes, allocator peaks) and OUTDIR/rank<r>.npz (the unsharded weights: every rank gathers
+them, so each has the whole model).
+
+The model is VGG-like at CIFAR-10 shape, small enough for a CPU: convolutions and pooling, then
+two wide Dense layers (the memory-heavy ones) and a classifier. No BatchNormalization or Dropout:
+their per-rank statistics and masks make data-parallel training legitimately differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # per-rank allocator statistics
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                           [tf.config.LogicalDeviceConfiguration()] * 2)
+tf.config.threading.set_inter_op_parallelism_threads(2)
+
+import keras  # noqa: E402
+
+import lms_tf  # noqa: E402
+from lms_tf.horovod import horovod_tensorflow, is_sharded  # noqa: E402
+from lms_tf.keras import DistributedCallback  # noqa: E402
+from lms_tf.parallel import ShardedDense, hybridize, unshard  # noqa: E402
+
+hvd = horovod_tensorflow()
+RANK, SIZE = hvd.rank(), hvd.size()
+LOCAL_BATCH, STEPS, WIDE = 4, 10, 512
+CPU_LMS = dict(device="/CPU:0", host="/CPU:1")
+# The TFLMS rule, eager to swap (this model's activations are small): the rewrite acts on a step
+# with the sharded layers' collectives in it.
+LMS = dict(min_swap_bytes=0, swapout_threshold=2)
+
+
+def vgg_like() -> keras.Model:
+    keras.utils.set_random_seed(11)
+    inputs = keras.Input((32, 32, 3))
+    h = inputs
+    for filters in (16, 32):
+        h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+        h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(WIDE, activation="relu", name="fc1")(h)
+    h = keras.layers.Dense(WIDE, activation="relu", name="fc2")(h)
+    return keras.Model(inputs, keras.layers.Dense(10, name="predictions")(h))
+
+
+def data():
+    rng = np.random.default_rng(3)
+    n = LOCAL_BATCH * SIZE * STEPS
+    return rng.random((n, 32, 32, 3), dtype=np.float32), rng.integers(0, 10, n)
+
+
+def mine(x, y):
+    """This rank's rows of each global batch, in step order."""
+    rows = np.concatenate([np.arange(k * LOCAL_BATCH * SIZE + RANK * LOCAL_BATCH,
+                                     k * LOCAL_BATCH * SIZE + (RANK + 1) * LOCAL_BATCH) for k in range(STEPS)])
+    return x[rows], y[rows]
+
+
+def make_step(model, optimizer, decorate):
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def step(images, labels):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(images, training=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+    return decorate(step)
+
+
+def variable_bytes(model) -> dict:
+    sharded = sum(np.array(v).nbytes for v in model.trainable_variables if is_sharded(v))
+    return dict(weight_bytes=sum(np.array(v).nbytes for v in model.trainable_variables), sharded_weight_bytes=sharded,
+                slot_bytes=sum(np.array(v).nbytes for v in model.optimizer.variables
+                               if "momentum" in v.path or "velocity" in v.path) if model.optimizer else 0)
+
+
+def custom(results, weights, name, options):
+    x, y = mine(*data())
+    model = hybridize(vgg_like(), min_param_bytes=1 << 20)
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    step = make_step(model, optimizer, lms_tf.function(horovod=True, **CPU_LMS, **options))
+    losses = []
+    for k in range(STEPS):
+        batch = slice(k * LOCAL_BATCH, (k + 1) * LOCAL_BATCH)
+        local = step(x[batch], y[batch])
+        losses.append(float(hvd.allreduce(local, op=hvd.Average, name=f"{name}_loss_{k}")))
+    model.optimizer = optimizer
+    results[name] = dict(losses=losses, sharded_layers=list(model.hybrid_plan.sharded_layers), **variable_bytes(model),
+                         swapped=len(step.plan.swapped) if step.plan else 0)
+    weights[name] = [w.numpy() for w in unshard(model).weights]
+
+
+def fit(results, weights, name, lms_options):
+    x, y = mine(*data())
+    model = hybridize(vgg_like(), min_param_bytes=1 << 20)
+    model.compile(optimizer=keras.optimizers.Adam(),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    callbacks = [DistributedCallback()]
+    if lms_options is not None:
+        callbacks.insert(0, lms_tf.LMSCallback(**CPU_LMS, **lms_options))
+    history = model.fit(x, y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    results[name] = dict(loss=history.history["loss"][-1], **variable_bytes(model))
+    weights[name] = [w.numpy() for w in unshard(model).weights]
+
+
+def reference(results, weights):
+    """One process, the original model, the whole global batch per step."""
+    x, y = data()
+    model = vgg_like()
+    optimizer = keras.optimizers.Adam()
+    step = make_step(model, optimizer, tf.function)
+    global_batch = LOCAL_BATCH * SIZE
+    losses = [float(step(x[k * global_batch:(k + 1) * global_batch], y[k * global_batch:(k + 1) * global_batch]))
+              for k in range(STEPS)]
+    results["reference"] = dict(losses=losses)
+    weights["reference"] = [w.numpy() for w in model.weights]
+
+
+def main() -> None:
+    outdir = sys.argv[1]
+    os.makedirs(outdir, exist_ok=True)
+    results: dict = {"rank": RANK, "size": SIZE}
+    weights: dict = {}
+    custom(results, weights, "custom", {})
+    custom(results, weights, "custom_lms", LMS)
+    fit(results, weights, "fit", None)
+    fit(results, weights, "fit_lms", LMS)
+    if RANK == 0:
+        reference(results, weights)
+    sharded = next(layer for layer in hybridize(vgg_like(), min_param_bytes=1 << 20).layers
+                   if isinstance(layer, ShardedDense))
+    results["fc1_kernel_shape"] = list(sharded.kernel.shape)
+    np.savez(os.path.join(outdir, f"rank{RANK}.npz"),
+             **{f"{key}/{i}": w for key, ws in weights.items() for i, w in enumerate(ws)})
+    with open(os.path.join(outdir, f"rank{RANK}.json"), "w") as handle:
+        json.dump(results, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
