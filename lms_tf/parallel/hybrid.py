@@ -7,11 +7,12 @@ it, or to evaluate on one process).
 
 Examples:
     >>> import keras
-    >>> model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(10)])
-    >>> print(plan_hybrid(model, min_param_bytes=32 * 1024, group_size=2).summary())  # doctest: +NORMALIZE_WHITESPACE
-    layer   kind   parameters  MiB    decision    why
-    dense   Dense  16640       0.06   sharded     16640 parameters (0.06 MiB) >= min_param_bytes (0.03 MiB)
-    dense_1 Dense  2570        0.01   replicated  2570 parameters (0.01 MiB) < min_param_bytes (0.03 MiB)
+    >>> model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, name="fc"),
+    ...                           keras.layers.Dense(10, name="out")])
+    >>> print(plan_hybrid(model, min_param_bytes=32 * 1024, group_size=2).summary())
+    layer  kind   parameters  MiB   decision    why
+    fc     Dense  16640       0.06  sharded     16640 parameters (65.0 KiB) >= min_param_bytes (32.0 KiB)
+    out    Dense  2570        0.01  replicated  2570 parameters (10.0 KiB) < min_param_bytes (32.0 KiB)
     sharded: 16640 of 19210 parameters (86.6%); each of 2 ranks holds 1/2 of them
 """
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
-from lms_tf.core.policy import describe
+from lms_tf.core.policy import describe, format_bytes
 from lms_tf.horovod import horovod_tensorflow
 from lms_tf.parallel.sharded import ShardedDense
 
@@ -151,7 +152,7 @@ def plan_hybrid(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[i
         parameters = int(sum(np.prod(w.shape) for w in layer.weights))
         nbytes = int(sum(np.prod(w.shape) * np.dtype(w.dtype).itemsize for w in layer.weights))
         kind = type(layer).__name__
-        size = f"{parameters} parameters ({nbytes / 2**20:.2f} MiB)"
+        size = f"{parameters} parameters ({format_bytes(nbytes)})"
         dense = isinstance(layer, keras.layers.Dense) and len(layer.kernel.shape) == 2
         divides = dense and layer.units % group_size == 0
         if named:
@@ -164,11 +165,11 @@ def plan_hybrid(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[i
         elif not dense:
             sharded, why = False, f"{size}; only Dense layers are sharded"
         elif nbytes < min_param_bytes:
-            sharded, why = False, f"{size} < min_param_bytes ({min_param_bytes / 2**20:.2f} MiB)"
+            sharded, why = False, f"{size} < min_param_bytes ({format_bytes(min_param_bytes)})"
         elif not divides:
             sharded, why = False, f"{size}, but {layer.units} units do not split across {group_size} ranks"
         else:
-            sharded, why = True, f"{size} >= min_param_bytes ({min_param_bytes / 2**20:.2f} MiB)"
+            sharded, why = True, f"{size} >= min_param_bytes ({format_bytes(min_param_bytes)})"
         choices.append(LayerChoice(layer.name, kind, parameters, nbytes, sharded, why))
     return HybridPlan(group_size, tuple(choices))
 
