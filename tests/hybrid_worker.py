@@ -1,7 +1,7 @@
 """One Horovod rank of the hybrid-parallel tests; started by ``horovodrun --gloo -np G`` from
 test_parallel_hybrid.py.
 
-Usage: python hybrid_worker.py OUTDIR
+Usage: python hybrid_worker.py OUTDIR [dp|hybrid]
 
 Every rank builds the same model (one seed), shards its large Dense layers with
 ``lms_tf.parallel.hybridize`` and trains on its own rows of each global batch, 10 steps, through a
@@ -10,6 +10,9 @@ also with lms-tf swapping the step's activations. Rank 0 also trains the origina
 process on the whole global batches (the reference). Each rank writes OUTDIR/rank<r>.json (losses,
 variable bytes, allocator peaks) and OUTDIR/rank<r>.npz (the unsharded weights: every rank gathers
 them, so each has the whole model).
+
+With ``dp`` or ``hybrid``, each rank instead measures its allocator's peak over one step of that
+model (see :func:`memory`) and writes OUTDIR/memory_<kind>_rank<r>.json.
 
 The model is VGG-like at CIFAR-10 shape, small enough for a CPU: convolutions and pooling, then
 two wide Dense layers (the memory-heavy ones) and a classifier. No BatchNormalization or Dropout:
@@ -25,13 +28,22 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # per-rank allocator statistics
+if len(sys.argv) > 2:
+    # Measuring memory: Horovod's fusion buffer (64 MiB, allocated when a collective first needs
+    # it) would be counted in some runs and not others; without fusion each collective uses its
+    # own tensors.
+    os.environ["HOROVOD_FUSION_THRESHOLD"] = "0"
+    # oneDNN's per-op scratch buffers, as many as ops run at once, come from the same allocator.
+    os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
                                            [tf.config.LogicalDeviceConfiguration()] * 2)
-tf.config.threading.set_inter_op_parallelism_threads(2)
+tf.config.threading.set_inter_op_parallelism_threads(1 if len(sys.argv) > 2 else 2)
+if len(sys.argv) > 2:  # measuring memory: one op at a time, so each step's peak is the same
+    tf.config.threading.set_intra_op_parallelism_threads(1)
 
 import keras  # noqa: E402
 
@@ -136,9 +148,36 @@ def reference(results, weights):
     weights["reference"] = [w.numpy() for w in model.weights]
 
 
+def memory(outdir: str, kind: str) -> None:
+    """One process per rank, one model: ``dp`` (the original model, data-parallel) or ``hybrid``.
+    Each rank's allocator (its own process) counts what this rank holds: the peak of the fourth
+    step above what was in use when it started (gradients, activations, the collectives' buffers),
+    and that start above what was in use before the model was built."""
+    x, y = mine(*data())
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    model = vgg_like() if kind == "dp" else hybridize(vgg_like(), min_param_bytes=1 << 20)
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    step = make_step(model, optimizer, lms_tf.function(horovod=True, **CPU_LMS, swap=False, recompute=False))
+    for k in range(3):
+        step(x[k * LOCAL_BATCH:(k + 1) * LOCAL_BATCH], y[k * LOCAL_BATCH:(k + 1) * LOCAL_BATCH]).numpy()
+    with lms_tf.measure_peak_memory("CPU:0", settle_seconds=0.3) as measured:
+        step(x[3 * LOCAL_BATCH:4 * LOCAL_BATCH], y[3 * LOCAL_BATCH:4 * LOCAL_BATCH]).numpy()
+    model.optimizer = optimizer
+    # What else a process keeps between steps (Horovod's and the runtime's buffers) varies from
+    # run to run by tens of MiB with 4 ranks on 2 cores; the step's own peak above its start does not.
+    facts = dict(peak_bytes=measured.peak_total_bytes - before, step_peak_bytes=measured.peak_bytes,
+                 start_bytes=measured.start_bytes - before, **variable_bytes(model))
+    with open(os.path.join(outdir, f"memory_{kind}_rank{RANK}.json"), "w") as handle:
+        json.dump(facts, handle)
+
+
 def main() -> None:
     outdir = sys.argv[1]
     os.makedirs(outdir, exist_ok=True)
+    if len(sys.argv) > 2:
+        memory(outdir, sys.argv[2])
+        return
     results: dict = {"rank": RANK, "size": SIZE}
     weights: dict = {}
     custom(results, weights, "custom", {})
