@@ -1,7 +1,7 @@
 """One Horovod rank of the hybrid-parallel tests; started by ``horovodrun --gloo -np G`` from
 test_parallel_hybrid.py.
 
-Usage: python hybrid_worker.py OUTDIR [dp|hybrid]
+Usage: python hybrid_worker.py OUTDIR [dp|hybrid|disagree|dies]
 
 Every rank builds the same model (one seed), shards its large Dense layers with
 ``lms_tf.parallel.hybridize`` and trains on its own rows of each global batch, 10 steps, through a
@@ -11,7 +11,8 @@ process on the whole global batches (the reference). Each rank writes OUTDIR/ran
 variable bytes, allocator peaks) and OUTDIR/rank<r>.npz (the unsharded weights: every rank gathers
 them, so each has the whole model).
 
-With ``dp`` or ``hybrid``, each rank instead measures its allocator's peak over one step of that
+With ``disagree``, rank 1 builds a different model and each rank writes what ``hybridize`` said;
+with ``dies``, rank 1 raises while training and the job must end. With ``dp`` or ``hybrid``, each rank instead measures its allocator's peak over one step of that
 model (see :func:`memory`) and writes OUTDIR/memory_<kind>_rank<r>.json.
 
 The model is VGG-like at CIFAR-10 shape, small enough for a CPU: convolutions and pooling, then
@@ -28,7 +29,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # per-rank allocator statistics
-if len(sys.argv) > 2:
+if len(sys.argv) > 2 and sys.argv[2] in ("dp", "hybrid"):
     # Measuring memory: Horovod's fusion buffer (64 MiB, allocated when a collective first needs
     # it) would be counted in some runs and not others; without fusion each collective uses its
     # own tensors.
@@ -41,8 +42,9 @@ import tensorflow as tf  # noqa: E402
 
 tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
                                            [tf.config.LogicalDeviceConfiguration()] * 2)
-tf.config.threading.set_inter_op_parallelism_threads(1 if len(sys.argv) > 2 else 2)
-if len(sys.argv) > 2:  # measuring memory: one op at a time, so each step's peak is the same
+MEASURING = len(sys.argv) > 2 and sys.argv[2] in ("dp", "hybrid")
+tf.config.threading.set_inter_op_parallelism_threads(1 if MEASURING else 2)
+if MEASURING:  # measuring memory: one op at a time, so each step's peak is the same
     tf.config.threading.set_intra_op_parallelism_threads(1)
 
 import keras  # noqa: E402
@@ -172,11 +174,45 @@ def memory(outdir: str, kind: str) -> None:
         json.dump(facts, handle)
 
 
+def disagree(outdir: str) -> None:
+    """Rank 1 builds a wider fc2 than the others: hybridize must say so on every rank."""
+    global WIDE
+    if RANK == 1:
+        WIDE = 2 * WIDE
+    try:
+        hybridize(vgg_like(), min_param_bytes=1 << 20)
+        outcome = "no error"
+    except lms_tf.LMSOptionError as error:
+        outcome = str(error)
+    with open(os.path.join(outdir, f"disagree_rank{RANK}.txt"), "w") as handle:
+        handle.write(outcome)
+
+
+def dies() -> None:
+    """Rank 1 fails in its third training batch; the others must stop, not wait for it."""
+    x, y = mine(*data())
+    model = hybridize(vgg_like(), min_param_bytes=1 << 20)
+    model.compile(optimizer=keras.optimizers.Adam(),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    class Fail(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if RANK == 1 and batch == 2:
+                raise RuntimeError("rank 1 failed on purpose in batch 2")
+
+    model.fit(x, y, batch_size=LOCAL_BATCH, epochs=100, verbose=0, callbacks=[DistributedCallback(), Fail()])
+
+
 def main() -> None:
     outdir = sys.argv[1]
     os.makedirs(outdir, exist_ok=True)
     if len(sys.argv) > 2:
-        memory(outdir, sys.argv[2])
+        if sys.argv[2] == "disagree":
+            disagree(outdir)
+        elif sys.argv[2] == "dies":
+            dies()
+        else:
+            memory(outdir, sys.argv[2])
         return
     results: dict = {"rank": RANK, "size": SIZE}
     weights: dict = {}

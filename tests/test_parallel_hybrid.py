@@ -166,3 +166,30 @@ def test_each_rank_allocator_peak_drops_by_the_sharded_layers_share(job):
         expected = 4 * sharded_whole * (ranks - 1) / ranks
         saved = (state["dp"] + dp["step_peak_bytes"]) - (state["hybrid"] + hybrid["step_peak_bytes"])
         assert saved >= 0.75 * expected, (saved / 2**20, expected / 2**20)
+
+
+@pytest.mark.timeout(300)
+def test_ranks_that_disagree_on_the_model_get_a_clear_error_on_every_rank(tmp_path):
+    """Rank 1 builds a wider fc2: each rank's hybridize raises the library's error naming rank 1,
+    before any step (whose collectives would not match) runs."""
+    _horovodrun(2, str(tmp_path), "disagree")
+    for rank in range(2):
+        said = (tmp_path / f"disagree_rank{rank}.txt").read_text()
+        assert said.startswith("hybridize: the ranks do not agree on the model or the plan: ranks [1] differ "
+                               "from rank 0"), said
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_dies_stops_the_others_in_bounded_time():
+    """Rank 1 raises in its third batch of a 100-epoch fit; rank 0 must not wait for it forever:
+    the job ends with an error well within the timeout (about 10 s here)."""
+    import time
+
+    started = time.monotonic()
+    launcher = Path(sys.executable).with_name("horovodrun")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
+    done = subprocess.run([str(launcher), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, str(WORKER),
+                           str(REPO / "build"), "dies"], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0 and "rank 1 failed on purpose in batch 2" in done.stdout + done.stderr
+    assert time.monotonic() - started < 120

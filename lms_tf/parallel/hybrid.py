@@ -213,6 +213,8 @@ def hybridize(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int
     if hvd is not None and hvd.size() != plan.group_size:
         raise LMSOptionError(f"the plan shards across {plan.group_size} ranks, but this Horovod job has "
                              f"{hvd.size()}; plan with group_size={hvd.size()}.")
+    if hvd is not None:
+        _check_same_model_on_every_rank(hvd, model, plan)
     chosen = set(plan.sharded_layers)
 
     def clone(layer):
@@ -233,6 +235,39 @@ def hybridize(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int
             copy.set_weights(original.get_weights())
     hybrid.hybrid_plan = plan
     return hybrid
+
+
+def model_fingerprint(model, plan: HybridPlan) -> int:
+    """A number that differs when two models or plans differ: each layer's name, class and weight
+    shapes, and each layer's decision.
+
+    Examples:
+        >>> import keras
+        >>> a = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="fc")])
+        >>> b = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="fc")])
+        >>> model_fingerprint(a, plan_hybrid(a, group_size=2)) == model_fingerprint(b, plan_hybrid(b, group_size=2))
+        False
+    """
+    import zlib
+
+    text = repr([(layer.name, type(layer).__name__, [tuple(w.shape) for w in layer.weights]) for layer in model.layers]
+                + [(c.layer, c.sharded) for c in plan.layers] + [plan.group_size])
+    return zlib.crc32(text.encode())
+
+
+def _check_same_model_on_every_rank(hvd, model, plan: HybridPlan) -> None:
+    """Every rank must shard the same layers of the same model, or the collectives of the step
+    would not match (Horovod would stop the job later, or wait). One allgather compares them."""
+    import tensorflow as tf
+
+    mine = model_fingerprint(model, plan)
+    everyone = hvd.allgather(tf.constant([mine], tf.int64), name="lms_tf_hybridize_fingerprint").numpy().tolist()
+    differ = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        raise LMSOptionError(
+            f"hybridize: the ranks do not agree on the model or the plan: ranks {differ} differ from rank 0 (layer "
+            f"names, classes, weight shapes and decisions; fingerprints {everyone}). Build the same model with the "
+            f"same input shape on every rank, and pass every rank the same min_param_bytes, group_size and layers.")
 
 
 def _is_graph_model(model) -> bool:
