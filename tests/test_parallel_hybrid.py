@@ -180,7 +180,7 @@ def test_ranks_that_disagree_on_the_model_get_a_clear_error_on_every_rank(tmp_pa
 
 
 @pytest.mark.timeout(300)
-def test_a_rank_that_dies_stops_the_others_in_bounded_time():
+def test_a_rank_that_dies_stops_the_others_in_bounded_time(tmp_path):
     """Rank 1 raises in its third batch of a 100-epoch fit; rank 0 must not wait for it forever:
     the job ends with an error well within the timeout (about 10 s here)."""
     import time
@@ -190,6 +190,6 @@ def test_a_rank_that_dies_stops_the_others_in_bounded_time():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
     done = subprocess.run([str(launcher), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, str(WORKER),
-                           str(REPO / "build"), "dies"], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+                           str(tmp_path), "dies"], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode != 0 and "rank 1 failed on purpose in batch 2" in done.stdout + done.stderr
     assert time.monotonic() - started < 120
