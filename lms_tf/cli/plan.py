@@ -48,6 +48,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--no-oracle", action="store_true", help="skip Grappler's virtual-GPU second opinion")
     cli_args.add_weights_argument(plan)
     cli_args.add_host_budget_argument(plan)
+    plan.add_argument("--hybrid", type=cli_args.positive_int, default=None, metavar="G",
+                      help="plan one rank of G in hybrid parallelism: the Dense layers of at least "
+                           "--min-param-bytes sharded across G ranks (lms_tf.parallel.hybridize), the rest replicated")
+    plan.add_argument("--min-param-bytes", type=cli_args.size, default=16 * 2**20,
+                      help="with --hybrid: the smallest Dense layer sharded (bytes or 16MiB; default 16MiB)")
     cli_args.add_output_arguments(plan, max_rows=40)
     return plan
 
@@ -85,6 +90,15 @@ def run(args) -> int:
     from lms_tf.tf.workloads import build_model, compile_for_fit, fit_step, synthetic_batch, train_step
 
     model = build_model(args.model, image_size=args.input_shape, classes=args.classes)
+    hybrid = None
+    if args.hybrid:
+        from lms_tf.parallel import hybridize
+
+        # One rank's step: the sharded layers hold 1/G of their columns, the collectives are
+        # stood in for by local ops of the same shapes.
+        model = hybridize(model, min_param_bytes=args.min_param_bytes, group_size=args.hybrid, planning=True)
+        hybrid = model.hybrid_plan
+        logger.info("hybrid parallelism, one rank of %d:\n%s", args.hybrid, hybrid.summary())
     # --step fit: Keras's own train step, as model.fit traces it (a plan for LMSCallback(plan=));
     # --step custom: a GradientTape step (a plan for lms_tf.function(plan=)).
     if args.step == "fit":
@@ -133,6 +147,7 @@ def run(args) -> int:
     swapped = plan.swapped_bytes if plan else 0
     result = {
         "model": args.model, "step": args.step, "batch": args.batch, "device": spec.name, "budget": args.budget,
+        "hybrid": args.hybrid, "sharded_layers": list(hybrid.sharded_layers) if hybrid else [],
         "budget_bytes": plan.budget_bytes if plan else error.budget_bytes,
         "baseline_peak_bytes": baseline.peak_bytes,
         "planned_peak_bytes": planned.peak_bytes if planned else None,

@@ -179,7 +179,7 @@ def _layers(model) -> List:
 
 
 def hybridize(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int] = None,
-              layers: Optional[Sequence[str]] = None, plan: Optional[HybridPlan] = None):
+              layers: Optional[Sequence[str]] = None, plan: Optional[HybridPlan] = None, planning: bool = False):
     """A copy of ``model`` whose chosen ``Dense`` layers are :class:`ShardedDense` layers holding
     this rank's columns of the original weights; the other layers are copies with the original
     weights. ``model`` is left as it is. Every rank of the group calls it, with the same model.
@@ -188,6 +188,8 @@ def hybridize(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int
         model: A built Sequential or Functional Keras model.
         min_param_bytes, group_size, layers: The rule of :func:`plan_hybrid`.
         plan: A :class:`HybridPlan` to apply instead (from :func:`plan_hybrid`, maybe edited).
+        planning: One process stands in for a rank of the group (no Horovod): the copy has one
+            rank's shapes, for planning its step (``lms-tf plan --hybrid G``); it cannot train.
 
     Returns:
         The new model (its ``hybrid_plan`` attribute holds the plan), not compiled.
@@ -207,8 +209,11 @@ def hybridize(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int
         raise LMSOptionError(
             f"hybridize needs a Sequential or Functional model; received {type(model).__name__}, whose layers "
             f"cannot be replaced from outside. Use lms_tf.parallel.ShardedDense in its definition instead.")
+    if planning and group_size is None and plan is None:
+        raise LMSOptionError("hybridize(planning=True) stands in for one rank of a group: pass group_size= "
+                             "(the group planned for); received group_size=None.")
     plan = plan or plan_hybrid(model, min_param_bytes=min_param_bytes, group_size=group_size, layers=layers)
-    hvd = horovod_tensorflow() if plan.group_size > 1 else None
+    hvd = horovod_tensorflow() if plan.group_size > 1 and not planning else None
     index = hvd.rank() if hvd is not None else 0
     if hvd is not None and hvd.size() != plan.group_size:
         raise LMSOptionError(f"the plan shards across {plan.group_size} ranks, but this Horovod job has "
@@ -221,7 +226,8 @@ def hybridize(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int
         if layer.name not in chosen:
             return layer.__class__.from_config(layer.get_config())
         return ShardedDense(layer.units, activation=layer.activation, use_bias=layer.use_bias, name=layer.name,
-                            shard_index=index, shard_count=plan.group_size, dtype=layer.dtype_policy)
+                            shard_index=index, shard_count=plan.group_size, dtype=layer.dtype_policy,
+                            planning=planning)
 
     hybrid = keras.models.clone_model(model, clone_function=clone)
     for original in model.layers:

@@ -70,6 +70,9 @@ class ShardedDense(keras.layers.Layer):
         bias_initializer: As ``keras.layers.Dense``.
         shard_index: This rank's shard (default: the Horovod rank).
         shard_count: Number of shards (default: the Horovod size).
+        planning: Stand in for the collectives with local ops of the same shapes
+            (:class:`StandInCollectives`): one process traces a rank's step to plan it
+            (``lms-tf plan --hybrid G``). Such a layer cannot train.
 
     Examples:
         >>> layer = ShardedDense(6, activation="relu", shard_index=0, shard_count=1)
@@ -79,8 +82,9 @@ class ShardedDense(keras.layers.Layer):
 
     def __init__(self, units: int, activation=None, use_bias: bool = True, kernel_initializer="glorot_uniform",
                  bias_initializer="zeros", shard_index: Optional[int] = None, shard_count: Optional[int] = None,
-                 **kwargs):
+                 planning: bool = False, **kwargs):
         super().__init__(**kwargs)
+        self.planning = bool(planning)
         if shard_index is None or shard_count is None:
             _, rank, size = _group()
             shard_index = rank if shard_index is None else shard_index
@@ -124,7 +128,7 @@ class ShardedDense(keras.layers.Layer):
         # split and join along them.
         shape = tf.shape(inputs)
         rows = tf.reshape(inputs, (-1, inputs.shape[-1]))
-        outputs = _column_sharded_dense(rows, self.kernel, self.bias, self.shard_count, self.name)
+        outputs = _column_sharded_dense(rows, self.kernel, self.bias, self.shard_count, self.name, self.planning)
         outputs = tf.reshape(outputs, tf.concat([shape[:-1], [self.units]], axis=0))
         return self.activation(outputs) if self.activation is not None else outputs
 
@@ -135,19 +139,47 @@ class ShardedDense(keras.layers.Layer):
         config = super().get_config()
         config.update(units=self.units, activation=keras.activations.serialize(self.activation),
                       use_bias=self.use_bias, shard_index=self.shard_index, shard_count=self.shard_count,
+                      planning=self.planning,
                       kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
                       bias_initializer=keras.initializers.serialize(self.bias_initializer))
         return config
 
 
-def _column_sharded_dense(inputs, kernel, bias, count: int, name: str):
+class StandInCollectives:
+    """Ops of the same shapes as the collectives one rank of a group of ``count`` runs, computed in
+    one process: what planning a rank's step needs (the simulator sizes tensors; it does not need
+    the other ranks' values). Never used to train: the numbers are not a rank's.
+
+    Examples:
+        >>> ops = StandInCollectives(4)
+        >>> ops.allgather(tf.ones((2, 3)), name="x").shape, ops.reducescatter(tf.ones((8, 3)), name="dx").shape
+        (TensorShape([8, 3]), TensorShape([2, 3]))
+    """
+
+    Sum = "sum"
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def allgather(self, tensor, name=None):
+        return tf.tile(tensor, [self.count] + [1] * (len(tensor.shape) - 1), name=name)
+
+    def alltoall(self, tensor, name=None):
+        return tf.identity(tensor, name=name)
+
+    def reducescatter(self, tensor, op=None, name=None):
+        rows = tf.shape(tensor)[0] // self.count
+        return tf.identity(tensor[:rows], name=name)
+
+
+def _column_sharded_dense(inputs, kernel, bias, count: int, name: str, planning: bool = False):
     """``inputs @ whole_kernel + whole_bias`` for this rank's rows, from this rank's columns."""
     kernel = tf.convert_to_tensor(kernel)
     bias = None if bias is None else tf.convert_to_tensor(bias)
     if count == 1:
         outputs = tf.matmul(inputs, kernel)
         return outputs if bias is None else tf.nn.bias_add(outputs, bias)
-    hvd = horovod_tensorflow()
+    hvd = StandInCollectives(count) if planning else horovod_tensorflow()
     # Horovod matches collectives across ranks by name: the layer's name is the same everywhere.
     tag = f"lms_tf_sharded_{name}"
 
