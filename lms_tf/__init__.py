@@ -36,10 +36,18 @@ _LAZY = {"LMSFunction": "lms_tf.decorator", "function": "lms_tf.decorator", "LMS
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_LAZY_MODULES))
+
+
+#: Subpackages loaded on first use the same way (``lms_tf.parallel.hybridize(...)``).
+_LAZY_MODULES = {"parallel": "lms_tf.parallel"}
 
 
 def __getattr__(name):
+    if name in _LAZY_MODULES:
+        value = importlib.import_module(_LAZY_MODULES[name])
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'lms_tf' has no attribute {name!r}")
