@@ -7,7 +7,8 @@ Every rank builds the same model (one seed), shards its large Dense layers with
 ``lms_tf.parallel.hybridize`` and trains on its own rows of each global batch, 10 steps, through a
 custom loop (``lms_tf.function(horovod=True)``) and through ``fit`` (``DistributedCallback``), each
 also with lms-tf swapping the step's activations. Rank 0 also trains the original model in one
-process on the whole global batches (the reference). Each rank writes OUTDIR/rank<r>.json (losses,
+process on the whole global batches (the reference). A text model (a projection over the
+vocabulary at every position, sharded) is trained the same way, custom loop with lms-tf. Each rank writes OUTDIR/rank<r>.json (losses,
 variable bytes, allocator peaks) and OUTDIR/rank<r>.npz (the unsharded weights: every rank gathers
 them, so each has the whole model).
 
@@ -57,6 +58,7 @@ from lms_tf.parallel import ShardedDense, hybridize, unshard  # noqa: E402
 hvd = horovod_tensorflow()
 RANK, SIZE = hvd.rank(), hvd.size()
 LOCAL_BATCH, STEPS, WIDE = 4, 10, 512
+TEXT_VOCAB, TEXT_LENGTH = 1024, 8
 CPU_LMS = dict(device="/CPU:0", host="/CPU:1")
 # The TFLMS rule, eager to swap (this model's activations are small): the rewrite acts on a step
 # with the sharded layers' collectives in it.
@@ -135,6 +137,44 @@ def fit(results, weights, name, lms_options):
     history = model.fit(x, y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     results[name] = dict(loss=history.history["loss"][-1], **variable_bytes(model))
     weights[name] = [w.numpy() for w in unshard(model).weights]
+
+
+def text_model() -> keras.Model:
+    """Tokens -> Embedding -> Dense -> a projection over the vocabulary at every position: the
+    sharded layer reads (batch, positions, features) rows."""
+    keras.utils.set_random_seed(12)
+    tokens = keras.Input((TEXT_LENGTH,), dtype="int32")
+    h = keras.layers.Embedding(TEXT_VOCAB, 32, name="embedding")(tokens)
+    h = keras.layers.Dense(64, activation="relu", name="hidden")(h)
+    return keras.Model(tokens, keras.layers.Dense(TEXT_VOCAB, name="projection")(h))
+
+
+def text_data():
+    rng = np.random.default_rng(4)
+    n = LOCAL_BATCH * SIZE * STEPS
+    return rng.integers(0, TEXT_VOCAB, (n, TEXT_LENGTH)).astype("int32"), rng.integers(0, TEXT_VOCAB, (n, TEXT_LENGTH))
+
+
+def text(results, weights):
+    """The text model: the hybrid custom loop, and (rank 0) one process on the global batch."""
+    x, y = mine(*text_data())
+    model = hybridize(text_model(), min_param_bytes=64 << 10)
+    optimizer = keras.optimizers.Adam()
+    step = make_step(model, optimizer, lms_tf.function(horovod=True, **CPU_LMS, **LMS))
+    losses = []
+    for k in range(STEPS):
+        batch = slice(k * LOCAL_BATCH, (k + 1) * LOCAL_BATCH)
+        losses.append(float(hvd.allreduce(step(x[batch], y[batch]), op=hvd.Average, name=f"text_loss_{k}")))
+    results["text"] = dict(losses=losses, sharded_layers=list(model.hybrid_plan.sharded_layers))
+    weights["text"] = [w.numpy() for w in unshard(model).weights]
+    if RANK == 0:
+        gx, gy = text_data()
+        reference_model = text_model()
+        plain = make_step(reference_model, keras.optimizers.Adam(), tf.function)
+        rows = LOCAL_BATCH * SIZE
+        results["text_reference"] = dict(losses=[float(plain(gx[k * rows:(k + 1) * rows], gy[k * rows:(k + 1) * rows]))
+                                                 for k in range(STEPS)])
+        weights["text_reference"] = [w.numpy() for w in reference_model.weights]
 
 
 def reference(results, weights):
@@ -220,6 +260,7 @@ def main() -> None:
     custom(results, weights, "custom_lms", LMS)
     fit(results, weights, "fit", None)
     fit(results, weights, "fit_lms", LMS)
+    text(results, weights)
     if RANK == 0:
         reference(results, weights)
     sharded = next(layer for layer in hybridize(vgg_like(), min_param_bytes=1 << 20).layers

@@ -80,6 +80,20 @@ def test_hybrid_training_equals_one_process_on_the_global_batch(job, scenario):
 
 
 @pytest.mark.timeout(900)
+def test_a_text_models_sharded_projection_equals_one_process(job):
+    """The vocabulary projection reads (batch, positions, features): its rows are every position
+    of every sequence."""
+    ranks, facts, weights = job
+    assert facts[0]["text"]["sharded_layers"] == ["projection"]
+    reference = weights(0, "text_reference")
+    for rank in range(ranks):
+        for a, b in zip(reference, weights(rank, "text")):
+            np.testing.assert_allclose(b, a, rtol=0, atol=TOLERANCE)
+    np.testing.assert_allclose(facts[0]["text"]["losses"], facts[0]["text_reference"]["losses"], rtol=0,
+                               atol=TOLERANCE)
+
+
+@pytest.mark.timeout(900)
 def test_each_rank_holds_its_share_of_the_sharded_layers(job):
     ranks, facts, _ = job
     wide, features = 512, 2048

@@ -243,9 +243,11 @@ def hybridize(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int
     return hybrid
 
 
-def model_fingerprint(model, plan: HybridPlan) -> int:
-    """A number that differs when two models or plans differ: each layer's name, class and weight
-    shapes, and each layer's decision.
+def model_fingerprint(model, plan: HybridPlan) -> List[int]:
+    """One number per layer with weights, then one for the plan, that differ when two models or
+    plans differ: each layer's class and weight shapes (and its name when it is sharded: its
+    collectives are named after it; Keras numbers unnamed layers per process), each decision and
+    the group size.
 
     Examples:
         >>> import keras
@@ -256,24 +258,45 @@ def model_fingerprint(model, plan: HybridPlan) -> int:
     """
     import zlib
 
-    text = repr([(layer.name, type(layer).__name__, [tuple(w.shape) for w in layer.weights]) for layer in model.layers]
-                + [(c.layer, c.sharded) for c in plan.layers] + [plan.group_size])
-    return zlib.crc32(text.encode())
+    sharded = set(plan.sharded_layers)
+    return [zlib.crc32(_describe_layer(layer, layer.name in sharded).encode()) for layer in _weighted(model)] + \
+        [zlib.crc32(repr([c.sharded for c in plan.layers] + sorted(sharded) + [plan.group_size]).encode())]
+
+
+def _weighted(model) -> List:
+    return [layer for layer in model.layers if layer.weights]
+
+
+def _describe_layer(layer, named: bool = True) -> str:
+    return (f"{layer.name} " if named else "") + f"({type(layer).__name__}, weights {[tuple(w.shape) for w in layer.weights]})"
 
 
 def _check_same_model_on_every_rank(hvd, model, plan: HybridPlan) -> None:
     """Every rank must shard the same layers of the same model, or the collectives of the step
-    would not match (Horovod would stop the job later, or wait). One allgather compares them."""
+    would not match (Horovod would stop the job later, or wait). Two allgathers compare them."""
     import tensorflow as tf
 
     mine = model_fingerprint(model, plan)
-    everyone = hvd.allgather(tf.constant([mine], tf.int64), name="lms_tf_hybridize_fingerprint").numpy().tolist()
-    differ = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
-    if differ:
-        raise LMSOptionError(
-            f"hybridize: the ranks do not agree on the model or the plan: ranks {differ} differ from rank 0 (layer "
-            f"names, classes, weight shapes and decisions; fingerprints {everyone}). Build the same model with the "
-            f"same input shape on every rank, and pass every rank the same min_param_bytes, group_size and layers.")
+    counts = hvd.allgather(tf.constant([len(mine)], tf.int64), name="lms_tf_hybridize_layers").numpy().tolist()
+    values = hvd.allgather(tf.constant(mine, tf.int64), name="lms_tf_hybridize_fingerprint").numpy().tolist()
+    per_rank = [values[sum(counts[:r]):sum(counts[:r + 1])] for r in range(len(counts))]
+    differ = [rank for rank, theirs in enumerate(per_rank) if theirs != per_rank[0]]
+    if not differ:
+        return
+    me = hvd.rank()
+    where = ""
+    if me in differ:
+        first = next((i for i, (a, b) in enumerate(zip(mine, per_rank[0])) if a != b), min(len(mine), len(per_rank[0])))
+        layers = _weighted(model)
+        where = (f" Here (rank {me}) the first difference is the layer with weights number {first}: "
+                 + (_describe_layer(layers[first]) if first < len(layers) else "the plan (decisions or group size)")
+                 + (f"; this rank has {len(layers)} layers with weights, rank 0 {len(per_rank[0]) - 1}"
+                    if len(mine) != len(per_rank[0]) else "") + ".")
+    raise LMSOptionError(
+        f"hybridize: the ranks do not agree on the model or the plan: ranks {differ} differ from rank 0 (layer "
+        f"names, classes, weight shapes and decisions).{where} Build the same model with the same input shape and "
+        f"layer names on every rank (name the layers, or build the same layers in the same order, since Keras "
+        f"numbers unnamed ones per process), and pass every rank the same min_param_bytes, group_size and layers.")
 
 
 def _is_graph_model(model) -> bool:
