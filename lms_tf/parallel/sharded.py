@@ -162,12 +162,30 @@ class StandInCollectives:
         self.count = count
 
     def allgather(self, tensor, name=None):
+        """``count`` copies of ``tensor`` along its first axis: the gathered shape.
+
+        Examples:
+            >>> StandInCollectives(2).allgather(tf.ones((1, 3))).shape
+            TensorShape([2, 3])
+        """
         return tf.tile(tensor, [self.count] + [1] * (len(tensor.shape) - 1), name=name)
 
     def alltoall(self, tensor, name=None):
+        """``tensor`` itself: an even ``alltoall`` keeps the shape.
+
+        Examples:
+            >>> StandInCollectives(2).alltoall(tf.ones((4, 3))).shape
+            TensorShape([4, 3])
+        """
         return tf.identity(tensor, name=name)
 
     def reducescatter(self, tensor, op=None, name=None):
+        """The first 1/``count`` of ``tensor``'s rows: one rank's share of the reduced tensor.
+
+        Examples:
+            >>> StandInCollectives(2).reducescatter(tf.ones((4, 3))).shape
+            TensorShape([2, 3])
+        """
         rows = tf.shape(tensor)[0] // self.count
         return tf.identity(tensor[:rows], name=name)
 
