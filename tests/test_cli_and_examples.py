@@ -156,3 +156,21 @@ def test_plan_with_weights_on_the_host_counts_no_resident_weights_and_pays_the_f
         < device["planned_peak_bytes"] + host["offloaded_weight_bytes"]
     # Grappler judged the rewritten step (its fetches placed as TensorFlow places them).
     assert host["oracle_planned_peak_bytes"] is not None
+
+
+@pytest.mark.timeout(300)
+def test_plan_hybrid_plans_one_rank_with_its_share_of_the_sharded_layers():
+    """``--hybrid 2``: VGG16's fc1 and fc2 (8 and 64 MiB at 32x32) are sharded across two ranks;
+    one rank's resident variables drop by half of them (and of their optimizer slots), and the
+    plan is made on that rank's step, its collectives stood in for by local ops."""
+    out = {}
+    for hybrid in ([], ["--hybrid", "2", "--min-param-bytes", "4MiB"]):
+        done, _ = _run(["-m", "lms_tf.cli", "plan", "--model", "vgg16", "--input-shape", "32x32", "--classes", "10",
+                        "--batch", "4", "--no-oracle", "--json", *hybrid], timeout=280)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out[bool(hybrid)] = json.loads(done.stdout)
+    whole, rank = out[False], out[True]
+    assert whole["sharded_layers"] == [] and rank["sharded_layers"] == ["fc1", "fc2"] and rank["hybrid"] == 2
+    fc_bytes = (512 * 4096 + 4096 + 4096 * 4096 + 4096) * 4
+    assert whole["resident_bytes"] - rank["resident_bytes"] >= fc_bytes // 2
+    assert rank["feasible"] and rank["planned_peak_bytes"] < whole["planned_peak_bytes"]
