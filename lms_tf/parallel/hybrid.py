@@ -186,7 +186,9 @@ def hybridize(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int
 
     Args:
         model: A built Sequential or Functional Keras model.
-        min_param_bytes, group_size, layers: The rule of :func:`plan_hybrid`.
+        min_param_bytes: The rule of :func:`plan_hybrid`: the smallest Dense layer sharded.
+        group_size: Ranks to split across (default: the Horovod size).
+        layers: Names of the layers to shard instead of the rule.
         plan: A :class:`HybridPlan` to apply instead (from :func:`plan_hybrid`, maybe edited).
         planning: One process stands in for a rank of the group (no Horovod): the copy has one
             rank's shapes, for planning its step (``lms-tf plan --hybrid G``); it cannot train.
