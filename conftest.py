@@ -25,7 +25,7 @@ if len(tf.config.get_logical_device_configuration(_cpus[0]) or []) < 2:
 collect_ignore = ["setup.py", "examples", "benchmarks", "scripts", "tests/legacy_keras_script.py",
                   "tests/allocator_worker.py", "tests/pipeline_cluster_worker.py",
                   # imported for its doctests it would split the CPU into two logical devices
-                  "tests/horovod_worker.py"]
+                  "tests/horovod_worker.py", "tests/hybrid_worker.py"]
 
 
 import pytest  # noqa: E402
