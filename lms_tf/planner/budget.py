@@ -154,7 +154,8 @@ def _make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, scope_ali
         search = BudgetSearch(step)
         plan, sim, label, floor = search.fit(budget_bytes)
     if sim.held_bytes > budget_bytes:
-        counted = "in TensorFlow's allocator's whole chunks" if floor > sim.peak_bytes else "simulated"
+        resident = step.resident if total_bytes is not None else 0  # weights='auto': the floor counts them
+        counted = "in TensorFlow's allocator's whole chunks" if floor - resident > sim.peak_bytes else "simulated"
         kinds = " and ".join(k for k, on in (("swapping", policies.swap), ("recomputing", policies.recompute)) if on)
         hint = ("" if policies.swap and policies.recompute else
                 f", or allow {'recompute' if not policies.recompute else 'swap'} too")
