@@ -140,7 +140,7 @@ def plan_hybrid(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[i
     if not isinstance(min_param_bytes, int) or min_param_bytes < 0:
         raise LMSOptionError(f"min_param_bytes must be an int >= 0; received {describe(min_param_bytes)}.")
     named = set(layers or ())
-    known = {layer.name: layer for layer in _layers(model)}
+    known = {layer.name: layer for layer in model.layers}
     unknown = sorted(named - set(known))
     if unknown:
         raise LMSOptionError(f"layers={unknown} are not layers of {model.name!r}; its layers with weights are "
@@ -172,10 +172,6 @@ def plan_hybrid(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[i
             sharded, why = True, f"{size} >= min_param_bytes ({format_bytes(min_param_bytes)})"
         choices.append(LayerChoice(layer.name, kind, parameters, nbytes, sharded, why))
     return HybridPlan(group_size, tuple(choices))
-
-
-def _layers(model) -> List:
-    return [layer for layer in model.layers]
 
 
 def hybridize(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int] = None,

@@ -338,14 +338,12 @@ def check_weights_on_host(graph: tf.Graph, plan: Plan, *, api: str) -> Plan:
     if not plan.offloaded_weights:
         return plan
     device_of = {internal.name: getattr(external, "device", "") for external, internal in getattr(graph, "captures", ())}
-    wanted = tf.DeviceSpec.from_string(plan.host)
 
     def where(weight) -> str:
         return device_of.get(weight.variable) or "an unknown device"
 
     def on_host(weight) -> bool:
-        spec = tf.DeviceSpec.from_string(device_of.get(weight.variable, "") or "")
-        return (spec.device_type, spec.device_index or 0) == (wanted.device_type, wanted.device_index or 0)
+        return _same_device(device_of.get(weight.variable, ""), plan.host)
 
     off = [w for w in plan.offloaded_weights if not on_host(w)]
     if not off:
