@@ -1,19 +1,21 @@
 """One Horovod rank of the hybrid-parallel tests; started by ``horovodrun --gloo -np G`` from
 test_parallel_hybrid.py.
 
-Usage: python hybrid_worker.py OUTDIR [dp|hybrid|disagree|dies]
+Usage: python hybrid_worker.py OUTDIR [dp|hybrid|disagree|dies|uneven]
 
-Every rank builds the same model (one seed), shards its large Dense layers with
+Every rank builds the same model (one seed), shards its large Dense layers (fc1 by rows: it has
+more inputs than outputs; fc2 by columns) with
 ``lms_tf.parallel.hybridize`` and trains on its own rows of each global batch, 10 steps, through a
 custom loop (``lms_tf.function(horovod=True)``) and through ``fit`` (``DistributedCallback``), each
 also with lms-tf swapping the step's activations. Rank 0 also trains the original model in one
-process on the whole global batches (the reference). A text model (a projection over the
-vocabulary at every position, sharded) is trained the same way, custom loop with lms-tf. Each rank writes OUTDIR/rank<r>.json (losses,
+process on the whole global batches (the reference). A text model (its embedding table sharded by
+token id, and its projection over the vocabulary at every position by columns) is trained the same way, custom loop with lms-tf. Each rank writes OUTDIR/rank<r>.json (losses,
 variable bytes, allocator peaks) and OUTDIR/rank<r>.npz (the unsharded weights: every rank gathers
 them, so each has the whole model).
 
 With ``disagree``, rank 1 builds a different model and each rank writes what ``hybridize`` said;
-with ``dies``, rank 1 raises while training and the job must end. With ``dp`` or ``hybrid``, each rank instead measures its allocator's peak over one step of that
+with ``dies``, rank 1 raises while training and the job must end; with ``uneven``, rank 1 feeds a
+smaller batch and each rank writes what its step said. With ``dp`` or ``hybrid``, each rank instead measures its allocator's peak over one step of that
 model (see :func:`memory`) and writes OUTDIR/memory_<kind>_rank<r>.json.
 
 The model is VGG-like at CIFAR-10 shape, small enough for a CPU: convolutions and pooling, then
@@ -53,11 +55,12 @@ import keras  # noqa: E402
 import lms_tf  # noqa: E402
 from lms_tf.horovod import horovod_tensorflow, is_sharded  # noqa: E402
 from lms_tf.keras import DistributedCallback  # noqa: E402
-from lms_tf.parallel import ShardedDense, hybridize, unshard  # noqa: E402
+from lms_tf.parallel import ShardedDense, hybridize, save_unsharded, unshard  # noqa: E402
 
 hvd = horovod_tensorflow()
 RANK, SIZE = hvd.rank(), hvd.size()
 LOCAL_BATCH, STEPS, WIDE = 4, 10, 512
+OUTDIR = "."
 TEXT_VOCAB, TEXT_LENGTH = 1024, 8
 CPU_LMS = dict(device="/CPU:0", host="/CPU:1")
 # The TFLMS rule, eager to swap (this model's activations are small): the rewrite acts on a step
@@ -124,6 +127,21 @@ def custom(results, weights, name, options):
     results[name] = dict(losses=losses, sharded_layers=list(model.hybrid_plan.sharded_layers), **variable_bytes(model),
                          swapped=len(step.plan.swapped) if step.plan else 0)
     weights[name] = [w.numpy() for w in unshard(model).weights]
+    if name == "custom":
+        results["saved"] = save_and_load(model, weights[name])
+
+
+def save_and_load(model, whole) -> dict:
+    """Saves the trained hybrid model unsharded, loads it on every rank as Keras would, and splits
+    it again: the loaded model is the ordinary one with the whole weights, and the split copy holds
+    what this rank trained."""
+    path = os.path.join(OUTDIR, "saved.keras")
+    save_unsharded(model, path)
+    loaded = keras.models.load_model(path)
+    again = hybridize(loaded, min_param_bytes=1 << 20)
+    return dict(kinds=sorted({type(layer).__name__ for layer in loaded.layers if layer.weights}),
+                loaded_equal=all(np.array_equal(a, b.numpy()) for a, b in zip(whole, loaded.weights)),
+                resplit_equal=all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(model.weights, again.weights)))
 
 
 def fit(results, weights, name, lms_options):
@@ -165,7 +183,8 @@ def text(results, weights):
     for k in range(STEPS):
         batch = slice(k * LOCAL_BATCH, (k + 1) * LOCAL_BATCH)
         losses.append(float(hvd.allreduce(step(x[batch], y[batch]), op=hvd.Average, name=f"text_loss_{k}")))
-    results["text"] = dict(losses=losses, sharded_layers=list(model.hybrid_plan.sharded_layers))
+    results["text"] = dict(losses=losses, sharded_layers=list(model.hybrid_plan.sharded_layers),
+                           shardings=[c.sharding for c in model.hybrid_plan.layers if c.sharded])
     weights["text"] = [w.numpy() for w in unshard(model).weights]
     if RANK == 0:
         gx, gy = text_data()
@@ -243,12 +262,32 @@ def dies() -> None:
     model.fit(x, y, batch_size=LOCAL_BATCH, epochs=100, verbose=0, callbacks=[DistributedCallback(), Fail()])
 
 
+def uneven(outdir: str) -> None:
+    """Rank 1 feeds one row fewer than the others (an uneven last batch): every rank's step must
+    stop with the library's message, not compute with another rank's rows or wait."""
+    x, y = mine(*data())
+    model = hybridize(vgg_like(), min_param_bytes=1 << 20)
+    optimizer = keras.optimizers.Adam()
+    step = make_step(model, optimizer, lms_tf.function(horovod=True, **CPU_LMS, swap=False, recompute=False))
+    rows = LOCAL_BATCH - (1 if RANK == 1 else 0)
+    try:
+        step(x[:rows], y[:rows]).numpy()
+        outcome = "no error"
+    except tf.errors.InvalidArgumentError as error:
+        outcome = error.message
+    with open(os.path.join(outdir, f"uneven_rank{RANK}.txt"), "w") as handle:
+        handle.write(outcome)
+
+
 def main() -> None:
-    outdir = sys.argv[1]
+    global OUTDIR
+    outdir = OUTDIR = sys.argv[1]
     os.makedirs(outdir, exist_ok=True)
     if len(sys.argv) > 2:
         if sys.argv[2] == "disagree":
             disagree(outdir)
+        elif sys.argv[2] == "uneven":
+            uneven(outdir)
         elif sys.argv[2] == "dies":
             dies()
         else:
@@ -263,9 +302,10 @@ def main() -> None:
     text(results, weights)
     if RANK == 0:
         reference(results, weights)
-    sharded = next(layer for layer in hybridize(vgg_like(), min_param_bytes=1 << 20).layers
-                   if isinstance(layer, ShardedDense))
-    results["fc1_kernel_shape"] = list(sharded.kernel.shape)
+    for layer in hybridize(vgg_like(), min_param_bytes=1 << 20).layers:
+        if isinstance(layer, ShardedDense):
+            results[f"{layer.name}_kernel_shape"] = list(layer.kernel.shape)
+            results[f"{layer.name}_sharding"] = layer.sharding
     np.savez(os.path.join(outdir, f"rank{RANK}.npz"),
              **{f"{key}/{i}": w for key, ws in weights.items() for i, w in enumerate(ws)})
     with open(os.path.join(outdir, f"rank{RANK}.json"), "w") as handle:

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import lms_tf
-from lms_tf.parallel import ShardedDense, hybridize, plan_hybrid, unshard
-from lms_tf.parallel.sharded import column_shard
+from lms_tf.parallel import ShardedDense, ShardedEmbedding, hybridize, plan_hybrid, unshard
+from lms_tf.parallel.sharded import even_shard
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "hybrid_worker.py"
@@ -81,10 +81,12 @@ def test_hybrid_training_equals_one_process_on_the_global_batch(job, scenario):
 
 @pytest.mark.timeout(900)
 def test_a_text_models_sharded_projection_equals_one_process(job):
-    """The vocabulary projection reads (batch, positions, features): its rows are every position
-    of every sequence."""
+    """The embedding table is split by token id (each rank looks up the ids it holds, the others
+    add zeros), and the vocabulary projection, which reads (batch, positions, features), by
+    columns: its rows are every position of every sequence."""
     ranks, facts, weights = job
-    assert facts[0]["text"]["sharded_layers"] == ["projection"]
+    assert facts[0]["text"]["sharded_layers"] == ["embedding", "projection"]
+    assert facts[0]["text"]["shardings"] == ["embedding", "columns"]
     reference = weights(0, "text_reference")
     for rank in range(ranks):
         for a, b in zip(reference, weights(rank, "text")):
@@ -95,40 +97,66 @@ def test_a_text_models_sharded_projection_equals_one_process(job):
 
 @pytest.mark.timeout(900)
 def test_each_rank_holds_its_share_of_the_sharded_layers(job):
+    """fc1 (2048 inputs, 512 outputs) is split by rows, its bias whole on every rank; fc2 (512 x
+    512) by columns, with its bias."""
     ranks, facts, _ = job
     wide, features = 512, 2048
-    sharded_whole = (features * wide + wide + wide * wide + wide) * 4   # fc1 and fc2, float32
+    sharded_whole = (features * wide + wide * wide + wide) * 4   # fc1's kernel, fc2's kernel and bias, float32
     for rank_facts in facts:
         custom = rank_facts["custom"]
         assert custom["sharded_layers"] == ["fc1", "fc2"]
         assert custom["sharded_weight_bytes"] * ranks == sharded_whole
         assert custom["slot_bytes"] == 2 * custom["weight_bytes"]   # Adam's moments are sharded with them
-        assert rank_facts["fc1_kernel_shape"] == [features, wide // ranks]
+        assert (rank_facts["fc1_sharding"], rank_facts["fc1_kernel_shape"]) == ("rows", [features // ranks, wide])
+        assert (rank_facts["fc2_sharding"], rank_facts["fc2_kernel_shape"]) == ("columns", [wide, wide // ranks])
 
 
-def test_the_rule_shards_large_dense_layers_and_says_why():
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, name="big"),
-                              keras.layers.Dense(10, name="small"), keras.layers.Dense(255, name="odd_big")])
-    plan = plan_hybrid(model, min_param_bytes=1024, group_size=2)
-    assert plan.sharded_layers == ("big", "small")
-    reasons = {c.layer: c.why for c in plan.layers}
-    assert "do not split across 2 ranks" in reasons["odd_big"]
-    assert plan_hybrid(model, min_param_bytes=1 << 20, group_size=2).sharded_layers == ()
-    assert plan_hybrid(model, group_size=2, layers=["small"]).sharded_layers == ("small",)   # the override
-    assert "sharded: 16640 of 22015 parameters" in plan_hybrid(model, min_param_bytes=32 * 1024, group_size=2).summary()
+@pytest.mark.timeout(900)
+def test_the_saved_model_is_the_ordinary_one_and_splits_again(job):
+    """``save_unsharded`` writes the trained model with whole Dense layers (rank 0); every rank
+    loads it with ``keras.models.load_model`` and gets the whole weights, and ``hybridize`` on the
+    loaded model gives each rank back exactly the shards it trained."""
+    ranks, facts, _ = job
+    for rank_facts in facts:
+        assert rank_facts["saved"] == dict(kinds=["Conv2D", "Dense"], loaded_equal=True, resplit_equal=True)
+
+
+def test_the_rule_shards_large_layers_the_cheaper_way_and_says_why():
+    model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(1000, 64, name="table"),
+                              keras.layers.Flatten(), keras.layers.Dense(256, name="wide_in"),
+                              keras.layers.Dense(1024, name="wide_out"), keras.layers.Dense(10, name="small"),
+                              keras.layers.Dense(255, name="odd", kernel_regularizer="l2")])
+    plan = plan_hybrid(model, min_param_bytes=64 * 1024, group_size=4)
+    choices = {c.layer: c for c in plan.layers}
+    assert plan.sharded_layers == ("table", "wide_in", "wide_out")
+    assert [choices[n].sharding for n in plan.sharded_layers] == ["embedding", "rows", "columns"]
+    assert "< min_param_bytes (64.0 KiB)" in choices["small"].why
+    assert "regularizer" in choices["odd"].why and not choices["odd"].sharded
+    assert plan_hybrid(model, min_param_bytes=1 << 30, group_size=4).sharded_layers == ()
+    assert plan_hybrid(model, group_size=4, layers=["small"]).sharded_layers == ("small",)   # the override
+    odd = keras.Sequential([keras.Input((10,)), keras.layers.Dense(255, name="odd")])
+    assert "neither its 255 units nor its 10 input features split across 4 ranks" in \
+        plan_hybrid(odd, min_param_bytes=0, group_size=4).layers[0].why
+    summary = plan.summary()
+    assert "sharded (rows)" in summary and "sharded (embedding)" in summary and "replicated" in summary
 
 
 def test_bad_input_is_a_clear_error_before_anything_is_built():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="fc")])
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(6, name="fc")])
     with pytest.raises(lms_tf.LMSOptionError, match=r"group_size must be an int >= 1 .* received 0"):
         plan_hybrid(model, group_size=0)
     with pytest.raises(lms_tf.LMSOptionError, match=r"layers=\['nope'\] are not layers of .* \['fc'\]"):
         plan_hybrid(model, group_size=2, layers=["nope"])
-    with pytest.raises(lms_tf.LMSOptionError, match=r"only a Dense layer whose units the group divides .* 'fc' is a "
-                                                    r"Dense with 6 units, group_size=4"):
+    with pytest.raises(lms_tf.LMSOptionError, match=r"'fc' \(Dense, group_size=4\) cannot be sharded: neither its 6 "
+                                                    r"units nor its 3 input features split across 4 ranks"):
         plan_hybrid(model, group_size=4, layers=["fc"])
     with pytest.raises(lms_tf.LMSOptionError, match=r"6 output units do not split evenly across a group of 4 ranks"):
-        column_shard(6, 0, 4, layer="fc")
+        even_shard(6, 0, 4, layer="fc")
+    with pytest.raises(lms_tf.LMSOptionError, match=r"sharding must be 'columns', 'rows' or 'auto'; received 'diag'"):
+        ShardedDense(4, sharding="diag", shard_index=0, shard_count=1)
+    with pytest.raises(lms_tf.LMSOptionError, match=r"10 token ids \(input_dim\) do not split evenly across a group "
+                                                    r"of 4 ranks"):
+        ShardedEmbedding(10, 3, shard_index=0, shard_count=4)
 
     class Subclassed(keras.Model):
         def __init__(self):
@@ -148,15 +176,18 @@ def test_one_rank_hybrid_is_the_model_and_unshard_gives_it_back():
     does, and :func:`unshard` returns ordinary Dense layers with the same weights. The original
     model is not changed."""
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="fc"),
+    model = keras.Sequential([keras.Input((8,), dtype="int32"), keras.layers.Embedding(50, 6, name="table"),
+                              keras.layers.Flatten(), keras.layers.Dense(16, activation="relu", name="fc"),
                               keras.layers.Dense(4, name="out")])
     before = [w.copy() for w in model.get_weights()]
     hybrid = hybridize(model, min_param_bytes=0, group_size=1)
     assert isinstance(hybrid.get_layer("fc"), ShardedDense) and not isinstance(model.get_layer("fc"), ShardedDense)
-    x = np.random.default_rng(0).random((5, 8), dtype=np.float32)
+    assert isinstance(hybrid.get_layer("table"), ShardedEmbedding)
+    assert hybrid.get_layer("fc").sharding == "rows" and hybrid.get_layer("out").sharding == "rows"   # 48 -> 16 -> 4
+    x = np.random.default_rng(0).integers(0, 50, (5, 8)).astype("int32")
     np.testing.assert_array_equal(np.array(hybrid(x)), np.array(model(x)))
     back = unshard(hybrid)
-    assert [type(layer).__name__ for layer in back.layers] == ["Dense", "Dense"]
+    assert [type(layer).__name__ for layer in back.layers] == ["Embedding", "Flatten", "Dense", "Dense"]
     for a, b, c in zip(before, model.get_weights(), back.get_weights()):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
@@ -207,3 +238,15 @@ def test_a_rank_that_dies_stops_the_others_in_bounded_time(tmp_path):
                            str(tmp_path), "dies"], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode != 0 and "rank 1 failed on purpose in batch 2" in done.stdout + done.stderr
     assert time.monotonic() - started < 120
+
+
+@pytest.mark.timeout(300)
+def test_ranks_with_different_batch_sizes_get_a_clear_error_not_wrong_rows(tmp_path):
+    """Rank 1 feeds 3 rows where rank 0 feeds 4 (an uneven last batch): each rank's step stops
+    with the library's message, before a sharded layer splits the gathered rows by the wrong
+    blocks."""
+    _horovodrun(2, str(tmp_path), "uneven")
+    for rank in range(2):
+        said = (tmp_path / f"uneven_rank{rank}.txt").read_text()
+        assert "every rank of a sharded layer's group must feed the same batch size" in said, said
+        assert "drop_remainder=True" in said

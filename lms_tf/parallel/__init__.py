@@ -1,9 +1,11 @@
 """Hybrid parallelism (SplitBrain): memory-heavy layers sharded across Horovod ranks, the rest
 data-parallel.
 
-- :class:`ShardedDense`: a ``Dense`` layer whose kernel and bias columns are split across ranks.
-- :func:`plan_hybrid` / :func:`hybridize` / :func:`unshard`: which layers of a model to shard
-  (a table you can read and override), the sharded copy of the model, and the ordinary model back.
+- :class:`ShardedDense`: a ``Dense`` layer whose kernel is split across ranks, by output columns
+  or by input rows; :class:`ShardedEmbedding`: an ``Embedding`` whose table is split by token id.
+- :func:`plan_hybrid` / :func:`hybridize` / :func:`unshard` / :func:`save_unsharded`: which layers
+  of a model to shard (a table you can read and override), the sharded copy of the model, and the
+  ordinary model back (to evaluate or save).
 
 Train the hybrid model as a data-parallel one (``DistributedCallback`` or
 ``lms_tf.function(horovod=True)``): the replicated layers' gradients are averaged across ranks and
@@ -17,7 +19,8 @@ Examples:
     ('fc',)
 """
 
-from lms_tf.parallel.hybrid import HybridPlan, LayerChoice, hybridize, plan_hybrid, unshard
-from lms_tf.parallel.sharded import ShardedDense
+from lms_tf.parallel.hybrid import HybridPlan, LayerChoice, hybridize, plan_hybrid, save_unsharded, unshard
+from lms_tf.parallel.sharded import ShardedDense, ShardedEmbedding
 
-__all__ = ["HybridPlan", "LayerChoice", "ShardedDense", "hybridize", "plan_hybrid", "unshard"]
+__all__ = ["HybridPlan", "LayerChoice", "ShardedDense", "ShardedEmbedding", "hybridize", "plan_hybrid",
+           "save_unsharded", "unshard"]

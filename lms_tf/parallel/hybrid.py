@@ -2,17 +2,18 @@
 
 :func:`plan_hybrid` decides, per layer, sharded or replicated, and says why; :func:`hybridize`
 returns a copy of the model with those layers replaced by sharded ones holding this rank's part
-of the original weights; :func:`unshard` gathers the parts back into an ordinary model (to save
-it, or to evaluate on one process).
+of the original weights; :func:`unshard` gathers the parts back into an ordinary model (to
+evaluate on one process), and :func:`save_unsharded` saves that model (``keras.models.load_model``
+then gives back the ordinary model, and :func:`hybridize` splits it again).
 
 Examples:
     >>> import keras
     >>> model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, name="fc"),
     ...                           keras.layers.Dense(10, name="out")])
     >>> print(plan_hybrid(model, min_param_bytes=32 * 1024, group_size=2).summary())
-    layer  kind   parameters  MiB   decision    why
-    fc     Dense  16640       0.06  sharded     16640 parameters (65.0 KiB) >= min_param_bytes (32.0 KiB)
-    out    Dense  2570        0.01  replicated  2570 parameters (10.0 KiB) < min_param_bytes (32.0 KiB)
+    layer  kind   parameters  MiB   decision           why
+    fc     Dense  16640       0.06  sharded (columns)  16640 parameters (65.0 KiB) >= min_param_bytes (32.0 KiB)
+    out    Dense  2570        0.01  replicated         2570 parameters (10.0 KiB) < min_param_bytes (32.0 KiB)
     sharded: 16640 of 19210 parameters (86.6%); each of 2 ranks holds 1/2 of them
 """
 
@@ -27,7 +28,7 @@ from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.policy import describe, format_bytes
 from lms_tf.horovod import horovod_tensorflow
-from lms_tf.parallel.sharded import ShardedDense
+from lms_tf.parallel.sharded import ShardedDense, ShardedEmbedding, cheaper_sharding
 
 keras = _compat.keras_module()
 
@@ -43,6 +44,9 @@ class LayerChoice:
         nbytes: Their bytes.
         sharded: Whether it is split across the group.
         why: The rule's reason, in words.
+        sharding: How a sharded layer is split: ``"columns"`` or ``"rows"`` (a Dense layer's
+            kernel, :func:`~lms_tf.parallel.sharded.cheaper_sharding`) or ``"embedding"`` (an
+            Embedding's table, by token id); empty when replicated.
 
     Examples:
         >>> LayerChoice("fc1", "Dense", 10, 40, True, "large").sharded
@@ -55,6 +59,7 @@ class LayerChoice:
     nbytes: int
     sharded: bool
     why: str
+    sharding: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,15 +90,15 @@ class HybridPlan:
         return tuple(c.layer for c in self.layers if c.sharded)
 
     def summary(self) -> str:
-        """A table: layer, kind, parameters, MiB, sharded or replicated, why; then the totals.
+        """A table: layer, kind, parameters, MiB, sharded (how) or replicated, why; then the totals.
 
         Examples:
             >>> print(HybridPlan(2, ()).summary().splitlines()[-1])
             sharded: 0 of 0 parameters (0.0%); each of 2 ranks holds 1/2 of them
         """
         rows = [("layer", "kind", "parameters", "MiB", "decision", "why")]
-        rows += [(c.layer, c.kind, str(c.parameters), f"{c.nbytes / 2**20:.2f}", "sharded" if c.sharded
-                  else "replicated", c.why) for c in self.layers]
+        rows += [(c.layer, c.kind, str(c.parameters), f"{c.nbytes / 2**20:.2f}",
+                  f"sharded ({c.sharding})" if c.sharded else "replicated", c.why) for c in self.layers]
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(r[:5], widths)) + "  " + r[5] for r in rows]
         total = sum(c.parameters for c in self.layers)
@@ -112,14 +117,36 @@ def _check_group_size(group_size) -> int:
     return group_size
 
 
+def _how_to_shard(layer, group_size: int) -> Tuple[str, str]:
+    """How ``layer`` would be split across ``group_size`` ranks, or ``("", why it cannot be")``."""
+    if isinstance(layer, keras.layers.Embedding):
+        if getattr(layer, "lora_enabled", False) or layer.embeddings_regularizer or layer.embeddings_constraint:
+            return "", "an Embedding with LoRA, a regularizer or a constraint, which ShardedEmbedding does not carry"
+        if layer.input_dim % group_size:
+            return "", f"its {layer.input_dim} token ids do not split across {group_size} ranks"
+        return "embedding", ""
+    if isinstance(layer, keras.layers.Dense) and len(layer.kernel.shape) == 2:
+        if getattr(layer, "lora_enabled", False) or layer.kernel_regularizer or layer.kernel_constraint \
+                or layer.bias_regularizer or layer.bias_constraint:
+            return "", "a Dense layer with LoRA, a regularizer or a constraint, which ShardedDense does not carry"
+        features, units = (int(n) for n in layer.kernel.shape)
+        sharding = cheaper_sharding(features, units, group_size)
+        if sharding is None:
+            return "", f"neither its {units} units nor its {features} input features split across {group_size} ranks"
+        return sharding, ""
+    return "", "only Dense and Embedding layers are sharded"
+
+
 def plan_hybrid(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int] = None,
                 layers: Optional[Sequence[str]] = None) -> HybridPlan:
-    """Chooses the layers to shard: ``Dense`` layers holding at least ``min_param_bytes`` of
-    parameters whose units the group divides (or exactly ``layers``, names given).
+    """Chooses the layers to shard: ``Dense`` and ``Embedding`` layers holding at least
+    ``min_param_bytes`` of parameters that the group splits evenly (or exactly ``layers``, names
+    given). A Dense layer is split by columns or rows, whichever sends fewer bytes
+    (:func:`~lms_tf.parallel.sharded.cheaper_sharding`); an Embedding by token id.
 
     Args:
         model: A Keras model.
-        min_param_bytes: A ``Dense`` layer at least this large is sharded.
+        min_param_bytes: A layer at least this large is sharded.
         group_size: Ranks to split across (default: the Horovod size).
         layers: Names of the layers to shard instead of the rule (the user's override).
 
@@ -128,7 +155,7 @@ def plan_hybrid(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[i
 
     Raises:
         LMSOptionError: A bad ``group_size`` or ``min_param_bytes``, or a named layer that is not a
-            ``Dense`` layer of the model, or whose units the group does not divide.
+            layer of the model or cannot be sharded (the error says why).
 
     Examples:
         >>> import keras
@@ -153,36 +180,31 @@ def plan_hybrid(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[i
         nbytes = int(sum(np.prod(w.shape) * np.dtype(w.dtype).itemsize for w in layer.weights))
         kind = type(layer).__name__
         size = f"{parameters} parameters ({format_bytes(nbytes)})"
-        dense = isinstance(layer, keras.layers.Dense) and len(layer.kernel.shape) == 2
-        divides = dense and layer.units % group_size == 0
+        sharding, cannot = _how_to_shard(layer, group_size)
         if named:
-            if layer.name in named and not divides:
-                raise LMSOptionError(
-                    f"layers=[{layer.name!r}]: only a Dense layer whose units the group divides can be sharded; "
-                    f"{layer.name!r} is a {kind}" + (f" with {layer.units} units, group_size={group_size}"
-                                                     if dense else "") + ".")
+            if layer.name in named and not sharding:
+                raise LMSOptionError(f"layers=[{layer.name!r}]: {layer.name!r} ({kind}, group_size={group_size}) "
+                                     f"cannot be sharded: {cannot}. Leave it out of layers=.")
             sharded, why = layer.name in named, "named in layers=" if layer.name in named else "not named in layers="
-        elif not dense:
-            sharded, why = False, f"{size}; only Dense layers are sharded"
+        elif not sharding:
+            sharded, why = False, f"{size}; {cannot}"
         elif nbytes < min_param_bytes:
             sharded, why = False, f"{size} < min_param_bytes ({format_bytes(min_param_bytes)})"
-        elif not divides:
-            sharded, why = False, f"{size}, but {layer.units} units do not split across {group_size} ranks"
         else:
             sharded, why = True, f"{size} >= min_param_bytes ({format_bytes(min_param_bytes)})"
-        choices.append(LayerChoice(layer.name, kind, parameters, nbytes, sharded, why))
+        choices.append(LayerChoice(layer.name, kind, parameters, nbytes, sharded, why, sharding if sharded else ""))
     return HybridPlan(group_size, tuple(choices))
 
 
 def hybridize(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int] = None,
               layers: Optional[Sequence[str]] = None, plan: Optional[HybridPlan] = None, planning: bool = False):
-    """A copy of ``model`` whose chosen ``Dense`` layers are :class:`ShardedDense` layers holding
-    this rank's columns of the original weights; the other layers are copies with the original
-    weights. ``model`` is left as it is. Every rank of the group calls it, with the same model.
+    """A copy of ``model`` whose chosen ``Dense`` and ``Embedding`` layers are :class:`ShardedDense`
+    and :class:`ShardedEmbedding` layers holding this rank's part of the original weights; the other
+    layers are copies with the original weights. ``model`` is left as it is. Every rank of the group calls it, with the same model.
 
     Args:
         model: A built Sequential or Functional Keras model.
-        min_param_bytes: The rule of :func:`plan_hybrid`: the smallest Dense layer sharded.
+        min_param_bytes: The rule of :func:`plan_hybrid`: the smallest layer sharded.
         group_size: Ranks to split across (default: the Horovod size).
         layers: Names of the layers to shard instead of the rule.
         plan: A :class:`HybridPlan` to apply instead (from :func:`plan_hybrid`, maybe edited).
@@ -218,14 +240,17 @@ def hybridize(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int
                              f"{hvd.size()}; plan with group_size={hvd.size()}.")
     if hvd is not None:
         _check_same_model_on_every_rank(hvd, model, plan)
-    chosen = set(plan.sharded_layers)
+    chosen = {c.layer: c.sharding for c in plan.layers if c.sharded}
 
     def clone(layer):
         if layer.name not in chosen:
             return layer.__class__.from_config(layer.get_config())
-        return ShardedDense(layer.units, activation=layer.activation, use_bias=layer.use_bias, name=layer.name,
-                            shard_index=index, shard_count=plan.group_size, dtype=layer.dtype_policy,
-                            planning=planning)
+        shard = dict(name=layer.name, shard_index=index, shard_count=plan.group_size, dtype=layer.dtype_policy,
+                     planning=planning)
+        if chosen[layer.name] == "embedding":
+            return ShardedEmbedding(layer.input_dim, layer.output_dim, mask_zero=layer.mask_zero, **shard)
+        return ShardedDense(layer.units, activation=layer.activation, use_bias=layer.use_bias,
+                            sharding=chosen[layer.name], **shard)
 
     hybrid = keras.models.clone_model(model, clone_function=clone)
     for original in model.layers:
@@ -233,9 +258,8 @@ def hybridize(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int
             continue  # (an input layer's name may differ in the copy)
         copy = hybrid.get_layer(original.name)
         if original.name in chosen:
-            weights = original.get_weights()
-            copy.set_whole_weights(weights[0], weights[1] if len(weights) > 1 else None)
-        elif original.weights:
+            copy.set_whole_weights(*original.get_weights())
+        else:
             copy.set_weights(original.get_weights())
     hybrid.hybrid_plan = plan
     return hybrid
@@ -258,7 +282,7 @@ def model_fingerprint(model, plan: HybridPlan) -> List[int]:
 
     sharded = set(plan.sharded_layers)
     return [zlib.crc32(_describe_layer(layer, layer.name in sharded).encode()) for layer in _weighted(model)] + \
-        [zlib.crc32(repr([c.sharded for c in plan.layers] + sorted(sharded) + [plan.group_size]).encode())]
+        [zlib.crc32(repr([c.sharding for c in plan.layers] + sorted(sharded) + [plan.group_size]).encode())]
 
 
 def _weighted(model) -> List:
@@ -303,8 +327,9 @@ def _is_graph_model(model) -> bool:
 
 
 def unshard(hybrid):
-    """The ordinary model a :func:`hybridize` model stands for: each sharded layer a ``Dense`` layer
-    with the whole weights, gathered from every rank (a collective: every rank calls it).
+    """The ordinary model a :func:`hybridize` model stands for: each sharded layer a ``Dense`` or
+    ``Embedding`` layer with the whole weights, gathered from every rank (a collective: every rank
+    calls it).
 
     Examples:
         >>> import keras
@@ -313,30 +338,75 @@ def unshard(hybrid):
         >>> type(back.get_layer("fc")).__name__, np.array_equal(back.get_weights()[0], model.get_weights()[0])
         ('Dense', True)
     """
-    hvd = None
-    sharded = [layer for layer in hybrid.layers if isinstance(layer, ShardedDense)]
-    if any(layer.shard_count > 1 for layer in sharded):
-        hvd = horovod_tensorflow()
+    sharded = [layer for layer in hybrid.layers if isinstance(layer, (ShardedDense, ShardedEmbedding))]
+    hvd = horovod_tensorflow() if any(layer.shard_count > 1 for layer in sharded) else None
 
     def clone(layer):
-        if not isinstance(layer, ShardedDense):
-            return layer.__class__.from_config(layer.get_config())
-        return keras.layers.Dense(layer.units, activation=layer.activation, use_bias=layer.use_bias, name=layer.name,
-                                  dtype=layer.dtype_policy)
+        if isinstance(layer, ShardedEmbedding):
+            return keras.layers.Embedding(layer.input_dim, layer.output_dim, mask_zero=layer.mask_zero,
+                                          name=layer.name, dtype=layer.dtype_policy)
+        if isinstance(layer, ShardedDense):
+            return keras.layers.Dense(layer.units, activation=layer.activation, use_bias=layer.use_bias,
+                                      name=layer.name, dtype=layer.dtype_policy)
+        return layer.__class__.from_config(layer.get_config())
+
+    def gather(part, axis: int, name: str):
+        # Horovod gathers along the first axis, in rank order: a column shard is gathered transposed.
+        if hvd is None:
+            return part
+        if axis == 1:
+            return hvd.allgather(part.T, name=name).numpy().T
+        return hvd.allgather(part, name=name).numpy()
 
     model = keras.models.clone_model(hybrid, clone_function=clone)
     for layer in hybrid.layers:
         if not layer.weights:
             continue
         copy = model.get_layer(layer.name)
-        if isinstance(layer, ShardedDense):
-            parts = [layer.kernel.numpy()] + ([layer.bias.numpy()] if layer.bias is not None else [])
-            if hvd is not None:
-                # Shards are gathered along their first axis, in rank order: gather the transposed kernel.
-                parts = [hvd.allgather(parts[0].T, name=f"lms_tf_unshard_{layer.name}_kernel").numpy().T] + \
-                        ([hvd.allgather(parts[1], name=f"lms_tf_unshard_{layer.name}_bias").numpy()]
-                         if len(parts) > 1 else [])
+        tag = f"lms_tf_unshard_{layer.name}"
+        if isinstance(layer, ShardedEmbedding):
+            copy.set_weights([gather(layer.embeddings.numpy(), 0, f"{tag}_embeddings")])
+        elif isinstance(layer, ShardedDense):
+            columns = layer.sharding == "columns"
+            parts = [gather(layer.kernel.numpy(), 1 if columns else 0, f"{tag}_kernel")]
+            if layer.bias is not None:  # a row-sharded layer's bias is whole on every rank
+                parts.append(gather(layer.bias.numpy(), 0, f"{tag}_bias") if columns else layer.bias.numpy())
             copy.set_weights(parts)
-        elif layer.weights:
+        else:
             copy.set_weights(layer.get_weights())
+    return model
+
+
+def save_unsharded(hybrid, filepath: str):
+    """Saves the ordinary model a :func:`hybridize` model stands for (:func:`unshard`), written by
+    rank 0 alone: ``keras.models.load_model(filepath)`` gives it back on one process, and
+    :func:`hybridize` splits it again to resume. A collective: every rank calls it.
+
+    Args:
+        hybrid: The model :func:`hybridize` returned (trained or not).
+        filepath: Where to save it (``.keras``, as ``Model.save``).
+
+    Returns:
+        The unsharded model (on every rank), once the file is written: every rank may load it next
+        (on a file system they share).
+
+    Examples:
+        >>> import keras, os, tempfile
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="fc")])
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.keras")
+        >>> _ = save_unsharded(hybridize(model, min_param_bytes=0, group_size=1), path)
+        >>> type(keras.models.load_model(path).get_layer("fc")).__name__
+        'Dense'
+    """
+    model = unshard(hybrid)
+    sharded = [layer for layer in hybrid.layers if isinstance(layer, (ShardedDense, ShardedEmbedding))]
+    if not any(layer.shard_count > 1 for layer in sharded):
+        model.save(filepath)
+        return model
+    import tensorflow as tf
+
+    hvd = horovod_tensorflow()
+    if hvd.rank() == 0:
+        model.save(filepath)
+    hvd.allreduce(tf.constant(0), name="lms_tf_save_unsharded_written")  # the others wait for rank 0's file
     return model

@@ -1,18 +1,35 @@
 """Layers whose weights are split across the ranks of a Horovod group (SplitBrain).
 
-Each of the G ranks keeps 1/G of the layer's kernel, bias, gradients and optimizer slots. The
+Each of the G ranks keeps 1/G of the layer's weights, their gradients and optimizer slots. The
 rest of the model stays data-parallel: every rank trains on its own batch, and the replicated
 layers' gradients are averaged (``DistributedCallback``, ``lms_tf.function(horovod=True)``), which
 leave the shards' gradients alone (:func:`lms_tf.horovod.mark_sharded`).
 
-:class:`ShardedDense` is column-sharded: rank r holds output columns ``[r * U/G, (r + 1) * U/G)``.
+Three ways to split, each with the collectives that move the least data for it
+(:func:`sent_bytes_per_row` counts them):
 
-- Forward: the ranks' batches are gathered (``allgather``), each rank computes its columns for the
-  whole group's batch, and an ``alltoall`` gives each rank its own rows with every column.
-- Backward: an ``alltoall`` sends each rank the output gradients of its columns for every batch.
-  The kernel gradient is then the whole group's (divided by G, as the replicated layers' average
-  divides). The input gradient is a partial sum per rank, and a ``reducescatter`` adds them up and
-  gives each rank its own rows.
+- :class:`ShardedDense` ``sharding="columns"``: rank r holds output columns
+  ``[r * U/G, (r + 1) * U/G)`` and their bias. Forward: the ranks' batches are gathered
+  (``allgather``), each rank computes its columns for the whole group's batch, and an
+  ``alltoall`` gives each rank its own rows with every column. Backward: an ``alltoall`` sends
+  each rank the output gradients of its columns for every batch; the input gradient is a partial
+  sum per rank, and a ``reducescatter`` adds them up and gives each rank its own rows.
+- :class:`ShardedDense` ``sharding="rows"``: rank r holds input features
+  ``[r * F/G, (r + 1) * F/G)`` (the bias stays whole, replicated). Forward: an ``alltoall`` gives
+  each rank its features of every rank's rows, each rank multiplies them by its rows of the kernel,
+  and a ``reducescatter`` adds the partial products and gives each rank its rows. Backward: an
+  ``allgather`` of the output gradients, and an ``alltoall`` that returns each rank's input
+  gradient. Cheaper than columns when the layer has more inputs than outputs.
+- :class:`ShardedEmbedding`: rank r holds the table's rows (token ids) ``[r * V/G, (r + 1) * V/G)``.
+  Forward: the ids are gathered, each rank looks up those it holds (zeros elsewhere), and a
+  ``reducescatter`` adds them up (one term is not zero) and gives each rank its rows. Backward: an
+  ``allgather`` of the output gradients; each rank keeps those of its ids (a sparse gradient, as
+  ``keras.layers.Embedding``'s).
+
+Every kernel gradient covers the whole group's batch, whose rows each carry their own rank's
+``1 / local batch``: it is divided by G, as averaging divides the replicated layers' gradients.
+Every rank must feed the same batch size (``drop_remainder=True``): block r of a gathered tensor is
+rank r's rows.
 
 Examples:
     >>> import keras
@@ -33,41 +50,137 @@ from lms_tf.horovod import horovod_tensorflow, mark_sharded
 
 keras = _compat.keras_module()
 
+#: How a :class:`ShardedDense` splits its kernel: by output columns or by input rows.
+SHARDINGS = ("columns", "rows")
+
 
 def _group():
     hvd = horovod_tensorflow()
     return hvd, hvd.rank(), hvd.size()
 
 
-def column_shard(units: int, index: int, count: int, layer: str = "layer") -> slice:
-    """The output columns shard ``index`` of ``count`` holds.
+def even_shard(size: int, index: int, count: int, what: str = "output units", layer: str = "layer") -> slice:
+    """The part ``[index * size/count, (index + 1) * size/count)`` that shard ``index`` of ``count`` holds.
+
+    Args:
+        size: The length of the split axis (a Dense layer's units or input features, an
+            Embedding's vocabulary).
+        index: The shard.
+        count: The number of shards (ranks).
+        what: What ``size`` counts, for the error.
+        layer: The layer's name, for the error.
 
     Raises:
-        LMSOptionError: ``count`` does not divide ``units``.
+        LMSOptionError: ``count`` does not divide ``size``.
 
     Examples:
-        >>> column_shard(8, 1, 4)
+        >>> even_shard(8, 1, 4)
         slice(2, 4, None)
     """
-    if units % count:
+    if size % count:
         raise LMSOptionError(
-            f"{layer}: {units} output units do not split evenly across a group of {count} ranks; received "
-            f"group_size={count}. Use a group size that divides {units} (e.g. "
-            f"{max(d for d in range(1, count + 1) if units % d == 0)}), or leave this layer replicated.")
-    width = units // count
+            f"{layer}: {size} {what} do not split evenly across a group of {count} ranks; received "
+            f"group_size={count}. Use a group size that divides {size} (e.g. "
+            f"{max(d for d in range(1, count + 1) if size % d == 0)}), or leave this layer replicated.")
+    width = size // count
     return slice(index * width, (index + 1) * width)
 
 
-class ShardedDense(keras.layers.Layer):
-    """A ``Dense`` layer whose kernel and bias columns are split across the ranks of a Horovod job.
+def sent_bytes_per_row(kind: str, features: int, units: int, count: int, itemsize: int = 4) -> int:
+    """Bytes one rank sends per row of its batch, forward and backward, for one sharded layer.
+
+    Each collective sends the other ``count - 1`` ranks their blocks: an ``allgather`` this rank's
+    rows, an ``alltoall`` or ``reducescatter`` the other ranks' rows of what this rank computed.
 
     Args:
-        units: Output units of the whole layer (divisible by the number of ranks).
+        kind: ``"columns"`` or ``"rows"`` (a :class:`ShardedDense`), or ``"embedding"``.
+        features: The layer's input features (an Embedding: 1, the token id).
+        units: Its outputs (an Embedding: the output dimension).
+        count: The ranks it is split across.
+        itemsize: Bytes per element of the activations.
+
+    Examples:
+        >>> sent_bytes_per_row("columns", 4096, 4096, 4), sent_bytes_per_row("rows", 25088, 4096, 4)
+        (122880, 248832)
+    """
+    others = count - 1
+    if kind == "columns":   # allgather x, alltoall y, alltoall dy, reducescatter dx
+        return others * itemsize * (2 * features + 2 * units // count)
+    if kind == "rows":      # alltoall x, reducescatter y, allgather dy, alltoall dx
+        return others * itemsize * (2 * features // count + 2 * units)
+    if kind == "embedding":  # allgather ids (int32), reducescatter y, allgather dy
+        return others * (4 + 2 * itemsize * units)
+    raise ValueError(f"kind must be 'columns', 'rows' or 'embedding'; received {kind!r}")
+
+
+def cheaper_sharding(features: int, units: int, count: int) -> Optional[str]:
+    """The sharding of a ``features`` x ``units`` kernel across ``count`` ranks that sends the
+    fewest bytes and splits evenly, or None when neither splits evenly.
+
+    Columns send ``2 F + 2 U / G`` per row and rows ``2 F / G + 2 U``: rows win when the layer has
+    more inputs than outputs.
+
+    Examples:
+        >>> cheaper_sharding(512, 4096, 4), cheaper_sharding(25088, 4096, 4), cheaper_sharding(6, 10, 4)
+        ('columns', 'rows', None)
+    """
+    fits = [kind for kind, size in (("columns", units), ("rows", features)) if size % count == 0]
+    if not fits:
+        return None
+    # (With one rank neither sends anything: the same rule, by shape, keeps the choice stable.)
+    return min(fits, key=lambda kind: (sent_bytes_per_row(kind, features, units, count),
+                                       (kind == "rows") != (features > units)))
+
+
+class _ShardedLayer(keras.layers.Layer):
+    """What the sharded layers share: the shard, the group, planning mode, serialisation."""
+
+    def __init__(self, shard_index: Optional[int] = None, shard_count: Optional[int] = None,
+                 planning: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.planning = bool(planning)
+        if shard_index is None or shard_count is None:
+            _, rank, size = _group()
+            shard_index = rank if shard_index is None else shard_index
+            shard_count = size if shard_count is None else shard_count
+        self.shard_index, self.shard_count = int(shard_index), int(shard_count)
+
+    def _collectives(self):
+        return StandInCollectives(self.shard_count) if self.planning else horovod_tensorflow()
+
+    def _shard_weight(self, name: str, whole_shape, part: slice, axis: int, initializer):
+        """Adds this rank's part of a weight; every rank draws the same whole weight (one seed)."""
+        whole = initializer(tuple(whole_shape))
+        index = [slice(None)] * len(whole_shape)
+        index[axis] = part
+        shape = list(whole_shape)
+        shape[axis] = part.stop - part.start
+        variable = self.add_weight(name=name, shape=tuple(shape),
+                                   initializer=lambda shape, dtype=None: whole[tuple(index)])
+        mark_sharded(variable, self.shard_index, self.shard_count)
+        return variable
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(shard_index=self.shard_index, shard_count=self.shard_count, planning=self.planning)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="lms_tf")
+class ShardedDense(_ShardedLayer):
+    """A ``Dense`` layer whose kernel is split across the ranks of a Horovod job, by output columns
+    or by input rows (see the module's docstring for the collectives of each).
+
+    Args:
+        units: Output units of the whole layer.
         activation: As ``keras.layers.Dense``.
         use_bias: As ``keras.layers.Dense``.
         kernel_initializer: Initialises the whole kernel (the same on every rank, from its seed);
-            each rank keeps its columns.
+            each rank keeps its part.
         bias_initializer: As ``keras.layers.Dense``.
+        sharding: ``"columns"`` (split the units; the group must divide them), ``"rows"`` (split the
+            input features; the group must divide them) or ``"auto"``
+            (:func:`cheaper_sharding`: rows when there are more inputs than outputs).
         shard_index: This rank's shard (default: the Horovod rank).
         shard_count: Number of shards (default: the Horovod size).
         planning: Stand in for the collectives with local ops of the same shapes
@@ -78,36 +191,43 @@ class ShardedDense(keras.layers.Layer):
         >>> layer = ShardedDense(6, activation="relu", shard_index=0, shard_count=1)
         >>> layer.build((None, 3)); [tuple(w.shape) for w in layer.weights]
         [(3, 6), (6,)]
+        >>> rows = ShardedDense(6, sharding="rows", shard_index=1, shard_count=3); rows.build((None, 9))
+        >>> [tuple(w.shape) for w in rows.weights]
+        [(3, 6), (6,)]
     """
 
     def __init__(self, units: int, activation=None, use_bias: bool = True, kernel_initializer="glorot_uniform",
-                 bias_initializer="zeros", shard_index: Optional[int] = None, shard_count: Optional[int] = None,
-                 planning: bool = False, **kwargs):
-        super().__init__(**kwargs)
-        self.planning = bool(planning)
-        if shard_index is None or shard_count is None:
-            _, rank, size = _group()
-            shard_index = rank if shard_index is None else shard_index
-            shard_count = size if shard_count is None else shard_count
+                 bias_initializer="zeros", sharding: str = "columns", shard_index: Optional[int] = None,
+                 shard_count: Optional[int] = None, planning: bool = False, **kwargs):
+        super().__init__(shard_index=shard_index, shard_count=shard_count, planning=planning, **kwargs)
+        if sharding not in SHARDINGS + ("auto",):
+            raise LMSOptionError(f"{self.name}: sharding must be 'columns', 'rows' or 'auto'; received {sharding!r}.")
         self.units = int(units)
-        self.shard_index, self.shard_count = int(shard_index), int(shard_count)
-        self.columns = column_shard(self.units, self.shard_index, self.shard_count, layer=self.name)
+        self.sharding = sharding
         self.activation = keras.activations.get(activation)
         self.use_bias = use_bias
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
+        if sharding == "columns":
+            self.part = even_shard(self.units, self.shard_index, self.shard_count, layer=self.name)
 
     def build(self, input_shape):
         features = int(input_shape[-1])
-        width = self.columns.stop - self.columns.start
-        whole = self.kernel_initializer((features, self.units))  # every rank draws the same kernel
-        self.kernel = self.add_weight(name="kernel", shape=(features, width),
-                                      initializer=lambda shape, dtype=None: whole[:, self.columns])
-        mark_sharded(self.kernel, self.shard_index, self.shard_count)
+        if self.sharding == "auto":
+            self.sharding = cheaper_sharding(features, self.units, self.shard_count) or "columns"
+        if self.sharding == "columns":
+            self.part = even_shard(self.units, self.shard_index, self.shard_count, layer=self.name)
+            self.kernel = self._shard_weight("kernel", (features, self.units), self.part, 1, self.kernel_initializer)
+        else:
+            self.part = even_shard(features, self.shard_index, self.shard_count, what="input features",
+                                   layer=self.name)
+            self.kernel = self._shard_weight("kernel", (features, self.units), self.part, 0, self.kernel_initializer)
         self.bias = None
         if self.use_bias:
-            self.bias = self.add_weight(name="bias", shape=(width,), initializer=self.bias_initializer)
-            mark_sharded(self.bias, self.shard_index, self.shard_count)
+            if self.sharding == "columns":
+                self.bias = self._shard_weight("bias", (self.units,), self.part, 0, self.bias_initializer)
+            else:  # added after the partial products are summed: whole on every rank, averaged
+                self.bias = self.add_weight(name="bias", shape=(self.units,), initializer=self.bias_initializer)
 
     def set_whole_weights(self, kernel, bias=None) -> None:
         """Sets this rank's shard from the whole layer's weights (those of a ``Dense`` layer).
@@ -119,16 +239,26 @@ class ShardedDense(keras.layers.Layer):
             >>> layer.kernel.numpy().tolist(), layer.bias.numpy().tolist()
             ([[2.0, 3.0], [6.0, 7.0]], [2.0, 3.0])
         """
-        self.kernel.assign(kernel[:, self.columns])
+        columns = self.sharding == "columns"
+        self.kernel.assign(kernel[:, self.part] if columns else kernel[self.part])
         if self.bias is not None and bias is not None:
-            self.bias.assign(bias[self.columns])
+            self.bias.assign(bias[self.part] if columns else bias)
 
     def call(self, inputs):
         # Rows are every position of every example (a sequence model's tokens too): the collectives
         # split and join along them.
         shape = tf.shape(inputs)
         rows = tf.reshape(inputs, (-1, inputs.shape[-1]))
-        outputs = _column_sharded_dense(rows, self.kernel, self.bias, self.shard_count, self.name, self.planning)
+        kernel = tf.convert_to_tensor(self.kernel)
+        bias = None if self.bias is None else tf.convert_to_tensor(self.bias)
+        if self.shard_count == 1:
+            outputs = tf.matmul(rows, kernel)
+            outputs = outputs if bias is None else tf.nn.bias_add(outputs, bias)
+        elif self.sharding == "columns":
+            outputs = _column_sharded_dense(rows, kernel, bias, self.shard_count, self.name, self._collectives())
+        else:
+            outputs = _row_sharded_dense(rows, kernel, self.shard_count, self.name, self._collectives())
+            outputs = outputs if bias is None else tf.nn.bias_add(outputs, bias)
         outputs = tf.reshape(outputs, tf.concat([shape[:-1], [self.units]], axis=0))
         return self.activation(outputs) if self.activation is not None else outputs
 
@@ -138,10 +268,81 @@ class ShardedDense(keras.layers.Layer):
     def get_config(self):
         config = super().get_config()
         config.update(units=self.units, activation=keras.activations.serialize(self.activation),
-                      use_bias=self.use_bias, shard_index=self.shard_index, shard_count=self.shard_count,
-                      planning=self.planning,
+                      use_bias=self.use_bias, sharding=self.sharding,
                       kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
                       bias_initializer=keras.initializers.serialize(self.bias_initializer))
+        return config
+
+
+@keras.saving.register_keras_serializable(package="lms_tf")
+class ShardedEmbedding(_ShardedLayer):
+    """An ``Embedding`` whose table is split across the ranks of a Horovod job by token id: rank r
+    holds rows ``[r * V/G, (r + 1) * V/G)`` (see the module's docstring for the collectives).
+
+    Args:
+        input_dim: The vocabulary of the whole table (divisible by the number of ranks).
+        output_dim: The embedding dimension.
+        embeddings_initializer: Initialises the whole table (the same on every rank, from its
+            seed); each rank keeps its rows.
+        mask_zero: As ``keras.layers.Embedding``: id 0 is padding, masked downstream.
+        shard_index: This rank's shard (default: the Horovod rank).
+        shard_count: Number of shards (default: the Horovod size).
+        planning: As :class:`ShardedDense`.
+
+    Examples:
+        >>> layer = ShardedEmbedding(10, 3, shard_index=1, shard_count=2)
+        >>> layer.build((None, 4)); tuple(layer.embeddings.shape)
+        (5, 3)
+        >>> ShardedEmbedding(10, 3, shard_index=0, shard_count=1)(tf.constant([[1, 2]])).shape
+        TensorShape([1, 2, 3])
+    """
+
+    def __init__(self, input_dim: int, output_dim: int, embeddings_initializer="uniform", mask_zero: bool = False,
+                 shard_index: Optional[int] = None, shard_count: Optional[int] = None, planning: bool = False,
+                 **kwargs):
+        super().__init__(shard_index=shard_index, shard_count=shard_count, planning=planning, **kwargs)
+        self.input_dim, self.output_dim = int(input_dim), int(output_dim)
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+        self.mask_zero = bool(mask_zero)
+        self.part = even_shard(self.input_dim, self.shard_index, self.shard_count, what="token ids (input_dim)",
+                               layer=self.name)
+
+    def build(self, input_shape=None):
+        self.embeddings = self._shard_weight("embeddings", (self.input_dim, self.output_dim), self.part, 0,
+                                             self.embeddings_initializer)
+
+    def set_whole_weights(self, embeddings) -> None:
+        """Sets this rank's rows from the whole table (that of an ``Embedding`` layer).
+
+        Examples:
+            >>> import numpy as np
+            >>> layer = ShardedEmbedding(4, 2, shard_index=1, shard_count=2); layer.build()
+            >>> layer.set_whole_weights(np.arange(8.0).reshape(4, 2)); layer.embeddings.numpy().tolist()
+            [[4.0, 5.0], [6.0, 7.0]]
+        """
+        self.embeddings.assign(embeddings[self.part])
+
+    def call(self, inputs):
+        ids = tf.cast(inputs, tf.int32)
+        table = tf.convert_to_tensor(self.embeddings)
+        flat = tf.reshape(ids, (-1,))
+        if self.shard_count == 1:
+            found = tf.gather(table, flat)
+        else:
+            found = _row_sharded_lookup(flat, table, self.part.start, self.shard_count, self.name,
+                                        self._collectives())
+        return tf.reshape(found, tf.concat([tf.shape(ids), [self.output_dim]], axis=0))
+
+    def compute_mask(self, inputs, mask=None):
+        return tf.not_equal(inputs, 0) if self.mask_zero else None
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape) + (self.output_dim,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(input_dim=self.input_dim, output_dim=self.output_dim, mask_zero=self.mask_zero,
+                      embeddings_initializer=keras.initializers.serialize(self.embeddings_initializer))
         return config
 
 
@@ -190,14 +391,30 @@ class StandInCollectives:
         return tf.identity(tensor[:rows], name=name)
 
 
-def _column_sharded_dense(inputs, kernel, bias, count: int, name: str, planning: bool = False):
+def _to_blocks(tensor, count: int, batch):
+    """(batch, count * width) -> (count * batch, width): block k holds column block k of every row."""
+    width = tensor.shape[1] // count
+    return tf.reshape(tf.transpose(tf.reshape(tensor, (batch, count, width)), (1, 0, 2)), (count * batch, width))
+
+
+def _from_blocks(tensor, count: int, batch):
+    """(count * batch, width) -> (batch, count * width): the inverse of :func:`_to_blocks`."""
+    width = tensor.shape[1]
+    return tf.reshape(tf.transpose(tf.reshape(tensor, (count, batch, width)), (1, 0, 2)), (batch, count * width))
+
+
+def _same_batch_on_every_rank(gathered, batch, count: int, name: str):
+    """The collectives split the gathered rows evenly: a rank with another batch size (an uneven
+    last batch) would get another rank's rows. Say so instead of computing with them."""
+    return tf.debugging.assert_equal(
+        tf.shape(gathered)[0], count * batch,
+        message=f"{name}: every rank of a sharded layer's group must feed the same batch size (an uneven last "
+                f"batch gives ranks different sizes): use drop_remainder=True in tf.data, or a dataset size that "
+                f"the global batch divides. Gathered rows vs. {count} x this rank's rows:")
+
+
+def _column_sharded_dense(inputs, kernel, bias, count: int, name: str, hvd):
     """``inputs @ whole_kernel + whole_bias`` for this rank's rows, from this rank's columns."""
-    kernel = tf.convert_to_tensor(kernel)
-    bias = None if bias is None else tf.convert_to_tensor(bias)
-    if count == 1:
-        outputs = tf.matmul(inputs, kernel)
-        return outputs if bias is None else tf.nn.bias_add(outputs, bias)
-    hvd = StandInCollectives(count) if planning else horovod_tensorflow()
     # Horovod matches collectives across ranks by name: the layer's name is the same everywhere.
     tag = f"lms_tf_sharded_{name}"
 
@@ -205,19 +422,15 @@ def _column_sharded_dense(inputs, kernel, bias, count: int, name: str, planning:
     def sharded(x, w, *b):
         batch = tf.shape(x)[0]
         gathered = hvd.allgather(x, name=f"{tag}_x")                    # (G*batch, features)
-        mine = tf.matmul(gathered, w)                                   # (G*batch, units/G)
+        with tf.control_dependencies([_same_batch_on_every_rank(gathered, batch, count, name)]):
+            mine = tf.matmul(gathered, w)                               # (G*batch, units/G)
         if b:
             mine = tf.nn.bias_add(mine, b[0])
-        width = tf.shape(mine)[1]
         received = hvd.alltoall(mine, name=f"{tag}_y")                 # block r: rank r's columns, my rows
-        outputs = tf.reshape(tf.transpose(tf.reshape(received, (count, batch, width)), (1, 0, 2)),
-                             (batch, count * width))
+        outputs = _from_blocks(received, count, batch)
 
         def grad(upstream):
-            blocks = tf.reshape(tf.transpose(tf.reshape(upstream, (batch, count, width)), (1, 0, 2)),
-                                (count * batch, width))
-            mine_grad = hvd.alltoall(blocks, name=f"{tag}_dy")         # my columns, every rank's rows
-            # The whole group's batch: divided by G like the replicated layers' averaged gradients.
+            mine_grad = hvd.alltoall(_to_blocks(upstream, count, batch), name=f"{tag}_dy")  # my columns, all rows
             w_grad = tf.matmul(gathered, mine_grad, transpose_a=True) / count
             x_partial = tf.matmul(mine_grad, w, transpose_b=True)
             x_grad = hvd.reducescatter(x_partial, op=hvd.Sum, name=f"{tag}_dx")
@@ -229,3 +442,53 @@ def _column_sharded_dense(inputs, kernel, bias, count: int, name: str, planning:
         return outputs, grad
 
     return sharded(inputs, kernel, *([] if bias is None else [bias]))
+
+
+def _row_sharded_dense(inputs, kernel, count: int, name: str, hvd):
+    """``inputs @ whole_kernel`` for this rank's rows, from this rank's rows of the kernel."""
+    tag = f"lms_tf_sharded_{name}"
+
+    @tf.custom_gradient
+    def sharded(x, w):
+        batch = tf.shape(x)[0]
+        # Block r of what this rank sends: its rows, rank r's features.
+        received = hvd.alltoall(_to_blocks(x, count, batch), name=f"{tag}_x")   # every rank's rows, my features
+        with tf.control_dependencies([_same_batch_on_every_rank(received, batch, count, name)]):
+            partial = tf.matmul(received, w)                                   # (G*batch, units), my features' part
+        outputs = hvd.reducescatter(partial, op=hvd.Sum, name=f"{tag}_y")      # summed, my rows
+
+        def grad(upstream):
+            every = hvd.allgather(upstream, name=f"{tag}_dy")                  # (G*batch, units)
+            w_grad = tf.matmul(received, every, transpose_a=True) / count
+            x_partial = tf.matmul(every, w, transpose_b=True)                  # every rank's rows, my features
+            x_grad = _from_blocks(hvd.alltoall(x_partial, name=f"{tag}_dx"), count, batch)
+            return x_grad, w_grad
+
+        return outputs, grad
+
+    return sharded(inputs, kernel)
+
+
+def _row_sharded_lookup(ids, table, start: int, count: int, name: str, hvd):
+    """The embeddings of this rank's ``ids`` (flat), from this rank's rows ``[start, start + rows)``."""
+    tag = f"lms_tf_sharded_{name}"
+    every_id = hvd.allgather(ids, name=f"{tag}_ids")
+    local = every_id - start
+    held = tf.logical_and(local >= 0, local < tf.shape(table)[0])
+
+    @tf.custom_gradient
+    def lookup(t):
+        found = tf.where(held[:, None], tf.gather(t, tf.where(held, local, 0)), tf.zeros((), t.dtype))
+        # One rank holds each id: the sum over ranks adds zeros to it, exactly.
+        with tf.control_dependencies([_same_batch_on_every_rank(every_id, tf.shape(ids)[0], count, name)]):
+            outputs = hvd.reducescatter(found, op=hvd.Sum, name=f"{tag}_y")
+
+        def grad(upstream):
+            every = hvd.allgather(upstream, name=f"{tag}_dy")
+            # Sparse, as Embedding's own gradient: only the rows this rank's ids read.
+            return tf.IndexedSlices(tf.boolean_mask(every, held) / count, tf.boolean_mask(local, held),
+                                    tf.shape(t))
+
+        return outputs, grad
+
+    return lookup(table)
