@@ -248,5 +248,5 @@ def test_ranks_with_different_batch_sizes_get_a_clear_error_not_wrong_rows(tmp_p
     _horovodrun(2, str(tmp_path), "uneven")
     for rank in range(2):
         said = (tmp_path / f"uneven_rank{rank}.txt").read_text()
-        assert "every rank of a sharded layer's group must feed the same batch size" in said, said
+        assert "every rank of the group of a sharded layer must feed the same batch size" in said, said
         assert "drop_remainder=True" in said

@@ -408,9 +408,10 @@ def _same_batch_on_every_rank(gathered, batch, count: int, name: str):
     last batch) would get another rank's rows. Say so instead of computing with them."""
     return tf.debugging.assert_equal(
         tf.shape(gathered)[0], count * batch,
-        message=f"{name}: every rank of a sharded layer's group must feed the same batch size (an uneven last "
-                f"batch gives ranks different sizes): use drop_remainder=True in tf.data, or a dataset size that "
-                f"the global batch divides. Gathered rows vs. {count} x this rank's rows:")
+        # (No quotes in the message: TensorFlow escapes them in the error it raises.)
+        message=f"{name}: every rank of the group of a sharded layer must feed the same batch size (an uneven "
+                f"last batch gives ranks different sizes): use drop_remainder=True in tf.data, or a dataset size "
+                f"that the global batch divides. Rows gathered from the group, then {count} x the rows of this rank:")
 
 
 def _column_sharded_dense(inputs, kernel, bias, count: int, name: str, hvd):
