@@ -103,15 +103,34 @@ class OraclePeak:
         in_place_bytes: Bytes of the live tensors whose one reader is an elementwise kernel
             (the simulator's ``FORWARDING_TYPES``) whose output is live too, of the same size:
             TensorFlow computes that output into this tensor's buffer.
+        variable_read_bytes: Bytes of the live outputs of variable reads (``ReadVariableOp``, or
+            the constants :func:`with_variable_shapes` puts in their place). Grappler gives each
+            one a buffer; TensorFlow's read hands out the variable's own buffer, which is
+            resident, not step memory.
 
     Examples:
         >>> OraclePeak(300, (("a", 0, 100), ("b", 0, 100), ("c", 0, 100)), 100).peak_bytes_counting_in_place_once
+        200
+        >>> OraclePeak(300, (("read", 0, 100), ("b", 0, 200)), 0, variable_read_bytes=100).step_peak_bytes
         200
     """
 
     peak_bytes: int
     live: Tuple[Tuple[str, int, int], ...]
     in_place_bytes: int
+    variable_read_bytes: int = 0
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """The peak of the step's own tensors, as TensorFlow's allocator holds them: each in-place
+        pair counted once, and variable reads not counted (the variables are resident; add
+        them to compare with a whole device's memory).
+
+        Examples:
+            >>> OraclePeak(300, (), 50, variable_read_bytes=100).step_peak_bytes
+            150
+        """
+        return self.peak_bytes - self.in_place_bytes - self.variable_read_bytes
 
     @property
     def peak_bytes_counting_in_place_once(self) -> int:
@@ -163,7 +182,9 @@ def virtual_gpu_peak_report(concrete_function, *, host: str = "/CPU:1", gpu_memo
         reader = readers.get((node, port), [])
         if len(reader) == 1 and op_types.get(reader[0]) in FORWARDING_TYPES and sizes.get((reader[0], 0)) == nbytes:
             in_place += nbytes
-    return OraclePeak(peak, tuple(sorted(live, key=lambda t: -t[2])), in_place)
+    reads = {op.name for op in graph.get_operations() if op.type == "ReadVariableOp"}
+    read_bytes = sum(nbytes for (node, _), nbytes in sizes.items() if node in reads)
+    return OraclePeak(peak, tuple(sorted(live, key=lambda t: -t[2])), in_place, read_bytes)
 
 
 def with_variable_shapes(graph_def):
@@ -171,9 +192,9 @@ def with_variable_shapes(graph_def):
 
     Grappler's shape inference does not look through a resource handle, so a
     ``ReadVariableOp`` has an unknown shape. Each one becomes a ``Const`` with the dtype and
-    shape that tracing recorded (``as_graph_def(add_shapes=True)``), and no data. A constant
-    also counts, as a variable does, as resident rather than as step memory in Grappler's
-    peak. It keeps a control edge from the variable's handle and the read's own control
+    shape that tracing recorded (``as_graph_def(add_shapes=True)``), and no data. Grappler
+    counts such a constant in its peak while a reader needs it, as it counted the read
+    (:attr:`OraclePeak.variable_read_bytes` says how much of a peak that is). It keeps a control edge from the variable's handle and the read's own control
     inputs, so it runs where the read ran. This is for memory simulation only: the graph
     no longer reads its variables.
 
