@@ -25,8 +25,18 @@ batch (8 images; 4 sequences) and measures its fifth step. It reports:
 - **step time**: the median of steps 2-5. The G ranks share 2 CPU cores, so this is the overhead
   of the collectives and the sharded arithmetic, not a speed-up.
 
-Command: ``.venv/bin/python benchmarks/hybrid.py`` (about 10 minutes; writes
-``benchmarks/out/hybrid.json`` and the tables into ``docs/benchmarks/hybrid.md``).
+A second part plans **VGG16 at 224x224, global batch 16, at 25% of its one-GPU peak** on a V100
+preset (no run: one process traces one rank's step, the collectives stood in for by local ops of
+the same shapes, ``hybridize(planning=True)``). The one-GPU peak is the plain step's peak plus the
+variables (SGD: no slots). Each 4-rank row gets 25% of that: its resident variables count against
+it, and lms-tf plans the step into the rest. Each figure is judged twice: by the simulator and by
+Grappler's virtual GPU (told the variable shapes; the rewritten step serialized in the planner's
+order; in-place pairs counted once and variable reads, which are the variables' own buffers, not
+counted: ``OraclePeak.step_peak_bytes``).
+
+Command: ``.venv/bin/python benchmarks/hybrid.py`` (about 12 minutes; writes
+``benchmarks/out/hybrid.json`` and the tables into ``docs/benchmarks/hybrid.md``);
+``--only target`` runs the second part alone (about 2 minutes).
 """
 
 from __future__ import annotations
@@ -212,19 +222,133 @@ def tables(rows: list) -> str:
     return "\n".join(text)
 
 
+#: The 25% target: (name, ranks, per-rank batch, hybrid, weights). One GPU at batch 16 is the reference.
+TARGET_ROWS = [("one GPU, plain", 1, 16, False, None),
+               ("data parallel + lms-tf", 4, 4, False, "device"),
+               ("data parallel + lms-tf, weights='auto'", 4, 4, False, "auto"),
+               ("hybrid + lms-tf", 4, 4, True, "device"),
+               ("hybrid + lms-tf, 16 per rank (global batch 64)", 4, 16, True, "device")]
+
+
+def quarter_budget_target() -> list:
+    """Plans each :data:`TARGET_ROWS` configuration at 25% of the one-GPU peak; see the docstring."""
+    import tensorflow as tf
+
+    import lms_tf
+    from lms_tf.cli.workload import devices
+    from lms_tf.core.errors import InfeasibleBudgetError
+    from lms_tf.core.policy import Policies
+    from lms_tf.cost import CostModel, get_device_spec
+    from lms_tf.parallel import hybridize
+    from lms_tf.planner import make_budget_plan
+    from lms_tf.simulate import resident_bytes, simulate
+    from lms_tf.tf.diagnostics import virtual_gpu_peak_report
+    from lms_tf.tf.trace import trace_step_ir
+    from lms_tf.tf.workloads import build_model, synthetic_batch, train_step
+
+    device, host = devices()
+    spec = get_device_spec("v100-16gb-pcie3")
+    cost = CostModel(spec)
+
+    def oracle(concrete) -> int:
+        return virtual_gpu_peak_report(concrete, host=host, gpu_memory_bytes=spec.memory_bytes,
+                                       variable_shapes=True).step_peak_bytes
+
+    rows, reference = [], None
+    for number, (name, ranks, local, hybrid, weights) in enumerate(TARGET_ROWS, 1):
+        print(f"[target {number}/{len(TARGET_ROWS)}] {name}", flush=True)
+        model = build_model("VGG16", image_size=224, classes=1000)
+        if hybrid:
+            model = hybridize(model, group_size=ranks, planning=True)
+        step = train_step(model)
+        batch = synthetic_batch(model, local)
+        ir = trace_step_ir(step, *batch)
+        resident = resident_bytes(ir, ())
+        plain = simulate(ir, cost=cost)
+        row = dict(name=name, ranks=ranks, local_batch=local, resident_bytes=resident,
+                   sharded=list(model.hybrid_plan.sharded_layers) if hybrid else [],
+                   plain_peak_bytes=plain.peak_bytes)
+        if reference is None:   # the one-GPU step: the 100% every other row is measured against
+            row.update(total_bytes=resident + plain.peak_bytes,
+                       oracle_total_bytes=resident + oracle(tf.function(step).get_concrete_function(*batch)))
+            reference = row
+            rows.append(row)
+            continue
+        target = reference["total_bytes"] // 4
+        budget = target if weights == "auto" else target - resident   # 'auto' counts the variables itself
+        row.update(target_bytes=target)
+        if budget <= 0:
+            row.update(feasible=False, why=f"its variables alone are {resident / reference['total_bytes']:.2f} of "
+                                          f"the one-GPU peak")
+            rows.append(row)
+            continue
+        try:
+            plan = make_budget_plan(ir, Policies(host=host, budget=budget, recompute="auto", weights=weights),
+                                    device=device, cost=cost)
+        except InfeasibleBudgetError as error:
+            floor = error.smallest_feasible_bytes + (0 if weights == "auto" else resident)
+            row.update(feasible=False, why=f"the smallest feasible plan needs {floor / reference['total_bytes']:.2f} "
+                                          f"of the one-GPU peak")
+            rows.append(row)
+            continue
+        planned = simulate(ir, plan, cost=cost)
+        on_device = resident - (plan.offloaded_weight_bytes if weights == "auto" else 0)
+        fn = lms_tf.function(step, device=device, host=host, plan=plan, device_spec=spec, serialize=True,
+                             weights=weights)
+        row.update(feasible=True, total_bytes=on_device + planned.peak_bytes,
+                   oracle_total_bytes=on_device + oracle(fn.get_concrete_function(*batch)),
+                   overhead=planned.step_time_s / plain.step_time_s, swapped_bytes=plan.swapped_bytes,
+                   recomputed_bytes=plan.recomputed_bytes)
+        rows.append(row)
+    return rows
+
+
+def target_table(rows: list) -> str:
+    reference = rows[0]
+    text = ["**VGG16 224x224, global batch 16, on a V100 preset: planned at 25% of the one-GPU peak**", "",
+            "| configuration | ranks | batch per rank | sharded | resident variables (MiB) | planned peak + "
+            "variables (MiB), simulator | vs. one GPU | same, Grappler | vs. one GPU | predicted step time |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        cells = [row["name"], str(row["ranks"]), str(row["local_batch"]), ", ".join(row["sharded"]) or "-",
+                 f"{row['resident_bytes'] / MiB:.1f}"]
+        if row is reference:
+            cells += [f"{row['total_bytes'] / MiB:.1f} (plain)", "1.00", f"{row['oracle_total_bytes'] / MiB:.1f}",
+                      "1.00", "1.00"]
+        elif not row["feasible"]:
+            cells += [f"does not fit: {row['why']}", "-", "-", "-", "-"]
+        else:
+            cells += [f"{row['total_bytes'] / MiB:.1f}", f"{row['total_bytes'] / reference['total_bytes']:.2f}",
+                      f"{row['oracle_total_bytes'] / MiB:.1f}",
+                      f"{row['oracle_total_bytes'] / reference['oracle_total_bytes']:.2f}",
+                      f"{row['overhead']:.2f}x"]
+        text.append("| " + " | ".join(cells) + " |")
+    return "\n".join(text) + "\n"
+
+
 def main() -> None:
     from benchmarks.publish import OUT, publish
 
-    outdir = str(OUT / "hybrid")
-    os.makedirs(outdir, exist_ok=True)
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     started = time.perf_counter()
-    rows = run_jobs(outdir)
-    with open(OUT / "hybrid.json", "w") as handle:
-        json.dump(rows, handle, indent=1)
-    table = tables(rows)
-    print(table)
+    os.makedirs(OUT, exist_ok=True)
+    if only in (None, "ranks"):
+        outdir = str(OUT / "hybrid")
+        os.makedirs(outdir, exist_ok=True)
+        rows = run_jobs(outdir)
+        with open(OUT / "hybrid.json", "w") as handle:
+            json.dump(rows, handle, indent=1)
+        table = tables(rows)
+        print(table)
+        publish("hybrid", table, page="hybrid")
+    if only in (None, "target"):
+        rows = quarter_budget_target()
+        with open(OUT / "hybrid_target.json", "w") as handle:
+            json.dump(rows, handle, indent=1)
+        table = target_table(rows)
+        print(table)
+        publish("hybrid-target", table, page="hybrid")
     print(f"({time.perf_counter() - started:.0f} s)")
-    publish("hybrid", table, page="hybrid")
 
 
 if __name__ == "__main__":
