@@ -4,13 +4,13 @@ Two models, at 1, 2 and 4 Horovod ranks (Gloo, this machine), side by side in on
 
 - **VGG-16 at CIFAR-10 shape**: Keras's VGG-16 convolutions on 32x32x3 images, then Dense 4096,
   Dense 4096 and Dense 10 (33.6M parameters, 56% of them in the two wide Dense layers);
-- **a text model with a large output projection**: Embedding 8,192 x 256, Dense 512 (ReLU), and
-  a Dense over a 32,768-token vocabulary at each of 32 positions (the projection: 8.4M of 11.1M
-  parameters).
+- **a text model with a large embedding and output projection**: Embedding 8,192 x 256 (2.1M
+  parameters), Dense 512 (ReLU), and a Dense over a 32,768-token vocabulary at each of 32
+  positions (the projection: 8.4M of 11.1M parameters).
 
 Variants, each one ``horovodrun`` job (every rank its own process and allocator): ``dp`` (the model
-replicated, gradients averaged), ``hybrid`` (``hybridize``: the Dense layers of at least 4 MiB
-sharded), and each with lms-tf keeping the optimizer's slots and update on the host
+replicated, gradients averaged), ``hybrid`` (``hybridize``: the Dense and Embedding layers of at
+least 4 MiB sharded), and each with lms-tf keeping the optimizer's slots and update on the host
 (``LMSCallback(optimizer_on_host=True)``: the ``+ lms`` rows). Each rank trains with Adam on its own
 batch (8 images; 4 sequences) and measures its fifth step. It reports:
 
@@ -20,8 +20,8 @@ batch (8 images; 4 sequences) and measures its fifth step. It reports:
   above that. One op runs at a time, Horovod's fusion buffer and oneDNN are off, so the figure is
   the same from step to step;
 - **sent per step**: the bytes this rank sends, from the collectives' shapes. A ring allreduce
-  sends 2 (G-1)/G of its tensor; a sharded layer's allgather, alltoalls and reducescatter send
-  (G-1) / G of what they gather or scatter;
+  sends 2 (G-1)/G of its tensor (a row-sharded layer's bias is replicated); a sharded layer's
+  allgathers, alltoalls and reducescatters send (G-1) / G of what they gather or scatter;
 - **step time**: the median of steps 2-5. The G ranks share 2 CPU cores, so this is the overhead
   of the collectives and the sharded arithmetic, not a speed-up.
 
@@ -87,22 +87,26 @@ def batch(model_name: str, size: int, rank: int):
     return rng.integers(0, 8192, (size, 32)).astype("int32"), rng.integers(0, 32768, (size, 32))
 
 
-def sent_bytes(model, plan, rows: int, ranks: int) -> int:
+def sent_bytes(model, rows: int, ranks: int) -> int:
     """Bytes one rank sends per step: ring allreduces of the replicated gradients, and each
-    sharded layer's four collectives (float32 activations of ``rows`` rows per rank)."""
+    sharded layer's collectives (float32 activations of ``rows`` rows per rank,
+    :func:`lms_tf.parallel.sharded.sent_bytes_per_row`)."""
     import numpy as np
+
+    from lms_tf.horovod import is_sharded
+    from lms_tf.parallel import ShardedDense, ShardedEmbedding
+    from lms_tf.parallel.sharded import sent_bytes_per_row
 
     if ranks == 1:
         return 0
-    sharded = set(plan.sharded_layers) if plan else set()
-    replicated = sum(int(np.prod(w.shape)) * 4 for layer in model.layers if layer.name not in sharded
-                     for w in layer.trainable_weights)
+    replicated = sum(int(np.prod(w.shape)) * 4 for w in model.trainable_variables if not is_sharded(w))
     total = 2 * (ranks - 1) * replicated // ranks
     for layer in model.layers:
-        if layer.name in sharded:
-            features, width = layer.kernel.shape[0], layer.units // ranks
-            # allgather x, alltoall y, alltoall dy, reducescatter dx: each rank sends (G-1) blocks of its rows.
-            total += (ranks - 1) * rows * 4 * (2 * features + 2 * width)
+        if isinstance(layer, ShardedEmbedding):
+            total += rows * sent_bytes_per_row("embedding", 1, layer.output_dim, ranks)
+        elif isinstance(layer, ShardedDense):
+            features = layer.kernel.shape[0] * (ranks if layer.sharding == "rows" else 1)
+            total += rows * sent_bytes_per_row(layer.sharding, features, layer.units, ranks)
     return total
 
 
@@ -159,8 +163,7 @@ def rank_job(model_name: str, variant: str, outdir: str) -> None:
         rank=rank, ranks=ranks, model=model_name, variant=variant, local_batch=local,
         weight_bytes=weights, state_bytes=weights * (2 if lms else 4),   # + gradients (+ 2 moments on the device)
         start_bytes=measure.memory.start_bytes - before, step_peak_bytes=measure.memory.peak_bytes,
-        sent_bytes=sent_bytes(model, getattr(model, "hybrid_plan", None),
-                              local * (32 if model_name == "text" else 1), ranks),
+        sent_bytes=sent_bytes(model, local * (32 if model_name == "text" else 1), ranks),
         step_s=float(np.median(measure.times[1:])),
         sharded_layers=list(model.hybrid_plan.sharded_layers) if hasattr(model, "hybrid_plan") else [])
     with open(os.path.join(outdir, f"{model_name}_{variant}_{ranks}_rank{rank}.json"), "w") as handle:
