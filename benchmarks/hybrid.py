@@ -196,7 +196,8 @@ def tables(rows: list) -> str:
     of its state and real peak to pure data parallelism's at the same rank count."""
     text = []
     titles = {"vgg16_cifar": "VGG-16 at CIFAR-10 shape (33.6M parameters), 8 images per rank",
-              "text": "Text model with a 32,768-token output projection (11.1M parameters), 4 x 32 tokens per rank"}
+              "text": "Text model with an 8,192 x 256 embedding and a 32,768-token output projection (11.1M parameters), "
+                     "4 x 32 tokens per rank"}
     names = {"dp": "data parallel", "dp_lms": "data parallel + lms", "hybrid": "hybrid",
              "hybrid_lms": "hybrid + lms"}
     for model in ("vgg16_cifar", "text"):
