@@ -7,7 +7,8 @@ Every rank builds the same model (one seed), shards its large Dense layers (fc1 
 more inputs than outputs; fc2 by columns) with
 ``lms_tf.parallel.hybridize`` and trains on its own rows of each global batch, 10 steps, through a
 custom loop (``lms_tf.function(horovod=True)``) and through ``fit`` (``DistributedCallback``), each
-also with lms-tf swapping the step's activations. Rank 0 also trains the original model in one
+also with lms-tf swapping the step's activations, and through ``fit`` with ``LMSCallback(budget=)``
+planning the rank's step just above its smallest feasible budget. Rank 0 also trains the original model in one
 process on the whole global batches (the reference). A text model (its embedding table sharded by
 token id, and its projection over the vocabulary at every position by columns) is trained the same way, custom loop with lms-tf. Each rank writes OUTDIR/rank<r>.json (losses,
 variable bytes, allocator peaks) and OUTDIR/rank<r>.npz (the unsharded weights: every rank gathers
@@ -66,6 +67,8 @@ CPU_LMS = dict(device="/CPU:0", host="/CPU:1")
 # The TFLMS rule, eager to swap (this model's activations are small): the rewrite acts on a step
 # with the sharded layers' collectives in it.
 LMS = dict(min_swap_bytes=0, swapout_threshold=2)
+# The budget planner on a rank's step (told a V100's costs), at 1.05x its smallest feasible budget.
+BUDGET = dict(device_spec="v100-16gb-pcie3", recompute="auto")
 
 
 def vgg_like() -> keras.Model:
@@ -154,7 +157,32 @@ def fit(results, weights, name, lms_options):
         callbacks.insert(0, lms_tf.LMSCallback(**CPU_LMS, **lms_options))
     history = model.fit(x, y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     results[name] = dict(loss=history.history["loss"][-1], **variable_bytes(model))
+    if lms_options is not None:
+        plan = callbacks[0].plan
+        results[name].update(plan_swapped=len(plan.swapped) if plan else 0,
+                             plan_recomputed=len(plan.recomputed) if plan else 0,
+                             budget=lms_options.get("budget"),
+                             planned_peak=plan.predictions.planned_allocator_peak_bytes if plan and plan.predictions else None)
     weights[name] = [w.numpy() for w in unshard(model).weights]
+
+
+def tightest_budget() -> int:
+    """1.05 x the smallest budget the planner finds for this rank's fit step (sharded layers and
+    their collectives in it), read off the error a 1 KiB budget raises while the step is traced:
+    on every rank alike, before any of the step's collectives runs."""
+    x, y = mine(*data())
+    model = hybridize(vgg_like(), min_param_bytes=1 << 20)
+    model.compile(optimizer=keras.optimizers.Adam(),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    callbacks = [lms_tf.LMSCallback(**CPU_LMS, **dict(BUDGET, budget=1024)), DistributedCallback()]
+    try:
+        model.fit(x[:LOCAL_BATCH], y[:LOCAL_BATCH], batch_size=LOCAL_BATCH, verbose=0, callbacks=callbacks)
+    except lms_tf.InfeasibleBudgetError as error:
+        return int(error.smallest_feasible_bytes * 1.05)
+    finally:
+        for callback in callbacks[::-1]:
+            callback.on_train_end()
+    raise AssertionError("a 1 KiB budget was planned: the step no longer needs memory?")
 
 
 def text_model() -> keras.Model:
@@ -299,6 +327,7 @@ def main() -> None:
     custom(results, weights, "custom_lms", LMS)
     fit(results, weights, "fit", None)
     fit(results, weights, "fit_lms", LMS)
+    fit(results, weights, "fit_budget", dict(BUDGET, budget=tightest_budget()))
     text(results, weights)
     if RANK == 0:
         reference(results, weights)

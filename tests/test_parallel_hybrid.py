@@ -62,7 +62,7 @@ def job(request, tmp_path_factory):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("scenario", ["custom", "custom_lms", "fit", "fit_lms"])
+@pytest.mark.parametrize("scenario", ["custom", "custom_lms", "fit", "fit_lms", "fit_budget"])
 def test_hybrid_training_equals_one_process_on_the_global_batch(job, scenario):
     ranks, facts, weights = job
     reference = weights(0, "reference")
@@ -77,6 +77,13 @@ def test_hybrid_training_equals_one_process_on_the_global_batch(job, scenario):
                                    atol=TOLERANCE)
     if scenario == "custom_lms":
         assert facts[0][scenario]["swapped"] > 0   # lms-tf rewrote the step with the collectives in it
+    if scenario == "fit_budget":
+        # The budget planner planned each rank's step (its sharded shapes and collectives) for a
+        # budget just above its smallest feasible one: it had to swap or recompute, and fits.
+        for rank_facts in facts:
+            planned = rank_facts[scenario]
+            assert planned["plan_swapped"] + planned["plan_recomputed"] > 0, planned
+            assert planned["planned_peak"] <= planned["budget"], planned
 
 
 @pytest.mark.timeout(900)
