@@ -67,8 +67,11 @@ CPU_LMS = dict(device="/CPU:0", host="/CPU:1")
 # The TFLMS rule, eager to swap (this model's activations are small): the rewrite acts on a step
 # with the sharded layers' collectives in it.
 LMS = dict(min_swap_bytes=0, swapout_threshold=2)
-# The budget planner on a rank's step (told a V100's costs), at 1.05x its smallest feasible budget.
+# The budget planner on a rank's step (told a V100's costs), at 1.05x its smallest feasible budget,
+# at a batch whose activations outweigh the weights' gradients (at LOCAL_BATCH there is nothing to
+# plan): compared with the same hybrid fit without lms-tf ("fit_big"), bit for bit.
 BUDGET = dict(device_spec="v100-16gb-pcie3", recompute="auto")
+BUDGET_BATCH = 32
 
 
 def vgg_like() -> keras.Model:
@@ -84,16 +87,16 @@ def vgg_like() -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(10, name="predictions")(h))
 
 
-def data():
+def data(local: int = LOCAL_BATCH):
     rng = np.random.default_rng(3)
-    n = LOCAL_BATCH * SIZE * STEPS
+    n = local * SIZE * STEPS
     return rng.random((n, 32, 32, 3), dtype=np.float32), rng.integers(0, 10, n)
 
 
-def mine(x, y):
+def mine(x, y, local: int = LOCAL_BATCH):
     """This rank's rows of each global batch, in step order."""
-    rows = np.concatenate([np.arange(k * LOCAL_BATCH * SIZE + RANK * LOCAL_BATCH,
-                                     k * LOCAL_BATCH * SIZE + (RANK + 1) * LOCAL_BATCH) for k in range(STEPS)])
+    rows = np.concatenate([np.arange(k * local * SIZE + RANK * local, k * local * SIZE + (RANK + 1) * local)
+                           for k in range(STEPS)])
     return x[rows], y[rows]
 
 
@@ -147,15 +150,15 @@ def save_and_load(model, whole) -> dict:
                 resplit_equal=all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(model.weights, again.weights)))
 
 
-def fit(results, weights, name, lms_options):
-    x, y = mine(*data())
+def fit(results, weights, name, lms_options, local: int = LOCAL_BATCH):
+    x, y = mine(*data(local), local)
     model = hybridize(vgg_like(), min_param_bytes=1 << 20)
     model.compile(optimizer=keras.optimizers.Adam(),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     callbacks = [DistributedCallback()]
     if lms_options is not None:
         callbacks.insert(0, lms_tf.LMSCallback(**CPU_LMS, **lms_options))
-    history = model.fit(x, y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    history = model.fit(x, y, batch_size=local, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     results[name] = dict(loss=history.history["loss"][-1], **variable_bytes(model))
     if lms_options is not None:
         plan = callbacks[0].plan
@@ -170,13 +173,13 @@ def tightest_budget() -> int:
     """1.05 x the smallest budget the planner finds for this rank's fit step (sharded layers and
     their collectives in it), read off the error a 1 KiB budget raises while the step is traced:
     on every rank alike, before any of the step's collectives runs."""
-    x, y = mine(*data())
+    x, y = mine(*data(BUDGET_BATCH), BUDGET_BATCH)
     model = hybridize(vgg_like(), min_param_bytes=1 << 20)
     model.compile(optimizer=keras.optimizers.Adam(),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     callbacks = [lms_tf.LMSCallback(**CPU_LMS, **dict(BUDGET, budget=1024)), DistributedCallback()]
     try:
-        model.fit(x[:LOCAL_BATCH], y[:LOCAL_BATCH], batch_size=LOCAL_BATCH, verbose=0, callbacks=callbacks)
+        model.fit(x[:BUDGET_BATCH], y[:BUDGET_BATCH], batch_size=BUDGET_BATCH, verbose=0, callbacks=callbacks)
     except lms_tf.InfeasibleBudgetError as error:
         return int(error.smallest_feasible_bytes * 1.05)
     finally:
@@ -224,17 +227,17 @@ def text(results, weights):
         weights["text_reference"] = [w.numpy() for w in reference_model.weights]
 
 
-def reference(results, weights):
+def reference(results, weights, name: str = "reference", local: int = LOCAL_BATCH):
     """One process, the original model, the whole global batch per step."""
-    x, y = data()
+    x, y = data(local)
     model = vgg_like()
     optimizer = keras.optimizers.Adam()
     step = make_step(model, optimizer, tf.function)
-    global_batch = LOCAL_BATCH * SIZE
+    global_batch = local * SIZE
     losses = [float(step(x[k * global_batch:(k + 1) * global_batch], y[k * global_batch:(k + 1) * global_batch]))
               for k in range(STEPS)]
-    results["reference"] = dict(losses=losses)
-    weights["reference"] = [w.numpy() for w in model.weights]
+    results[name] = dict(losses=losses)
+    weights[name] = [w.numpy() for w in model.weights]
 
 
 def memory(outdir: str, kind: str) -> None:
@@ -327,7 +330,8 @@ def main() -> None:
     custom(results, weights, "custom_lms", LMS)
     fit(results, weights, "fit", None)
     fit(results, weights, "fit_lms", LMS)
-    fit(results, weights, "fit_budget", dict(BUDGET, budget=tightest_budget()))
+    fit(results, weights, "fit_big", None, local=BUDGET_BATCH)
+    fit(results, weights, "fit_budget", dict(BUDGET, budget=tightest_budget()), local=BUDGET_BATCH)
     text(results, weights)
     if RANK == 0:
         reference(results, weights)

@@ -62,7 +62,7 @@ def job(request, tmp_path_factory):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("scenario", ["custom", "custom_lms", "fit", "fit_lms", "fit_budget"])
+@pytest.mark.parametrize("scenario", ["custom", "custom_lms", "fit", "fit_lms"])
 def test_hybrid_training_equals_one_process_on_the_global_batch(job, scenario):
     ranks, facts, weights = job
     reference = weights(0, "reference")
@@ -77,13 +77,26 @@ def test_hybrid_training_equals_one_process_on_the_global_batch(job, scenario):
                                    atol=TOLERANCE)
     if scenario == "custom_lms":
         assert facts[0][scenario]["swapped"] > 0   # lms-tf rewrote the step with the collectives in it
-    if scenario == "fit_budget":
-        # The budget planner planned each rank's step (its sharded shapes and collectives) for a
-        # budget just above its smallest feasible one: it had to swap or recompute, and fits.
-        for rank_facts in facts:
-            planned = rank_facts[scenario]
-            assert planned["plan_swapped"] + planned["plan_recomputed"] > 0, planned
-            assert planned["planned_peak"] <= planned["budget"], planned
+
+
+
+@pytest.mark.timeout(900)
+def test_a_budget_plan_on_hybrid_ranks_fits_and_changes_no_number(job):
+    """``LMSCallback(budget=)`` plans each rank's fit step (its sharded shapes, its collectives)
+    for 1.05x the smallest budget the planner finds for it, at 32 images per rank: the plan must
+    swap or recompute to fit, and the 10 steps give exactly the weights of the same hybrid fit
+    without lms-tf. (That fit equals one process on the global batch as the test above shows at 4
+    images per rank. At 32 it differs from one process by up to 5.5e-5, seen at 2 ranks: Adam
+    divides by the root of the second moment, so where a gradient is near zero, the last bits
+    that the ranks' order of summation changes (the averages, the sharded layers' sums) move the
+    weight. Without lms-tf the same; so not checked here at 1e-5.)"""
+    ranks, facts, weights = job
+    for rank in range(ranks):
+        planned = facts[rank]["fit_budget"]
+        assert planned["plan_swapped"] + planned["plan_recomputed"] > 0, planned
+        assert planned["planned_peak"] <= planned["budget"], planned
+        for a, b in zip(weights(rank, "fit_big"), weights(rank, "fit_budget")):
+            np.testing.assert_array_equal(b, a)
 
 
 @pytest.mark.timeout(900)
