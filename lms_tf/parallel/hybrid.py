@@ -326,6 +326,12 @@ def _is_graph_model(model) -> bool:
         or type(model).__name__ == "Functional"
 
 
+def _group_of(hybrid):
+    """Horovod, when a layer of ``hybrid`` is split across more than one rank; else None."""
+    sharded = [layer for layer in hybrid.layers if isinstance(layer, (ShardedDense, ShardedEmbedding))]
+    return horovod_tensorflow() if any(layer.shard_count > 1 for layer in sharded) else None
+
+
 def unshard(hybrid):
     """The ordinary model a :func:`hybridize` model stands for: each sharded layer a ``Dense`` or
     ``Embedding`` layer with the whole weights, gathered from every rank (a collective: every rank
@@ -338,8 +344,7 @@ def unshard(hybrid):
         >>> type(back.get_layer("fc")).__name__, np.array_equal(back.get_weights()[0], model.get_weights()[0])
         ('Dense', True)
     """
-    sharded = [layer for layer in hybrid.layers if isinstance(layer, (ShardedDense, ShardedEmbedding))]
-    hvd = horovod_tensorflow() if any(layer.shard_count > 1 for layer in sharded) else None
+    hvd = _group_of(hybrid)
 
     def clone(layer):
         if isinstance(layer, ShardedEmbedding):
@@ -399,13 +404,12 @@ def save_unsharded(hybrid, filepath: str):
         'Dense'
     """
     model = unshard(hybrid)
-    sharded = [layer for layer in hybrid.layers if isinstance(layer, (ShardedDense, ShardedEmbedding))]
-    if not any(layer.shard_count > 1 for layer in sharded):
+    hvd = _group_of(hybrid)
+    if hvd is None:
         model.save(filepath)
         return model
     import tensorflow as tf
 
-    hvd = horovod_tensorflow()
     if hvd.rank() == 0:
         model.save(filepath)
     hvd.allreduce(tf.constant(0), name="lms_tf_save_unsharded_written")  # the others wait for rank 0's file
