@@ -1,27 +1,34 @@
 """One Horovod rank of the hybrid-parallel tests; started by ``horovodrun --gloo -np G`` from
 test_parallel_hybrid.py.
 
-Usage: python hybrid_worker.py OUTDIR [dp|hybrid|disagree|dies|uneven]
+Usage: python hybrid_worker.py OUTDIR [vgg16|vgg16_adam|overlap|dp|hybrid|disagree|dies|uneven]
 
-Every rank builds the same model (one seed), shards its large Dense layers (fc1 by rows: it has
-more inputs than outputs; fc2 by columns) with
-``lms_tf.parallel.hybridize`` and trains on its own rows of each global batch, 10 steps, through a
-custom loop (``lms_tf.function(horovod=True)``) and through ``fit`` (``DistributedCallback``), each
-also with lms-tf swapping the step's activations, and through ``fit`` with ``LMSCallback(budget=)``
-planning the rank's step just above its smallest feasible budget. Rank 0 also trains the original model in one
-process on the whole global batches (the reference). A text model (its embedding table sharded by
-token id, and its projection over the vocabulary at every position by columns) is trained the same way, custom loop with lms-tf. Each rank writes OUTDIR/rank<r>.json (losses,
-variable bytes, allocator peaks) and OUTDIR/rank<r>.npz (the unsharded weights: every rank gathers
-them, so each has the whole model).
+Every rank builds the same model (one seed), shards its large layers with
+``lms_tf.parallel.hybridize`` and trains on its own rows of each global batch, 10 steps, four
+ways: a custom loop (``lms_tf.function(horovod=True)``) and ``fit`` (``DistributedCallback``),
+each without and with lms-tf swapping the step's activations. Rank 0 also trains the original
+model in one process on the whole global batches (the reference). The models:
 
-With ``disagree``, rank 1 builds a different model and each rank writes what ``hybridize`` said;
+- a VGG-like model at CIFAR-10 shape, small enough for a CPU: convolutions and pooling, then two
+  wide Dense layers (fc1 split by rows: it has more inputs than outputs; fc2 by columns) and a
+  classifier. No BatchNormalization or Dropout: their per-rank statistics and masks make
+  data-parallel training legitimately differ. It is also trained through ``fit`` with
+  ``LMSCallback(budget=)`` planning the rank's step just above its smallest feasible budget.
+- a text model (scenario names start with ``text_``): its embedding table split by token id, its
+  projection over the vocabulary at every position by columns.
+- with ``vgg16``: Keras's VGG-16 at CIFAR-10 shape (fc1 and fc2 4096 wide, 33.6M parameters), the
+  same four ways, with SGD; it writes OUTDIR/vgg16_rank<r>.json and .npz. With ``vgg16_adam``,
+  VGG-16 with Adam, hybrid and purely data-parallel (custom loops): OUTDIR/vgg16_adam_rank<r>.*.
+
+Each rank writes OUTDIR/rank<r>.json (losses, variable bytes) and OUTDIR/rank<r>.npz (the
+unsharded weights: every rank gathers them, so each has the whole model).
+
+With ``overlap``, each rank profiles one step and writes when each sharded layer's backward ops
+ran (OUTDIR/overlap_rank<r>.json). With ``disagree``, rank 1 builds a different model and each rank writes what ``hybridize`` said;
 with ``dies``, rank 1 raises while training and the job must end; with ``uneven``, rank 1 feeds a
-smaller batch and each rank writes what its step said. With ``dp`` or ``hybrid``, each rank instead measures its allocator's peak over one step of that
-model (see :func:`memory`) and writes OUTDIR/memory_<kind>_rank<r>.json.
-
-The model is VGG-like at CIFAR-10 shape, small enough for a CPU: convolutions and pooling, then
-two wide Dense layers (the memory-heavy ones) and a classifier. No BatchNormalization or Dropout:
-their per-rank statistics and masks make data-parallel training legitimately differ.
+smaller batch and each rank writes what its step said. With ``dp`` or ``hybrid``, each rank
+instead measures its allocator's peak over one step of the VGG-like model (see :func:`memory`)
+and writes OUTDIR/memory_<kind>_rank<r>.json.
 """
 
 from __future__ import annotations
@@ -87,10 +94,39 @@ def vgg_like() -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(10, name="predictions")(h))
 
 
-def data(local: int = LOCAL_BATCH):
+def vgg16_cifar() -> keras.Model:
+    """Keras's VGG-16 at CIFAR-10 shape: its 13 convolutions, then fc1 and fc2 4096 wide (33.6M
+    parameters, 57% of them in the two Dense layers)."""
+    keras.utils.set_random_seed(13)
+    inputs = keras.Input((32, 32, 3))
+    features = keras.applications.VGG16(include_top=False, weights=None, input_tensor=inputs)
+    h = keras.layers.Flatten()(features.output)
+    h = keras.layers.Dense(4096, activation="relu", name="fc1")(h)
+    h = keras.layers.Dense(4096, activation="relu", name="fc2")(h)
+    return keras.Model(inputs, keras.layers.Dense(10, name="predictions")(h))
+
+
+def images(local: int = LOCAL_BATCH):
     rng = np.random.default_rng(3)
     n = local * SIZE * STEPS
     return rng.random((n, 32, 32, 3), dtype=np.float32), rng.integers(0, 10, n)
+
+
+#: What the numbers scenarios train: a model, its data (every global batch of the 10 steps, given
+#: the rows per rank) and the size from which ``hybridize`` shards a layer.
+VGG_LIKE = dict(build=vgg_like, data=images, min_param_bytes=1 << 20, optimizer=keras.optimizers.Adam)
+#: VGG-16 trains with SGD (TensorFlow's default settings) for the 1e-5 comparison; with Adam, see
+#: :func:`adam_limit`.
+VGG16 = dict(build=vgg16_cifar, data=images, min_param_bytes=1 << 20, optimizer=keras.optimizers.SGD)
+SUBJECT = VGG_LIKE
+
+
+def data(local: int = LOCAL_BATCH):
+    return SUBJECT["data"](local)
+
+
+def build_hybrid():
+    return hybridize(SUBJECT["build"](), min_param_bytes=SUBJECT["min_param_bytes"])
 
 
 def mine(x, y, local: int = LOCAL_BATCH):
@@ -118,10 +154,11 @@ def variable_bytes(model) -> dict:
                                if "momentum" in v.path or "velocity" in v.path) if model.optimizer else 0)
 
 
-def custom(results, weights, name, options):
+def custom(results, weights, name, options, hybrid: bool = True):
+    """A custom loop; with ``hybrid=False`` the original model, purely data-parallel."""
     x, y = mine(*data())
-    model = hybridize(vgg_like(), min_param_bytes=1 << 20)
-    optimizer = keras.optimizers.Adam()
+    model = build_hybrid() if hybrid else hybridize(SUBJECT["build"](), min_param_bytes=1 << 62)
+    optimizer = SUBJECT["optimizer"]()
     optimizer.build(model.trainable_variables)
     step = make_step(model, optimizer, lms_tf.function(horovod=True, **CPU_LMS, **options))
     losses = []
@@ -130,10 +167,11 @@ def custom(results, weights, name, options):
         local = step(x[batch], y[batch])
         losses.append(float(hvd.allreduce(local, op=hvd.Average, name=f"{name}_loss_{k}")))
     model.optimizer = optimizer
-    results[name] = dict(losses=losses, sharded_layers=list(model.hybrid_plan.sharded_layers), **variable_bytes(model),
-                         swapped=len(step.plan.swapped) if step.plan else 0)
+    results[name] = dict(losses=losses, sharded_layers=list(model.hybrid_plan.sharded_layers),
+                         shardings=[choice.sharding for choice in model.hybrid_plan.layers if choice.sharded],
+                         swapped=len(step.plan.swapped) if step.plan else 0, **variable_bytes(model))
     weights[name] = [w.numpy() for w in unshard(model).weights]
-    if name == "custom":
+    if name == "custom" and SUBJECT is VGG_LIKE:
         results["saved"] = save_and_load(model, weights[name])
 
 
@@ -152,14 +190,15 @@ def save_and_load(model, whole) -> dict:
 
 def fit(results, weights, name, lms_options, local: int = LOCAL_BATCH):
     x, y = mine(*data(local), local)
-    model = hybridize(vgg_like(), min_param_bytes=1 << 20)
-    model.compile(optimizer=keras.optimizers.Adam(),
+    model = build_hybrid()
+    model.compile(optimizer=SUBJECT["optimizer"](),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     callbacks = [DistributedCallback()]
     if lms_options is not None:
         callbacks.insert(0, lms_tf.LMSCallback(**CPU_LMS, **lms_options))
     history = model.fit(x, y, batch_size=local, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
-    results[name] = dict(loss=history.history["loss"][-1], **variable_bytes(model))
+    results[name] = dict(loss=history.history["loss"][-1], sharded_layers=list(model.hybrid_plan.sharded_layers),
+                         **variable_bytes(model))
     if lms_options is not None:
         plan = callbacks[0].plan
         results[name].update(plan_swapped=len(plan.swapped) if plan else 0,
@@ -174,7 +213,7 @@ def tightest_budget() -> int:
     their collectives in it), read off the error a 1 KiB budget raises while the step is traced:
     on every rank alike, before any of the step's collectives runs."""
     x, y = mine(*data(BUDGET_BATCH), BUDGET_BATCH)
-    model = hybridize(vgg_like(), min_param_bytes=1 << 20)
+    model = build_hybrid()
     model.compile(optimizer=keras.optimizers.Adam(),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     callbacks = [lms_tf.LMSCallback(**CPU_LMS, **dict(BUDGET, budget=1024)), DistributedCallback()]
@@ -190,7 +229,7 @@ def tightest_budget() -> int:
 
 def text_model() -> keras.Model:
     """Tokens -> Embedding -> Dense -> a projection over the vocabulary at every position: the
-    sharded layer reads (batch, positions, features) rows."""
+    sharded layers read (batch, positions, features) rows."""
     keras.utils.set_random_seed(12)
     tokens = keras.Input((TEXT_LENGTH,), dtype="int32")
     h = keras.layers.Embedding(TEXT_VOCAB, 32, name="embedding")(tokens)
@@ -198,40 +237,20 @@ def text_model() -> keras.Model:
     return keras.Model(tokens, keras.layers.Dense(TEXT_VOCAB, name="projection")(h))
 
 
-def text_data():
+def text_data(local: int = LOCAL_BATCH):
     rng = np.random.default_rng(4)
-    n = LOCAL_BATCH * SIZE * STEPS
+    n = local * SIZE * STEPS
     return rng.integers(0, TEXT_VOCAB, (n, TEXT_LENGTH)).astype("int32"), rng.integers(0, TEXT_VOCAB, (n, TEXT_LENGTH))
 
 
-def text(results, weights):
-    """The text model: the hybrid custom loop, and (rank 0) one process on the global batch."""
-    x, y = mine(*text_data())
-    model = hybridize(text_model(), min_param_bytes=64 << 10)
-    optimizer = keras.optimizers.Adam()
-    step = make_step(model, optimizer, lms_tf.function(horovod=True, **CPU_LMS, **LMS))
-    losses = []
-    for k in range(STEPS):
-        batch = slice(k * LOCAL_BATCH, (k + 1) * LOCAL_BATCH)
-        losses.append(float(hvd.allreduce(step(x[batch], y[batch]), op=hvd.Average, name=f"text_loss_{k}")))
-    results["text"] = dict(losses=losses, sharded_layers=list(model.hybrid_plan.sharded_layers),
-                           shardings=[c.sharding for c in model.hybrid_plan.layers if c.sharded])
-    weights["text"] = [w.numpy() for w in unshard(model).weights]
-    if RANK == 0:
-        gx, gy = text_data()
-        reference_model = text_model()
-        plain = make_step(reference_model, keras.optimizers.Adam(), tf.function)
-        rows = LOCAL_BATCH * SIZE
-        results["text_reference"] = dict(losses=[float(plain(gx[k * rows:(k + 1) * rows], gy[k * rows:(k + 1) * rows]))
-                                                 for k in range(STEPS)])
-        weights["text_reference"] = [w.numpy() for w in reference_model.weights]
+TEXT = dict(build=text_model, data=text_data, min_param_bytes=64 << 10, optimizer=keras.optimizers.Adam)
 
 
 def reference(results, weights, name: str = "reference", local: int = LOCAL_BATCH):
     """One process, the original model, the whole global batch per step."""
     x, y = data(local)
-    model = vgg_like()
-    optimizer = keras.optimizers.Adam()
+    model = SUBJECT["build"]()
+    optimizer = SUBJECT["optimizer"]()
     step = make_step(model, optimizer, tf.function)
     global_batch = local * SIZE
     losses = [float(step(x[k * global_batch:(k + 1) * global_batch], y[k * global_batch:(k + 1) * global_batch]))
@@ -262,6 +281,53 @@ def memory(outdir: str, kind: str) -> None:
                  start_bytes=measured.start_bytes - before, **variable_bytes(model))
     with open(os.path.join(outdir, f"memory_{kind}_rank{RANK}.json"), "w") as handle:
         json.dump(facts, handle)
+
+
+def overlap(outdir: str) -> None:
+    """One profiled step of the VGG-like hybrid model. For each sharded layer: when its input
+    gradient's partial product ran, when its kernel gradient's product ran, and when the first
+    op that needs the collective completing the input gradient (anything downstream of it)
+    started: the collective was in flight between the first and the last."""
+    from lms_tf._compat.profiler import profile_executed_ops
+
+    x, y = mine(*data())
+    model = build_hybrid()
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    step = make_step(model, optimizer, lms_tf.function(horovod=True, **CPU_LMS, swap=False, recompute=False))
+    for k in range(2):
+        step(x[k * LOCAL_BATCH:(k + 1) * LOCAL_BATCH], y[k * LOCAL_BATCH:(k + 1) * LOCAL_BATCH]).numpy()
+    events = profile_executed_ops(lambda: step(x[:LOCAL_BATCH], y[:LOCAL_BATCH]).numpy())
+    spans = {}
+    for node, _, start, end in events:
+        spans.setdefault(node, []).append((start, end))
+    graph = step.get_concrete_function(x[:LOCAL_BATCH], y[:LOCAL_BATCH]).graph
+    facts = {}
+    for layer in model.hybrid_plan.sharded_layers:
+        collective = next(op for op in graph.get_operations()
+                          if op.type.startswith("Horovod") and op.name.endswith(f"lms_tf_sharded_{layer}_dx"))
+        part = collective.inputs[0].op
+        kernel = next(op for op in graph.get_operations() if part in op.control_inputs and op.type == "MatMul")
+        part_ran, kernel_ran = spans[part.name][0], spans[kernel.name][0]
+        # The ops that read the collective's result, or the first profiled op on each path from
+        # it (shape ops run inline, unprofiled). An op of the same name in another function body
+        # may also have run: only runs after the partial product count (nothing downstream of
+        # the collective can start before it), which can only make the first reader earlier.
+        readers, todo, seen = [], [collective], set()
+        while todo:
+            for reader in [c for t in todo.pop().outputs for c in t.consumers()]:
+                if reader.name in seen:
+                    continue
+                seen.add(reader.name)
+                later = [span for span in spans.get(reader.name, []) if span[0] >= part_ran[1]]
+                if later:
+                    readers.append((*min(later), reader.name))
+                else:
+                    todo.append(reader)
+        facts[layer] = dict(part=part_ran, kernel=kernel_ran, first_reader=min(readers),
+                            names=[part.name, kernel.name, collective.name])
+    with open(os.path.join(outdir, f"overlap_rank{RANK}.json"), "w") as handle:
+        json.dump(facts, handle, indent=1)
 
 
 def disagree(outdir: str) -> None:
@@ -314,34 +380,66 @@ def main() -> None:
     global OUTDIR
     outdir = OUTDIR = sys.argv[1]
     os.makedirs(outdir, exist_ok=True)
-    if len(sys.argv) > 2:
-        if sys.argv[2] == "disagree":
-            disagree(outdir)
-        elif sys.argv[2] == "uneven":
-            uneven(outdir)
-        elif sys.argv[2] == "dies":
-            dies()
-        else:
-            memory(outdir, sys.argv[2])
-        return
+    mode = sys.argv[2] if len(sys.argv) > 2 else "numbers"
+    if mode in ("dp", "hybrid"):
+        return memory(outdir, mode)
+    if mode in ("disagree", "uneven"):
+        return (disagree if mode == "disagree" else uneven)(outdir)
+    if mode == "dies":
+        return dies()
+    if mode == "overlap":
+        return overlap(outdir)
     results: dict = {"rank": RANK, "size": SIZE}
     weights: dict = {}
-    custom(results, weights, "custom", {})
-    custom(results, weights, "custom_lms", LMS)
-    fit(results, weights, "fit", None)
-    fit(results, weights, "fit_lms", LMS)
+    if mode == "vgg16":
+        numbers(results, weights, VGG16)
+        return save(outdir, "vgg16_", results, weights)
+    if mode == "vgg16_adam":
+        adam_limit(results, weights)
+        return save(outdir, "vgg16_adam_", results, weights)
+    numbers(results, weights, TEXT, "text_")
+    numbers(results, weights, VGG_LIKE)
     fit(results, weights, "fit_big", None, local=BUDGET_BATCH)
     fit(results, weights, "fit_budget", dict(BUDGET, budget=tightest_budget()), local=BUDGET_BATCH)
-    text(results, weights)
-    if RANK == 0:
-        reference(results, weights)
     for layer in hybridize(vgg_like(), min_param_bytes=1 << 20).layers:
         if isinstance(layer, ShardedDense):
             results[f"{layer.name}_kernel_shape"] = list(layer.kernel.shape)
             results[f"{layer.name}_sharding"] = layer.sharding
-    np.savez(os.path.join(outdir, f"rank{RANK}.npz"),
+    save(outdir, "", results, weights)
+
+
+def numbers(results, weights, subject: dict, prefix: str = "") -> None:
+    """``subject``'s model, hybrid, 10 steps four ways (custom loop and fit, each without and with
+    lms-tf), and on rank 0 one process on the global batches. (So rank 0 has built one model
+    more than the others when the next subject starts: the collectives' names must not depend
+    on that. They once did, through the model's auto-named scope, and the ranks hung.)"""
+    global SUBJECT
+    SUBJECT = subject
+    custom(results, weights, f"{prefix}custom", {})
+    custom(results, weights, f"{prefix}custom_lms", LMS)
+    fit(results, weights, f"{prefix}fit", None)
+    fit(results, weights, f"{prefix}fit_lms", LMS)
+    if RANK == 0:
+        reference(results, weights, f"{prefix}reference")
+
+
+def adam_limit(results, weights) -> None:
+    """VGG-16 with Adam, hybrid and purely data-parallel (custom loops), and one process: how far
+    data parallelism itself lands from one process when Adam divides each step by the root of the
+    second moment (a gradient near zero whose last bits the ranks' order of summation changes then
+    moves its weight by up to the learning rate)."""
+    global SUBJECT
+    SUBJECT = dict(VGG16, optimizer=keras.optimizers.Adam)
+    custom(results, weights, "adam_custom", {})
+    custom(results, weights, "adam_dp_custom", {}, hybrid=False)
+    if RANK == 0:
+        reference(results, weights, "adam_reference")
+
+
+def save(outdir: str, prefix: str, results: dict, weights: dict) -> None:
+    np.savez(os.path.join(outdir, f"{prefix}rank{RANK}.npz"),
              **{f"{key}/{i}": w for key, ws in weights.items() for i, w in enumerate(ws)})
-    with open(os.path.join(outdir, f"rank{RANK}.json"), "w") as handle:
+    with open(os.path.join(outdir, f"{prefix}rank{RANK}.json"), "w") as handle:
         json.dump(results, handle, indent=1)
 
 

@@ -40,6 +40,7 @@ Examples:
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import tensorflow as tf
@@ -144,9 +145,22 @@ class _ShardedLayer(keras.layers.Layer):
             shard_index = rank if shard_index is None else shard_index
             shard_count = size if shard_count is None else shard_count
         self.shard_index, self.shard_count = int(shard_index), int(shard_count)
+        self._calls_per_graph = weakref.WeakKeyDictionary()
 
     def _collectives(self):
-        return StandInCollectives(self.shard_count) if self.planning else horovod_tensorflow()
+        """The collectives of this call and the prefix of their names.
+
+        Horovod matches a collective across ranks by its name, so the name must not depend on
+        anything a rank counts for itself: not the model's auto-name (``functional_3`` on a rank
+        that built one model more), so no name scope (``ignore_name_scope``). The layer's name is
+        the same on every rank; a second call of the layer in one trace (a shared layer) adds
+        its call number there, in trace order, as every rank traces it.
+        """
+        graph = tf.compat.v1.get_default_graph()
+        calls = self._calls_per_graph.get(graph, 0)
+        self._calls_per_graph[graph] = calls + 1
+        tag = f"lms_tf_sharded_{self.name}" + (f"_call{calls}" if calls else "")
+        return (StandInCollectives(self.shard_count) if self.planning else _NamedCollectives()), tag
 
     def _shard_weight(self, name: str, whole_shape, part: slice, axis: int, initializer):
         """Adds this rank's part of a weight; every rank draws the same whole weight (one seed)."""
@@ -255,9 +269,9 @@ class ShardedDense(_ShardedLayer):
             outputs = tf.matmul(rows, kernel)
             outputs = outputs if bias is None else tf.nn.bias_add(outputs, bias)
         elif self.sharding == "columns":
-            outputs = _column_sharded_dense(rows, kernel, bias, self.shard_count, self.name, self._collectives())
+            outputs = _column_sharded_dense(rows, kernel, bias, self.shard_count, self.name, *self._collectives())
         else:
-            outputs = _row_sharded_dense(rows, kernel, self.shard_count, self.name, self._collectives())
+            outputs = _row_sharded_dense(rows, kernel, self.shard_count, self.name, *self._collectives())
             outputs = outputs if bias is None else tf.nn.bias_add(outputs, bias)
         outputs = tf.reshape(outputs, tf.concat([shape[:-1], [self.units]], axis=0))
         return self.activation(outputs) if self.activation is not None else outputs
@@ -330,7 +344,7 @@ class ShardedEmbedding(_ShardedLayer):
             found = tf.gather(table, flat)
         else:
             found = _row_sharded_lookup(flat, table, self.part.start, self.shard_count, self.name,
-                                        self._collectives())
+                                        *self._collectives())
         return tf.reshape(found, tf.concat([tf.shape(ids), [self.output_dim]], axis=0))
 
     def compute_mask(self, inputs, mask=None):
@@ -344,6 +358,23 @@ class ShardedEmbedding(_ShardedLayer):
         config.update(input_dim=self.input_dim, output_dim=self.output_dim, mask_zero=self.mask_zero,
                       embeddings_initializer=keras.initializers.serialize(self.embeddings_initializer))
         return config
+
+
+class _NamedCollectives:
+    """Horovod's collectives, each named by its ``name`` alone (no name scope)."""
+
+    def __init__(self):
+        self._hvd = horovod_tensorflow()
+        self.Sum = self._hvd.Sum
+
+    def allgather(self, tensor, name):
+        return self._hvd.allgather(tensor, name=name, ignore_name_scope=True)
+
+    def alltoall(self, tensor, name):
+        return self._hvd.alltoall(tensor, name=name, ignore_name_scope=True)
+
+    def reducescatter(self, tensor, op, name):
+        return self._hvd.reducescatter(tensor, op=op, name=name, ignore_name_scope=True)
 
 
 class StandInCollectives:
@@ -414,10 +445,19 @@ def _same_batch_on_every_rank(gathered, batch, count: int, name: str):
                 f"that the global batch divides. Rows gathered from the group, then {count} x the rows of this rank:")
 
 
-def _column_sharded_dense(inputs, kernel, bias, count: int, name: str, hvd):
+def _while_in_flight(x_partial):
+    """Ops made under this run after the input gradient's partial product, not before it.
+
+    The layers below wait for the input gradient; the kernel's gradient, not on their way, is
+    computed while the collective that completes the input gradient is in flight. (Left to
+    itself the executor may run the kernel's product first, which delays that collective, and
+    everything below, by the product's time: on a GPU's one compute stream they cannot overlap.)
+    """
+    return tf.control_dependencies([x_partial])
+
+
+def _column_sharded_dense(inputs, kernel, bias, count: int, name: str, hvd, tag: str):
     """``inputs @ whole_kernel + whole_bias`` for this rank's rows, from this rank's columns."""
-    # Horovod matches collectives across ranks by name: the layer's name is the same everywhere.
-    tag = f"lms_tf_sharded_{name}"
 
     @tf.custom_gradient
     def sharded(x, w, *b):
@@ -432,12 +472,12 @@ def _column_sharded_dense(inputs, kernel, bias, count: int, name: str, hvd):
 
         def grad(upstream):
             mine_grad = hvd.alltoall(_to_blocks(upstream, count, batch), name=f"{tag}_dy")  # my columns, all rows
-            w_grad = tf.matmul(gathered, mine_grad, transpose_a=True) / count
-            x_partial = tf.matmul(mine_grad, w, transpose_b=True)
+            x_partial = tf.matmul(mine_grad, w, transpose_b=True, name="input_gradient_part")
             x_grad = hvd.reducescatter(x_partial, op=hvd.Sum, name=f"{tag}_dx")
-            grads = [x_grad, w_grad]
-            if b:
-                grads.append(tf.reduce_sum(mine_grad, axis=0) / count)
+            with _while_in_flight(x_partial):
+                grads = [x_grad, tf.matmul(gathered, mine_grad, transpose_a=True, name="kernel_gradient") / count]
+                if b:
+                    grads.append(tf.reduce_sum(mine_grad, axis=0) / count)
             return grads
 
         return outputs, grad
@@ -445,9 +485,8 @@ def _column_sharded_dense(inputs, kernel, bias, count: int, name: str, hvd):
     return sharded(inputs, kernel, *([] if bias is None else [bias]))
 
 
-def _row_sharded_dense(inputs, kernel, count: int, name: str, hvd):
+def _row_sharded_dense(inputs, kernel, count: int, name: str, hvd, tag: str):
     """``inputs @ whole_kernel`` for this rank's rows, from this rank's rows of the kernel."""
-    tag = f"lms_tf_sharded_{name}"
 
     @tf.custom_gradient
     def sharded(x, w):
@@ -460,9 +499,10 @@ def _row_sharded_dense(inputs, kernel, count: int, name: str, hvd):
 
         def grad(upstream):
             every = hvd.allgather(upstream, name=f"{tag}_dy")                  # (G*batch, units)
-            w_grad = tf.matmul(received, every, transpose_a=True) / count
-            x_partial = tf.matmul(every, w, transpose_b=True)                  # every rank's rows, my features
+            x_partial = tf.matmul(every, w, transpose_b=True, name="input_gradient_part")  # all rows, my features
             x_grad = _from_blocks(hvd.alltoall(x_partial, name=f"{tag}_dx"), count, batch)
+            with _while_in_flight(x_partial):
+                w_grad = tf.matmul(received, every, transpose_a=True, name="kernel_gradient") / count
             return x_grad, w_grad
 
         return outputs, grad
@@ -470,9 +510,8 @@ def _row_sharded_dense(inputs, kernel, count: int, name: str, hvd):
     return sharded(inputs, kernel)
 
 
-def _row_sharded_lookup(ids, table, start: int, count: int, name: str, hvd):
+def _row_sharded_lookup(ids, table, start: int, count: int, name: str, hvd, tag: str):
     """The embeddings of this rank's ``ids`` (flat), from this rank's rows ``[start, start + rows)``."""
-    tag = f"lms_tf_sharded_{name}"
     every_id = hvd.allgather(ids, name=f"{tag}_ids")
     local = every_id - start
     held = tf.logical_and(local >= 0, local < tf.shape(table)[0])
