@@ -103,7 +103,7 @@ def sent_bytes(model, rows: int, ranks: int) -> int:
     total = 2 * (ranks - 1) * replicated // ranks
     for layer in model.layers:
         if isinstance(layer, ShardedEmbedding):
-            total += rows * sent_bytes_per_row("embedding", 1, layer.output_dim, ranks)
+            total += rows * sent_bytes_per_row(f"embedding_{layer.sharding}", 1, layer.output_dim, ranks)
         elif isinstance(layer, ShardedDense):
             features = layer.kernel.shape[0] * (ranks if layer.sharding == "rows" else 1)
             total += rows * sent_bytes_per_row(layer.sharding, features, layer.units, ranks)

@@ -14,8 +14,9 @@ model in one process on the whole global batches (the reference). The models:
   classifier. No BatchNormalization or Dropout: their per-rank statistics and masks make
   data-parallel training legitimately differ. It is also trained through ``fit`` with
   ``LMSCallback(budget=)`` planning the rank's step just above its smallest feasible budget.
-- a text model (scenario names start with ``text_``): its embedding table split by token id, its
-  projection over the vocabulary at every position by columns.
+- a text model (scenario names start with ``text_``): its embedding table split by columns, a
+  second table (9 columns) by token id, its projection over the vocabulary at every position by
+  columns.
 - with ``vgg16``: Keras's VGG-16 at CIFAR-10 shape (fc1 and fc2 4096 wide, 33.6M parameters), the
   same four ways, with SGD; it writes OUTDIR/vgg16_rank<r>.json and .npz. With ``vgg16_adam``,
   VGG-16 with Adam, hybrid and purely data-parallel (custom loops): OUTDIR/vgg16_adam_rank<r>.*.
@@ -232,7 +233,9 @@ def text_model() -> keras.Model:
     sharded layers read (batch, positions, features) rows."""
     keras.utils.set_random_seed(12)
     tokens = keras.Input((TEXT_LENGTH,), dtype="int32")
-    h = keras.layers.Embedding(TEXT_VOCAB, 32, name="embedding")(tokens)
+    h = keras.layers.Concatenate()([keras.layers.Embedding(TEXT_VOCAB, 32, name="embedding")(tokens),
+                                    # 9 columns do not split across 2 or 4 ranks: split by token id
+                                    keras.layers.Embedding(2 * TEXT_VOCAB, 9, name="tags")(tokens)])
     h = keras.layers.Dense(64, activation="relu", name="hidden")(h)
     return keras.Model(tokens, keras.layers.Dense(TEXT_VOCAB, name="projection")(h))
 

@@ -28,7 +28,7 @@ from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.policy import describe, format_bytes
 from lms_tf.horovod import horovod_tensorflow
-from lms_tf.parallel.sharded import ShardedDense, ShardedEmbedding, cheaper_sharding
+from lms_tf.parallel.sharded import ShardedDense, ShardedEmbedding, cheaper_embedding_sharding, cheaper_sharding
 
 keras = _compat.keras_module()
 
@@ -44,9 +44,10 @@ class LayerChoice:
         nbytes: Their bytes.
         sharded: Whether it is split across the group.
         why: The rule's reason, in words.
-        sharding: How a sharded layer is split: ``"columns"`` or ``"rows"`` (a Dense layer's
-            kernel, :func:`~lms_tf.parallel.sharded.cheaper_sharding`) or ``"embedding"`` (an
-            Embedding's table, by token id); empty when replicated.
+        sharding: How a sharded layer is split: ``"columns"`` or ``"rows"`` of a Dense layer's
+            kernel (:func:`~lms_tf.parallel.sharded.cheaper_sharding`) or of an Embedding's
+            table (:func:`~lms_tf.parallel.sharded.cheaper_embedding_sharding`); empty when
+            replicated.
 
     Examples:
         >>> LayerChoice("fc1", "Dense", 10, 40, True, "large").sharded
@@ -122,9 +123,11 @@ def _how_to_shard(layer, group_size: int) -> Tuple[str, str]:
     if isinstance(layer, keras.layers.Embedding):
         if getattr(layer, "lora_enabled", False) or layer.embeddings_regularizer or layer.embeddings_constraint:
             return "", "an Embedding with LoRA, a regularizer or a constraint, which ShardedEmbedding does not carry"
-        if layer.input_dim % group_size:
-            return "", f"its {layer.input_dim} token ids do not split across {group_size} ranks"
-        return "embedding", ""
+        sharding = cheaper_embedding_sharding(layer.input_dim, layer.output_dim, group_size)
+        if sharding is None:
+            return "", (f"neither its {layer.output_dim} columns nor its {layer.input_dim} token ids split across "
+                        f"{group_size} ranks")
+        return sharding, ""
     if isinstance(layer, keras.layers.Dense) and len(layer.kernel.shape) == 2:
         if getattr(layer, "lora_enabled", False) or layer.kernel_regularizer or layer.kernel_constraint \
                 or layer.bias_regularizer or layer.bias_constraint:
@@ -142,7 +145,8 @@ def plan_hybrid(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[i
     """Chooses the layers to shard: ``Dense`` and ``Embedding`` layers holding at least
     ``min_param_bytes`` of parameters that the group splits evenly (or exactly ``layers``, names
     given). A Dense layer is split by columns or rows, whichever sends fewer bytes
-    (:func:`~lms_tf.parallel.sharded.cheaper_sharding`); an Embedding by token id.
+    (:func:`~lms_tf.parallel.sharded.cheaper_sharding`); an Embedding by columns, or by token id
+    when the group does not divide its vectors.
 
     Args:
         model: A Keras model.
@@ -247,8 +251,9 @@ def hybridize(model, min_param_bytes: int = 16 * 2**20, group_size: Optional[int
             return layer.__class__.from_config(layer.get_config())
         shard = dict(name=layer.name, shard_index=index, shard_count=plan.group_size, dtype=layer.dtype_policy,
                      planning=planning)
-        if chosen[layer.name] == "embedding":
-            return ShardedEmbedding(layer.input_dim, layer.output_dim, mask_zero=layer.mask_zero, **shard)
+        if isinstance(layer, keras.layers.Embedding):
+            return ShardedEmbedding(layer.input_dim, layer.output_dim, mask_zero=layer.mask_zero,
+                                    sharding=chosen[layer.name], **shard)
         return ShardedDense(layer.units, activation=layer.activation, use_bias=layer.use_bias,
                             sharding=chosen[layer.name], **shard)
 
@@ -370,7 +375,8 @@ def unshard(hybrid):
         copy = model.get_layer(layer.name)
         tag = f"lms_tf_unshard_{layer.name}"
         if isinstance(layer, ShardedEmbedding):
-            copy.set_weights([gather(layer.embeddings.numpy(), 0, f"{tag}_embeddings")])
+            copy.set_weights([gather(layer.embeddings.numpy(), 0 if layer.sharding == "rows" else 1,
+                                     f"{tag}_embeddings")])
         elif isinstance(layer, ShardedDense):
             columns = layer.sharding == "columns"
             parts = [gather(layer.kernel.numpy(), 1 if columns else 0, f"{tag}_kernel")]

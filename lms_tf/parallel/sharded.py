@@ -20,11 +20,16 @@ Three ways to split, each with the collectives that move the least data for it
   and a ``reducescatter`` adds the partial products and gives each rank its rows. Backward: an
   ``allgather`` of the output gradients, and an ``alltoall`` that returns each rank's input
   gradient. Cheaper than columns when the layer has more inputs than outputs.
-- :class:`ShardedEmbedding`: rank r holds the table's rows (token ids) ``[r * V/G, (r + 1) * V/G)``.
-  Forward: the ids are gathered, each rank looks up those it holds (zeros elsewhere), and a
-  ``reducescatter`` adds them up (one term is not zero) and gives each rank its rows. Backward: an
-  ``allgather`` of the output gradients; each rank keeps those of its ids (a sparse gradient, as
-  ``keras.layers.Embedding``'s).
+- :class:`ShardedEmbedding` ``sharding="columns"``: rank r holds columns
+  ``[r * U/G, (r + 1) * U/G)`` of every vector. Forward: the ids are gathered, each rank looks up
+  its columns of all of them, and an ``alltoall`` gives each rank its ids' whole vectors.
+  Backward: an ``alltoall`` sends each rank its columns of every output gradient (a sparse
+  gradient of the gathered ids, as ``keras.layers.Embedding``'s). The cheaper split.
+- :class:`ShardedEmbedding` ``sharding="rows"``: rank r holds the token ids
+  ``[r * V/G, (r + 1) * V/G)``, for a group that does not divide the vectors. Forward: the ids are
+  gathered, each rank looks up those it holds (zeros elsewhere), and a ``reducescatter`` adds them
+  up (one term is not zero) and gives each rank its rows. Backward: an ``allgather`` of the output
+  gradients; each rank keeps those of its ids.
 
 Every kernel gradient covers the whole group's batch, whose rows each carry their own rank's
 ``1 / local batch``: it is divided by G, as averaging divides the replicated layers' gradients.
@@ -94,7 +99,8 @@ def sent_bytes_per_row(kind: str, features: int, units: int, count: int, itemsiz
     rows, an ``alltoall`` or ``reducescatter`` the other ranks' rows of what this rank computed.
 
     Args:
-        kind: ``"columns"`` or ``"rows"`` (a :class:`ShardedDense`), or ``"embedding"``.
+        kind: ``"columns"`` or ``"rows"`` (a :class:`ShardedDense`), ``"embedding_rows"`` or
+            ``"embedding_columns"`` (a :class:`ShardedEmbedding`).
         features: The layer's input features (an Embedding: 1, the token id).
         units: Its outputs (an Embedding: the output dimension).
         count: The ranks it is split across.
@@ -109,9 +115,11 @@ def sent_bytes_per_row(kind: str, features: int, units: int, count: int, itemsiz
         return others * itemsize * (2 * features + 2 * units // count)
     if kind == "rows":      # alltoall x, reducescatter y, allgather dy, alltoall dx
         return others * itemsize * (2 * features // count + 2 * units)
-    if kind == "embedding":  # allgather ids (int32), reducescatter y, allgather dy
+    if kind == "embedding_rows":     # allgather ids (int32), reducescatter y, allgather dy
         return others * (4 + 2 * itemsize * units)
-    raise ValueError(f"kind must be 'columns', 'rows' or 'embedding'; received {kind!r}")
+    if kind == "embedding_columns":  # allgather ids (int32), alltoall y, alltoall dy
+        return others * (4 + 2 * itemsize * units // count)
+    raise ValueError(f"kind must be 'columns', 'rows', 'embedding_rows' or 'embedding_columns'; received {kind!r}")
 
 
 def cheaper_sharding(features: int, units: int, count: int) -> Optional[str]:
@@ -131,6 +139,24 @@ def cheaper_sharding(features: int, units: int, count: int) -> Optional[str]:
     # (With one rank neither sends anything: the same rule, by shape, keeps the choice stable.)
     return min(fits, key=lambda kind: (sent_bytes_per_row(kind, features, units, count),
                                        (kind == "rows") != (features > units)))
+
+
+def cheaper_embedding_sharding(input_dim: int, output_dim: int, count: int) -> Optional[str]:
+    """How to split an ``input_dim`` x ``output_dim`` embedding table across ``count`` ranks:
+    ``"columns"`` (each rank a slice of every vector) when ``count`` divides the output
+    dimension, else ``"rows"`` (each rank a range of token ids) when it divides the vocabulary,
+    else None.
+
+    Columns send ``2 U / G`` values per looked-up id, rows ``2 U`` (each rank's partial lookups
+    are summed): columns always send less.
+
+    Examples:
+        >>> cheaper_embedding_sharding(50000, 512, 4), cheaper_embedding_sharding(1000, 6, 4)
+        ('columns', 'rows')
+    """
+    if output_dim % count == 0:
+        return "columns"
+    return "rows" if input_dim % count == 0 else None
 
 
 class _ShardedLayer(keras.layers.Layer):
@@ -290,43 +316,59 @@ class ShardedDense(_ShardedLayer):
 
 @keras.saving.register_keras_serializable(package="lms_tf")
 class ShardedEmbedding(_ShardedLayer):
-    """An ``Embedding`` whose table is split across the ranks of a Horovod job by token id: rank r
-    holds rows ``[r * V/G, (r + 1) * V/G)`` (see the module's docstring for the collectives).
+    """An ``Embedding`` whose table is split across the ranks of a Horovod job: by token id (rank
+    r holds rows ``[r * V/G, (r + 1) * V/G)``) or by the vectors' columns (rank r holds columns
+    ``[r * U/G, (r + 1) * U/G)`` of every row); see the module's docstring for the collectives.
 
     Args:
-        input_dim: The vocabulary of the whole table (divisible by the number of ranks).
+        input_dim: The vocabulary of the whole table.
         output_dim: The embedding dimension.
         embeddings_initializer: Initialises the whole table (the same on every rank, from its
-            seed); each rank keeps its rows.
+            seed); each rank keeps its part.
         mask_zero: As ``keras.layers.Embedding``: id 0 is padding, masked downstream.
+        sharding: ``"rows"`` (split the token ids; the group must divide ``input_dim``),
+            ``"columns"`` (split the vectors; the group must divide ``output_dim``) or ``"auto"``
+            (:func:`cheaper_embedding_sharding`: columns when they split evenly).
         shard_index: This rank's shard (default: the Horovod rank).
         shard_count: Number of shards (default: the Horovod size).
         planning: As :class:`ShardedDense`.
 
     Examples:
-        >>> layer = ShardedEmbedding(10, 3, shard_index=1, shard_count=2)
+        >>> layer = ShardedEmbedding(10, 4, shard_index=1, shard_count=2)
         >>> layer.build((None, 4)); tuple(layer.embeddings.shape)
-        (5, 3)
+        (5, 4)
+        >>> columns = ShardedEmbedding(10, 4, sharding="columns", shard_index=1, shard_count=2)
+        >>> columns.build((None, 4)); tuple(columns.embeddings.shape)
+        (10, 2)
         >>> ShardedEmbedding(10, 3, shard_index=0, shard_count=1)(tf.constant([[1, 2]])).shape
         TensorShape([1, 2, 3])
     """
 
     def __init__(self, input_dim: int, output_dim: int, embeddings_initializer="uniform", mask_zero: bool = False,
-                 shard_index: Optional[int] = None, shard_count: Optional[int] = None, planning: bool = False,
-                 **kwargs):
+                 sharding: str = "rows", shard_index: Optional[int] = None, shard_count: Optional[int] = None,
+                 planning: bool = False, **kwargs):
         super().__init__(shard_index=shard_index, shard_count=shard_count, planning=planning, **kwargs)
         self.input_dim, self.output_dim = int(input_dim), int(output_dim)
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.mask_zero = bool(mask_zero)
-        self.part = even_shard(self.input_dim, self.shard_index, self.shard_count, what="token ids (input_dim)",
-                               layer=self.name)
+        if sharding == "auto":
+            sharding = cheaper_embedding_sharding(self.input_dim, self.output_dim, self.shard_count) or "rows"
+        if sharding not in SHARDINGS:
+            raise LMSOptionError(f"{self.name}: sharding must be 'rows', 'columns' or 'auto'; received {sharding!r}.")
+        self.sharding = sharding
+        if sharding == "rows":
+            self.part = even_shard(self.input_dim, self.shard_index, self.shard_count, what="token ids (input_dim)",
+                                   layer=self.name)
+        else:
+            self.part = even_shard(self.output_dim, self.shard_index, self.shard_count,
+                                   what="embedding columns (output_dim)", layer=self.name)
 
     def build(self, input_shape=None):
-        self.embeddings = self._shard_weight("embeddings", (self.input_dim, self.output_dim), self.part, 0,
-                                             self.embeddings_initializer)
+        self.embeddings = self._shard_weight("embeddings", (self.input_dim, self.output_dim), self.part,
+                                             0 if self.sharding == "rows" else 1, self.embeddings_initializer)
 
     def set_whole_weights(self, embeddings) -> None:
-        """Sets this rank's rows from the whole table (that of an ``Embedding`` layer).
+        """Sets this rank's part from the whole table (that of an ``Embedding`` layer).
 
         Examples:
             >>> import numpy as np
@@ -334,7 +376,7 @@ class ShardedEmbedding(_ShardedLayer):
             >>> layer.set_whole_weights(np.arange(8.0).reshape(4, 2)); layer.embeddings.numpy().tolist()
             [[4.0, 5.0], [6.0, 7.0]]
         """
-        self.embeddings.assign(embeddings[self.part])
+        self.embeddings.assign(embeddings[self.part] if self.sharding == "rows" else embeddings[:, self.part])
 
     def call(self, inputs):
         ids = tf.cast(inputs, tf.int32)
@@ -342,9 +384,11 @@ class ShardedEmbedding(_ShardedLayer):
         flat = tf.reshape(ids, (-1,))
         if self.shard_count == 1:
             found = tf.gather(table, flat)
-        else:
+        elif self.sharding == "rows":
             found = _row_sharded_lookup(flat, table, self.part.start, self.shard_count, self.name,
                                         *self._collectives())
+        else:
+            found = _column_sharded_lookup(flat, table, self.shard_count, self.name, *self._collectives())
         return tf.reshape(found, tf.concat([tf.shape(ids), [self.output_dim]], axis=0))
 
     def compute_mask(self, inputs, mask=None):
@@ -356,6 +400,7 @@ class ShardedEmbedding(_ShardedLayer):
     def get_config(self):
         config = super().get_config()
         config.update(input_dim=self.input_dim, output_dim=self.output_dim, mask_zero=self.mask_zero,
+                      sharding=self.sharding,
                       embeddings_initializer=keras.initializers.serialize(self.embeddings_initializer))
         return config
 
@@ -528,6 +573,27 @@ def _row_sharded_lookup(ids, table, start: int, count: int, name: str, hvd, tag:
             # Sparse, as Embedding's own gradient: only the rows this rank's ids read.
             return tf.IndexedSlices(tf.boolean_mask(every, held) / count, tf.boolean_mask(local, held),
                                     tf.shape(t))
+
+        return outputs, grad
+
+    return lookup(table)
+
+
+def _column_sharded_lookup(ids, table, count: int, name: str, hvd, tag: str):
+    """The embeddings of this rank's ``ids`` (flat), from this rank's columns of every row."""
+    every_id = hvd.allgather(ids, name=f"{tag}_ids")
+    batch = tf.shape(ids)[0]
+
+    @tf.custom_gradient
+    def lookup(t):
+        with tf.control_dependencies([_same_batch_on_every_rank(every_id, batch, count, name)]):
+            mine = tf.gather(t, every_id)                                   # my columns, every rank's ids
+        outputs = _from_blocks(hvd.alltoall(mine, name=f"{tag}_y"), count, batch)   # every column, my ids
+
+        def grad(upstream):
+            mine_grad = hvd.alltoall(_to_blocks(upstream, count, batch), name=f"{tag}_dy")  # my columns, all ids
+            # Sparse, as Embedding's own gradient: the rows every rank's ids read, this rank's columns.
+            return tf.IndexedSlices(mine_grad / count, every_id, tf.shape(t))
 
         return outputs, grad
 
