@@ -17,6 +17,8 @@ model in one process on the whole global batches (the reference). The models:
 - a text model (scenario names start with ``text_``): its embedding table split by columns, a
   second table (9 columns) by token id, its projection over the vocabulary at every position by
   columns.
+- a subclassed model (scenario names start with ``subclassed_``) that uses ``ShardedDense`` in its
+  definition; its whole weights gathered with ``whole_weights``.
 - with ``vgg16``: Keras's VGG-16 at CIFAR-10 shape (fc1 and fc2 4096 wide, 33.6M parameters), the
   same four ways, with SGD; it writes OUTDIR/vgg16_rank<r>.json and .npz. With ``vgg16_adam``,
   VGG-16 with Adam, hybrid and purely data-parallel (custom loops): OUTDIR/vgg16_adam_rank<r>.*.
@@ -64,7 +66,8 @@ import keras  # noqa: E402
 import lms_tf  # noqa: E402
 from lms_tf.horovod import horovod_tensorflow, is_sharded  # noqa: E402
 from lms_tf.keras import DistributedCallback  # noqa: E402
-from lms_tf.parallel import ShardedDense, hybridize, save_unsharded, unshard  # noqa: E402
+from lms_tf.parallel import (ShardedDense, ShardedEmbedding, hybridize, save_unsharded, unshard,  # noqa: E402
+                             whole_weights)
 
 hvd = horovod_tensorflow()
 RANK, SIZE = hvd.rank(), hvd.size()
@@ -107,6 +110,37 @@ def vgg16_cifar() -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(10, name="predictions")(h))
 
 
+class SubclassedNet(keras.Model):
+    """A subclassed model, whose layers ``hybridize`` cannot replace from outside: its two wide
+    layers are ``ShardedDense`` in its definition (fc1 by rows, fc2 by columns), or plain
+    ``Dense`` in the reference. Built by a call on a symbolic input: Keras traces ``call``, so the
+    sharded layers are built inside a trace."""
+
+    def __init__(self, sharded: bool):
+        super().__init__()
+        keras.utils.set_random_seed(14)
+
+        def wide(name, sharding):
+            if sharded:
+                return ShardedDense(WIDE, activation="relu", sharding=sharding, name=name)
+            return keras.layers.Dense(WIDE, activation="relu", name=name)
+
+        self.conv = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="conv")
+        self.pool = keras.layers.MaxPooling2D()
+        self.flatten = keras.layers.Flatten()
+        self.fc1, self.fc2 = wide("fc1", "rows"), wide("fc2", "columns")
+        self.classify = keras.layers.Dense(10, name="predictions")
+
+    def call(self, x):
+        return self.classify(self.fc2(self.fc1(self.flatten(self.pool(self.conv(x))))))
+
+
+def subclassed(sharded: bool) -> keras.Model:
+    model = SubclassedNet(sharded)
+    model(keras.Input((32, 32, 3)))
+    return model
+
+
 def images(local: int = LOCAL_BATCH):
     rng = np.random.default_rng(3)
     n = local * SIZE * STEPS
@@ -118,6 +152,9 @@ def images(local: int = LOCAL_BATCH):
 VGG_LIKE = dict(build=vgg_like, data=images, min_param_bytes=1 << 20, optimizer=keras.optimizers.Adam)
 #: VGG-16 trains with SGD (TensorFlow's default settings) for the 1e-5 comparison; with Adam, see
 #: :func:`adam_limit`.
+#: ``hybrid`` builds the sharded model itself (no ``hybridize``); ``whole_weights`` gathers it.
+SUBCLASSED = dict(build=lambda: subclassed(False), hybrid=lambda: subclassed(True), data=images,
+                  optimizer=keras.optimizers.Adam)
 VGG16 = dict(build=vgg16_cifar, data=images, min_param_bytes=1 << 20, optimizer=keras.optimizers.SGD)
 SUBJECT = VGG_LIKE
 
@@ -127,7 +164,19 @@ def data(local: int = LOCAL_BATCH):
 
 
 def build_hybrid():
+    if "hybrid" in SUBJECT:
+        return SUBJECT["hybrid"]()
     return hybridize(SUBJECT["build"](), min_param_bytes=SUBJECT["min_param_bytes"])
+
+
+def sharded_layers(model) -> list:
+    return [layer.name for layer in model.layers if isinstance(layer, (ShardedDense, ShardedEmbedding))]
+
+
+def gathered(model) -> list:
+    """The whole weights of the trained hybrid model: :func:`unshard`'s model, or (subclassed)
+    :func:`whole_weights`."""
+    return whole_weights(model) if "hybrid" in SUBJECT else [w.numpy() for w in unshard(model).weights]
 
 
 def mine(x, y, local: int = LOCAL_BATCH):
@@ -168,10 +217,10 @@ def custom(results, weights, name, options, hybrid: bool = True):
         local = step(x[batch], y[batch])
         losses.append(float(hvd.allreduce(local, op=hvd.Average, name=f"{name}_loss_{k}")))
     model.optimizer = optimizer
-    results[name] = dict(losses=losses, sharded_layers=list(model.hybrid_plan.sharded_layers),
-                         shardings=[choice.sharding for choice in model.hybrid_plan.layers if choice.sharded],
+    results[name] = dict(losses=losses, sharded_layers=sharded_layers(model),
+                         shardings=[layer.sharding for layer in model.layers if layer.name in sharded_layers(model)],
                          swapped=len(step.plan.swapped) if step.plan else 0, **variable_bytes(model))
-    weights[name] = [w.numpy() for w in unshard(model).weights]
+    weights[name] = gathered(model)
     if name == "custom" and SUBJECT is VGG_LIKE:
         results["saved"] = save_and_load(model, weights[name])
 
@@ -198,7 +247,7 @@ def fit(results, weights, name, lms_options, local: int = LOCAL_BATCH):
     if lms_options is not None:
         callbacks.insert(0, lms_tf.LMSCallback(**CPU_LMS, **lms_options))
     history = model.fit(x, y, batch_size=local, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
-    results[name] = dict(loss=history.history["loss"][-1], sharded_layers=list(model.hybrid_plan.sharded_layers),
+    results[name] = dict(loss=history.history["loss"][-1], sharded_layers=sharded_layers(model),
                          **variable_bytes(model))
     if lms_options is not None:
         plan = callbacks[0].plan
@@ -206,7 +255,7 @@ def fit(results, weights, name, lms_options, local: int = LOCAL_BATCH):
                              plan_recomputed=len(plan.recomputed) if plan else 0,
                              budget=lms_options.get("budget"),
                              planned_peak=plan.predictions.planned_allocator_peak_bytes if plan and plan.predictions else None)
-    weights[name] = [w.numpy() for w in unshard(model).weights]
+    weights[name] = gathered(model)
 
 
 def tightest_budget() -> int:
@@ -401,6 +450,7 @@ def main() -> None:
         adam_limit(results, weights)
         return save(outdir, "vgg16_adam_", results, weights)
     numbers(results, weights, TEXT, "text_")
+    numbers(results, weights, SUBCLASSED, "subclassed_")
     numbers(results, weights, VGG_LIKE)
     fit(results, weights, "fit_big", None, local=BUDGET_BATCH)
     fit(results, weights, "fit_budget", dict(BUDGET, budget=tightest_budget()), local=BUDGET_BATCH)

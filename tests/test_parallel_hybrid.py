@@ -167,6 +167,17 @@ def test_a_text_models_sharded_embedding_and_projection_equal_one_process(job, s
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("scenario", ["custom", "custom_lms", "fit", "fit_lms"])
+def test_a_subclassed_model_with_sharded_layers_in_its_definition_equals_one_process(job, scenario):
+    """``hybridize`` cannot replace a subclassed model's layers; the model uses ``ShardedDense``
+    in its definition instead (built by a symbolic call, so inside a trace), trains through the same
+    front-ends, and ``whole_weights`` gathers its whole weights."""
+    ranks, facts, weights = job
+    _equal_to_one_process(ranks, facts, weights, f"subclassed_{scenario}", "subclassed_reference")
+    assert facts[0][f"subclassed_{scenario}"]["sharded_layers"] == ["fc1", "fc2"]
+
+
+@pytest.mark.timeout(900)
 def test_each_rank_holds_its_share_of_the_sharded_layers(job):
     """fc1 (2048 inputs, 512 outputs) is split by rows, its bias whole on every rank; fc2 (512 x
     512) by columns, with its bias."""
@@ -341,6 +352,32 @@ def test_structure_collective_names_do_not_depend_on_what_else_a_rank_built():
     assert seen == names("functional_8")
     assert seen == ["lms_tf_sharded_wide_x", "lms_tf_sharded_wide_y", "lms_tf_sharded_wide_call1_x",
                     "lms_tf_sharded_wide_call1_y"]
+
+
+def test_a_subclassed_models_shards_are_marked_on_the_variables_its_traces_read():
+    """A subclassed model built by a symbolic call builds its layers in a stateless scope: the
+    TensorFlow variables come into being when the scope ends, after the shards were marked. The
+    variables a trace captures must still be marked, or ``lms_tf.function(horovod=True)``
+    broadcasts the root rank's shards over the others' (it did: the first loss was already
+    wrong)."""
+    import tensorflow as tf
+
+    from lms_tf.horovod import is_sharded
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.fc = ShardedDense(8, sharding="rows", shard_index=0, shard_count=2, name="fc")
+            self.out = keras.layers.Dense(3, name="out")
+
+        def call(self, x):
+            return self.out(self.fc(x))
+
+    net = Net()
+    net(keras.Input((6,)))
+    concrete = tf.function(net).get_concrete_function(tf.TensorSpec((4, 6)))   # traced, not run
+    marked = sorted((tuple(v.shape), is_sharded(v)) for v in concrete.variables)
+    assert marked == [((3,), False), ((3, 8), True), ((8,), False), ((8, 3), False)], marked   # fc's kernel only
 
 
 def _ancestors(op) -> set:

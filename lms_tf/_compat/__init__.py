@@ -53,6 +53,7 @@ from lms_tf._compat.keras import (
                                   layer_scope_aliases,
                                   layer_scope_aliases_in,
                                   move_variables,
+                                  nested_layers,
                                   nodes_in_call_order,
                                   optimizer_entry_points,
                                   rekey_optimizer,
@@ -63,7 +64,7 @@ from lms_tf._compat.profiler import onednn_enabled, profile_allocations, profile
 
 __all__ = ["GRAPPLER_RECOMPUTED_PREFIX", "GRAPPLER_SWAP_OPS", "add_control_input", "automatic_control_dependencies",
            "call_node", "check_private_apis", "clone_op", "current_graph", "dataset_batch_size", "fit_batch_size",
-           "flat_model_inputs", "function_def", "functional_graph", "get_jit_compile", "grappler_accumulated_sums",
+           "flat_model_inputs", "function_def", "nested_layers", "functional_graph", "get_jit_compile", "grappler_accumulated_sums",
            "grappler_default_optimized", "grappler_memory_optimized", "grappler_peak_live_tensors",
            "grappler_peak_memory", "infer_shapes_with_inputs", "is_function_graph", "keras_module",
            "layer_scope_aliases", "layer_scope_aliases_in", "move_variables", "nodes_in_call_order", "onednn_enabled",

@@ -99,6 +99,19 @@ def layer_scope_aliases(model, graph: tf.Graph) -> Dict[str, str]:
     return layer_scope_aliases_in(model, (op.name for op in graph.get_operations()))
 
 
+def nested_layers(layer) -> list:
+    """``layer`` and every layer inside it, however deep (a subclassed model's attributes, a
+    layer's sublayers), through Keras's private walk.
+
+    Examples:
+        >>> keras = keras_module()
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="d")], name="seq")
+        >>> [type(layer).__name__ for layer in nested_layers(model)]
+        ['Sequential', 'InputLayer', 'Dense']
+    """
+    return list(layer._flatten_layers(include_self=True, recursive=True))  # pylint: disable=protected-access
+
+
 def layer_scope_aliases_in(model, op_names: Iterable[str]) -> Dict[str, str]:
     """:func:`layer_scope_aliases` from the names of the trace's ops (an IR's, say).
 
@@ -108,8 +121,7 @@ def layer_scope_aliases_in(model, op_names: Iterable[str]) -> Dict[str, str]:
         >>> layer_scope_aliases_in(model, ["seq_2/d_2/MatMul"])["d"]
         'd_2'
     """
-    layers = model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
-    names = [layer.name for layer in layers]
+    names = [layer.name for layer in nested_layers(model)[1:]]
     op_names = list(op_names)
     first_segments = {name.split("/")[0] for name in op_names}
     suffix, model_scope = "", model.name

@@ -19,8 +19,9 @@ Examples:
     ('fc',)
 """
 
-from lms_tf.parallel.hybrid import HybridPlan, LayerChoice, hybridize, plan_hybrid, save_unsharded, unshard
+from lms_tf.parallel.hybrid import (HybridPlan, LayerChoice, hybridize, plan_hybrid, save_unsharded, unshard,
+                                    whole_weights)
 from lms_tf.parallel.sharded import ShardedDense, ShardedEmbedding
 
 __all__ = ["HybridPlan", "LayerChoice", "ShardedDense", "ShardedEmbedding", "hybridize", "plan_hybrid",
-           "save_unsharded", "unshard"]
+           "save_unsharded", "unshard", "whole_weights"]

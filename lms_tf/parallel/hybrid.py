@@ -349,8 +349,6 @@ def unshard(hybrid):
         >>> type(back.get_layer("fc")).__name__, np.array_equal(back.get_weights()[0], model.get_weights()[0])
         ('Dense', True)
     """
-    hvd = _group_of(hybrid)
-
     def clone(layer):
         if isinstance(layer, ShardedEmbedding):
             return keras.layers.Embedding(layer.input_dim, layer.output_dim, mask_zero=layer.mask_zero,
@@ -360,32 +358,41 @@ def unshard(hybrid):
                                       name=layer.name, dtype=layer.dtype_policy)
         return layer.__class__.from_config(layer.get_config())
 
-    def gather(part, axis: int, name: str):
-        # Horovod gathers along the first axis, in rank order: a column shard is gathered transposed.
-        if hvd is None:
-            return part
-        if axis == 1:
-            return hvd.allgather(part.T, name=name).numpy().T
-        return hvd.allgather(part, name=name).numpy()
-
     model = keras.models.clone_model(hybrid, clone_function=clone)
     for layer in hybrid.layers:
         if not layer.weights:
             continue
         copy = model.get_layer(layer.name)
-        tag = f"lms_tf_unshard_{layer.name}"
-        if isinstance(layer, ShardedEmbedding):
-            copy.set_weights([gather(layer.embeddings.numpy(), 0 if layer.sharding == "rows" else 1,
-                                     f"{tag}_embeddings")])
-        elif isinstance(layer, ShardedDense):
-            columns = layer.sharding == "columns"
-            parts = [gather(layer.kernel.numpy(), 1 if columns else 0, f"{tag}_kernel")]
-            if layer.bias is not None:  # a row-sharded layer's bias is whole on every rank
-                parts.append(gather(layer.bias.numpy(), 0, f"{tag}_bias") if columns else layer.bias.numpy())
-            copy.set_weights(parts)
+        if isinstance(layer, (ShardedDense, ShardedEmbedding)):
+            copy.set_weights(layer.gather_whole_weights())
         else:
             copy.set_weights(layer.get_weights())
     return model
+
+
+def whole_weights(model) -> list:
+    """``model.weights`` as the unsharded model holds them: each sharded layer's shards gathered
+    from every rank of its group (a collective: every rank calls it), every other weight as it
+    is. Works on any model that contains sharded layers, a subclassed one too, where
+    :func:`unshard` cannot rebuild the model.
+
+    Examples:
+        >>> import keras
+        >>> class Net(keras.Model):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc = ShardedDense(4, shard_index=0, shard_count=1)
+        ...     def call(self, x):
+        ...         return self.fc(x)
+        >>> net = Net(); _ = net(np.ones((1, 2), "float32"))
+        >>> [w.shape for w in whole_weights(net)]
+        [(2, 4), (4,)]
+    """
+    whole = {}
+    for layer in _compat.nested_layers(model):
+        if isinstance(layer, (ShardedDense, ShardedEmbedding)):
+            whole.update((id(v), array) for v, array in zip(layer.weights, layer.gather_whole_weights()))
+    return [whole[id(v)] if id(v) in whole else v.numpy() for v in model.weights]
 
 
 def save_unsharded(hybrid, filepath: str):

@@ -52,7 +52,7 @@ import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
-from lms_tf.horovod import horovod_tensorflow, mark_sharded
+from lms_tf.horovod import horovod_tensorflow, is_sharded, mark_sharded
 
 keras = _compat.keras_module()
 
@@ -159,6 +159,17 @@ def cheaper_embedding_sharding(input_dim: int, output_dim: int, count: int) -> O
     return "rows" if input_dim % count == 0 else None
 
 
+def _gather(part, axis: int, name: str, count: int):
+    """The whole of a weight split along ``axis`` across ``count`` ranks (an ``allgather``)."""
+    if count == 1:
+        return part
+    hvd = horovod_tensorflow()
+    # Horovod gathers along the first axis, in rank order: a column shard is gathered transposed.
+    if axis == 1:
+        return hvd.allgather(part.T, name=name, ignore_name_scope=True).numpy().T
+    return hvd.allgather(part, name=name, ignore_name_scope=True).numpy()
+
+
 class _ShardedLayer(keras.layers.Layer):
     """What the sharded layers share: the shard, the group, planning mode, serialisation."""
 
@@ -190,7 +201,10 @@ class _ShardedLayer(keras.layers.Layer):
 
     def _shard_weight(self, name: str, whole_shape, part: slice, axis: int, initializer):
         """Adds this rank's part of a weight; every rank draws the same whole weight (one seed)."""
-        whole = initializer(tuple(whole_shape))
+        # Drawn eagerly: a layer built inside a trace (a subclassed model's first call, which
+        # Keras traces to infer shapes) would otherwise hand the variable a symbolic tensor.
+        with tf.init_scope():
+            whole = initializer(tuple(whole_shape))
         index = [slice(None)] * len(whole_shape)
         index[axis] = part
         shape = list(whole_shape)
@@ -199,6 +213,19 @@ class _ShardedLayer(keras.layers.Layer):
                                    initializer=lambda shape, dtype=None: whole[tuple(index)])
         mark_sharded(variable, self.shard_index, self.shard_count)
         return variable
+
+    def _mark_realized_shards(self) -> None:
+        """Marks the TensorFlow variables under this layer's shards, again.
+
+        A layer built inside a stateless scope (a subclassed model built by a symbolic call)
+        gets its TensorFlow variables only when that scope ends, after :meth:`_shard_weight`
+        marked the Keras variables: the trace's own variables, which the broadcasts read, would
+        not be marked, and the root rank's shard would overwrite the others'. Every call marks
+        them (cheap), so every trace sees them marked.
+        """
+        for variable in self.weights:
+            if is_sharded(variable):
+                mark_sharded(variable, self.shard_index, self.shard_count)
 
     def get_config(self):
         config = super().get_config()
@@ -269,6 +296,23 @@ class ShardedDense(_ShardedLayer):
             else:  # added after the partial products are summed: whole on every rank, averaged
                 self.bias = self.add_weight(name="bias", shape=(self.units,), initializer=self.bias_initializer)
 
+    def gather_whole_weights(self) -> list:
+        """The whole layer's weights (``[kernel, bias]``, as a ``Dense`` layer's), gathered from
+        every rank of the group: a collective, every rank calls it.
+
+        Examples:
+            >>> layer = ShardedDense(4, shard_index=0, shard_count=1); layer.build((None, 2))
+            >>> [w.shape for w in layer.gather_whole_weights()]
+            [(2, 4), (4,)]
+        """
+        columns = self.sharding == "columns"
+        tag = f"lms_tf_unshard_{self.name}"
+        whole = [_gather(self.kernel.numpy(), 1 if columns else 0, f"{tag}_kernel", self.shard_count)]
+        if self.bias is not None:  # a row-sharded layer's bias is whole on every rank
+            whole.append(_gather(self.bias.numpy(), 0, f"{tag}_bias", self.shard_count) if columns
+                         else self.bias.numpy())
+        return whole
+
     def set_whole_weights(self, kernel, bias=None) -> None:
         """Sets this rank's shard from the whole layer's weights (those of a ``Dense`` layer).
 
@@ -285,6 +329,7 @@ class ShardedDense(_ShardedLayer):
             self.bias.assign(bias[self.part] if columns else bias)
 
     def call(self, inputs):
+        self._mark_realized_shards()
         # Rows are every position of every example (a sequence model's tokens too): the collectives
         # split and join along them.
         shape = tf.shape(inputs)
@@ -367,6 +412,18 @@ class ShardedEmbedding(_ShardedLayer):
         self.embeddings = self._shard_weight("embeddings", (self.input_dim, self.output_dim), self.part,
                                              0 if self.sharding == "rows" else 1, self.embeddings_initializer)
 
+    def gather_whole_weights(self) -> list:
+        """The whole table (``[embeddings]``), gathered from every rank of the group: a
+        collective, every rank calls it.
+
+        Examples:
+            >>> layer = ShardedEmbedding(4, 2, shard_index=0, shard_count=1); layer.build()
+            >>> [w.shape for w in layer.gather_whole_weights()]
+            [(4, 2)]
+        """
+        return [_gather(self.embeddings.numpy(), 0 if self.sharding == "rows" else 1,
+                        f"lms_tf_unshard_{self.name}_embeddings", self.shard_count)]
+
     def set_whole_weights(self, embeddings) -> None:
         """Sets this rank's part from the whole table (that of an ``Embedding`` layer).
 
@@ -379,6 +436,7 @@ class ShardedEmbedding(_ShardedLayer):
         self.embeddings.assign(embeddings[self.part] if self.sharding == "rows" else embeddings[:, self.part])
 
     def call(self, inputs):
+        self._mark_realized_shards()
         ids = tf.cast(inputs, tf.int32)
         table = tf.convert_to_tensor(self.embeddings)
         flat = tf.reshape(ids, (-1,))
