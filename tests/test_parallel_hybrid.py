@@ -27,7 +27,7 @@ WORKER = REPO / "tests" / "hybrid_worker.py"
 #: than one process, and a sharded layer's input gradient adds the ranks' partial products; Adam
 #: divides by the square root of the second moment, which carries such last-bit differences into
 #: the weights (observed on the VGG-like model: up to 2.7e-6 after 10 steps; VGG-16 with Adam goes
-#: further, see test_vgg16_with_adam_what_limits_the_match_is_sharded_sums_not_data_parallelism).
+#: further, see test_vgg16_with_adam_moves_a_few_weights_as_data_parallelism_does).
 TOLERANCE = 1e-5
 
 
@@ -114,22 +114,26 @@ def test_vgg16_at_cifar10_shape_equals_one_process(vgg16_job, scenario):
 
 
 @pytest.mark.timeout(900)
-def test_vgg16_with_adam_what_limits_the_match_is_sharded_sums_not_data_parallelism(tmp_path):
-    """With Adam, VGG-16's hybrid weights land up to about 4e-3 from one process after 10 steps
-    (measured at 2 ranks), while pure data parallelism on the same ranks stays within 1e-5. Both
-    sum in another order than one process, but only a sharded layer does it on the way back to
-    the layers below: its input gradient adds each rank's partial product over its own columns
-    (a reducescatter), so every convolution's gradient carries a last-bit difference. Adam
-    divides each step by the root of the second moment: where a gradient is near zero, that
-    difference changes the step by up to the learning rate (1e-3). SGD moves by the gradient
-    itself, and the test above holds the four ways to 1e-5 with it. The losses (about 2.3) stay
-    within 1e-5 relative with Adam (1.4e-5 absolute seen: the weights they are computed from
-    have moved apart by then)."""
+def test_vgg16_with_adam_moves_a_few_weights_as_data_parallelism_does(tmp_path):
+    """What limits the match with Adam. Data parallelism adds the ranks' gradient sums in another
+    order than one process, and a sharded layer adds the ranks' partial products of its input
+    gradient: both change last bits. SGD moves a weight by its gradient, so the test above holds
+    VGG-16 to 1e-5 with it. Adam divides each step by the root of the second moment: where a
+    gradient is near zero, a last-bit change moves the weight by up to the learning rate (1e-3)
+    per step. Seen after 10 steps at 2 ranks, with this suite's kernels (oneDNN off): hybrid
+    2.6e-4 and pure data parallelism 3.6e-4 from one process, each in 0.01% of the weights; with
+    oneDNN's kernels, hybrid 7.8e-3 in 0.8% and data parallelism within 1e-5. So the test asserts
+    what a wrong gradient would break: almost every weight within 1e-5 (a sharding error moves
+    every weight of a layer and those below it), the rest within Adam's 10 steps, and the losses
+    within 1e-5 relative."""
     ranks, facts, weights = _mode_job(2, tmp_path, "vgg16_adam")
     reference = weights(0, "adam_reference")
-    data_parallel = max(np.abs(a - b).max() for a, b in zip(reference, weights(0, "adam_dp_custom")))
-    hybrid = max(np.abs(a - b).max() for a, b in zip(reference, weights(0, "adam_custom")))
-    assert data_parallel <= TOLERANCE and hybrid <= 1e-2, (data_parallel, hybrid)
+    total = sum(a.size for a in reference)
+    for name in ("adam_custom", "adam_dp_custom"):
+        trained = weights(0, name)
+        moved = sum(int((np.abs(a - b) > TOLERANCE).sum()) for a, b in zip(reference, trained))
+        farthest = max(np.abs(a - b).max() for a, b in zip(reference, trained))
+        assert moved / total < 0.02 and farthest <= 10 * 1e-3, (name, moved / total, farthest)
     np.testing.assert_allclose(facts[0]["adam_custom"]["losses"], facts[0]["adam_reference"]["losses"],
                                rtol=TOLERANCE, atol=0)
 
