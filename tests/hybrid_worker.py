@@ -43,11 +43,14 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # per-rank allocator statistics
+# Horovod's fusion packs whichever tensors are ready in a cycle into one buffer, so the ring's
+# order of summation (and a weight's last bits) depends on timing: with it on, 2 of VGG-16's
+# biases landed 2e-5 from one process in one run of four. Without fusion every collective is
+# reduced on its own, and two runs give the same bits. Measuring memory needs it off too: the
+# 64 MiB fusion buffer, allocated when a collective first needs it, would be counted in some
+# runs and not others.
+os.environ["HOROVOD_FUSION_THRESHOLD"] = "0"
 if len(sys.argv) > 2 and sys.argv[2] in ("dp", "hybrid"):
-    # Measuring memory: Horovod's fusion buffer (64 MiB, allocated when a collective first needs
-    # it) would be counted in some runs and not others; without fusion each collective uses its
-    # own tensors.
-    os.environ["HOROVOD_FUSION_THRESHOLD"] = "0"
     # oneDNN's per-op scratch buffers, as many as ops run at once, come from the same allocator.
     os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
 

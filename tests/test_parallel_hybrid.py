@@ -105,28 +105,20 @@ def vgg16_job(request, tmp_path_factory):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("scenario", ["custom", "custom_lms", "fit", "fit_lms"])
 def test_vgg16_at_cifar10_shape_equals_one_process(vgg16_job, scenario):
-    """Keras's VGG-16 (13 convolutions replicated, fc1 and fc2 4096 wide sharded), with SGD.
-    Every weight is within 1e-5 of one process but, rarely, a handful: a ReLU whose input is
-    within last bits of zero passes or stops its unit's gradient depending on those bits, and
-    the order in which Horovod's ring adds the ranks' sums can change from run to run (seen once
-    in four runs at 4 ranks: 2 of fc1's 4096 biases 2e-5 away; the next run within 1e-5). A
-    wrong gradient moves every weight of a layer and those below it."""
+    """Keras's VGG-16 (13 convolutions replicated, fc1 and fc2 4096 wide sharded), with SGD: every
+    weight within 1e-5 of one process (seen: 4.3e-7 at 4 ranks), and the same bits on every rank
+    whichever front-end and with or without lms-tf. The worker turns Horovod's fusion off: with it
+    on, which tensors share a fused buffer depends on timing, so does the order of the ring's
+    sums, and 2 of fc1's biases once landed 2e-5 away (a ReLU input within last bits of zero
+    passes or stops its unit's gradient). Without it two runs gave the same bits."""
     ranks, facts, weights = vgg16_job
-    reference = weights(0, "reference")
-    total = sum(a.size for a in reference)
+    first = weights(0, "custom")
     for rank in range(ranks):
         trained = weights(rank, scenario)
-        assert len(trained) == len(reference) == 32
-        moved = sum(int((np.abs(a - b) > TOLERANCE).sum()) for a, b in zip(reference, trained))
-        farthest = max(np.abs(a - b).max() for a, b in zip(reference, trained))
-        assert moved <= 1e-4 * total and farthest <= 1e-3, (rank, moved, farthest)
-    if "losses" in facts[0][scenario]:
-        np.testing.assert_allclose(facts[0][scenario]["losses"], facts[0]["reference"]["losses"], rtol=0,
-                                   atol=TOLERANCE)
-    if scenario.endswith("custom_lms"):
-        assert facts[0][scenario]["swapped"] > 0
-    if scenario.endswith("fit_lms"):
-        assert facts[0][scenario]["plan_swapped"] > 0
+        assert len(trained) == len(first) == 32
+        for a, b in zip(first, trained):
+            np.testing.assert_array_equal(b, a)
+    _equal_to_one_process(ranks, facts, weights, scenario, "reference")
     assert facts[0][scenario]["sharded_layers"] == ["fc1", "fc2"]
     if scenario.startswith("custom"):
         assert facts[0][scenario]["shardings"] == ["columns", "columns"]   # fc1: 512 -> 4096
