@@ -14,6 +14,7 @@ Command: ``.venv/bin/python benchmarks/partition.py`` (a few minutes on 2 cores;
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from benchmarks.publish import DOCS, OUT, publish  # noqa: E402
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
-from lms_tf.pipeline import LayerProfile, PipelineProfile, partition_layers, stage_peak  # noqa: E402
+from lms_tf.pipeline import LayerProfile, PipelineProfile, evaluate, partition_layers, stage_peak  # noqa: E402
 
 GiB = 2**30
 RULES = ("memory", "parameters", "uniform")
@@ -73,10 +74,13 @@ def repeat_blocks(profile: PipelineProfile, blocks: int, block_prefix: str = "bl
     return PipelineProfile(tuple(out), profile.slot_bytes_per_param_byte, profile.microbatch)
 
 
-def deepest(profile: PipelineProfile, rule: str, stages: int, device: str, upper: int = 4096) -> int:
-    """The most blocks whose partition (by ``rule``) fits ``device`` on every stage (bisection)."""
+def deepest(profile: PipelineProfile, rule: str, stages: int, device: str, upper: int = 4096,
+            swap: bool = False) -> int:
+    """The most blocks whose partition (by ``rule``, stages swapping their waiting micro-batches
+    when ``swap`` and they need to) fits ``device`` on every stage (bisection)."""
     fits = lambda n: n >= stages and partition_layers(repeat_blocks(profile, n), stages=stages,
-                                                      microbatches=MICROBATCHES, devices=device, rule=rule).feasible
+                                                      microbatches=MICROBATCHES, devices=device, rule=rule,
+                                                      swap=swap).feasible
     good, bad = 0, None
     n = max(stages, 8)
     while bad is None and n <= upper:
@@ -131,7 +135,7 @@ def main() -> None:
                 for rule in RULES:
                     t = time.perf_counter()
                     found[rule] = partition_layers(profile, stages=stages, microbatches=MICROBATCHES, devices=devices,
-                                                   rule=rule, model=label)
+                                                   rule=rule, model=label, swap=False)
                     if rule == "memory":
                         search_s = time.perf_counter() - t
                 ratio = {r: found[r].max_stage_peak_bytes / found[r].ideal_peak_bytes for r in RULES}
@@ -152,15 +156,28 @@ def main() -> None:
     traced_48 = partition_layers(transformer_profile, stages=4, microbatches=MICROBATCHES, devices="v100-16gb-pcie3")
     repeated_48 = partition_layers(repeat_blocks(transformer_profile, 48), stages=4, microbatches=MICROBATCHES,
                                    devices="v100-16gb-pcie3")
-    depth_rows = ["| K | memory: blocks | parameters: blocks | uniform: blocks | memory / uniform | memory / parameters |",
-                  "|---|---|---|---|---|---|"]
+    depth_rows = ["| K | memory: blocks | parameters: blocks | uniform: blocks | memory / uniform | memory / parameters "
+                  "| memory + swap: blocks | uniform + swap: blocks | memory + swap / uniform | its step time / the same "
+                  "cut's without swapping |", "|---|---|---|---|---|---|---|---|---|---|"]
     for stages in (2, 4, 8):
         depth = {rule: deepest(transformer_profile, rule, stages, "v100-16gb-pcie3") for rule in RULES}
-        results["depth"][stages] = depth
+        for rule in ("memory", "uniform"):
+            depth[rule + "+swap"] = deepest(transformer_profile, rule, stages, "v100-16gb-pcie3", swap=True)
+        # What swapping costs: the deepest swapping cut's predicted step against the same cut's
+        # with nothing swapped (which would not fit; its time without the copies).
+        deep_profile = repeat_blocks(transformer_profile, depth["memory+swap"])
+        deep = partition_layers(deep_profile, stages=stages, microbatches=MICROBATCHES, devices="v100-16gb-pcie3")
+        cuts = list(itertools.accumulate(len(s.layers) for s in deep.stages))
+        unswapped = evaluate(deep_profile, cuts, microbatches=MICROBATCHES, devices="v100-16gb-pcie3", swap=False)
+        times = {True: deep.predicted_step_time_s, False: unswapped.predicted_step_time_s}
+        results["depth"][stages] = depth | {"swapping_stages": [s.swapped_microbatches for s in deep.stages],
+                                            "host_bytes": deep.to_dict()["host_bytes"]}
         depth_rows.append(f"| {stages} | {depth['memory']} | {depth['parameters']} | {depth['uniform']} | "
                           f"**{depth['memory'] / depth['uniform']:.2f}x** | "
-                          f"{depth['memory'] / depth['parameters']:.2f}x |")
-        logging.info("deepest at K=%d: %s", stages, depth)
+                          f"{depth['memory'] / depth['parameters']:.2f}x | {depth['memory+swap']} | "
+                          f"{depth['uniform+swap']} | **{depth['memory+swap'] / depth['uniform']:.2f}x** | "
+                          f"{times[True] / times[False]:.2f} |")
+        logging.info("deepest at K=%d: %s", stages, results["depth"][stages])
 
     # The search on 1,000 layers (the Transformer's block repeated to 1,000 layers).
     per_block = sum(1 for layer in transformer_profile.layers if layer.name.startswith("block0_"))

@@ -151,3 +151,32 @@ def test_adam_slots_are_counted_and_its_variable_reads_are_not_a_layer():
     # Adam keeps two slots per trainable weight; BatchNormalization's moving statistics have none.
     trainable = sum(int(w.numpy().nbytes) for w in model.trainable_weights)
     assert profile.slot_bytes_per_param_byte == pytest.approx(2 * trainable / weight_bytes(model), rel=0.01)
+
+
+def test_a_stage_over_its_budget_swaps_its_waiting_microbatches_on_a_real_model():
+    """U-Net (skips crossing stages), GPipe with 4 micro-batches in flight on every stage: under a
+    budget below the best cut without swapping, the stages that do not fit hold 2 micro-batches'
+    activations and the other 2 wait on the host; ``--no-swap`` reports it does not fit."""
+    model = build_model("UNet", image_size=32, classes=2)
+    arguments = dict(stages=2, microbatches=4, batch_size=8, schedule="gpipe")
+    plain = lms_tf.partition(model, **arguments)
+    with pytest.raises(lms_tf.InfeasibleBudgetError, match=r"reaches with swapping is") as caught:
+        lms_tf.partition(model, **arguments, budget=1)
+    least = caught.value.smallest_feasible_bytes
+    assert least < plain.max_stage_peak_bytes
+    budget = (least + plain.max_stage_peak_bytes) // 2
+    with pytest.raises(lms_tf.InfeasibleBudgetError, match=r"reaches is"):
+        lms_tf.partition(model, **arguments, budget=budget, swap=False)
+    swapped = lms_tf.partition(model, **arguments, budget=budget)
+    assert swapped.feasible and swapped.max_stage_peak_bytes <= budget
+    assert any(s.swapped_microbatches == 2 for s in swapped.stages)
+    for s in swapped.stages:
+        assert s.host_bytes == s.swapped_microbatches * s.activation_bytes
+    cli = ["--model", "unet", "--input-shape", "32x32", "--classes", "2", "--batch", "8", "--stages", "2",
+           "--microbatches", "4", "--schedule", "gpipe", "--budget", str(budget), "--json"]
+    done = run_cli(*cli)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["feasible"] and result["swap"] and result["host_bytes"] == swapped.to_dict()["host_bytes"] > 0
+    refused = run_cli(*cli, "--no-swap")
+    assert refused.returncode == 3 and '"feasible": false' in refused.stdout

@@ -1,6 +1,7 @@
 """Pipeline partitioning's search and memory model (no TensorFlow): optimal against exhaustive search,
 the 1F1B rule by hand, mixed devices, the baselines' rules, speed on 1,000 layers, bad input."""
 
+import itertools
 import json
 import random
 import time
@@ -9,7 +10,7 @@ import pytest
 
 from lms_tf.core.errors import InfeasibleBudgetError, LMSOptionError
 from lms_tf.cost.devices import DeviceSpec
-from lms_tf.pipeline.partition import PRECISION
+from lms_tf.pipeline.partition import PRECISION, SWAP_RESIDENT
 from lms_tf.pipeline import (
     LayerProfile,
     PipelineProfile,
@@ -70,7 +71,7 @@ def test_mixed_devices_balance_how_full_each_is_optimally():
         devices = [tiny_device(f"d{k}", rng.choice([1000, 2000, 4000])) for k in range(stages)]
         profile = random_profile(rng, n)
         best, _ = exhaustive_partition(profile, stages=stages, microbatches=4, devices=devices)
-        found = partition_layers(profile, stages=stages, microbatches=4, devices=devices)
+        found = partition_layers(profile, stages=stages, microbatches=4, devices=devices, swap=False)
         worst = max(s.predicted_peak_bytes / s.capacity_bytes for s in found.stages)
         # Bisection on the fraction stops at the relative precision partition.PRECISION.
         assert worst == pytest.approx(best, rel=PRECISION), trial
@@ -148,8 +149,9 @@ def test_output_has_the_documented_fields_and_prints():
     profile = PipelineProfile.chain([2**20] * 6, [2**10] * 6)
     p = partition_layers(profile, stages=3, microbatches=4, devices="v100-16gb-pcie3", model="chain")
     d = json.loads(p.to_json())
-    assert {"stages", "ideal_peak_bytes", "max_stage_peak_bytes", "predicted_step_time_s", "feasible"} <= set(d)
-    assert {"layers", "device", "predicted_peak_bytes"} <= set(d["stages"][0])
+    assert {"stages", "ideal_peak_bytes", "max_stage_peak_bytes", "predicted_step_time_s", "feasible", "swap",
+            "host_bytes"} <= set(d)
+    assert {"layers", "device", "predicted_peak_bytes", "swapped_microbatches", "host_bytes"} <= set(d["stages"][0])
     assert d["stages"][0]["device"] == "v100-16gb-pcie3" and d["feasible"] is True
     assert d["ideal_peak_bytes"] == stage_peak(profile, 0, 6, 1) // 3
     text = str(p)
@@ -179,3 +181,75 @@ def test_a_stage_over_its_device_is_reported_not_hidden():
     profile = PipelineProfile.chain([10**9] * 4)
     p = partition_layers(profile, stages=2, microbatches=8, devices=tiny_device("tiny", 10**9))
     assert not p.feasible and "does NOT fit its devices" in p.summary()
+
+
+def test_a_stage_that_no_cut_fits_swaps_its_waiting_microbatches_by_hand():
+    # 1F1B, K = 4, M = 8: stages hold 4, 3, 2 and 1 micro-batches; one layer each, 100 bytes kept,
+    # 10 of weights (SGD: weights + gradients), working set 7.
+    profile = PipelineProfile.chain([100] * 4, [10] * 4, work_bytes=7)
+    device = tiny_device("small", 250)
+    kept = partition_layers(profile, stages=4, microbatches=8, devices=device, swap=False)
+    assert [s.predicted_peak_bytes for s in kept.stages] == [20 + 400 + 7, 20 + 300 + 7, 20 + 200 + 7, 20 + 100 + 7]
+    assert not kept.feasible
+    swapped = partition_layers(profile, stages=4, microbatches=8, devices=device)
+    # Stages 0 and 1 do not fit: they keep SWAP_RESIDENT = 2 micro-batches on the device and the
+    # other 2 and 1 on the host. Stages 2 and 3 fit as they are and do not swap.
+    assert SWAP_RESIDENT == 2
+    assert [s.predicted_peak_bytes for s in swapped.stages] == [20 + 200 + 7, 20 + 200 + 7, 20 + 200 + 7, 20 + 100 + 7]
+    assert [s.swapped_microbatches for s in swapped.stages] == [2, 1, 0, 0]
+    assert [s.host_bytes for s in swapped.stages] == [200, 100, 0, 0]
+    assert swapped.feasible and swapped.to_dict()["host_bytes"] == 300
+    # Each micro-batch's 100 bytes go out and back on the copy engines (1e10 B/s here): at least
+    # that long per micro-batch.
+    assert all(s.seconds_per_microbatch >= 100 / 1e10 for s in swapped.stages)
+    assert "on host (micro-batches)" in swapped.summary() and "on host" not in kept.summary()
+    # Under a budget the same, and a budget no swapping stage meets names the least with swapping.
+    assert partition_layers(profile, stages=4, microbatches=8, budget=227).feasible
+    with pytest.raises(InfeasibleBudgetError, match=r"reaches with swapping is .* \(227 bytes\)"):
+        partition_layers(profile, stages=4, microbatches=8, budget=226)
+    with pytest.raises(InfeasibleBudgetError, match=r"reaches is .* \(427 bytes\)"):
+        partition_layers(profile, stages=4, microbatches=8, budget=226, swap=False)
+    with pytest.raises(LMSOptionError, match="swap must be True .* or False; received 'yes'"):
+        partition_layers(profile, stages=4, microbatches=8, swap="yes")
+
+
+def test_swapping_is_the_last_resort_and_finds_a_fitting_cut_whenever_one_exists():
+    """Against exhaustive search: with swap, a cut is found exactly when some cut fits with the
+    stages that need it swapping; and when a cut fits without swapping, nothing swaps."""
+    rng = random.Random(13)
+    swapped_some = 0
+    for trial in range(80):
+        n = rng.randrange(3, 9)
+        stages = rng.randrange(2, min(n, 4) + 1)
+        micro = rng.randrange(1, 9)
+        schedule = rng.choice(["1f1b", "gpipe"])
+        profile = random_profile(rng, n)
+        capacity = rng.randrange(300, 3000)
+        device = tiny_device("d", capacity)
+
+        def fits(lo, hi, k, may_swap):
+            flight = in_flight(schedule, k, stages, micro)
+            peak = stage_peak(profile, lo, hi, flight)
+            if may_swap and peak > capacity and flight > SWAP_RESIDENT:
+                peak = stage_peak(profile, lo, hi, SWAP_RESIDENT)
+            return peak <= capacity
+
+        def exists(may_swap):
+            for inner in itertools.combinations(range(1, n), stages - 1):
+                bounds = [0, *inner, n]
+                if all(fits(bounds[k], bounds[k + 1], k, may_swap) for k in range(stages)):
+                    return True
+            return False
+
+        plain = partition_layers(profile, stages=stages, microbatches=micro, schedule=schedule, devices=device,
+                                 swap=False)
+        found = partition_layers(profile, stages=stages, microbatches=micro, schedule=schedule, devices=device)
+        assert plain.feasible == exists(False), trial
+        assert found.feasible == exists(True), trial
+        if plain.feasible:
+            assert found.to_dict() | {"swap": False} == plain.to_dict(), trial
+        swapped_some += any(s.swapped_microbatches for s in found.stages)
+        for s in found.stages:
+            assert s.swapped_microbatches in (0, s.in_flight - SWAP_RESIDENT)
+            assert s.host_bytes == s.swapped_microbatches * s.activation_bytes
+    assert swapped_some >= 10   # the trials exercise swapping

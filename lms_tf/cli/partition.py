@@ -65,6 +65,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     part.add_argument("--objective", choices=OBJECTIVES, default="memory",
                       help="memory, or time (the fastest cut whose stages fit)")
     part.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="whose slots are counted")
+    part.add_argument("--no-swap", action="store_true",
+                      help="never swap a stage's waiting micro-batches to the host (by default a stage swaps them "
+                           "when no cut fits without it)")
     part.add_argument("--compare", action="store_true", help="also print the three rules side by side")
     part.add_argument("--plot", default=None, help="write per-stage memory against each device to this PNG file")
     part.add_argument("--json", action="store_true", help="print one JSON object")
@@ -115,9 +118,15 @@ def plot_stages(path: str, partitions, title: str = "") -> None:
     width = 0.8 / len(partitions)
     for i, p in enumerate(partitions):
         xs = [k + (i - (len(partitions) - 1) / 2) * width for k in range(stages)]
-        ax.bar(xs, [s.predicted_peak_bytes / 2**30 for s in p.stages], width,
-               label=f"{p.rule} (largest {p.max_stage_peak_bytes / 2**30:.2f} GiB)"
-                     + ("; its layer counts below" if i == 0 and len(partitions) > 1 else ""))
+        bars = ax.bar(xs, [s.predicted_peak_bytes / 2**30 for s in p.stages], width,
+                      label=f"{p.rule} (largest {p.max_stage_peak_bytes / 2**30:.2f} GiB)"
+                            + ("; its layer counts below" if i == 0 and len(partitions) > 1 else ""))
+        for bar, stage in zip(bars, p.stages):
+            if stage.swapped_microbatches:   # hatched: the stage swaps its waiting micro-batches
+                bar.set_hatch("//")
+    if any(s.swapped_microbatches for p in partitions for s in p.stages):
+        ax.bar([0], [0], 0, color="white", edgecolor="black", hatch="//",
+               label="hatched: swaps waiting micro-batches to the host")
     capacities = [s.capacity_bytes for s in partitions[0].stages]
     tallest = max(s.predicted_peak_bytes for p in partitions for s in p.stages)
     if any(capacities):
@@ -163,7 +172,7 @@ def run(args) -> int:
 
     devices = args.device[0] if len(args.device) == 1 else args.device
     check_arguments(stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, rule=args.rule,
-                    objective=args.objective, devices=devices, budget=args.budget)
+                    objective=args.objective, devices=devices, budget=args.budget, swap=not args.no_swap)
     if args.batch % args.microbatches:
         raise SystemExit(f"lms-tf partition: error: --batch {args.batch} does not split into {args.microbatches} "
                          f"equal micro-batches; use a --batch divisible by --microbatches")
@@ -176,7 +185,7 @@ def run(args) -> int:
     profile = trace_profile(model, microbatch=args.batch // args.microbatches,
                             cost=CostModel(get_device_spec(args.device[0])), optimizer=optimizer)
     common = dict(stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, devices=devices,
-                  objective=args.objective, model=args.model)
+                  objective=args.objective, model=args.model, swap=not args.no_swap)
     try:
         chosen = partition_layers(profile, budget=args.budget, rule=args.rule, **common)
     except InfeasibleBudgetError as err:

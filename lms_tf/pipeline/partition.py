@@ -19,6 +19,15 @@ it. Limits are a fraction ``tau`` of each stage's device memory, so mixed device
 how full they are. Rules other than ``"memory"`` (DeepSpeed's ``"parameters"`` and ``"uniform"``)
 cut by their own measure, and every partition is then judged by the same memory model.
 
+When a stage does not fit its device (or the budget) and holds more than two micro-batches, the
+activations of the micro-batches waiting for their backward pass are swapped to the host
+(``swap=True``, the default): the stage then holds ``SWAP_RESIDENT`` = 2 micro-batches' worth on
+the device (the one its backward pass is using, and the next one being copied in or the last one
+being copied out), and its time per micro-batch is at least the time its link takes to copy one
+micro-batch's activations each way. The cut is first searched without swapping; only if no cut
+fits is it searched again with every stage capped at two micro-batches, and then only the stages
+that do not fit without it swap.
+
 The predicted step time (1F1B and GPipe alike) is ``(M + K - 1)`` times the slowest stage's time
 per micro-batch (forward, backward and receiving its inputs and sending their gradients back over
 the device's link), plus the slowest stage's optimizer update: the bubble is the ``K - 1`` extra
@@ -50,6 +59,9 @@ RULES = ("memory", "parameters", "uniform")
 OBJECTIVES = ("memory", "time")
 #: Bisection stops when the least limit is known to this relative precision (or to one byte).
 PRECISION = 1e-6
+#: Micro-batches' activations a swapping stage holds on its device: the one its backward pass is
+#: using, and one more being copied in (the next backward's) or out (the last forward's).
+SWAP_RESIDENT = 2
 
 
 def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
@@ -244,6 +256,9 @@ class Stage:
         seconds_per_microbatch: Forward + backward compute, plus receiving its inputs and sending
             their gradients back.
         received_bytes: Activations it receives per micro-batch (skip connections included).
+        swapped_microbatches: How many micro-batches' activations wait on the host at most (0: the
+            stage does not swap; else ``in_flight - SWAP_RESIDENT``).
+        host_bytes: The host memory those take.
 
     Examples:
         >>> Stage(0, ("a",), None, None, 10, 0, 10, 1, 0.1, 0).fits
@@ -260,6 +275,8 @@ class Stage:
     in_flight: int
     seconds_per_microbatch: float
     received_bytes: int
+    swapped_microbatches: int = 0
+    host_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -295,6 +312,7 @@ class Partition:
     predicted_step_time_s: float
     budget_bytes: Optional[int] = None
     model: str = ""
+    swap: bool = True
 
     @property
     def max_stage_peak_bytes(self) -> int:
@@ -325,15 +343,15 @@ class Partition:
         Examples:
             >>> from lms_tf.pipeline.profile import PipelineProfile
             >>> d = partition_layers(PipelineProfile.chain([100] * 2), stages=2, microbatches=1).to_dict()
-            >>> sorted(d["stages"][0])[:4]
-            ['activation_bytes', 'capacity_bytes', 'device', 'in_flight']
+            >>> sorted(d["stages"][0])[:5]
+            ['activation_bytes', 'capacity_bytes', 'device', 'host_bytes', 'in_flight']
         """
         return {"model": self.model, "schedule": self.schedule, "microbatches": self.microbatches, "rule": self.rule,
                 "objective": self.objective, "stages": [dataclasses.asdict(s) | {"layers": list(s.layers)}
                                                         for s in self.stages],
                 "ideal_peak_bytes": self.ideal_peak_bytes, "max_stage_peak_bytes": self.max_stage_peak_bytes,
                 "predicted_step_time_s": self.predicted_step_time_s, "budget_bytes": self.budget_bytes,
-                "feasible": self.feasible}
+                "swap": self.swap, "host_bytes": sum(s.host_bytes for s in self.stages), "feasible": self.feasible}
 
     def to_json(self, **kwargs) -> str:
         """:meth:`to_dict` as JSON text.
@@ -367,19 +385,27 @@ class Partition:
                 f"{format_bytes(self.ideal_peak_bytes)} (one copy of the whole step / {len(self.stages)}); "
                 f"predicted step {self.predicted_step_time_s:.4g} s")
         dev = max([len("device")] + [len(s.device or "-") for s in self.stages]) + 2
+        swapping = any(s.swapped_microbatches for s in self.stages)
         rows = [f"{'stage':<7}{'layers':<{width + 2}}{'device':<{dev}}{'peak':<11}{'of device':<11}{'in flight':<11}"
-                "s/micro-batch"]
+                + ("on host (micro-batches)  " if swapping else "") + "s/micro-batch"]
         for s in self.stages:
             names = f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})" if len(s.layers) > 1 else s.layers[0]
             if len(names) > width:
                 names = names[: width // 2 - 1] + "…" + names[-(width - width // 2):]
             share = f"{s.predicted_peak_bytes / s.capacity_bytes:.0%}" if s.capacity_bytes else "-"
             rows.append(f"{s.index:<7}{names:<{width + 2}}{s.device or '-':<{dev}}{format_bytes(s.predicted_peak_bytes):<11}"
-                        f"{share:<11}{s.in_flight:<11}{s.seconds_per_microbatch:.4f}")
+                        f"{share:<11}{s.in_flight:<11}"
+                        + (f"{_on_host(s):<25}" if swapping else "") + f"{s.seconds_per_microbatch:.4f}")
         return "\n".join([head] + rows)
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _on_host(stage: Stage) -> str:
+    if not stage.swapped_microbatches:
+        return "-"
+    return f"{format_bytes(stage.host_bytes)} ({stage.swapped_microbatches})"
 
 
 def _devices(devices, stages: int) -> List[Optional[DeviceSpec]]:
@@ -395,7 +421,7 @@ def _devices(devices, stages: int) -> List[Optional[DeviceSpec]]:
 
 
 def check_arguments(*, stages, microbatches, schedule="1f1b", rule="memory", objective="memory", devices=None,
-                    budget=None, layers: Optional[int] = None) -> Optional[int]:
+                    budget=None, layers: Optional[int] = None, swap=True) -> Optional[int]:
     """Checks partitioning arguments before any slow work; returns the budget in bytes (None: no budget).
 
     Raises:
@@ -420,6 +446,10 @@ def check_arguments(*, stages, microbatches, schedule="1f1b", rule="memory", obj
                                  ("objective", objective, OBJECTIVES)):
         if value not in allowed:
             raise LMSOptionError(f"{name} must be one of {', '.join(map(repr, allowed))}; received {describe(value)}.")
+    if not isinstance(swap, bool):
+        raise LMSOptionError(f"swap must be True (a stage that does not fit may swap the activations of the "
+                             f"micro-batches waiting for their backward pass to the host) or False; received "
+                             f"{describe(swap)}.")
     _devices(devices, stages)
     if budget is None:
         return None
@@ -477,13 +507,19 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
 
 def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int, schedule: str = "1f1b",
              devices=None, rule: str = "memory", objective: str = "memory", budget: Optional[int] = None,
-             model: str = "") -> Partition:
+             model: str = "", swap: bool = True) -> Partition:
     """The :class:`Partition` of the stages ending at ``cuts`` (exclusive layer indices), judged by the memory model.
+
+    With ``swap``, a stage over its device or the budget that holds more than ``SWAP_RESIDENT``
+    micro-batches swaps the waiting ones' activations to the host.
 
     Examples:
         >>> from lms_tf.pipeline.profile import PipelineProfile
         >>> evaluate(PipelineProfile.chain([100] * 4), [1, 4], microbatches=4).max_stage_peak_bytes   # 2 in flight
         300
+        >>> p = evaluate(PipelineProfile.chain([100] * 4), [1, 4], microbatches=8, schedule="gpipe", budget=700)
+        >>> [(s.predicted_peak_bytes, s.swapped_microbatches, s.host_bytes) for s in p.stages]  # 8 x 100, 8 x 300
+        [(200, 6, 600), (600, 6, 1800)]
     """
     layers = profile.layers
     stages = len(cuts)
@@ -499,19 +535,28 @@ def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int
         link = spec.host_to_device_bytes_per_s if spec else None
         seconds = window.seconds + (2 * sum(received.values()) / link if link else 0.0)
         slowest_update = max(slowest_update, sum(layer.update_s for layer in layers[lo:hi]))
+        capacity = min(c for c in (spec.memory_bytes if spec else None, budget) if c is not None) \
+            if (spec or budget is not None) else None
+        peak, swapped = window.peak(flight), 0
+        if swap and capacity is not None and peak > capacity and flight > SWAP_RESIDENT:
+            peak, swapped = window.peak(SWAP_RESIDENT), flight - SWAP_RESIDENT
+            if spec:  # one micro-batch's activations out and back per micro-batch, on the copy engines
+                copy = window.kept_bytes / min(spec.host_to_device_bytes_per_s, spec.device_to_host_bytes_per_s)
+                seconds = max(seconds, copy)
         out.append(Stage(k, tuple(layer.name for layer in layers[lo:hi]), spec.name if spec else None,
-                         spec.memory_bytes if spec else None, window.peak(flight), window.param_bytes,
-                         window.kept_bytes, flight, seconds, sum(received.values())))
+                         spec.memory_bytes if spec else None, peak, window.param_bytes,
+                         window.kept_bytes, flight, seconds, sum(received.values()), swapped,
+                         swapped * window.kept_bytes))
         lo = hi
     ideal = _Window.over(profile, 0, len(layers)).peak(1) // stages
     step = (microbatches + stages - 1) * max(s.seconds_per_microbatch for s in out) + slowest_update
-    return Partition(tuple(out), schedule, microbatches, rule, objective, ideal, step, budget, model)
+    return Partition(tuple(out), schedule, microbatches, rule, objective, ideal, step, budget, model, swap)
 
 
 def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int, schedule: str = "1f1b",
                      devices: Union[None, str, DeviceSpec, Sequence[Union[str, DeviceSpec]]] = None,
                      budget: Union[None, int, str] = None, rule: str = "memory", objective: str = "memory",
-                     model: str = "") -> Partition:
+                     model: str = "", swap: bool = True) -> Partition:
     """Cuts the profiled layers into ``stages`` contiguous pipeline stages.
 
     Args:
@@ -528,6 +573,9 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         objective: With ``rule="memory"``: ``"memory"``, or ``"time"`` (least slowest stage
             compute among the cuts where every stage fits its device and the budget).
         model: The model's name, for the summary.
+        swap: Whether a stage that does not fit its device or the budget may swap the activations
+            of its micro-batches waiting for their backward pass to the host (it then holds
+            ``SWAP_RESIDENT`` micro-batches on the device). Only when no cut fits without it.
 
     Returns:
         The :class:`Partition`; ``feasible`` says whether every stage fits.
@@ -542,37 +590,53 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         >>> p = partition_layers(PipelineProfile.chain([100] * 8, [50] * 8), stages=4, microbatches=8)
         >>> [len(s.layers) for s in p.stages]   # 1F1B: the first stage holds 4 micro-batches
         [1, 1, 2, 4]
+        >>> p = partition_layers(PipelineProfile.chain([100] * 8), stages=2, microbatches=8, schedule="gpipe",
+        ...                      budget=900)   # 4 layers x 8 micro-batches: 3200 B; 2 resident: 800 B
+        >>> [(s.predicted_peak_bytes, s.swapped_microbatches) for s in p.stages], p.feasible
+        ([(800, 6), (800, 6)], True)
     """
     budget_bytes = check_arguments(stages=stages, microbatches=microbatches, schedule=schedule, rule=rule,
-                                   objective=objective, devices=devices, budget=budget, layers=len(profile.layers))
+                                   objective=objective, devices=devices, budget=budget, layers=len(profile.layers),
+                                   swap=swap)
     specs = _devices(devices, stages)
     flights = [in_flight(schedule, k, stages, microbatches) for k in range(stages)]
     capacities = [float(s.memory_bytes) if s else 1.0 for s in specs]
     if budget_bytes is not None:
         capacities = [min(c, budget_bytes) if s else float(budget_bytes) for c, s in zip(capacities, specs)]
     kwargs = dict(microbatches=microbatches, schedule=schedule, devices=devices, rule=rule, objective=objective,
-                  budget=budget_bytes, model=model)
-    if rule == "uniform":
-        cuts = _uniform_cuts(len(profile.layers), stages)
-    elif rule == "parameters":
-        cuts = _least_limit(profile, [1.0] * stages, flights, _measure("parameters"))
-    elif objective == "time":
-        limits = capacities if (devices is not None or budget_bytes is not None) else None
-        cuts = _least_limit(profile, [1.0] * stages, flights, _measure("time"), limits, integral=False)
-        if cuts is None:  # nothing fits: say how close the memory-balanced cut gets
-            cuts = _least_limit(profile, capacities, flights, _measure("memory"))
-    else:
-        cuts = _least_limit(profile, capacities, flights, _measure("memory"))
-    result = evaluate(profile, cuts, **kwargs)
+                  budget=budget_bytes, model=model, swap=swap)
+
+    def search(flights: List[int]) -> List[int]:
+        if rule == "uniform":
+            return _uniform_cuts(len(profile.layers), stages)
+        if rule == "parameters":
+            return _least_limit(profile, [1.0] * stages, flights, _measure("parameters"))
+        if objective == "time":
+            limits = capacities if (devices is not None or budget_bytes is not None) else None
+            cuts = _least_limit(profile, [1.0] * stages, flights, _measure("time"), limits, integral=False)
+            if cuts is not None:
+                return cuts
+            # nothing fits: say how close the memory-balanced cut gets
+        return _least_limit(profile, capacities, flights, _measure("memory"))
+
+    result = evaluate(profile, search(flights), **kwargs)
+    swapping = [min(f, SWAP_RESIDENT) for f in flights]
+    if swap and rule == "memory" and not result.feasible and swapping != flights:
+        # Swapping costs time, so it is the second resort: cut again as if every stage swapped,
+        # and let evaluate() swap only the stages that do not fit without it.
+        result = evaluate(profile, search(swapping), **kwargs)
     if budget_bytes is not None and rule == "memory" and not result.feasible:
-        least = evaluate(profile, _least_limit(profile, [1.0] * stages, flights, _measure("memory")), **kwargs)
+        least_flights = swapping if swap else flights   # every stage swapping, when it may
+        ones = [1.0] * stages
+        least = int(_worst(profile, _least_limit(profile, ones, least_flights, _measure("memory")), ones,
+                           least_flights, _measure("memory")))
         raise infeasible(
             f"no cut of the {len(profile.layers)} layers into {stages} stages ({schedule}, {microbatches} micro-batches) "
             f"keeps every stage under the budget {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
             + (f" and its device ({', '.join(sorted({s.name for s in specs if s}))})" if devices is not None else "")
-            + f": the smallest largest-stage peak any cut reaches is {format_bytes(least.max_stage_peak_bytes)} "
-            f"({least.max_stage_peak_bytes} bytes). Pass budget >= that, more stages, or smaller micro-batches (more "
-            f"of them for the same batch).", budget_bytes, least.max_stage_peak_bytes)
+            + f": the smallest largest-stage peak any cut reaches{' with swapping' if least_flights != flights else ''} is "
+            f"{format_bytes(least)} ({least} bytes). Pass budget >= that, more stages, or smaller micro-batches (more "
+            f"of them for the same batch).", budget_bytes, least)
     return result
 
 
