@@ -151,7 +151,8 @@ def test_output_has_the_documented_fields_and_prints():
     d = json.loads(p.to_json())
     assert {"stages", "ideal_peak_bytes", "max_stage_peak_bytes", "predicted_step_time_s", "feasible", "swap",
             "host_bytes"} <= set(d)
-    assert {"layers", "device", "predicted_peak_bytes", "swapped_microbatches", "host_bytes"} <= set(d["stages"][0])
+    assert {"layers", "device", "predicted_peak_bytes", "swapped_bytes_per_microbatch",
+            "host_bytes"} <= set(d["stages"][0])
     assert d["stages"][0]["device"] == "v100-16gb-pcie3" and d["feasible"] is True
     assert d["ideal_peak_bytes"] == stage_peak(profile, 0, 6, 1) // 3
     text = str(p)
@@ -170,8 +171,9 @@ def test_bad_input_is_a_clear_error():
         partition_layers(profile, stages=2, microbatches=2, devices=["v100-16gb-pcie3"] * 3)
     with pytest.raises(LMSOptionError, match="budget must be a positive byte count"):
         partition_layers(profile, stages=2, microbatches=2, budget="lots")
-    with pytest.raises(InfeasibleBudgetError, match=r"smallest largest-stage peak any cut reaches is .* \(200 bytes\)") \
-            as caught:
+    # (swapping leaves 2 layers' activations, here 2 micro-batches of one layer: no less)
+    with pytest.raises(InfeasibleBudgetError,
+                       match=r"smallest largest-stage peak any cut reaches with swapping is .* \(200 bytes\)") as caught:
         partition_layers(profile, stages=2, microbatches=2, budget=150)
     assert caught.value.smallest_feasible_bytes == 200  # 1F1B: the first stage holds 2 micro-batches of one layer
     assert partition_layers(profile, stages=2, microbatches=2, budget=200).feasible
@@ -183,7 +185,7 @@ def test_a_stage_over_its_device_is_reported_not_hidden():
     assert not p.feasible and "does NOT fit its devices" in p.summary()
 
 
-def test_a_stage_that_no_cut_fits_swaps_its_waiting_microbatches_by_hand():
+def test_a_stage_that_no_cut_fits_swaps_what_is_over_by_hand():
     # 1F1B, K = 4, M = 8: stages hold 4, 3, 2 and 1 micro-batches; one layer each, 100 bytes kept,
     # 10 of weights (SGD: weights + gradients), working set 7.
     profile = PipelineProfile.chain([100] * 4, [10] * 4, work_bytes=7)
@@ -192,18 +194,22 @@ def test_a_stage_that_no_cut_fits_swaps_its_waiting_microbatches_by_hand():
     assert [s.predicted_peak_bytes for s in kept.stages] == [20 + 400 + 7, 20 + 300 + 7, 20 + 200 + 7, 20 + 100 + 7]
     assert not kept.feasible
     swapped = partition_layers(profile, stages=4, microbatches=8, devices=device)
-    # Stages 0 and 1 do not fit: they keep SWAP_RESIDENT = 2 micro-batches on the device and the
-    # other 2 and 1 on the host. Stages 2 and 3 fit as they are and do not swap.
-    assert SWAP_RESIDENT == 2
-    assert [s.predicted_peak_bytes for s in swapped.stages] == [20 + 200 + 7, 20 + 200 + 7, 20 + 200 + 7, 20 + 100 + 7]
-    assert [s.swapped_microbatches for s in swapped.stages] == [2, 1, 0, 0]
-    assert [s.host_bytes for s in swapped.stages] == [200, 100, 0, 0]
-    assert swapped.feasible and swapped.to_dict()["host_bytes"] == 300
-    # Each micro-batch's 100 bytes go out and back on the copy engines (1e10 B/s here): at least
+    # Stages 0 and 1 are over 250: each swaps just what is over (177 and 77 bytes), spread over
+    # its 4 and 3 micro-batches; stages 2 and 3 fit as they are and do not swap.
+    assert [s.predicted_peak_bytes for s in swapped.stages] == [250, 250, 20 + 200 + 7, 20 + 100 + 7]
+    assert [s.host_bytes for s in swapped.stages] == [177, 77, 0, 0]
+    assert [s.swapped_bytes_per_microbatch for s in swapped.stages] == [177 // 4, 77 // 3, 0, 0]
+    assert swapped.feasible and swapped.to_dict()["host_bytes"] == 254
+    # Each micro-batch's share goes out and back on the copy engines (1e10 B/s here): at least
     # that long per micro-batch.
-    assert all(s.seconds_per_microbatch >= 100 / 1e10 for s in swapped.stages)
-    assert "on host (micro-batches)" in swapped.summary() and "on host" not in kept.summary()
-    # Under a budget the same, and a budget no swapping stage meets names the least with swapping.
+    assert swapped.stages[0].seconds_per_microbatch >= 44 / 1e10
+    assert "swapped to host" in swapped.summary() and "swapped to host" not in kept.summary()
+    # The least a stage reaches: weights, working set and SWAP_RESIDENT = 2 layers' activations
+    # (here 1 layer per stage: its own 100 bytes, once per micro-batch in flight up to 2).
+    assert SWAP_RESIDENT == 2
+    assert stage_peak(profile, 0, 1, 4, swap=True) == 20 + 200 + 7
+    assert stage_peak(profile, 0, 2, 4, swap=True) == 40 + 200 + 7 and stage_peak(profile, 3, 4, 1, swap=True) == 127
+    # Under a budget the same, and a budget no stage meets by swapping names the least it reaches.
     assert partition_layers(profile, stages=4, microbatches=8, budget=227).feasible
     with pytest.raises(InfeasibleBudgetError, match=r"reaches with swapping is .* \(227 bytes\)"):
         partition_layers(profile, stages=4, microbatches=8, budget=226)
@@ -215,7 +221,8 @@ def test_a_stage_that_no_cut_fits_swaps_its_waiting_microbatches_by_hand():
 
 def test_swapping_is_the_last_resort_and_finds_a_fitting_cut_whenever_one_exists():
     """Against exhaustive search: with swap, a cut is found exactly when some cut fits with the
-    stages that need it swapping; and when a cut fits without swapping, nothing swaps."""
+    stages that need it swapping down to their least peak; when a cut fits without swapping,
+    nothing swaps; a swapping stage swaps just what is over its device."""
     rng = random.Random(13)
     swapped_some = 0
     for trial in range(80):
@@ -227,17 +234,11 @@ def test_swapping_is_the_last_resort_and_finds_a_fitting_cut_whenever_one_exists
         capacity = rng.randrange(300, 3000)
         device = tiny_device("d", capacity)
 
-        def fits(lo, hi, k, may_swap):
-            flight = in_flight(schedule, k, stages, micro)
-            peak = stage_peak(profile, lo, hi, flight)
-            if may_swap and peak > capacity and flight > SWAP_RESIDENT:
-                peak = stage_peak(profile, lo, hi, SWAP_RESIDENT)
-            return peak <= capacity
-
         def exists(may_swap):
             for inner in itertools.combinations(range(1, n), stages - 1):
                 bounds = [0, *inner, n]
-                if all(fits(bounds[k], bounds[k + 1], k, may_swap) for k in range(stages)):
+                if all(stage_peak(profile, bounds[k], bounds[k + 1], in_flight(schedule, k, stages, micro),
+                                  swap=may_swap) <= capacity for k in range(stages)):
                     return True
             return False
 
@@ -248,8 +249,14 @@ def test_swapping_is_the_last_resort_and_finds_a_fitting_cut_whenever_one_exists
         assert found.feasible == exists(True), trial
         if plain.feasible:
             assert found.to_dict() | {"swap": False} == plain.to_dict(), trial
-        swapped_some += any(s.swapped_microbatches for s in found.stages)
+        swapped_some += any(s.host_bytes for s in found.stages)
+        lo = 0
         for s in found.stages:
-            assert s.swapped_microbatches in (0, s.in_flight - SWAP_RESIDENT)
-            assert s.host_bytes == s.swapped_microbatches * s.activation_bytes
+            hi = lo + len(s.layers)
+            kept_peak = stage_peak(profile, lo, hi, s.in_flight)
+            if s.host_bytes:
+                assert kept_peak > capacity and s.predicted_peak_bytes == max(
+                    capacity, stage_peak(profile, lo, hi, s.in_flight, swap=True)), trial
+            assert s.host_bytes == kept_peak - s.predicted_peak_bytes, trial
+            lo = hi
     assert swapped_some >= 10   # the trials exercise swapping

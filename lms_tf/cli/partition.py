@@ -122,11 +122,11 @@ def plot_stages(path: str, partitions, title: str = "") -> None:
                       label=f"{p.rule} (largest {p.max_stage_peak_bytes / 2**30:.2f} GiB)"
                             + ("; its layer counts below" if i == 0 and len(partitions) > 1 else ""))
         for bar, stage in zip(bars, p.stages):
-            if stage.swapped_microbatches:   # hatched: the stage swaps its waiting micro-batches
+            if stage.host_bytes:   # hatched: the stage swaps activations to the host
                 bar.set_hatch("//")
-    if any(s.swapped_microbatches for p in partitions for s in p.stages):
+    if any(s.host_bytes for p in partitions for s in p.stages):
         ax.bar([0], [0], 0, color="white", edgecolor="black", hatch="//",
-               label="hatched: swaps waiting micro-batches to the host")
+               label="hatched: swaps activations to the host")
     capacities = [s.capacity_bytes for s in partitions[0].stages]
     tallest = max(s.predicted_peak_bytes for p in partitions for s in p.stages)
     if any(capacities):

@@ -19,14 +19,15 @@ it. Limits are a fraction ``tau`` of each stage's device memory, so mixed device
 how full they are. Rules other than ``"memory"`` (DeepSpeed's ``"parameters"`` and ``"uniform"``)
 cut by their own measure, and every partition is then judged by the same memory model.
 
-When a stage does not fit its device (or the budget) and holds more than two micro-batches, the
-activations of the micro-batches waiting for their backward pass are swapped to the host
-(``swap=True``, the default): the stage then holds ``SWAP_RESIDENT`` = 2 micro-batches' worth on
-the device (the one its backward pass is using, and the next one being copied in or the last one
-being copied out), and its time per micro-batch is at least the time its link takes to copy one
-micro-batch's activations each way. The cut is first searched without swapping; only if no cut
-fits is it searched again with every stage capped at two micro-batches, and then only the stages
-that do not fit without it swap.
+When no cut fits every stage on its device (or under the budget), a stage that does not fit swaps
+activations to the host, as lms-tf does on one device (``swap=True``, the default): at least
+``weights * (2 + slots) + working set + SWAP_RESIDENT * the largest layer's kept activations``
+stay on the device (the layer whose backward pass runs, and the next one being copied in), and the
+stage swaps just the bytes over its limit. Those bytes are spread over the micro-batches it holds;
+each micro-batch's share goes out and comes back over the device's link, beside the compute, so
+the stage's time per micro-batch is at least that copy's. The cut is first searched without
+swapping; only if none fits is it searched again by the least peaks, and only the stages that do
+not fit as they are swap.
 
 The predicted step time (1F1B and GPipe alike) is ``(M + K - 1)`` times the slowest stage's time
 per micro-batch (forward, backward and receiving its inputs and sending their gradients back over
@@ -59,8 +60,8 @@ RULES = ("memory", "parameters", "uniform")
 OBJECTIVES = ("memory", "time")
 #: Bisection stops when the least limit is known to this relative precision (or to one byte).
 PRECISION = 1e-6
-#: Micro-batches' activations a swapping stage holds on its device: the one its backward pass is
-#: using, and one more being copied in (the next backward's) or out (the last forward's).
+#: Layers' kept activations a swapping stage holds on its device at least: the layer whose
+#: backward pass runs, and the next one being copied in (or the last forward's being copied out).
 SWAP_RESIDENT = 2
 
 
@@ -88,6 +89,7 @@ class _Compiled:
         self.kept = [tuple((kept_ids.setdefault(name, len(kept_ids)), b) for name, b in layer.saved)
                      for layer in profile.layers]
         self.work = [layer.work_bytes for layer in profile.layers]
+        self.layer_kept = [sum(b for _, b in layer.saved) for layer in profile.layers]
         self.seconds = [layer.forward_s + layer.backward_s for layer in profile.layers]
         self.n_params, self.n_kept = len(param_ids), len(kept_ids)
         self.layers = profile.layers
@@ -106,6 +108,7 @@ class _Window:
         self.kept = [0] * self.c.n_kept
         self.param_bytes = self.kept_bytes = 0
         self.work: deque = deque()  # (index, bytes), bytes decreasing
+        self.largest: deque = deque()  # (index, a layer's kept bytes), decreasing
         self.seconds = 0.0
 
     @classmethod
@@ -116,19 +119,22 @@ class _Window:
             window.push()
         return window
 
-    def now(self) -> Tuple[int, int, int, float]:
-        """(weights, kept activations, working set, seconds) of the stage as it is."""
-        return self.param_bytes, self.kept_bytes, self.work[0][1] if self.work else 0, self.seconds
+    def now(self) -> Tuple[int, int, int, float, int]:
+        """(weights, kept activations, working set, seconds, the largest layer's kept bytes) of the stage as it is."""
+        return (self.param_bytes, self.kept_bytes, self.work[0][1] if self.work else 0, self.seconds,
+                self.largest[0][1] if self.largest else 0)
 
-    def grown(self) -> Tuple[int, int, int, float]:
-        """(weights, kept activations, working set, seconds) with layer ``hi`` added."""
+    def grown(self) -> Tuple[int, int, int, float, int]:
+        """:meth:`now` with layer ``hi`` added."""
         c, i = self.c, self.hi
         counts = self.params
         params = self.param_bytes + sum(b for k, b in c.params[i] if not counts[k])
         counts = self.kept
         kept = self.kept_bytes + sum(b for k, b in c.kept[i] if not counts[k])
         work = self.work[0][1] if self.work else 0
-        return params, kept, work if work > c.work[i] else c.work[i], self.seconds + c.seconds[i]
+        largest = self.largest[0][1] if self.largest else 0
+        return (params, kept, work if work > c.work[i] else c.work[i], self.seconds + c.seconds[i],
+                largest if largest > c.layer_kept[i] else c.layer_kept[i])
 
     def push(self) -> None:
         c, i = self.c, self.hi
@@ -146,6 +152,10 @@ class _Window:
         while self.work and self.work[-1][1] <= work:
             self.work.pop()
         self.work.append((i, work))
+        kept = c.layer_kept[i]
+        while self.largest and self.largest[-1][1] <= kept:
+            self.largest.pop()
+        self.largest.append((i, kept))
         self.seconds += c.seconds[i]
         self.hi += 1
 
@@ -163,38 +173,52 @@ class _Window:
                 self.kept_bytes -= nbytes
         if self.work and self.work[0][0] == i:
             self.work.popleft()
+        if self.largest and self.largest[0][0] == i:
+            self.largest.popleft()
         self.seconds -= c.seconds[i]
         self.lo += 1
 
-    def peak(self, flight: int, figures: Optional[Tuple[int, int, int, float]] = None) -> int:
+    def peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int]] = None) -> int:
         """The stage's predicted peak with ``flight`` micro-batches in flight (``figures``: from
         :meth:`grown` instead of the stage as it is)."""
-        params, kept, work, _ = figures or self.now()
+        params, kept, work, _, _ = figures or self.now()
         return int(params * (2 + self.slots)) + flight * kept + work
 
+    def least_peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int]] = None) -> int:
+        """The least peak the stage reaches by swapping activations (:data:`SWAP_RESIDENT` layers'
+        kept activations stay), or its peak when that is less."""
+        params, kept, work, _, largest = figures or self.now()
+        return int(params * (2 + self.slots)) + min(flight * kept, SWAP_RESIDENT * largest) + work
 
-def stage_peak(profile: PipelineProfile, lo: int, hi: int, flight: int) -> int:
-    """The predicted peak of layers ``[lo, hi)`` as one stage with ``flight`` micro-batches in flight.
+
+def stage_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, swap: bool = False) -> int:
+    """The predicted peak of layers ``[lo, hi)`` as one stage with ``flight`` micro-batches in
+    flight; with ``swap``, the least it reaches by swapping activations to the host.
 
     Examples:
         >>> from lms_tf.pipeline.profile import PipelineProfile
         >>> stage_peak(PipelineProfile.chain([100, 200], [10, 20]), 0, 2, 3)   # 2*30 + 3*300
         960
+        >>> stage_peak(PipelineProfile.chain([100, 200], [10, 20]), 0, 2, 3, swap=True)   # 2*30 + 2*200
+        460
     """
-    return _Window.over(profile, lo, hi).peak(flight)
+    window = _Window.over(profile, lo, hi)
+    return window.least_peak(flight) if swap else window.peak(flight)
 
 
-def _measure(rule: str):
+def _measure(rule: str, swap: bool = False):
     """What a rule balances, from a stage's figures (see :meth:`_Window.now`) and its flight."""
     if rule == "parameters":
         return lambda window, figures, flight: figures[0]
     if rule == "time":
         return lambda window, figures, flight: figures[3]
+    if swap:
+        return lambda window, figures, flight: window.least_peak(flight, figures)
     return lambda window, figures, flight: window.peak(flight, figures)
 
 
 def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
-         memory_limits: Optional[Sequence[float]] = None) -> Optional[List[int]]:
+         memory_limits: Optional[Sequence[float]] = None, swap: bool = False) -> Optional[List[int]]:
     """Stage ends (exclusive) cutting the layers into ``len(limits)`` non-empty stages with stage
     ``k``'s measure at most ``limits[k]`` (and its peak at most ``memory_limits[k]``), or None.
 
@@ -219,8 +243,9 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
                 window.pop()
             while window.hi < last_end:
                 figures = window.grown()
+                peak = window.least_peak if swap else window.peak
                 if measure(window, figures, flights[k]) > limits[k] or (
-                        memory_limits is not None and window.peak(flights[k], figures) > memory_limits[k]):
+                        memory_limits is not None and peak(flights[k], figures) > memory_limits[k]):
                     break
                 window.push()
             for end in range(max(covered, s) + 1, window.hi + 1):
@@ -256,9 +281,9 @@ class Stage:
         seconds_per_microbatch: Forward + backward compute, plus receiving its inputs and sending
             their gradients back.
         received_bytes: Activations it receives per micro-batch (skip connections included).
-        swapped_microbatches: How many micro-batches' activations wait on the host at most (0: the
-            stage does not swap; else ``in_flight - SWAP_RESIDENT``).
-        host_bytes: The host memory those take.
+        host_bytes: Activations it swaps to the host to fit (0: it does not swap): what they take
+            in host memory at the stage's peak.
+        swapped_bytes_per_microbatch: Each micro-batch's share of them, copied out and back.
 
     Examples:
         >>> Stage(0, ("a",), None, None, 10, 0, 10, 1, 0.1, 0).fits
@@ -275,8 +300,8 @@ class Stage:
     in_flight: int
     seconds_per_microbatch: float
     received_bytes: int
-    swapped_microbatches: int = 0
     host_bytes: int = 0
+    swapped_bytes_per_microbatch: int = 0
 
     @property
     def fits(self) -> bool:
@@ -385,9 +410,9 @@ class Partition:
                 f"{format_bytes(self.ideal_peak_bytes)} (one copy of the whole step / {len(self.stages)}); "
                 f"predicted step {self.predicted_step_time_s:.4g} s")
         dev = max([len("device")] + [len(s.device or "-") for s in self.stages]) + 2
-        swapping = any(s.swapped_microbatches for s in self.stages)
+        swapping = any(s.host_bytes for s in self.stages)
         rows = [f"{'stage':<7}{'layers':<{width + 2}}{'device':<{dev}}{'peak':<11}{'of device':<11}{'in flight':<11}"
-                + ("on host (micro-batches)  " if swapping else "") + "s/micro-batch"]
+                + ("swapped to host  " if swapping else "") + "s/micro-batch"]
         for s in self.stages:
             names = f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})" if len(s.layers) > 1 else s.layers[0]
             if len(names) > width:
@@ -395,17 +420,12 @@ class Partition:
             share = f"{s.predicted_peak_bytes / s.capacity_bytes:.0%}" if s.capacity_bytes else "-"
             rows.append(f"{s.index:<7}{names:<{width + 2}}{s.device or '-':<{dev}}{format_bytes(s.predicted_peak_bytes):<11}"
                         f"{share:<11}{s.in_flight:<11}"
-                        + (f"{_on_host(s):<25}" if swapping else "") + f"{s.seconds_per_microbatch:.4f}")
+                        + (f"{format_bytes(s.host_bytes) if s.host_bytes else '-':<17}" if swapping else "")
+                        + f"{s.seconds_per_microbatch:.4f}")
         return "\n".join([head] + rows)
 
     def __str__(self) -> str:
         return self.summary()
-
-
-def _on_host(stage: Stage) -> str:
-    if not stage.swapped_microbatches:
-        return "-"
-    return f"{format_bytes(stage.host_bytes)} ({stage.swapped_microbatches})"
 
 
 def _devices(devices, stages: int) -> List[Optional[DeviceSpec]]:
@@ -477,7 +497,8 @@ def _worst(profile, cuts: Sequence[int], capacities: Sequence[float], flights: S
 
 
 def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights: Sequence[int], measure,
-                 memory_limits: Optional[Sequence[float]] = None, integral: bool = True) -> Optional[List[int]]:
+                 memory_limits: Optional[Sequence[float]] = None, integral: bool = True,
+                 swap: bool = False) -> Optional[List[int]]:
     """The cut with the least ``tau`` such that stage ``k``'s measure is at most ``tau * capacities[k]``
     (bisection on ``tau``; each cut found lowers the bracket to its own worst stage). None when
     the memory limits refuse every cut."""
@@ -486,7 +507,7 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
     # Every stage is part of the whole model, so the whole model's measure bounds every cut.
     whole = _Window.over(profile, 0, n)
     hi = max(measure(whole, whole.now(), flights[k]) / capacities[k] for k in range(stages))
-    best = _cut(profile, [hi * c for c in capacities], flights, measure, memory_limits)
+    best = _cut(profile, [hi * c for c in capacities], flights, measure, memory_limits, swap)
     if best is None:
         return None
     hi = _worst(profile, best, capacities, flights, measure)
@@ -497,7 +518,7 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
     whole_bytes = integral and len(set(capacities)) == 1
     while hi - lo > (max(1.0 / capacities[0], PRECISION * hi) if whole_bytes else PRECISION * hi):
         mid = (lo + hi) / 2
-        cuts = _cut(profile, [mid * c for c in capacities], flights, measure, memory_limits)
+        cuts = _cut(profile, [mid * c for c in capacities], flights, measure, memory_limits, swap)
         if cuts is None:
             lo = mid
         else:
@@ -510,16 +531,16 @@ def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int
              model: str = "", swap: bool = True) -> Partition:
     """The :class:`Partition` of the stages ending at ``cuts`` (exclusive layer indices), judged by the memory model.
 
-    With ``swap``, a stage over its device or the budget that holds more than ``SWAP_RESIDENT``
-    micro-batches swaps the waiting ones' activations to the host.
+    With ``swap``, a stage over its device or the budget swaps the activations over it to the
+    host, as far as :func:`stage_peak` with ``swap=True`` allows.
 
     Examples:
         >>> from lms_tf.pipeline.profile import PipelineProfile
         >>> evaluate(PipelineProfile.chain([100] * 4), [1, 4], microbatches=4).max_stage_peak_bytes   # 2 in flight
         300
         >>> p = evaluate(PipelineProfile.chain([100] * 4), [1, 4], microbatches=8, schedule="gpipe", budget=700)
-        >>> [(s.predicted_peak_bytes, s.swapped_microbatches, s.host_bytes) for s in p.stages]  # 8 x 100, 8 x 300
-        [(200, 6, 600), (600, 6, 1800)]
+        >>> [(s.predicted_peak_bytes, s.host_bytes, s.swapped_bytes_per_microbatch) for s in p.stages]  # 800, 2400
+        [(700, 100, 12), (700, 1700, 212)]
     """
     layers = profile.layers
     stages = len(cuts)
@@ -537,16 +558,17 @@ def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int
         slowest_update = max(slowest_update, sum(layer.update_s for layer in layers[lo:hi]))
         capacity = min(c for c in (spec.memory_bytes if spec else None, budget) if c is not None) \
             if (spec or budget is not None) else None
-        peak, swapped = window.peak(flight), 0
-        if swap and capacity is not None and peak > capacity and flight > SWAP_RESIDENT:
-            peak, swapped = window.peak(SWAP_RESIDENT), flight - SWAP_RESIDENT
-            if spec:  # one micro-batch's activations out and back per micro-batch, on the copy engines
-                copy = window.kept_bytes / min(spec.host_to_device_bytes_per_s, spec.device_to_host_bytes_per_s)
-                seconds = max(seconds, copy)
+        peak = kept_peak = window.peak(flight)
+        if swap and capacity is not None and peak > capacity:
+            peak = max(window.least_peak(flight), int(capacity))   # swap just what is over
+        host = kept_peak - peak
+        per_microbatch = host // flight
+        if host and spec:  # each micro-batch's share out and back, on the copy engines beside the compute
+            seconds = max(seconds, per_microbatch / min(spec.host_to_device_bytes_per_s,
+                                                        spec.device_to_host_bytes_per_s))
         out.append(Stage(k, tuple(layer.name for layer in layers[lo:hi]), spec.name if spec else None,
                          spec.memory_bytes if spec else None, peak, window.param_bytes,
-                         window.kept_bytes, flight, seconds, sum(received.values()), swapped,
-                         swapped * window.kept_bytes))
+                         window.kept_bytes, flight, seconds, sum(received.values()), host, per_microbatch))
         lo = hi
     ideal = _Window.over(profile, 0, len(layers)).peak(1) // stages
     step = (microbatches + stages - 1) * max(s.seconds_per_microbatch for s in out) + slowest_update
@@ -573,9 +595,9 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         objective: With ``rule="memory"``: ``"memory"``, or ``"time"`` (least slowest stage
             compute among the cuts where every stage fits its device and the budget).
         model: The model's name, for the summary.
-        swap: Whether a stage that does not fit its device or the budget may swap the activations
-            of its micro-batches waiting for their backward pass to the host (it then holds
-            ``SWAP_RESIDENT`` micro-batches on the device). Only when no cut fits without it.
+        swap: Whether a stage that does not fit its device or the budget may swap activations to
+            the host (just the bytes over; at least ``SWAP_RESIDENT`` layers' kept activations
+            stay). Only when no cut fits without it.
 
     Returns:
         The :class:`Partition`; ``feasible`` says whether every stage fits.
@@ -591,9 +613,9 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         >>> [len(s.layers) for s in p.stages]   # 1F1B: the first stage holds 4 micro-batches
         [1, 1, 2, 4]
         >>> p = partition_layers(PipelineProfile.chain([100] * 8), stages=2, microbatches=8, schedule="gpipe",
-        ...                      budget=900)   # 4 layers x 8 micro-batches: 3200 B; 2 resident: 800 B
-        >>> [(s.predicted_peak_bytes, s.swapped_microbatches) for s in p.stages], p.feasible
-        ([(800, 6), (800, 6)], True)
+        ...                      budget=900)   # 4 layers x 8 micro-batches: 3200 B; at least 2 layers' 200 B
+        >>> [(s.predicted_peak_bytes, s.host_bytes) for s in p.stages], p.feasible
+        ([(900, 2300), (900, 2300)], True)
     """
     budget_bytes = check_arguments(stages=stages, microbatches=microbatches, schedule=schedule, rule=rule,
                                    objective=objective, devices=devices, budget=budget, layers=len(profile.layers),
@@ -606,35 +628,33 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
     kwargs = dict(microbatches=microbatches, schedule=schedule, devices=devices, rule=rule, objective=objective,
                   budget=budget_bytes, model=model, swap=swap)
 
-    def search(flights: List[int]) -> List[int]:
+    def search(swapping: bool) -> List[int]:
         if rule == "uniform":
             return _uniform_cuts(len(profile.layers), stages)
         if rule == "parameters":
             return _least_limit(profile, [1.0] * stages, flights, _measure("parameters"))
         if objective == "time":
             limits = capacities if (devices is not None or budget_bytes is not None) else None
-            cuts = _least_limit(profile, [1.0] * stages, flights, _measure("time"), limits, integral=False)
+            cuts = _least_limit(profile, [1.0] * stages, flights, _measure("time"), limits, integral=False,
+                                swap=swapping)
             if cuts is not None:
                 return cuts
             # nothing fits: say how close the memory-balanced cut gets
-        return _least_limit(profile, capacities, flights, _measure("memory"))
+        return _least_limit(profile, capacities, flights, _measure("memory", swapping))
 
-    result = evaluate(profile, search(flights), **kwargs)
-    swapping = [min(f, SWAP_RESIDENT) for f in flights]
-    if swap and rule == "memory" and not result.feasible and swapping != flights:
-        # Swapping costs time, so it is the second resort: cut again as if every stage swapped,
-        # and let evaluate() swap only the stages that do not fit without it.
-        result = evaluate(profile, search(swapping), **kwargs)
+    result = evaluate(profile, search(False), **kwargs)
+    if swap and rule == "memory" and not result.feasible:
+        # Swapping costs time, so it is the second resort: cut again by the least peaks, and let
+        # evaluate() swap only the stages that do not fit as they are.
+        result = evaluate(profile, search(True), **kwargs)
     if budget_bytes is not None and rule == "memory" and not result.feasible:
-        least_flights = swapping if swap else flights   # every stage swapping, when it may
-        ones = [1.0] * stages
-        least = int(_worst(profile, _least_limit(profile, ones, least_flights, _measure("memory")), ones,
-                           least_flights, _measure("memory")))
+        ones, measure = [1.0] * stages, _measure("memory", swap)
+        least = int(_worst(profile, _least_limit(profile, ones, flights, measure), ones, flights, measure))
         raise infeasible(
             f"no cut of the {len(profile.layers)} layers into {stages} stages ({schedule}, {microbatches} micro-batches) "
             f"keeps every stage under the budget {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
             + (f" and its device ({', '.join(sorted({s.name for s in specs if s}))})" if devices is not None else "")
-            + f": the smallest largest-stage peak any cut reaches{' with swapping' if least_flights != flights else ''} is "
+            + f": the smallest largest-stage peak any cut reaches{' with swapping' if swap else ''} is "
             f"{format_bytes(least)} ({least} bytes). Pass budget >= that, more stages, or smaller micro-batches (more "
             f"of them for the same batch).", budget_bytes, least)
     return result
