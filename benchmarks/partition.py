@@ -14,6 +14,7 @@ Command: ``.venv/bin/python benchmarks/partition.py`` (a few minutes on 2 cores;
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -74,7 +75,7 @@ def repeat_blocks(profile: PipelineProfile, blocks: int, block_prefix: str = "bl
     return PipelineProfile(tuple(out), profile.slot_bytes_per_param_byte, profile.microbatch)
 
 
-def deepest(profile: PipelineProfile, rule: str, stages: int, device: str, upper: int = 4096,
+def deepest(profile: PipelineProfile, rule: str, stages: int, device, upper: int = 4096,
             swap: bool = False) -> int:
     """The most blocks whose partition (by ``rule``, stages swapping their waiting micro-batches
     when ``swap`` and they need to) fits ``device`` on every stage (bisection)."""
@@ -178,13 +179,21 @@ def main() -> None:
     traced_48 = partition_layers(transformer_profile, stages=4, microbatches=MICROBATCHES, devices="v100-16gb-pcie3")
     repeated_48 = partition_layers(repeat_blocks(transformer_profile, 48), stages=4, microbatches=MICROBATCHES,
                                    devices="v100-16gb-pcie3")
+    # The per-layer model's least peak reads as low as `worst` of lms-tf planner's least on whole
+    # steps: the swapping depths again with every device taken as only that share of its memory.
+    worst = min(c["least_model_bytes"] / c["least_planner_bytes"] for c in results["check"].values()
+                if c["least_planner_bytes"])
+    v100 = get_device_spec("v100-16gb-pcie3")
+    shrunk = dataclasses.replace(v100, memory_bytes=int(v100.memory_bytes * worst))
     depth_rows = ["| K | memory: blocks | parameters: blocks | uniform: blocks | memory / uniform | memory / parameters "
                   "| memory + swap: blocks | uniform + swap: blocks | memory + swap / uniform | its step time / the same "
-                  "cut's without swapping |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"cut's without swapping | its largest stage's host memory (GiB) | memory + swap, devices at "
+                  f"{worst:.0%}: blocks (/ uniform) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for stages in (2, 4, 8):
         depth = {rule: deepest(transformer_profile, rule, stages, "v100-16gb-pcie3") for rule in RULES}
         for rule in ("memory", "uniform"):
             depth[rule + "+swap"] = deepest(transformer_profile, rule, stages, "v100-16gb-pcie3", swap=True)
+        depth["memory+swap@worst"] = deepest(transformer_profile, "memory", stages, shrunk, swap=True)
         # What swapping costs: the deepest swapping cut's predicted step against the same cut's
         # with nothing swapped (which would not fit; its time without the copies).
         deep_profile = repeat_blocks(transformer_profile, depth["memory+swap"])
@@ -198,7 +207,8 @@ def main() -> None:
                           f"**{depth['memory'] / depth['uniform']:.2f}x** | "
                           f"{depth['memory'] / depth['parameters']:.2f}x | {depth['memory+swap']} | "
                           f"{depth['uniform+swap']} | **{depth['memory+swap'] / depth['uniform']:.2f}x** | "
-                          f"{times[True] / times[False]:.2f} |")
+                          f"{times[True] / times[False]:.2f} | {max(s.host_bytes for s in deep.stages) / GiB:.0f} | "
+                          f"{depth['memory+swap@worst']} ({depth['memory+swap@worst'] / depth['uniform']:.2f}x) |")
         logging.info("deepest at K=%d: %s", stages, results["depth"][stages])
 
     # The search on 1,000 layers (the Transformer's block repeated to 1,000 layers).
@@ -230,7 +240,9 @@ def main() -> None:
         f"{repeated_48.max_stage_peak_bytes / GiB:.3f} GiB against {traced_48.max_stage_peak_bytes / GiB:.3f} GiB "
         "traced. With swap, a stage that does not fit swaps just the activations over its device (at least 2 layers' "
         "kept activations stay), counted in the cut; the last column is the deepest swapping cut's predicted step "
-        "time over the same cut's without the copies.", "", *depth_rows, "",
+        "time over the same cut's without the copies. The per-layer model's least peak reads as low as "
+        f"{worst:.2f}x lms-tf's planner's (next table), so the last column takes every device as only that share "
+        "of its memory.", "", *depth_rows, "",
         "What swapping lets the whole step reach (one stage, one micro-batch) by the per-layer model (weights, "
         "gradients and slots, the largest working set, 2 layers' kept activations) against lms-tf's own budget "
         "planner on the same traced step, swapping only (the least budget it fits, from the error a 1 KiB budget "
