@@ -31,7 +31,8 @@ DEFAULT_DEVICE = "v100-16gb-pcie3"
 def partition(model, *, stages: int, microbatches: int, batch_size: int, schedule: str = "1f1b",
               devices: Union[None, str, DeviceSpec, Sequence[Union[str, DeviceSpec]]] = None,
               budget: Union[None, int, str] = None, rule: str = "memory", objective: str = "memory",
-              optimizer=None, input_shape: Optional[Sequence[int]] = None, swap: bool = True) -> Partition:
+              optimizer=None, input_shape: Optional[Sequence[int]] = None, swap: bool = True,
+              host_budget: Union[None, int, str] = None) -> Partition:
     """Cuts ``model`` into ``stages`` pipeline stages balanced by predicted peak memory (mCAP).
 
     Args:
@@ -51,6 +52,8 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
         swap: Whether a stage that fits no cut may swap the activations of its micro-batches
             waiting for their backward pass to the host (it then holds two on the device). Only
             when no cut fits without it; ``False`` never swaps.
+        host_budget: Host memory one stage's process may take for what it swaps (bytes or
+            ``"64GiB"``); None: this machine's physical memory.
 
     Returns:
         The :class:`~lms_tf.pipeline.Partition`: print it, or ``to_json()`` it.
@@ -68,7 +71,7 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
         lms_tf.LMSOptionError: batch_size=4 does not split into 3 equal micro-batches...
     """
     check_arguments(stages=stages, microbatches=microbatches, schedule=schedule, rule=rule, objective=objective,
-                    devices=devices, budget=budget, swap=swap)
+                    devices=devices, budget=budget, swap=swap, host_budget=host_budget)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise LMSOptionError(f"batch_size must be a positive int; received {describe(batch_size)}.")
     if batch_size % microbatches:
@@ -81,4 +84,5 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
     profile = trace_profile(model, microbatch=batch_size // microbatches, cost=CostModel(spec), optimizer=optimizer,
                             input_shape=input_shape)
     return partition_layers(profile, stages=stages, microbatches=microbatches, schedule=schedule, devices=devices,
-                            budget=budget, rule=rule, objective=objective, model=model.name, swap=swap)
+                            budget=budget, rule=rule, objective=objective, model=model.name, swap=swap,
+                            host_budget=host_budget)

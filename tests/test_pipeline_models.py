@@ -181,3 +181,6 @@ def test_a_stage_over_its_budget_swaps_its_waiting_microbatches_on_a_real_model(
     assert result["feasible"] and result["swap"] and result["host_bytes"] == swapped.to_dict()["host_bytes"] > 0
     refused = run_cli(*cli, "--no-swap")
     assert refused.returncode == 3 and '"feasible": false' in refused.stdout
+    short = run_cli(*cli, "--host-budget", "1KiB")   # what the swapping stage puts on the host does not fit
+    assert short.returncode == 3, short.stderr[-2000:]
+    assert json.loads(short.stdout)["host_needed_bytes"] == max(s.host_bytes for s in swapped.stages)

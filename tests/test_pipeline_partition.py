@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lms_tf.core.errors import InfeasibleBudgetError, LMSOptionError
+from lms_tf.core.errors import HostBudgetError, InfeasibleBudgetError, LMSOptionError
 from lms_tf.cost.devices import DeviceSpec
 from lms_tf.pipeline.partition import PRECISION, SWAP_RESIDENT
 from lms_tf.pipeline import (
@@ -260,3 +260,22 @@ def test_swapping_is_the_last_resort_and_finds_a_fitting_cut_whenever_one_exists
             assert s.host_bytes == kept_peak - s.predicted_peak_bytes, trial
             lo = hi
     assert swapped_some >= 10   # the trials exercise swapping
+
+
+def test_a_swapping_stage_needing_more_host_memory_than_allowed_is_reported_or_refused():
+    profile = PipelineProfile.chain([100] * 4, [10] * 4, work_bytes=7)
+    device = tiny_device("small", 250)
+    swapped = partition_layers(profile, stages=4, microbatches=8, devices=device, host_budget=177)
+    assert swapped.feasible and swapped.host_budget_bytes == 177   # stage 0 swaps 177 bytes
+    # Asked for less: the library's error, naming the stage and both figures.
+    with pytest.raises(HostBudgetError, match=r"stage 0 \(layer0 \.\. layer0\) fits its device only by swapping "
+                                              r"177 B .* more than host_budget 176 B \(176 bytes\)") as caught:
+        partition_layers(profile, stages=4, microbatches=8, devices=device, host_budget=176)
+    assert (caught.value.host_budget_bytes, caught.value.host_needed_bytes) == (176, 177)
+    # Judging a cut: reported as not fitting, and the summary says why.
+    judged = evaluate(profile, [1, 2, 3, 4], microbatches=8, devices=device, host_budget=100)
+    assert not judged.feasible and "stage 0 would swap more than the host budget 100 B" in judged.summary()
+    # By default the limit is this machine's memory, which these bytes do not reach.
+    assert partition_layers(profile, stages=4, microbatches=8, devices=device).host_budget_bytes > 2**20
+    with pytest.raises(LMSOptionError, match="host_budget must be a positive size"):
+        partition_layers(profile, stages=4, microbatches=8, host_budget="lots")

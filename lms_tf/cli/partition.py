@@ -65,6 +65,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     part.add_argument("--objective", choices=OBJECTIVES, default="memory",
                       help="memory, or time (the fastest cut whose stages fit)")
     part.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="whose slots are counted")
+    cli_args.add_host_budget_argument(part)
     part.add_argument("--no-swap", action="store_true",
                       help="never swap a stage's waiting micro-batches to the host (by default a stage swaps them "
                            "when no cut fits without it)")
@@ -164,7 +165,7 @@ def run(args) -> int:
         {"model": "unet", ..., "feasible": true}
         0
     """
-    from lms_tf.core.errors import InfeasibleBudgetError
+    from lms_tf.core.errors import HostBudgetError, InfeasibleBudgetError
     from lms_tf.cost import CostModel, get_device_spec
     from lms_tf.pipeline import check_arguments, partition_layers
     from lms_tf.tf.pipeline import trace_profile
@@ -172,7 +173,8 @@ def run(args) -> int:
 
     devices = args.device[0] if len(args.device) == 1 else args.device
     check_arguments(stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, rule=args.rule,
-                    objective=args.objective, devices=devices, budget=args.budget, swap=not args.no_swap)
+                    objective=args.objective, devices=devices, budget=args.budget, swap=not args.no_swap,
+                    host_budget=args.host_budget)
     if args.batch % args.microbatches:
         raise SystemExit(f"lms-tf partition: error: --batch {args.batch} does not split into {args.microbatches} "
                          f"equal micro-batches; use a --batch divisible by --microbatches")
@@ -185,13 +187,15 @@ def run(args) -> int:
     profile = trace_profile(model, microbatch=args.batch // args.microbatches,
                             cost=CostModel(get_device_spec(args.device[0])), optimizer=optimizer)
     common = dict(stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, devices=devices,
-                  objective=args.objective, model=args.model, swap=not args.no_swap)
+                  objective=args.objective, model=args.model, swap=not args.no_swap, host_budget=args.host_budget)
     try:
         chosen = partition_layers(profile, budget=args.budget, rule=args.rule, **common)
     except InfeasibleBudgetError as err:
         if args.json:
             print(json.dumps({"model": args.model, "feasible": False, "budget_bytes": err.budget_bytes,
-                              "smallest_feasible_bytes": err.smallest_feasible_bytes}))
+                              "smallest_feasible_bytes": err.smallest_feasible_bytes}
+                             | ({"host_budget_bytes": err.host_budget_bytes, "host_needed_bytes": err.host_needed_bytes}
+                                if isinstance(err, HostBudgetError) else {})))
         else:
             print(f"infeasible: {err}")
         return 3

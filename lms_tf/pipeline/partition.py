@@ -50,8 +50,8 @@ import json
 from collections import deque
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from lms_tf.core.errors import LMSOptionError, infeasible
-from lms_tf.core.policy import describe, format_bytes, parse_bytes
+from lms_tf.core.errors import LMSOptionError, host_budget_error, infeasible
+from lms_tf.core.policy import describe, format_bytes, machine_memory_bytes, parse_bytes, parse_host_budget
 from lms_tf.cost.devices import DeviceSpec, get_device_spec
 from lms_tf.pipeline.profile import PipelineProfile
 
@@ -338,6 +338,7 @@ class Partition:
     budget_bytes: Optional[int] = None
     model: str = ""
     swap: bool = True
+    host_budget_bytes: Optional[int] = None
 
     @property
     def max_stage_peak_bytes(self) -> int:
@@ -359,6 +360,10 @@ class Partition:
             >>> partition_layers(PipelineProfile.chain([100] * 2), stages=2, microbatches=1).feasible
             True
         """
+        return self._fits_devices() and all(self.host_budget_bytes is None or s.host_bytes <= self.host_budget_bytes
+                                            for s in self.stages)
+
+    def _fits_devices(self) -> bool:
         return all(s.fits and (self.budget_bytes is None or s.predicted_peak_bytes <= self.budget_bytes)
                    for s in self.stages)
 
@@ -376,7 +381,8 @@ class Partition:
                                                         for s in self.stages],
                 "ideal_peak_bytes": self.ideal_peak_bytes, "max_stage_peak_bytes": self.max_stage_peak_bytes,
                 "predicted_step_time_s": self.predicted_step_time_s, "budget_bytes": self.budget_bytes,
-                "swap": self.swap, "host_bytes": sum(s.host_bytes for s in self.stages), "feasible": self.feasible}
+                "swap": self.swap, "host_bytes": sum(s.host_bytes for s in self.stages),
+                "host_budget_bytes": self.host_budget_bytes, "feasible": self.feasible}
 
     def to_json(self, **kwargs) -> str:
         """:meth:`to_dict` as JSON text.
@@ -402,8 +408,16 @@ class Partition:
             1      layer1 .. layer3 (3)                              -       3.0 MiB    -          1          0.0090
         """
         ratio = self.max_stage_peak_bytes / self.ideal_peak_bytes if self.ideal_peak_bytes else float("nan")
-        verdict = "fits" if self.feasible else "does NOT fit " + (
-            f"the budget {format_bytes(self.budget_bytes)}" if self.budget_bytes else "its devices")
+        over_host = [s.index for s in self.stages
+                     if self.host_budget_bytes is not None and s.host_bytes > self.host_budget_bytes]
+        if self.feasible:
+            verdict = "fits"
+        elif over_host and self._fits_devices():
+            verdict = (f"does NOT fit: stage {', '.join(map(str, over_host))} would swap more than the host budget "
+                       f"{format_bytes(self.host_budget_bytes)}")
+        else:
+            verdict = "does NOT fit " + (
+                f"the budget {format_bytes(self.budget_bytes)}" if self.budget_bytes else "its devices")
         head = (f"lms-tf partition{' of ' + self.model if self.model else ''}: {len(self.stages)} stages, "
                 f"{self.schedule}, {self.microbatches} micro-batches, rule {self.rule}, objective {self.objective}: "
                 f"{verdict}\nlargest stage {format_bytes(self.max_stage_peak_bytes)}, {ratio:.2f}x the ideal "
@@ -441,7 +455,7 @@ def _devices(devices, stages: int) -> List[Optional[DeviceSpec]]:
 
 
 def check_arguments(*, stages, microbatches, schedule="1f1b", rule="memory", objective="memory", devices=None,
-                    budget=None, layers: Optional[int] = None, swap=True) -> Optional[int]:
+                    budget=None, layers: Optional[int] = None, swap=True, host_budget=None) -> Optional[int]:
     """Checks partitioning arguments before any slow work; returns the budget in bytes (None: no budget).
 
     Raises:
@@ -470,6 +484,7 @@ def check_arguments(*, stages, microbatches, schedule="1f1b", rule="memory", obj
         raise LMSOptionError(f"swap must be True (a stage that does not fit may swap the activations of the "
                              f"micro-batches waiting for their backward pass to the host) or False; received "
                              f"{describe(swap)}.")
+    parse_host_budget(host_budget)
     _devices(devices, stages)
     if budget is None:
         return None
@@ -528,7 +543,7 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
 
 def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int, schedule: str = "1f1b",
              devices=None, rule: str = "memory", objective: str = "memory", budget: Optional[int] = None,
-             model: str = "", swap: bool = True) -> Partition:
+             model: str = "", swap: bool = True, host_budget: Optional[int] = None) -> Partition:
     """The :class:`Partition` of the stages ending at ``cuts`` (exclusive layer indices), judged by the memory model.
 
     With ``swap``, a stage over its device or the budget swaps the activations over it to the
@@ -572,13 +587,14 @@ def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int
         lo = hi
     ideal = _Window.over(profile, 0, len(layers)).peak(1) // stages
     step = (microbatches + stages - 1) * max(s.seconds_per_microbatch for s in out) + slowest_update
-    return Partition(tuple(out), schedule, microbatches, rule, objective, ideal, step, budget, model, swap)
+    return Partition(tuple(out), schedule, microbatches, rule, objective, ideal, step, budget, model, swap,
+                     host_budget)
 
 
 def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int, schedule: str = "1f1b",
                      devices: Union[None, str, DeviceSpec, Sequence[Union[str, DeviceSpec]]] = None,
                      budget: Union[None, int, str] = None, rule: str = "memory", objective: str = "memory",
-                     model: str = "", swap: bool = True) -> Partition:
+                     model: str = "", swap: bool = True, host_budget: Union[None, int, str] = None) -> Partition:
     """Cuts the profiled layers into ``stages`` contiguous pipeline stages.
 
     Args:
@@ -598,6 +614,9 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         swap: Whether a stage that does not fit its device or the budget may swap activations to
             the host (just the bytes over; at least ``SWAP_RESIDENT`` layers' kept activations
             stay). Only when no cut fits without it.
+        host_budget: Host memory one stage's process may take for what it swaps (bytes or text
+            such as ``"64GiB"``); None: this machine's physical memory. The cut is not searched
+            for it: a cut whose swapping stage needs more is reported as not fitting.
 
     Returns:
         The :class:`Partition`; ``feasible`` says whether every stage fits.
@@ -606,6 +625,8 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         LMSOptionError: More stages than layers, or a bad argument.
         InfeasibleBudgetError: ``budget`` was given and no cut meets it; the message names the
             smallest largest-stage peak any cut reaches.
+        HostBudgetError: ``host_budget`` was given and a swapping stage needs more; the message
+            names both figures.
 
     Examples:
         >>> from lms_tf.pipeline.profile import PipelineProfile
@@ -619,14 +640,16 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
     """
     budget_bytes = check_arguments(stages=stages, microbatches=microbatches, schedule=schedule, rule=rule,
                                    objective=objective, devices=devices, budget=budget, layers=len(profile.layers),
-                                   swap=swap)
+                                   swap=swap, host_budget=host_budget)
     specs = _devices(devices, stages)
     flights = [in_flight(schedule, k, stages, microbatches) for k in range(stages)]
     capacities = [float(s.memory_bytes) if s else 1.0 for s in specs]
     if budget_bytes is not None:
         capacities = [min(c, budget_bytes) if s else float(budget_bytes) for c, s in zip(capacities, specs)]
+    host_limit = parse_host_budget(host_budget)
     kwargs = dict(microbatches=microbatches, schedule=schedule, devices=devices, rule=rule, objective=objective,
-                  budget=budget_bytes, model=model, swap=swap)
+                  budget=budget_bytes, model=model, swap=swap,
+                  host_budget=host_limit if host_limit is not None else machine_memory_bytes())
 
     def search(swapping: bool) -> List[int]:
         if rule == "uniform":
@@ -643,11 +666,11 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         return _least_limit(profile, capacities, flights, _measure("memory", swapping))
 
     result = evaluate(profile, search(False), **kwargs)
-    if swap and rule == "memory" and not result.feasible:
+    if swap and rule == "memory" and not result._fits_devices():
         # Swapping costs time, so it is the second resort: cut again by the least peaks, and let
         # evaluate() swap only the stages that do not fit as they are.
         result = evaluate(profile, search(True), **kwargs)
-    if budget_bytes is not None and rule == "memory" and not result.feasible:
+    if budget_bytes is not None and rule == "memory" and not result._fits_devices():
         ones, measure = [1.0] * stages, _measure("memory", swap)
         least = int(_worst(profile, _least_limit(profile, ones, flights, measure), ones, flights, measure))
         raise infeasible(
@@ -657,6 +680,13 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
             + f": the smallest largest-stage peak any cut reaches{' with swapping' if swap else ''} is "
             f"{format_bytes(least)} ({least} bytes). Pass budget >= that, more stages, or smaller micro-batches (more "
             f"of them for the same batch).", budget_bytes, least)
+    needing = max(result.stages, key=lambda s: s.host_bytes)
+    if host_limit is not None and needing.host_bytes > host_limit:
+        raise host_budget_error(
+            f"stage {needing.index} ({needing.layers[0]} .. {needing.layers[-1]}) fits its device only by swapping "
+            f"{format_bytes(needing.host_bytes)} of activations to the host, more than host_budget "
+            f"{format_bytes(host_limit)} ({host_limit} bytes). Pass a larger host_budget (per stage process), more "
+            f"stages, or smaller micro-batches.", host_limit, needing.host_bytes)
     return result
 
 
