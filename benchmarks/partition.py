@@ -33,6 +33,9 @@ GiB = 2**30
 RULES = ("memory", "parameters", "uniform")
 MIXED = ["v100-16gb-pcie3", "v100-32gb-nvlink2", "a100-40gb-pcie4", "h100-80gb-pcie5"]
 MICROBATCHES = 8
+#: Host memory per stage process for what a swapping stage puts there: a DGX-1's 512 GB shared by
+#: its 8 V100s (not this machine's, which the library would take by default).
+HOST_BUDGET = "64GiB"
 
 
 def models():
@@ -81,7 +84,7 @@ def deepest(profile: PipelineProfile, rule: str, stages: int, device, upper: int
     when ``swap`` and they need to) fits ``device`` on every stage (bisection)."""
     fits = lambda n: n >= stages and partition_layers(repeat_blocks(profile, n), stages=stages,
                                                       microbatches=MICROBATCHES, devices=device, rule=rule,
-                                                      swap=swap).feasible
+                                                      swap=swap, host_budget=HOST_BUDGET).feasible
     good, bad = 0, None
     n = max(stages, 8)
     while bad is None and n <= upper:
@@ -197,7 +200,8 @@ def main() -> None:
         # What swapping costs: the deepest swapping cut's predicted step against the same cut's
         # with nothing swapped (which would not fit; its time without the copies).
         deep_profile = repeat_blocks(transformer_profile, depth["memory+swap"])
-        deep = partition_layers(deep_profile, stages=stages, microbatches=MICROBATCHES, devices="v100-16gb-pcie3")
+        deep = partition_layers(deep_profile, stages=stages, microbatches=MICROBATCHES, devices="v100-16gb-pcie3",
+                                host_budget=HOST_BUDGET)
         cuts = list(itertools.accumulate(len(s.layers) for s in deep.stages))
         unswapped = evaluate(deep_profile, cuts, microbatches=MICROBATCHES, devices="v100-16gb-pcie3", swap=False)
         times = {True: deep.predicted_step_time_s, False: unswapped.predicted_step_time_s}
@@ -240,7 +244,8 @@ def main() -> None:
         f"{repeated_48.max_stage_peak_bytes / GiB:.3f} GiB against {traced_48.max_stage_peak_bytes / GiB:.3f} GiB "
         "traced. With swap, a stage that does not fit swaps just the activations over its device (at least 2 layers' "
         "kept activations stay), counted in the cut; the last column is the deepest swapping cut's predicted step "
-        "time over the same cut's without the copies. The per-layer model's least peak reads as low as "
+        f"time over the same cut's without the copies. What a stage swaps must fit {HOST_BUDGET} of host memory per "
+        "stage process (a DGX-1's 512 GB over its 8 GPUs). The per-layer model's least peak reads as low as "
         f"{worst:.2f}x lms-tf's planner's (next table), so the last column takes every device as only that share "
         "of its memory.", "", *depth_rows, "",
         "What swapping lets the whole step reach (one stage, one micro-batch) by the per-layer model (weights, "
