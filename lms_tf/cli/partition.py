@@ -146,7 +146,15 @@ def plot_stages(path: str, partitions, title: str = "") -> None:
     ax.set_ylabel("predicted peak (GiB)")
     ax.set_title(title or f"{stages} stages, {partitions[0].schedule}, {partitions[0].microbatches} micro-batches",
                  fontsize=9, wrap=True)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    # A rule's legend entry would copy its first bar's hatching: draw it plain.
+    from matplotlib.container import BarContainer
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=h.patches[0].get_facecolor()) if isinstance(h, BarContainer) and h.patches
+               and h.patches[0].get_hatch() and not label.startswith("hatched") else h
+               for h, label in zip(handles, labels)]
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
