@@ -371,3 +371,84 @@ def test_bad_pipelines_are_refused_before_anything_is_traced():
     step = PipelineStep(model, stages, microbatches=3, devices=DEVICES[:2])
     with pytest.raises(LMSOptionError, match="does not split into 3 equal micro-batches"):
         step(x[:8], y[:8])
+
+
+SWAP_CASES = [("resnet_style", "1f1b"), ("attention_block", "gpipe"), ("lstm", "1f1b"), ("text_embedding", "gpipe")]
+
+
+def swapping(schedule, swap=True):
+    return lambda model: PipelineStep(model, contiguous(model, 2), microbatches=MICROBATCHES, schedule=schedule,
+                                      devices=DEVICES[:2], swap=swap, host="/CPU:2", min_swap_bytes=0)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,schedule", SWAP_CASES, ids=[f"{n}-{s}" for n, s in SWAP_CASES])
+def test_stages_that_swap_train_to_exactly_the_numbers_of_stages_that_do_not(name, schedule):
+    """Each stage planned by lms-tf (the TFLMS rule) on its own device, its tensors through the
+    host and back: the same losses, weights, slots and statistics as the accumulation step."""
+    steps = []
+    plain, piped, reference, pipelined_model = train_both(
+        MODELS[name], lambda model: steps.append(swapping(schedule)(model)) or steps[-1])
+    assert plain == piped and len(set(plain)) > 1, (plain, piped)
+    assert_same_state(reference, pipelined_model)
+    step = steps[0]
+    assert step.swap_stages == [0, 1] and len(step.plans) == 2
+    assert all(plan.swapped for plan in step.plans), [plan.one_line() for plan in step.plans]
+
+
+def _marked(graph, kind):
+    return [op for op in graph.get_operations() if "_lms" in op.node_def.attr and op.get_attr("_lms") == kind]
+
+
+def test_each_swapping_stage_has_its_own_plan_over_its_own_tensors():
+    model, (x, y) = zoo.resnet_style()
+    step = PipelineStep(model, contiguous(model, 2), microbatches=MICROBATCHES, schedule="1f1b", devices=DEVICES[:2],
+                        swap=[0], host="/CPU:2", min_swap_bytes=0)
+    graph = step.get_concrete_function(x[:zoo.BATCH], y[:zoo.BATCH]).graph
+    swap_outs, swap_ins = _marked(graph, b"swap_out"), _marked(graph, b"swap_in")
+    assert len(swap_outs) == len(step.plans[0].swapped) > 0 and len(swap_ins) >= len(swap_outs)
+    index = lambda op: tf.DeviceSpec.from_string(op.device).device_index
+    for out in swap_outs:   # stage 0's tensors (on CPU:0) go to the host, and only those
+        assert index(out) == 2 and index(out.inputs[0].op) == 0, out.name
+    for swap_in in swap_ins:  # back from the host, gated, read by stage 0's backward pass only
+        assert index(swap_in) == 2 and swap_in.control_inputs, swap_in.name
+        readers = [c for c in swap_in.outputs[0].consumers()]
+        assert readers and all(index(r) == 0 and r.name.startswith("gradient_tape/") for r in readers), swap_in.name
+    # Nothing of stage 1 (CPU:1) was swapped.
+    assert not [d for d in step.plans[0].swapped if "CPU:1" in graph.get_operation_by_name(d.tensor.split(":")[0]).device]
+
+
+@pytest.mark.timeout(300)
+def test_the_stages_a_partition_says_swap_are_the_ones_that_do():
+    """A budget below the best cut without swapping: the partition swaps some stages; the
+    pipeline swaps exactly those, and trains to the numbers of the pipeline that swaps nothing."""
+    model, (x, y) = zoo.sequential_cnn()
+    twin, _ = zoo.sequential_cnn()   # the same model, built again (its unnamed layers named apart)
+    arguments = dict(stages=2, microbatches=MICROBATCHES, batch_size=zoo.BATCH, schedule="gpipe")
+    plain = lms_tf.partition(model, **arguments)
+    with pytest.raises(lms_tf.InfeasibleBudgetError) as caught:
+        lms_tf.partition(model, **arguments, budget=1)
+    budget = (caught.value.smallest_feasible_bytes + plain.max_stage_peak_bytes) // 2
+    p = lms_tf.partition(model, **arguments, budget=budget)
+    swapping_stages = [s.index for s in p.stages if s.host_bytes]
+    assert swapping_stages and p.feasible
+    step = PipelineStep(model, p, devices=DEVICES[:2], swap=True, host="/CPU:2", min_swap_bytes=0)
+    reference = PipelineStep(twin, lms_tf.partition(twin, **arguments, budget=budget), devices=DEVICES[:2])
+    assert step.swap_stages == swapping_stages
+    bx, by = x[:zoo.BATCH], y[:zoo.BATCH]
+    assert [float(step(bx, by)) for _ in range(3)] == [float(reference(bx, by)) for _ in range(3)]
+    assert_same_state(twin, model)
+
+
+def test_bad_swap_arguments_are_refused_before_anything_is_traced():
+    model, _ = zoo.sequential_cnn()
+    cut = contiguous(model, 2)
+    with pytest.raises(LMSOptionError, match="host= must name where they go"):
+        PipelineStep(model, cut, devices=DEVICES[:2], swap=True)
+    with pytest.raises(LMSOptionError, match=r"swap must be True, False or a list of stage indices \(0 to 1\)"):
+        PipelineStep(model, cut, devices=DEVICES[:2], swap=[2], host="/CPU:2")
+    with pytest.raises(LMSOptionError, match="host='/CPU:9' names no device"):
+        PipelineStep(model, cut, devices=DEVICES[:2], swap=True, host="/CPU:9")
+    with pytest.raises(LMSOptionError, match="cannot swap yet"):
+        PipelineStep(model, cut, devices=["/job:worker/replica:0/task:0/device:CPU:0",
+                                          "/job:worker/replica:0/task:1/device:CPU:0"], swap=True, host="/CPU:2")

@@ -279,6 +279,61 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
     return plan
 
 
+def rewrite_traced_stages(requests: Sequence[RewriteRequest], *, api: str) -> List[Plan]:
+    """Plans each pipeline stage's device with its own request and applies the plans together.
+
+    A pipeline step is one traced graph whose stages run on different devices; the rewrite can
+    run once per graph, so each request (one per stage, its ``device`` the stage's) is planned
+    on the same IR, keeps the decisions for tensors its own device produces (an op placed
+    nowhere, such as the split of the batch, belongs to no stage), and the swaps of all of them
+    are inserted in one rewrite. Swap-only, by the TFLMS rule: a budget or recompute would be
+    planned by a simulator that replays the whole step on one device.
+
+    Args:
+        requests: One per stage that swaps (``policies.budget`` None, ``recompute`` False,
+            ``weights="device"``).
+        api: Front-end name for messages.
+
+    Returns:
+        Each request's plan, restricted to its stage's tensors.
+
+    Raises:
+        LMSError: Not inside a ``tf.function`` trace.
+
+    Examples:
+        >>> rewrite_traced_stages([], api="doc")
+        []
+    """
+    if not requests:
+        return []
+    graph = _compat.current_graph()
+    if not _compat.is_function_graph(graph):
+        raise LMSError(f"{api}: the step runs eagerly (received a {type(graph).__name__}, not a tf.function graph), "
+                       f"so there is no graph to rewrite.")
+    ir = build_ir(graph, batch_size=requests[0].batch_size)
+    device_of = {op.name: op.device for op in ir.ops}
+
+    def on(op_name: str, own) -> bool:
+        return bool(device_of.get(op_name)) and device_kind_and_index(device_of[op_name]) == own
+
+    plans = []
+    for request in requests:
+        plan = make_plan(ir, request.policies, device=request.device)
+        own = device_kind_and_index(request.device)
+        # A stage's own tensors, swapped for its own backward pass. In a pipeline step the
+        # stages' forward and backward ops interleave, so the planner's phases (by position)
+        # also offer a tensor sent to the next stage, or read by another stage's backward pass:
+        # those stay where they are.
+        mine = tuple(d for d in plan.decisions if on(ir.tensors[d.tensor].producer, own) and all(
+            on(c, own) and c.startswith("gradient_tape/") for s in d.swap_ins for c in s.consumers))
+        plans.append(dataclasses.replace(plan, decisions=mine))
+    merged = dataclasses.replace(plans[0], decisions=tuple(d for plan in plans for d in plan.swapped))
+    report = apply_plan(graph, ir, merged)
+    _log_once(f"{api}: {len(plans)} stage(s) swapping: " + "; ".join(p.one_line() for p in plans)
+              + f" (inserted {report.inserted})")
+    return plans
+
+
 def move_planned_weights(graph: tf.Graph, plan: Plan, *, api: str) -> int:
     """``weights="auto"``: moves each variable the plan puts on the host and the step being traced
     reads from the device, and each the plan keeps on the device that an earlier trace moved to the

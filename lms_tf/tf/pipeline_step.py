@@ -36,7 +36,9 @@ import tensorflow as tf
 from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
-from lms_tf.tf.driver import is_visible, visible_device_names
+from lms_tf.core.policy import Policies, describe
+from lms_tf.tf.driver import RewriteRequest, check_visible, is_visible, resolve_device, rewrite_traced_stages, \
+    visible_device_names
 from lms_tf.tf.rewrite.common import mark
 
 logger = logging.getLogger("lms_tf")
@@ -357,10 +359,20 @@ class PipelineStep:
         devices: One TensorFlow device per stage (logical CPUs work: ``["/CPU:0", "/CPU:1"]``).
         loss: A Keras loss (default: the model's compiled loss, else sparse categorical cross-entropy).
         optimizer: A Keras optimizer (default: the model's, else SGD).
+        swap: Which stages swap activations to ``host`` with lms-tf: ``False`` (none), ``True``
+            (the stages the partition says swap, ``host_bytes > 0``; every stage when cut by
+            hand), or a list of stage indices. Each such stage gets its own lms-tf plan (the
+            TFLMS rule: a tensor its backward pass reads after ``swapout_threshold`` ops or more
+            goes to the host and comes back, gated, before its reader), all applied in one
+            rewrite of the traced step. One process only.
+        host: Where swapped tensors live (needed when a stage swaps).
+        min_swap_bytes: Tensors smaller than this are never swapped.
 
     Attributes:
         stages: The :class:`StageModel` of each stage.
         tasks: Each stage's tasks in the order it runs them.
+        swap_stages: The stages that swap.
+        plans: After the first call, each swapping stage's plan (in ``swap_stages`` order).
 
     Raises:
         LMSOptionError: Bad stages (see :func:`split_stages`), a device count that is not one per
@@ -376,8 +388,21 @@ class PipelineStep:
     """
 
     def __init__(self, model, stages, *, microbatches: Optional[int] = None, schedule: Optional[str] = None,
-                 devices: Sequence[str], loss=None, optimizer=None):
+                 devices: Sequence[str], loss=None, optimizer=None, swap=False, host: Optional[str] = None,
+                 min_swap_bytes: int = 64 * 1024):
         stage_layers = _stage_layers(model, stages, devices)
+        self.swap_stages = _swap_stages(swap, stages, len(stage_layers))
+        self.host = None
+        if self.swap_stages:
+            if host is None:
+                raise LMSOptionError(f"swap: stages {self.swap_stages} swap activations, so host= must name where they "
+                                     f"go (a device this process has, such as '/CPU:0'); received host=None.")
+            if any(tf.DeviceSpec.from_string(d).job is not None for d in devices):
+                raise LMSOptionError("swap: stages in other processes (cluster devices) cannot swap yet; each stage "
+                                     "of a one-process pipeline can. Pass swap=False.")
+            self.host = check_visible(host, role="host", api="PipelineStep")
+        self._swap_policies = Policies(host=self.host or "/device:CPU:0", min_swap_bytes=min_swap_bytes)
+        self.plans: List = []
         if _is_partition(stages):
             microbatches = stages.microbatches if microbatches is None else microbatches
             schedule = stages.schedule if schedule is None else schedule
@@ -476,7 +501,25 @@ class PipelineStep:
         by_variable = {id(v): g for stage_vars, grads in zip(variables, accumulated) for v, g in zip(stage_vars, grads or ())}
         weights = self.model.trainable_variables
         self.optimizer.apply_gradients(zip(_mean_of([by_variable[id(v)] for v in weights], self.microbatches), weights))
-        return tf.add_n([losses[m] for m in range(self.microbatches)]) / self.microbatches
+        mean = tf.add_n([losses[m] for m in range(self.microbatches)]) / self.microbatches
+        if self.swap_stages:
+            self.plans = rewrite_traced_stages(
+                [RewriteRequest(self._swap_policies, resolve_device(self.devices[k])) for k in self.swap_stages],
+                api="PipelineStep")
+        return mean
+
+
+def _swap_stages(swap, stages, count: int) -> List[int]:
+    """The stages that swap: ``swap`` resolved against the partition (or a hand cut of ``count``)."""
+    if swap is False or swap is None:
+        return []
+    if swap is True:
+        return [s.index for s in stages.stages if s.host_bytes] if _is_partition(stages) else list(range(count))
+    if isinstance(swap, (list, tuple)) and all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < count
+                                               for k in swap):
+        return sorted(set(swap))
+    raise LMSOptionError(f"swap must be True, False or a list of stage indices (0 to {count - 1}); received "
+                         f"{describe(swap)}.")
 
 
 def _done(results: List[tf.Tensor], task: str) -> List[tf.Operation]:
