@@ -452,3 +452,39 @@ def test_bad_swap_arguments_are_refused_before_anything_is_traced():
     with pytest.raises(LMSOptionError, match="cannot swap yet"):
         PipelineStep(model, cut, devices=["/job:worker/replica:0/task:0/device:CPU:0",
                                           "/job:worker/replica:0/task:1/device:CPU:0"], swap=True, host="/CPU:2")
+
+
+@pytest.mark.timeout(300)
+def test_each_swap_in_leaves_the_host_after_its_trigger_and_before_its_readers():
+    """The profiler's trace of a swapping 1F1B pipeline: each swap-in's copy to its stage (the
+    ``_Send`` of the host Identity) starts after its gate reached the host (the ``_Send`` of the
+    trigger's output shape), which starts after the trigger's kernel ended, and ends before the
+    first of its readers' kernels starts. Some triggers leave no kernel in the trace (an Identity
+    the executor runs inline, scalar arithmetic of the loss that Grappler folds); the gate reads
+    their output, so the order holds by data. Most triggers are kernels, checked here."""
+    model, (x, y) = zoo.sequential_cnn()
+    step = swapping("1f1b")(model)
+    bx, by = tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH])
+    step(bx, by)
+    events = executed_ops(lambda: step(bx, by).numpy())
+    kernels = {}
+    for e in events:   # Grappler may prefix a node's name; the graph's name is its tail
+        found = re.search(r"((gradient_tape/)?microbatch\d+/.*)$", e.node)
+        if found:
+            kernels.setdefault(found.group(1), e)
+    swapped = [d for plan in step.plans for d in plan.swapped]
+    assert len(swapped) >= 4
+    ordered = 0
+    for i, decision in enumerate(swapped):
+        for j, swap_in in enumerate(decision.swap_ins):
+            sends = [e for e in events if e.node.startswith(f"lms_tf/swap_in_{i}_{j}/") and e.type == "_Send"]
+            gates = [e for e in events if e.node.startswith(f"lms_tf/swap_in_{i}_{j}_gate_shape/")
+                     and e.type == "_Send"]
+            assert sends and gates, (i, j, decision.tensor)
+            assert all(c in kernels for c in swap_in.consumers), swap_in
+            if swap_in.trigger in kernels:
+                assert kernels[swap_in.trigger].end_ps <= gates[0].start_ps, (decision.tensor, swap_in.trigger)
+                ordered += 1
+            assert gates[0].end_ps <= sends[0].start_ps, decision.tensor
+            assert sends[0].end_ps <= min(kernels[c].start_ps for c in swap_in.consumers), decision.tensor
+    assert ordered >= len(swapped) // 2, (ordered, len(swapped))
