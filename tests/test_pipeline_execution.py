@@ -488,3 +488,12 @@ def test_each_swap_in_leaves_the_host_after_its_trigger_and_before_its_readers()
             assert gates[0].end_ps <= sends[0].start_ps, decision.tensor
             assert sends[0].end_ps <= min(kernels[c].start_ps for c in swap_in.consumers), decision.tensor
     assert ordered >= len(swapped) // 2, (ordered, len(swapped))
+
+
+def test_swap_true_on_a_partition_that_swaps_nothing_says_so(caplog):
+    model, _ = zoo.sequential_cnn()
+    p = lms_tf.partition(model, stages=2, microbatches=MICROBATCHES, batch_size=zoo.BATCH)
+    assert not any(s.host_bytes for s in p.stages)
+    with caplog.at_level("INFO", logger="lms_tf"):
+        step = PipelineStep(model, p, devices=DEVICES[:2], swap=True)   # no host needed: nothing swaps
+    assert step.swap_stages == [] and "swaps no stage" in caplog.text

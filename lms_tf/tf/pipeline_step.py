@@ -392,6 +392,9 @@ class PipelineStep:
                  min_swap_bytes: int = 64 * 1024):
         stage_layers = _stage_layers(model, stages, devices)
         self.swap_stages = _swap_stages(swap, stages, len(stage_layers))
+        if swap is True and not self.swap_stages:
+            logger.info("PipelineStep(swap=True): the partition swaps no stage (every stage fits its device), so "
+                        "nothing is swapped")
         self.host = None
         if self.swap_stages:
             if host is None:
