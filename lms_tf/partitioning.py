@@ -49,9 +49,9 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
         optimizer: For a model that is not compiled: the optimizer whose slots are counted (default SGD).
             A compiled model's own step and optimizer are used.
         input_shape: One sample's shape, for a subclassed model built without an ``Input``.
-        swap: Whether a stage that fits no cut may swap the activations of its micro-batches
-            waiting for their backward pass to the host (it then holds two on the device). Only
-            when no cut fits without it; ``False`` never swaps.
+        swap: Whether a stage that does not fit its device may swap activations to the host (just
+            the bytes over; at least two layers' kept activations stay). Only when no cut fits
+            without it; ``False`` never swaps.
         host_budget: Host memory one stage's process may take for what it swaps (bytes or
             ``"64GiB"``); None: this machine's physical memory.
 

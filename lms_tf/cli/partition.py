@@ -67,8 +67,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     part.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="whose slots are counted")
     cli_args.add_host_budget_argument(part)
     part.add_argument("--no-swap", action="store_true",
-                      help="never swap a stage's waiting micro-batches to the host (by default a stage swaps them "
-                           "when no cut fits without it)")
+                      help="never swap activations to the host (by default a stage that does not fit swaps what is "
+                           "over its device, when no cut fits without it)")
     part.add_argument("--compare", action="store_true", help="also print the three rules side by side")
     part.add_argument("--plot", default=None, help="write per-stage memory against each device to this PNG file")
     part.add_argument("--json", action="store_true", help="print one JSON object")

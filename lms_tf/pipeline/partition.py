@@ -481,9 +481,8 @@ def check_arguments(*, stages, microbatches, schedule="1f1b", rule="memory", obj
         if value not in allowed:
             raise LMSOptionError(f"{name} must be one of {', '.join(map(repr, allowed))}; received {describe(value)}.")
     if not isinstance(swap, bool):
-        raise LMSOptionError(f"swap must be True (a stage that does not fit may swap the activations of the "
-                             f"micro-batches waiting for their backward pass to the host) or False; received "
-                             f"{describe(swap)}.")
+        raise LMSOptionError(f"swap must be True (a stage that does not fit may swap activations to the host) or "
+                             f"False; received {describe(swap)}.")
     parse_host_budget(host_budget)
     _devices(devices, stages)
     if budget is None:
