@@ -80,6 +80,8 @@ def _cases():
         ("A plan file that is not a plan", lambda: Plan.from_json('{"decisions": []}')),
         ("A pipeline budget no cut of the model meets", lambda: partition_layers(
             PipelineProfile.chain([2**20] * 4), stages=2, microbatches=4, budget="1MiB")),
+        ("A swapping pipeline stage that needs more host memory than host_budget", lambda: partition_layers(
+            PipelineProfile.chain([2**20] * 4), stages=2, microbatches=4, budget="2.5MiB", host_budget="256KiB")),
         ("More pipeline stages than layers", lambda: partition_layers(PipelineProfile.chain([2**20] * 4), stages=8,
                                                                        microbatches=4)),
         ("A pipeline cut that leaves a layer out", unassigned_layer),

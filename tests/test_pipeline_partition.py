@@ -268,7 +268,7 @@ def test_a_swapping_stage_needing_more_host_memory_than_allowed_is_reported_or_r
     swapped = partition_layers(profile, stages=4, microbatches=8, devices=device, host_budget=177)
     assert swapped.feasible and swapped.host_budget_bytes == 177   # stage 0 swaps 177 bytes
     # Asked for less: the library's error, naming the stage and both figures.
-    with pytest.raises(HostBudgetError, match=r"stage 0 \(layer0 \.\. layer0\) fits its device only by swapping "
+    with pytest.raises(HostBudgetError, match=r"stage 0 \(layer0 \.\. layer0\) fits its device and budget only by swapping "
                                               r"177 B .* more than host_budget 176 B \(176 bytes\)") as caught:
         partition_layers(profile, stages=4, microbatches=8, devices=device, host_budget=176)
     assert (caught.value.host_budget_bytes, caught.value.host_needed_bytes) == (176, 177)

@@ -682,7 +682,7 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
     needing = max(result.stages, key=lambda s: s.host_bytes)
     if host_limit is not None and needing.host_bytes > host_limit:
         raise host_budget_error(
-            f"stage {needing.index} ({needing.layers[0]} .. {needing.layers[-1]}) fits its device only by swapping "
+            f"stage {needing.index} ({needing.layers[0]} .. {needing.layers[-1]}) fits its device and budget only by swapping "
             f"{format_bytes(needing.host_bytes)} of activations to the host, more than host_budget "
             f"{format_bytes(host_limit)} ({host_limit} bytes). Pass a larger host_budget (per stage process), more "
             f"stages, or smaller micro-batches.", host_limit, needing.host_bytes)
