@@ -125,9 +125,6 @@ def plot_stages(path: str, partitions, title: str = "") -> None:
         for bar, stage in zip(bars, p.stages):
             if stage.host_bytes:   # hatched: the stage swaps activations to the host
                 bar.set_hatch("//")
-    if any(s.host_bytes for p in partitions for s in p.stages):
-        ax.bar([0], [0], 0, color="white", edgecolor="black", hatch="//",
-               label="hatched: swaps activations to the host")
     capacities = [s.capacity_bytes for s in partitions[0].stages]
     tallest = max(s.predicted_peak_bytes for p in partitions for s in p.stages)
     if any(capacities):
@@ -147,13 +144,16 @@ def plot_stages(path: str, partitions, title: str = "") -> None:
     ax.set_title(title or f"{stages} stages, {partitions[0].schedule}, {partitions[0].microbatches} micro-batches",
                  fontsize=9, wrap=True)
     handles, labels = ax.get_legend_handles_labels()
-    # A rule's legend entry would copy its first bar's hatching: draw it plain.
+    # A rule's legend entry would copy its first bar's hatching: draw it plain, and say once
+    # what hatching means.
     from matplotlib.container import BarContainer
     from matplotlib.patches import Patch
 
-    handles = [Patch(facecolor=h.patches[0].get_facecolor()) if isinstance(h, BarContainer) and h.patches
-               and h.patches[0].get_hatch() and not label.startswith("hatched") else h
-               for h, label in zip(handles, labels)]
+    handles = [Patch(facecolor=h.patches[0].get_facecolor()) if isinstance(h, BarContainer) and h.patches else h
+               for h in handles]
+    if any(s.host_bytes for p in partitions for s in p.stages):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//"))
+        labels.append("hatched: swaps activations to the host")
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -570,8 +570,8 @@ def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int
         link = spec.host_to_device_bytes_per_s if spec else None
         seconds = window.seconds + (2 * sum(received.values()) / link if link else 0.0)
         slowest_update = max(slowest_update, sum(layer.update_s for layer in layers[lo:hi]))
-        capacity = min(c for c in (spec.memory_bytes if spec else None, budget) if c is not None) \
-            if (spec or budget is not None) else None
+        limits = [c for c in (spec.memory_bytes if spec else None, budget) if c is not None]
+        capacity = min(limits) if limits else None
         peak = kept_peak = window.peak(flight)
         if swap and capacity is not None and peak > capacity:
             peak = max(window.least_peak(flight), int(capacity))   # swap just what is over

@@ -239,12 +239,7 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
         ...
         lms_tf.LMSError: doc: the step runs eagerly...
     """
-    graph = _compat.current_graph()
-    if not _compat.is_function_graph(graph):
-        raise LMSError(
-            f"{api}: the step runs eagerly (received a {type(graph).__name__}, not a tf.function graph), so "
-            f"there is no graph to rewrite. Remove run_eagerly=True from compile() and do not call "
-            f"tf.config.run_functions_eagerly(True).")
+    graph = _traced_graph(api)
     ir = build_ir(graph, input_shapes=input_shapes, batch_size=request.batch_size)
     host = device_kind_and_index(request.policies.host)
     on_host = frozenset(op.name for op in ir.ops if op.device and device_kind_and_index(op.device) == host)
@@ -279,6 +274,17 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
     return plan
 
 
+def _traced_graph(api: str) -> tf.Graph:
+    """The ``tf.function`` graph being traced now, or the library's error when the step runs eagerly."""
+    graph = _compat.current_graph()
+    if not _compat.is_function_graph(graph):
+        raise LMSError(
+            f"{api}: the step runs eagerly (received a {type(graph).__name__}, not a tf.function graph), so "
+            f"there is no graph to rewrite. Remove run_eagerly=True from compile() and do not call "
+            f"tf.config.run_functions_eagerly(True).")
+    return graph
+
+
 def rewrite_traced_stages(requests: Sequence[RewriteRequest], *, api: str) -> List[Plan]:
     """Plans each pipeline stage's device with its own request and applies the plans together.
 
@@ -306,10 +312,7 @@ def rewrite_traced_stages(requests: Sequence[RewriteRequest], *, api: str) -> Li
     """
     if not requests:
         return []
-    graph = _compat.current_graph()
-    if not _compat.is_function_graph(graph):
-        raise LMSError(f"{api}: the step runs eagerly (received a {type(graph).__name__}, not a tf.function graph), "
-                       f"so there is no graph to rewrite.")
+    graph = _traced_graph(api)
     ir = build_ir(graph, batch_size=requests[0].batch_size)
     device_of = {op.name: op.device for op in ir.ops}
 

@@ -35,8 +35,8 @@ import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
-from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
 from lms_tf.core.policy import Policies, describe
+from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
 from lms_tf.tf.driver import RewriteRequest, check_visible, is_visible, resolve_device, rewrite_traced_stages, \
     visible_device_names
 from lms_tf.tf.rewrite.common import mark
