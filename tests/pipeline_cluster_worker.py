@@ -89,22 +89,22 @@ def wide_mlp():
 
 
 def memory(workers, spec):
-    """Trains ``name,schedule,stages,microbatches`` (a zoo case or ``wide_mlp``) as
-    ``lms_tf.partition`` cuts it, each stage's weights on its own task; prints each stage's
-    predicted peak and task 0's allocator peak over one step (the stage servers log theirs)."""
+    """Trains ``name,schedule,stages,microbatches[,serialize]`` (a zoo case or ``wide_mlp``) as
+    ``lms_tf.partition`` cuts it, each stage's weights on its own task (serialized if asked); prints
+    each stage's predicted peak and task 0's allocator peak over one step (the stage servers log theirs)."""
     import tensorflow as tf
 
     from lms_tf.tf.memory import measure_peak_memory
     from lms_tf.tf.pipeline_step import place_stages
 
-    name, schedule, stages, microbatches = spec.split(",")
+    name, schedule, stages, microbatches, *serialize = spec.split(",")
     devices = connect(workers)
     model, (x, y) = wide_mlp() if name == "wide_mlp" else cases.MODELS[name]()
     partition = lms_tf.partition(model, stages=int(stages), microbatches=int(microbatches), batch_size=len(y),
                                  schedule=schedule)
     placed = place_stages(model, partition, devices)
     del model
-    step = PipelineStep(placed, partition, devices=devices)
+    step = PipelineStep(placed, partition, devices=devices, serialize=serialize == ["serialize"])
     x, y = tf.constant(x), tf.constant(y)
     losses = [float(step(x, y)) for _ in range(2)]
     with measure_peak_memory(devices[0], settle_seconds=0.3) as task0:

@@ -328,3 +328,62 @@ def move_variable_in_place(variable: tf.Variable, device: str, graph: Optional[t
         if any(external is old_handle for external, _ in pairs):
             captures.reset_captures([variable.handle if external is old_handle else external for external, _ in pairs],
                                     [internal for _, internal in pairs])
+
+
+@contextlib.contextmanager
+def place_with_inputs(graph: tf.Graph):
+    """While active, an op created in ``graph`` with no device goes where its inputs are: where the
+    variable it reads lives (a captured variable's handle carries no device inside the trace, its
+    outer resource does), else the device of its largest input that has one (a variable read
+    counts as its variable's). Ops with neither (constants) stay unplaced.
+
+    A Keras optimizer's update of many variables in one call (one iteration counted) then runs
+    each variable's arithmetic beside that variable, instead of on the function's default device.
+    Uses a device function, which only graph-mode ``Graph.device`` accepts.
+
+    Examples:
+        >>> with tf.device("/CPU:0"):
+        ...     v = tf.Variable(tf.ones((2,)))
+        >>> @tf.function
+        ... def f():
+        ...     with place_with_inputs(tf.compat.v1.get_default_graph()):
+        ...         return v * 2.0
+        >>> op = next(o for o in f.get_concrete_function().graph.get_operations() if o.type == "Mul")
+        >>> op.device.endswith("CPU:0")
+        True
+    """
+    resource_devices: Dict[str, str] = {}
+
+    def resource_device(tensor: tf.Tensor) -> str:
+        if tensor.op.name not in resource_devices:
+            for external, internal in graph.captures:
+                if internal.dtype == tf.resource:
+                    resource_devices[internal.op.name] = getattr(external, "device", "") or ""
+            resource_devices.setdefault(tensor.op.name, "")  # not captured: scanned once
+        return resource_devices.get(tensor.op.name, "") or tensor.op.device
+
+    def placed(tensor: tf.Tensor) -> str:
+        if tensor.op.type == "IdentityN":  # passes on many tensors (Keras's all-reduce of every gradient)
+            return placed(tensor.op.inputs[tensor.value_index])
+        if tensor.dtype == tf.resource:
+            return resource_device(tensor)
+        if tensor.op.device:
+            return tensor.op.device
+        # A variable read is made outside every device scope (``colocate_with(ignore_existing)``)
+        # and placed beside its variable by the runtime: read that variable's device.
+        return next((resource_device(t) for t in tensor.op.inputs if t.dtype == tf.resource), "")
+
+    def size(tensor: tf.Tensor) -> float:
+        elements = tensor.shape.num_elements() if tensor.shape.rank is not None else None
+        return float("inf") if elements is None else elements
+
+    def device_of(op: tf.Operation) -> str:
+        if op.device:
+            return op.device
+        # The largest input decides: ``learning_rate * gradient`` goes with the gradient, not
+        # with the scalar (which would carry the gradient to the learning rate's device).
+        candidates = [(size(t), -i, device) for i, t in enumerate(op.inputs) for device in [placed(t)] if device]
+        return max(candidates)[2] if candidates else ""
+
+    with graph.device(device_of):
+        yield

@@ -481,3 +481,69 @@ def simulated_ranks(graph: tf.Graph, ir: GraphIR, plan: Plan, cost: CostModel) -
     graph_name = {simulator_name(graph, op.name): op.name for op in graph.get_operations()}
     names = (graph_name.get(name) for name in sim.op_intervals)
     return {name: float(i) for i, name in enumerate(n for n in names if n is not None)}
+
+
+def on_device(op_device: str, device: str) -> bool:
+    """Whether an op placed on ``op_device`` runs on ``device``; a part either leaves out (job,
+    task, index) matches any.
+
+    Examples:
+        >>> on_device("/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/task:1/device:CPU:0")
+        True
+        >>> on_device("/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/task:2/device:CPU:0")
+        False
+        >>> on_device("/job:localhost/replica:0/task:0/device:CPU:2", "/CPU:2"), on_device("", "/CPU:0")
+        (True, False)
+    """
+    if not op_device:
+        return False
+    a, b = tf.DeviceSpec.from_string(op_device), tf.DeviceSpec.from_string(device)
+    return all(x is None or y is None or str(x).upper() == str(y).upper()
+               for x, y in ((a.job, b.job), (a.replica, b.replica), (a.task, b.task),
+                            (a.device_type, b.device_type), (a.device_index, b.device_index)))
+
+
+def serialize_stages(devices: Sequence[str], *, soon: Sequence[str] = (), api: str) -> int:
+    """Chains each pipeline stage's ops on its own device, one at a time, in the order the step
+    created them (so in the schedule's order), for the ``tf.function`` graph being traced now.
+
+    What ``serialize=True`` is to one device, for a pipeline: each stage's memory then follows
+    one order, the one the per-layer model counts, instead of the executor's choice among ready
+    ops. Stages still run side by side: only ops on one device are chained together. As in
+    :func:`~lms_tf.tf.rewrite.serialize.impose_order`, ops TensorFlow fuses are left free (a
+    control edge would change their kernel, and the numbers).
+
+    Must run inside :func:`call_step_for_rewrite` with ``serialize=True``, at the end of the
+    traced body.
+
+    Args:
+        devices: Each stage's device.
+        soon: Ops to run as soon as their inputs are ready (ranked right after the latest of
+            them): a gradient's running sum, which frees the previous sum.
+        api: Front-end name for messages.
+
+    Returns:
+        The number of control edges added.
+
+    Raises:
+        LMSError: Not inside a ``tf.function`` trace.
+
+    Examples:
+        >>> serialize_stages(["/CPU:0"], api="doc")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSError: doc: the step runs eagerly...
+    """
+    graph = _traced_graph(api)
+    ops = graph.get_operations()
+    created = {op.name: float(i) for i, op in enumerate(ops)}
+    for name in soon:
+        op = graph.get_operation_by_name(name)
+        created[name] = max((created[t.op.name] for t in op.inputs), default=created[name]) + 0.5
+    fused = grappler_rewritten_ops(graph, devices[0], CPU_GRAPPLER_MEMORY_BYTES)
+    edges = 0
+    for device in devices:
+        rank = {op.name: created[op.name] for op in ops if on_device(op.device, device)}
+        edges += impose_order(graph, rank, leave_free=fused)
+    logger.info("serialized the pipeline's %d stages in the schedule's order (%d control edges)", len(devices), edges)
+    return edges

@@ -37,9 +37,11 @@ from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.policy import Policies, describe
 from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
-from lms_tf.tf.driver import RewriteRequest, check_visible, is_visible, resolve_device, rewrite_traced_stages, \
-    visible_device_names
+from lms_tf.tf.driver import RewriteRequest, call_step_for_rewrite, check_visible, is_visible, resolve_device, \
+    rewrite_traced_stages, serialize_stages, visible_device_names
 from lms_tf.tf.rewrite.common import mark
+from lms_tf.tf.rewrite.serialize import bypass_identity_n
+from lms_tf.tf.variables import variable_device
 
 logger = logging.getLogger("lms_tf")
 
@@ -367,6 +369,11 @@ class PipelineStep:
             rewrite of the traced step. One process only.
         host: Where swapped tensors live (needed when a stage swaps).
         min_swap_bytes: Tensors smaller than this are never swapped.
+        serialize: Run each stage's ops one at a time in the schedule's order (control edges on
+            each stage's device; stages still run side by side), so a stage's memory follows the
+            order its prediction counts instead of the executor's choice among ready ops: for
+            checking the partition's per-stage figures on real allocators. The numbers do not
+            change.
 
     Attributes:
         stages: The :class:`StageModel` of each stage.
@@ -389,7 +396,7 @@ class PipelineStep:
 
     def __init__(self, model, stages, *, microbatches: Optional[int] = None, schedule: Optional[str] = None,
                  devices: Sequence[str], loss=None, optimizer=None, swap=False, host: Optional[str] = None,
-                 min_swap_bytes: int = 64 * 1024):
+                 min_swap_bytes: int = 64 * 1024, serialize: bool = False):
         stage_layers = _stage_layers(model, stages, devices)
         self.swap_stages = _swap_stages(swap, stages, len(stage_layers))
         if swap is True and not self.swap_stages:
@@ -423,7 +430,10 @@ class PipelineStep:
         self._input_keys = [_tensor_key(t) for t in self._graph.inputs]
         self.model, self.devices, self.microbatches, self.schedule = model, list(devices), microbatches, schedule
         self.loss_fn, self.optimizer = _loss_and_optimizer(model, loss, optimizer)
-        self._step = tf.function(self._run, autograph=False)  # Python loops over a static schedule
+        self.serialize = bool(serialize)
+        # Python loops over a static schedule; serialized, inside the automatic control
+        # dependencies, which the chain must respect.
+        self._step = tf.function(lambda x, y: call_step_for_rewrite(self.serialize, self._run, x, y), autograph=False)
 
     def __call__(self, x, y):
         """Runs one pipelined training step; returns the mean loss over the micro-batches.
@@ -455,6 +465,7 @@ class PipelineStep:
         variables = [[v for name in stage.layers for v in self.model.get_layer(name).trainable_variables]
                      for stage in self.stages]
         accumulated: List[Optional[list]] = [None for _ in self.stages]
+        running_sums: List[str] = []  # what frees the previous sum: serialized, it runs at once
         scopes: Dict[int, str] = {}
         for task in self.order:
             stage, m = self.stages[task.stage], task.microbatch
@@ -497,18 +508,40 @@ class PipelineStep:
                     for key, g in zip(source_keys, grads[:len(sources)]):
                         grads_in[m].setdefault(key, []).append(g)
                     weight_grads = grads[len(sources):]
+                    first = accumulated[task.stage] is None
                     accumulated[task.stage] = _accumulate(accumulated[task.stage], weight_grads)
+                    if not first:
+                        running_sums += [t.op.name for t in accumulated[task.stage]]
                     previous[task.stage] = _done(list(accumulated[task.stage]) + list(grads[:len(sources)]), label)
         # One update for all stages' weights, in the model's order: the optimizer counts one
         # iteration per step (Adam's bias correction reads it), as the single-device step does.
+        # Each weight's share of it (the mean of its gradients, the optimizer's arithmetic) runs
+        # where the weight and its gradients are: unplaced, it would run on the default device,
+        # and every stage's gradients would travel to stage 0 and be updated there.
         by_variable = {id(v): g for stage_vars, grads in zip(variables, accumulated) for v, g in zip(stage_vars, grads or ())}
         weights = self.model.trainable_variables
-        self.optimizer.apply_gradients(zip(_mean_of([by_variable[id(v)] for v in weights], self.microbatches), weights))
+        graph = _compat.current_graph()
+        # The mean goes where the update's first product will be, beside the weight: on one
+        # device Grappler folds the two (constant push-down), and it must fold the same here.
+        means = []
+        for v in weights:
+            with tf.device(variable_device(v)):
+                means += _mean_of([by_variable[id(v)]], self.microbatches)
+        with _compat.place_with_inputs(graph):
+            self.optimizer.apply_gradients(zip(means, weights))
+        # Keras passes all gradients through one IdentityN (its default strategy's all-reduce).
+        # Grappler prunes it on one device, and then folds the mean into the update's first
+        # product (constant push-down). Across devices it would stay: every stage's update would
+        # wait for all stages' gradients, and the fold would not happen, so the update would
+        # round differently from one device's. Its readers read its inputs instead.
+        bypass_identity_n(graph)
         mean = tf.add_n([losses[m] for m in range(self.microbatches)]) / self.microbatches
         if self.swap_stages:
             self.plans = rewrite_traced_stages(
                 [RewriteRequest(self._swap_policies, resolve_device(self.devices[k])) for k in self.swap_stages],
                 api="PipelineStep")
+        if self.serialize:
+            serialize_stages(self.devices, soon=running_sums, api="PipelineStep")
         return mean
 
 
