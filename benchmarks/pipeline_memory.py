@@ -4,16 +4,19 @@ A 1024-wide, 7-layer MLP with Adam at batch 256 (``wide_mlp`` of ``tests/pipelin
 is cut by ``lms_tf.partition`` and trained under ``lms-tf launch``: every stage its own process
 (task 0 the training script, the others ``lms-tf stage-server``), every stage's weights and slots
 on its own task (``place_stages``), ``TF_CPU_ALLOCATOR_USE_BFC=true`` so each process's allocator
-keeps statistics. Task 0 measures its peak over one step; each stage server logs its peak when it
-stops. The steps are not serialized, so each configuration runs several times.
+keeps statistics. Task 0 measures its peak over one step (plus its stage's weights and slots,
+resident before it); each stage server logs its peak when it stops. Each configuration runs
+serialized (``PipelineStep(serialize=True)``: each stage's ops one at a time in the schedule's
+order) and in TensorFlow's own order, several times each.
 
-Command: ``.venv/bin/python benchmarks/pipeline_memory.py`` (about 2 minutes on 2 cores; writes
+Command: ``.venv/bin/python benchmarks/pipeline_memory.py`` (about 5 minutes on 2 cores; writes
 ``benchmarks/out/pipeline_memory.json`` and the table into ``docs/benchmarks/partition.md``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -23,18 +26,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.publish import OUT, publish  # noqa: E402
 
+logger = logging.getLogger("lms_tf.benchmarks")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "pipeline_cluster_worker.py")
 CASES = [("1f1b", 2, 4), ("gpipe", 2, 4), ("1f1b", 3, 4), ("gpipe", 3, 4)]
+ORDERS = [("serialized", True), ("TensorFlow's", False)]
 RUNS = 3
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_DETERMINISTIC_OPS="1", TF_ENABLE_ONEDNN_OPTS="0",
            TF_CPU_ALLOCATOR_USE_BFC="true")
 
 
-def run_once(schedule: str, stages: int, microbatches: int) -> dict:
+def run_once(schedule: str, stages: int, microbatches: int, serialize: bool) -> dict:
     """One training under ``lms-tf launch``: predicted and real peak per stage."""
+    spec = f"wide_mlp,{schedule},{stages},{microbatches}" + (",serialize" if serialize else "")
     done = subprocess.run([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", str(stages), "--",
-                           sys.executable, WORKER, "-", "--memory", f"wide_mlp,{schedule},{stages},{microbatches}"],
+                           sys.executable, WORKER, "-", "--memory", spec],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(done.stderr[-3000:])
@@ -48,27 +54,32 @@ def run_once(schedule: str, stages: int, microbatches: int) -> dict:
 def main() -> None:
     results = []
     for schedule, stages, microbatches in CASES:
-        runs = [run_once(schedule, stages, microbatches) for _ in range(RUNS)]
-        results.append({"schedule": schedule, "stages": stages, "microbatches": microbatches, "runs": runs})
-        print(f"{schedule} K={stages}: " + "; ".join(
-            ", ".join(f"{r / p:.2f}" for r, p in zip(run["real"], run["predicted"])) for run in runs), flush=True)
-    rows = ["| schedule | K | stage | layers | predicted MiB | real MiB (min-max of 3 runs) | real / predicted |",
-            "|---|---|---|---|---|---|---|"]
+        case = {"schedule": schedule, "stages": stages, "microbatches": microbatches}
+        for order, serialize in ORDERS:
+            case[order] = runs = [run_once(schedule, stages, microbatches, serialize) for _ in range(RUNS)]
+            logger.info("%s K=%d, %s order: real / predicted %s", schedule, stages, order, "; ".join(
+                ", ".join(f"{r / p:.3f}" for r, p in zip(run["real"], run["predicted"])) for run in runs))
+        results.append(case)
+    rows = ["| schedule | K | stage | layers | predicted MiB | serialized: real MiB | real / predicted | "
+            "TensorFlow's order: real MiB | real / predicted |", "|---|---|---|---|---|---|---|---|---|"]
     for case in results:
+        first = case[ORDERS[0][0]][0]
         for k in range(case["stages"]):
-            predicted = case["runs"][0]["predicted"][k]
-            real = [run["real"][k] for run in case["runs"]]
-            layers = case["runs"][0]["layers"][k]
+            predicted, layers = first["predicted"][k], first["layers"][k]
+            cells = []
+            for order, _ in ORDERS:
+                real = [run["real"][k] for run in case[order]]
+                cells += [f"{min(real) / 2**20:.1f}-{max(real) / 2**20:.1f}",
+                          f"{min(real) / predicted:.3f}-{max(real) / predicted:.3f}"]
             rows.append(f"| {case['schedule']} | {case['stages']} | {k}{' (task 0)' if k == 0 else ''} | "
-                        f"{layers[0]}..{layers[-1]} | {predicted / 2**20:.1f} | "
-                        f"{min(real) / 2**20:.1f}-{max(real) / 2**20:.1f} | "
-                        f"{min(real) / predicted:.2f}-{max(real) / predicted:.2f} |")
+                        f"{layers[0]}..{layers[-1]} | {predicted / 2**20:.1f} | " + " | ".join(cells) + " |")
     text = ("Wide MLP (7 x Dense 1024, Adam, batch 256, 4 micro-batches), one process per stage on this "
-            f"2-core CPU, {RUNS} runs each, not serialized:\n\n" + "\n".join(rows))
+            f"2-core CPU, min-max of {RUNS} runs in each order:\n\n" + "\n".join(rows))
     OUT.mkdir(exist_ok=True)
     (OUT / "pipeline_memory.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     publish("pipeline_memory", text, page="partition")
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     main()

@@ -94,7 +94,9 @@ def memory(workers, spec):
     each stage's predicted peak and task 0's allocator peak over one step (the stage servers log theirs)."""
     import tensorflow as tf
 
+    from lms_tf.tf.driver import on_device
     from lms_tf.tf.memory import measure_peak_memory
+    from lms_tf.tf.variables import variable_bytes_by_device
     from lms_tf.tf.pipeline_step import place_stages
 
     name, schedule, stages, microbatches, *serialize = spec.split(",")
@@ -109,8 +111,14 @@ def memory(workers, spec):
     losses = [float(step(x, y)) for _ in range(2)]
     with measure_peak_memory(devices[0], settle_seconds=0.3) as task0:
         losses.append(float(step(x, y)))
+    # The peak is measured from what task 0 holds before the step, which is more than stage 0's
+    # (the batch, the user's model): add back only the stage's own weights and slots, resident
+    # before the step as they are on a stage server.
+    resident = variable_bytes_by_device(list(placed.weights) + list(placed.optimizer.variables))
+    stage0 = sum(nbytes for device, nbytes in resident.items() if on_device(device, devices[0]))
     print("RESULT " + json.dumps({"predicted": [s.predicted_peak_bytes for s in partition.stages],
-                                  "layers": [list(s.layers) for s in partition.stages], "task0_peak": task0.peak_bytes,
+                                  "layers": [list(s.layers) for s in partition.stages],
+                                  "task0_peak": task0.peak_bytes + stage0, "task0_step_peak": task0.peak_bytes,
                                   "losses": losses}), flush=True)
 
 
