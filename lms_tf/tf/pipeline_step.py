@@ -27,6 +27,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -37,13 +38,21 @@ from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.policy import Policies, describe
 from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
-from lms_tf.tf.driver import RewriteRequest, call_step_for_rewrite, check_visible, is_visible, resolve_device, \
-    rewrite_traced_stages, serialize_stages, visible_device_names
+from lms_tf.cost import CostModel, get_device_spec
+from lms_tf.simulate import simulate, tensorflow_cpu_allocator
+from lms_tf.tf.diagnostics import cpu_kernel_library
+from lms_tf.tf.driver import RewriteRequest, call_step_for_rewrite, check_visible, is_visible, on_device, \
+    resolve_device, rewrite_traced_stages, serialize_stages, visible_device_names
+from lms_tf.tf.trace import build_ir
 from lms_tf.tf.rewrite.common import mark
 from lms_tf.tf.rewrite.serialize import bypass_identity_n
-from lms_tf.tf.variables import variable_device
+from lms_tf.tf.variables import variable_bytes_by_device, variable_device
 
 logger = logging.getLogger("lms_tf")
+
+#: The device whose cost model times the replay of :meth:`PipelineStep.predicted_peaks` (the
+#: memory it predicts does not depend on it).
+_TIMING_PRESET = "v100-16gb-pcie3"
 
 #: The op attribute naming the task a pipeline gate belongs to (``stage<k>_<F|B><m>``).
 TASK_ATTR = "_lms_task"
@@ -450,6 +459,61 @@ class PipelineStep:
             'get_concrete_function'
         """
         return self._step.get_concrete_function(x, y)
+
+    def predicted_peaks(self, x, y, *, allocator: bool = True) -> List[int]:
+        """Each stage's predicted peak bytes in its own process, by lms-tf's simulator replaying
+        this traced step (with its serialization, if any) once per stage.
+
+        For stage ``k``, the ops placed on its device count, and so do the tensors it receives
+        from other stages (its process holds a copy, from when they are sent to their last
+        use); ops with no device run where the step is called, counted for stage 0. The stage's
+        weights and optimizer slots (resident before the step) are added. This predicts the
+        step as it is built, where the partition's per-layer model predicts a cut before any step
+        exists: the two are compared in ``docs/benchmarks/partition.md``.
+
+        Args:
+            x: A batch of inputs (only its shapes matter).
+            y: A batch of labels.
+            allocator: Replay the allocations through a model of TensorFlow's CPU allocator
+                (``TF_CPU_ALLOCATOR_USE_BFC=true``, which counts whole chunks); False sums tensor
+                bytes instead.
+
+        Returns:
+            One figure per stage, first to last.
+
+        Examples:
+            >>> import keras, numpy as np
+            >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="a"),
+            ...                           keras.layers.Dense(4, name="b")])
+            >>> step = PipelineStep(model, [["a"], ["b"]], microbatches=2, devices=["/CPU:0", "/CPU:1"])
+            >>> x, y = np.ones((4, 8), "float32"), np.zeros((4,), "int32")
+            >>> [peak > 0 for peak in step.predicted_peaks(x, y)]
+            [True, True]
+        """
+        graph = self._step.get_concrete_function(x, y).graph
+        ir = build_ir(graph)
+        device_of = {op.name: op.device for op in graph.get_operations()}
+        resident = variable_bytes_by_device(list(self.model.weights) + list(self.optimizer.variables))
+        cost = CostModel(get_device_spec(_TIMING_PRESET))
+        # Among ready ops, the one created first: the schedule's order, in which each weight's
+        # update also runs to its end before the next one's starts.
+        created = {op.name: float(i) for i, op in enumerate(graph.get_operations())}
+        # The IdentityN the update's readers were re-pointed around reads nothing anyone needs:
+        # TensorFlow prunes it, so it receives nothing.
+        pruned = {op.name for op in graph.get_operations()
+                  if op.type == "IdentityN" and not any(t.consumers() for t in op.outputs)}
+        peaks = []
+        for k, device in enumerate(self.devices):
+            mine = {op.name for op in ir.ops if op.name not in pruned and (
+                on_device(device_of.get(op.name, ""), device) or (k == 0 and not device_of.get(op.name)))}
+            received = {ir.tensors[t].producer for op in ir.ops if op.name in mine for t in op.inputs}
+            elsewhere = frozenset(op.name for op in ir.ops if op.name not in mine and op.name not in received)
+            simulation = simulate(dataclasses.replace(ir, host_placed=elsewhere), cost=cost, top=1, priority=created,
+                                  allocator=tensorflow_cpu_allocator() if allocator else None,
+                                  kernels=cpu_kernel_library())
+            held = simulation.allocator_peak_bytes if allocator else simulation.peak_bytes
+            peaks.append(held + sum(nbytes for where, nbytes in resident.items() if on_device(where, device)))
+        return peaks
 
     def _run(self, x, y):
         input_keys = set(self._input_keys)
