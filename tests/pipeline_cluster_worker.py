@@ -91,7 +91,8 @@ def wide_mlp():
 def memory(workers, spec):
     """Trains ``name,schedule,stages,microbatches[,serialize]`` (a zoo case or ``wide_mlp``) as
     ``lms_tf.partition`` cuts it, each stage's weights on its own task (serialized if asked); prints
-    each stage's predicted peak and task 0's allocator peak over one step (the stage servers log theirs)."""
+    each stage's predicted peaks (the partition's per-layer model; lms-tf's simulator on the built
+    step) and task 0's allocator peak over one step (the stage servers log theirs)."""
     import tensorflow as tf
 
     from lms_tf.tf.driver import on_device
@@ -117,6 +118,7 @@ def memory(workers, spec):
     resident = variable_bytes_by_device(list(placed.weights) + list(placed.optimizer.variables))
     stage0 = sum(nbytes for device, nbytes in resident.items() if on_device(device, devices[0]))
     print("RESULT " + json.dumps({"predicted": [s.predicted_peak_bytes for s in partition.stages],
+                                  "simulated": step.predicted_peaks(x, y),
                                   "layers": [list(s.layers) for s in partition.stages],
                                   "task0_peak": task0.peak_bytes + stage0, "task0_step_peak": task0.peak_bytes,
                                   "losses": losses}), flush=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence
 
 import tensorflow as tf
 
@@ -503,7 +503,7 @@ def on_device(op_device: str, device: str) -> bool:
                             (a.device_type, b.device_type), (a.device_index, b.device_index)))
 
 
-def serialize_stages(devices: Sequence[str], *, soon: Sequence[str] = (), api: str) -> int:
+def serialize_stages(devices: Sequence[str], *, leave_free: Collection[str] = (), api: str) -> int:
     """Chains each pipeline stage's ops on its own device, one at a time, in the order the step
     created them (so in the schedule's order), for the ``tf.function`` graph being traced now.
 
@@ -518,8 +518,8 @@ def serialize_stages(devices: Sequence[str], *, soon: Sequence[str] = (), api: s
 
     Args:
         devices: Each stage's device.
-        soon: Ops to run as soon as their inputs are ready (ranked right after the latest of
-            them): a gradient's running sum, which frees the previous sum.
+        leave_free: Ops left out of the chain (they run when ready): see :class:`PipelineStep`
+            for which and why.
         api: Front-end name for messages.
 
     Returns:
@@ -537,13 +537,10 @@ def serialize_stages(devices: Sequence[str], *, soon: Sequence[str] = (), api: s
     graph = _traced_graph(api)
     ops = graph.get_operations()
     created = {op.name: float(i) for i, op in enumerate(ops)}
-    for name in soon:
-        op = graph.get_operation_by_name(name)
-        created[name] = max((created[t.op.name] for t in op.inputs), default=created[name]) + 0.5
-    fused = grappler_rewritten_ops(graph, devices[0], CPU_GRAPPLER_MEMORY_BYTES)
+    free = grappler_rewritten_ops(graph, devices[0], CPU_GRAPPLER_MEMORY_BYTES) | frozenset(leave_free)
     edges = 0
     for device in devices:
-        rank = {op.name: created[op.name] for op in ops if on_device(op.device, device)}
-        edges += impose_order(graph, rank, leave_free=fused)
+        rank = {op.name: created[op.name] for op in ops if on_device(op.device, device) and op.name not in free}
+        edges += impose_order(graph, rank, leave_free=free, free_through_control=False)
     logger.info("serialized the pipeline's %d stages in the schedule's order (%d control edges)", len(devices), edges)
     return edges

@@ -529,7 +529,6 @@ class PipelineStep:
         variables = [[v for name in stage.layers for v in self.model.get_layer(name).trainable_variables]
                      for stage in self.stages]
         accumulated: List[Optional[list]] = [None for _ in self.stages]
-        running_sums: List[str] = []  # what frees the previous sum: serialized, it runs at once
         scopes: Dict[int, str] = {}
         for task in self.order:
             stage, m = self.stages[task.stage], task.microbatch
@@ -572,10 +571,7 @@ class PipelineStep:
                     for key, g in zip(source_keys, grads[:len(sources)]):
                         grads_in[m].setdefault(key, []).append(g)
                     weight_grads = grads[len(sources):]
-                    first = accumulated[task.stage] is None
                     accumulated[task.stage] = _accumulate(accumulated[task.stage], weight_grads)
-                    if not first:
-                        running_sums += [t.op.name for t in accumulated[task.stage]]
                     previous[task.stage] = _done(list(accumulated[task.stage]) + list(grads[:len(sources)]), label)
         # One update for all stages' weights, in the model's order: the optimizer counts one
         # iteration per step (Adam's bias correction reads it), as the single-device step does.
@@ -585,6 +581,7 @@ class PipelineStep:
         by_variable = {id(v): g for stage_vars, grads in zip(variables, accumulated) for v, g in zip(stage_vars, grads or ())}
         weights = self.model.trainable_variables
         graph = _compat.current_graph()
+        update_starts = len(graph.get_operations())
         # The mean goes where the update's first product will be, beside the weight: on one
         # device Grappler folds the two (constant push-down), and it must fold the same here.
         means = []
@@ -605,7 +602,11 @@ class PipelineStep:
                 [RewriteRequest(self._swap_policies, resolve_device(self.devices[k])) for k in self.swap_stages],
                 api="PipelineStep")
         if self.serialize:
-            serialize_stages(self.devices, soon=running_sums, api="PipelineStep")
+            # The update is left free: on one device Grappler folds the mean into the update's
+            # first product, and a control edge on that product would stop it (the numbers
+            # would change). It runs after every task anyway.
+            serialize_stages(self.devices, leave_free=[op.name for op in graph.get_operations()[update_starts:]],
+                             api="PipelineStep")
         return mean
 
 

@@ -240,7 +240,8 @@ def _fusable_gate_with_partner(op: tf.Operation) -> List[tf.Operation]:
     return [partner for partner in op.inputs[0].consumers() if partner.type in FUSABLE_GATE_PARTNER_TYPES]
 
 
-def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collection[str] = ()) -> int:
+def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collection[str] = (), *,
+                 free_through_control: bool = True) -> int:
     """Chains the ranked ops of ``graph`` with control edges, in rank order where the graph allows.
 
     Must run while ``graph`` is being traced, after the automatic control dependencies of
@@ -251,6 +252,12 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collect
         graph: The graph to serialize, in place.
         rank: Op name -> rank; lower runs first.
         leave_free: Ops never chained (those Grappler fuses: :func:`grappler_rewritten_ops`).
+        free_through_control: Also leave free what waits for a collective or a fusable
+            ``BiasAddGrad`` only through control edges. A pipeline step passes False: each
+            stage's next task waits for the last through a control edge, so otherwise everything
+            after a stage's first bias gradient would go free; and in a step without recompute,
+            the fused kernel's extra wait (for its partner's inputs, computed before it) cannot
+            close a cycle.
 
     Returns:
         The number of control edges added. Each chained op carries its position in the
@@ -274,7 +281,7 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collect
             reads_inputs.add(name)
         if (is_collective(op.type) or _fusable_gate_with_partner(op)
                 or any(t.op.name in downstream_of_unchainable for t in op.inputs)
-                or any(c.name in downstream_of_unchainable for c in op.control_inputs)):
+                or (free_through_control and any(c.name in downstream_of_unchainable for c in op.control_inputs))):
             downstream_of_unchainable.add(name)
     chain = [graph.get_operation_by_name(name) for name in order
              if name in rank and name in reads_inputs and name not in downstream_of_unchainable]
