@@ -249,19 +249,24 @@ exec bash -c "$1"
 @pytest.mark.timeout(600)
 def test_each_stage_process_peaks_near_its_predicted_memory():
     """One process per stage, each with its own allocator and its stage's weights and Adam slots
-    (place_stages): a 1024-wide, 7-layer MLP at batch 256, cut in two by lms_tf.partition (1F1B,
-    4 micro-batches). Stage 1's server reads its allocator's peak (TF_CPU_ALLOCATOR_USE_BFC=true)
-    and logs it when it stops; task 0 measures its own over one step. Not serialized: TensorFlow
-    runs ready ops in parallel, so the peaks move between runs. Measured over eight runs: stage 1
-    1.08-1.22x its prediction, task 0 0.84-1.11x (it also holds the batch and its split)."""
-    done = subprocess.run([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", "2", "--", sys.executable, WORKER,
-                           "-", "--memory", "wide_mlp,1f1b,2,4"], cwd=ROOT,
+    (place_stages): a 1024-wide, 7-layer MLP at batch 256, cut in three by lms_tf.partition (1F1B,
+    4 micro-batches), serialized. Each stage server reads its allocator's peak
+    (TF_CPU_ALLOCATOR_USE_BFC=true) and logs it when it stops; task 0 measures its own over one
+    step and adds its stage's resident weights and slots. Against lms-tf's simulator on the built
+    step (PipelineStep.predicted_peaks), the issue's target: within 10%. Against the partition's
+    per-layer model, made before any step exists, the spread measured by the benchmark (0.96-1.16
+    over four runs; docs/benchmarks/partition.md)."""
+    done = subprocess.run([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", "3", "--", sys.executable, WORKER,
+                           "-", "--memory", "wide_mlp,1f1b,3,4,serialize"], cwd=ROOT,
                           env=dict(ENV, TF_CPU_ALLOCATOR_USE_BFC="true"), capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
     result = result_of(done.stdout)
-    stage1 = [int(m.group(1)) for m in re.finditer(r"pipeline stage 1: allocator peak (\d+) bytes", done.stderr)]
-    assert len(stage1) == 1, done.stderr[-3000:]
-    predicted = result["predicted"]
-    ratios = [result["task0_peak"] / predicted[0], stage1[0] / predicted[1]]
-    assert 0.75 <= ratios[0] <= 1.35 and 0.9 <= ratios[1] <= 1.3, (ratios, result, stage1)
+    real = {0: result["task0_peak"]}
+    for m in re.finditer(r"pipeline stage (\d+): allocator peak (\d+) bytes", done.stderr):
+        real[int(m.group(1))] = int(m.group(2))
+    assert sorted(real) == [0, 1, 2], done.stderr[-3000:]
+    by_simulator = [real[k] / result["simulated"][k] for k in range(3)]
+    by_model = [real[k] / result["predicted"][k] for k in range(3)]
+    assert all(0.9 <= r <= 1.1 for r in by_simulator), (by_simulator, result, real)
+    assert all(0.9 <= r <= 1.2 for r in by_model), (by_model, result, real)
     assert len(set(result["losses"])) > 1
