@@ -629,6 +629,7 @@ def test_predicted_peaks_count_each_stages_own_memory():
         own = sum(b for d, b in resident.items() if d.endswith(f"CPU:{k}"))
         assert own < tensors[k] <= chunks[k], (k, own, tensors[k], chunks[k])
     # The partition's per-layer model, made before any step existed, against the built step
-    # (measured 1.11-1.12 here; on real allocators, docs/benchmarks/partition.md).
+    # (0.995-0.996 here, 0.995-1.081 over K = 2 and 3 and both schedules; on real allocators,
+    # docs/benchmarks/partition.md): within the 10%.
     ratios = [sim / stage.predicted_peak_bytes for sim, stage in zip(chunks, partition.stages)]
-    assert all(1.0 <= r <= 1.2 for r in ratios), ratios
+    assert all(0.9 <= r <= 1.1 for r in ratios), ratios

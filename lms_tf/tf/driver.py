@@ -503,9 +503,10 @@ def on_device(op_device: str, device: str) -> bool:
                             (a.device_type, b.device_type), (a.device_index, b.device_index)))
 
 
-def serialize_stages(devices: Sequence[str], *, leave_free: Collection[str] = (), api: str) -> int:
-    """Chains each pipeline stage's ops on its own device, one at a time, in the order the step
-    created them (so in the schedule's order), for the ``tf.function`` graph being traced now.
+def serialize_stages(devices: Sequence[str], rank: Mapping[str, float], *, leave_free: Collection[str] = (),
+                     api: str) -> int:
+    """Chains each pipeline stage's ops on its own device, one at a time, in ``rank`` order (the
+    schedule's), for the ``tf.function`` graph being traced now.
 
     What ``serialize=True`` is to one device, for a pipeline: each stage's memory then follows
     one order, the one the per-layer model counts, instead of the executor's choice among ready
@@ -518,6 +519,7 @@ def serialize_stages(devices: Sequence[str], *, leave_free: Collection[str] = ()
 
     Args:
         devices: Each stage's device.
+        rank: Op name -> rank; lower runs first (ops it leaves out are not chained).
         leave_free: Ops left out of the chain (they run when ready): see :class:`PipelineStep`
             for which and why.
         api: Front-end name for messages.
@@ -529,18 +531,18 @@ def serialize_stages(devices: Sequence[str], *, leave_free: Collection[str] = ()
         LMSError: Not inside a ``tf.function`` trace.
 
     Examples:
-        >>> serialize_stages(["/CPU:0"], api="doc")  # doctest: +ELLIPSIS
+        >>> serialize_stages(["/CPU:0"], {}, api="doc")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         lms_tf.LMSError: doc: the step runs eagerly...
     """
     graph = _traced_graph(api)
     ops = graph.get_operations()
-    created = {op.name: float(i) for i, op in enumerate(ops)}
     free = grappler_rewritten_ops(graph, devices[0], CPU_GRAPPLER_MEMORY_BYTES) | frozenset(leave_free)
     edges = 0
     for device in devices:
-        rank = {op.name: created[op.name] for op in ops if on_device(op.device, device) and op.name not in free}
-        edges += impose_order(graph, rank, leave_free=free, free_through_control=False)
+        mine = {op.name: rank[op.name] for op in ops
+                if op.name in rank and on_device(op.device, device) and op.name not in free}
+        edges += impose_order(graph, mine, leave_free=free, free_through_control=False)
     logger.info("serialized the pipeline's %d stages in the schedule's order (%d control edges)", len(devices), edges)
     return edges

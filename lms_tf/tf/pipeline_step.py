@@ -495,9 +495,9 @@ class PipelineStep:
         device_of = {op.name: op.device for op in graph.get_operations()}
         resident = variable_bytes_by_device(list(self.model.weights) + list(self.optimizer.variables))
         cost = CostModel(get_device_spec(_TIMING_PRESET))
-        # Among ready ops, the one created first: the schedule's order, in which each weight's
-        # update also runs to its end before the next one's starts.
-        created = {op.name: float(i) for i, op in enumerate(graph.get_operations())}
+        # Among ready ops, the one serialization chains first: the schedule's order, in which each
+        # weight's update also runs to its end before the next one's starts.
+        created = _schedule_ranks(graph, self._running_sums)
         # The IdentityN the update's readers were re-pointed around reads nothing anyone needs:
         # TensorFlow prunes it, so it receives nothing.
         pruned = {op.name for op in graph.get_operations()
@@ -529,6 +529,7 @@ class PipelineStep:
         variables = [[v for name in stage.layers for v in self.model.get_layer(name).trainable_variables]
                      for stage in self.stages]
         accumulated: List[Optional[list]] = [None for _ in self.stages]
+        self._running_sums = []  # each weight's running sum over the micro-batches after the first
         scopes: Dict[int, str] = {}
         for task in self.order:
             stage, m = self.stages[task.stage], task.microbatch
@@ -571,7 +572,10 @@ class PipelineStep:
                     for key, g in zip(source_keys, grads[:len(sources)]):
                         grads_in[m].setdefault(key, []).append(g)
                     weight_grads = grads[len(sources):]
+                    first = accumulated[task.stage] is None
                     accumulated[task.stage] = _accumulate(accumulated[task.stage], weight_grads)
+                    if not first:
+                        self._running_sums += [t.op.name for t in accumulated[task.stage]]
                     previous[task.stage] = _done(list(accumulated[task.stage]) + list(grads[:len(sources)]), label)
         # One update for all stages' weights, in the model's order: the optimizer counts one
         # iteration per step (Adam's bias correction reads it), as the single-device step does.
@@ -605,9 +609,33 @@ class PipelineStep:
             # The update is left free: on one device Grappler folds the mean into the update's
             # first product, and a control edge on that product would stop it (the numbers
             # would change). It runs after every task anyway.
-            serialize_stages(self.devices, leave_free=[op.name for op in graph.get_operations()[update_starts:]],
-                             api="PipelineStep")
+            serialize_stages(self.devices, _schedule_ranks(graph, self._running_sums),
+                             leave_free=[op.name for op in graph.get_operations()[update_starts:]], api="PipelineStep")
         return mean
+
+
+def _schedule_ranks(graph, running_sums: Sequence[str]) -> Dict[str, float]:
+    """Op name -> rank in the order a stage runs: the order the step created its ops (the
+    schedule's), except that each running sum of a weight's gradient comes right after that
+    gradient. The tape builds a stage's every weight gradient of a micro-batch before the sums
+    are added, so in creation order a stage would hold its weights' gradients twice over; summed
+    at once, the previous sum is freed as each gradient arrives.
+
+    Examples:
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     a, b = tf.constant(1.0, name="a"), tf.constant(2.0, name="b")
+        ...     grad = tf.negative(b, name="grad")
+        ...     other = tf.square(b, name="other")
+        ...     total = tf.add(a, grad, name="sum")
+        >>> sorted(_schedule_ranks(g, ["sum"]).items(), key=lambda kv: kv[1])[2:]
+        [('grad', 2.0), ('sum', 2.5), ('other', 3.0)]
+    """
+    rank = {op.name: float(i) for i, op in enumerate(graph.get_operations())}
+    for name in running_sums:  # in creation order: a sum's previous sum is ranked already
+        op = graph.get_operation_by_name(name)
+        rank[name] = max(rank[t.op.name] for t in op.inputs) + 0.5
+    return rank
 
 
 def _swap_stages(swap, stages, count: int) -> List[int]:
