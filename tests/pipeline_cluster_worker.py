@@ -88,8 +88,28 @@ def wide_mlp():
     return model, (x, y)
 
 
+def wide_cnn():
+    """Activations, not weights, make most of a stage's memory: the other regime from ``wide_mlp``."""
+    import keras
+
+    from tests import zoo
+
+    zoo._seed()
+    rng = np.random.RandomState(9)
+    x, y = rng.rand(64, 32, 32, 3).astype("float32"), rng.randint(0, 10, 64).astype("int32")
+    layers = [keras.Input((32, 32, 3))] + [
+        keras.layers.Conv2D(64, 3, padding="same", activation="relu", name=f"conv_{i}") for i in range(6)]
+    model = keras.Sequential(layers + [keras.layers.GlobalAveragePooling2D(name="pool"),
+                                       keras.layers.Dense(10, name="head")], name="wide_cnn")
+    model.compile(optimizer=keras.optimizers.Adam(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, (x, y)
+
+
+WIDE = {"wide_mlp": wide_mlp, "wide_cnn": wide_cnn}
+
+
 def memory(workers, spec):
-    """Trains ``name,schedule,stages,microbatches[,serialize]`` (a zoo case or ``wide_mlp``) as
+    """Trains ``name,schedule,stages,microbatches[,serialize]`` (a zoo case, ``wide_mlp`` or ``wide_cnn``) as
     ``lms_tf.partition`` cuts it, each stage's weights on its own task (serialized if asked); prints
     each stage's predicted peaks (the partition's per-layer model; lms-tf's simulator on the built
     step) and task 0's allocator peak over one step (the stage servers log theirs)."""
@@ -102,7 +122,7 @@ def memory(workers, spec):
 
     name, schedule, stages, microbatches, *serialize = spec.split(",")
     devices = connect(workers)
-    model, (x, y) = wide_mlp() if name == "wide_mlp" else cases.MODELS[name]()
+    model, (x, y) = WIDE[name]() if name in WIDE else cases.MODELS[name]()
     partition = lms_tf.partition(model, stages=int(stages), microbatches=int(microbatches), batch_size=len(y),
                                  schedule=schedule)
     placed = place_stages(model, partition, devices)

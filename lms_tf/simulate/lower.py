@@ -33,7 +33,8 @@ from lms_tf.simulate.pool import optimizer_slots, variables_on_host
 
 #: Kernel libraries whose scratch memory :func:`simulate` models (``kernels=``). ``"cudnn"`` (a GPU)
 #: and ``"eigen"`` (TensorFlow's CPU kernels with ``TF_ENABLE_ONEDNN_OPTS=0``) take convolution
-#: scratch from TensorFlow's allocator; ``"onednn"`` (TensorFlow's default CPU kernels on x86)
+#: scratch from TensorFlow's allocator (Eigen's filter gradient a fixed ~30 MiB:
+#: :func:`_eigen_workspace`); ``"onednn"`` (TensorFlow's default CPU kernels on x86)
 #: takes none, and gives a max pool a workspace output its gradient reads (one byte per
 #: element: TensorFlow's allocation trace shows ``[12845056]`` beside a ``[16,112,112,64]``
 #: float32 pool output).
@@ -303,6 +304,45 @@ def _workspace(ir: GraphIR, op: OpInfo, kernels: str) -> int:
     return max([ir.tensors[t].nbytes or 0 for t in op.inputs] or [0])
 
 
+#: The working set TensorFlow's CPU ``Conv2DBackpropFilter`` kernel (without oneDNN) sizes its
+#: im2col buffer for: its fixed L3 cache estimate, 30 MiB.
+EIGEN_FILTER_GRAD_WORKING_SET_BYTES = 30 << 20
+
+
+def _eigen_workspace(ir: GraphIR, op: OpInfo) -> int:
+    """Scratch bytes of TensorFlow's Eigen CPU kernels (``TF_ENABLE_ONEDNN_OPTS=0``).
+
+    A 2-D filter gradient (``Conv2DCustomBackpropFilterOp``) unfolds ``shard`` images into one
+    im2col buffer, ``shard = ceil(30 MiB / (element size x (P x F + P x O + F x O)))`` for an output
+    of ``P`` pixels, ``F = kh x kw x in_channels`` and ``O`` out channels, whatever the batch: about
+    30 MiB for every filter gradient, which dominates the memory of small convolutional stages
+    (TensorFlow's allocation trace shows ``[12, 1024, 576]`` for a 3x3, 64-channel convolution on
+    32x32 images, batch 16). Other convolution kernels: about their largest operand.
+
+    Examples:
+        >>> from lms_tf.core import make_ir
+        >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (16, 32, 32, 64))]),
+        ...               dict(name="dy", type="Placeholder", outputs=[("dy:0", (16, 32, 32, 64))]),
+        ...               dict(name="s", type="Const", outputs=[("s:0", (4,))]),
+        ...               dict(name="g", type="Conv2DBackpropFilter", inputs=["x:0", "s:0", "dy:0"],
+        ...                    outputs=[("g:0", (3, 3, 64, 64))])])
+        >>> _eigen_workspace(ir, ir.op("g"))
+        28311552
+    """
+    if op.type != "Conv2DBackpropFilter" or len(op.inputs) < 3:
+        return _workspace(ir, op, "eigen")
+    grad, out_backprop = ir.tensors[op.outputs[0]], ir.tensors[op.inputs[2]]
+    if not grad.nbytes or not grad.shape or len(grad.shape) != 4 or not out_backprop.shape \
+            or len(out_backprop.shape) != 4 or any(d is None for d in (*grad.shape, *out_backprop.shape)):
+        return _workspace(ir, op, "eigen")
+    kh, kw, channels_in, channels_out = grad.shape
+    itemsize = grad.nbytes // (kh * kw * channels_in * channels_out)
+    pixels, patch = out_backprop.shape[1] * out_backprop.shape[2], kh * kw * channels_in
+    work = pixels * patch + pixels * channels_out + patch * channels_out
+    shard = -(-(EIGEN_FILTER_GRAD_WORKING_SET_BYTES // itemsize) // work)
+    return shard * pixels * patch * itemsize
+
+
 def _pool_workspace_bytes(ir: GraphIR, tensor: str) -> int:
     """oneDNN's max-pool workspace for the pool output ``tensor``: one byte per element (0 when
     its size is unknown)."""
@@ -501,7 +541,10 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         event = Event(name, COMPUTE_STREAM, op_times[name] if op_times is not None else op_time(op), reads, writes, [],
                       forwarding=cached.forwarding and (not accumulated_sums or name not in accumulated_sums),
                       updates=cached.updates, order=op.index,
-                      workspace=cached.workspace if with_workspace else 0)
+                      # an op placed off the device (on the host, on another pipeline stage) takes its
+                      # scratch there
+                      workspace=(0 if not with_workspace or name in ir.host_placed
+                                 else _eigen_workspace(ir, op) if kernels == "eigen" else cached.workspace))
         if name in host_update:  # runs on the host: nothing on the device, host time
             event.reads, event.writes, event.updates, event.workspace = [], [], None, 0
             event.stream, event.duration = HOST_COMPUTE_STREAM, cost.host_op_time(ir, op)
