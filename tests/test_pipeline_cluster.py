@@ -246,27 +246,38 @@ exec bash -c "$1"
     assert gone_within(launched_pids(done.stderr.splitlines()).values(), 30)
 
 
-@pytest.mark.timeout(600)
-def test_each_stage_process_peaks_near_its_predicted_memory():
-    """One process per stage, each with its own allocator and its stage's weights and Adam slots
-    (place_stages): a 1024-wide, 7-layer MLP at batch 256, cut in three by lms_tf.partition (1F1B,
-    4 micro-batches), serialized. Each stage server reads its allocator's peak
-    (TF_CPU_ALLOCATOR_USE_BFC=true) and logs it when it stops; task 0 measures its own over one
-    step and adds its stage's resident weights and slots. Against lms-tf's simulator on the built
-    step (PipelineStep.predicted_peaks), the issue's target: within 10%. Against the partition's
-    per-layer model, made before any step exists, the spread measured by the benchmark (0.96-1.16
-    over four runs; docs/benchmarks/partition.md)."""
-    done = subprocess.run([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", "3", "--", sys.executable, WORKER,
-                           "-", "--memory", "wide_mlp,1f1b,3,4,serialize"], cwd=ROOT,
-                          env=dict(ENV, TF_CPU_ALLOCATOR_USE_BFC="true"), capture_output=True, text=True, timeout=540)
+def memory_run(spec):
+    """One training under ``lms-tf launch`` in the worker's ``--memory`` mode: its result, with each
+    stage's real peak (task 0's own figure, the stage servers' logged ones)."""
+    stages = int(spec.split(",")[2])
+    done = subprocess.run([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", str(stages), "--", sys.executable,
+                           WORKER, "-", "--memory", spec], cwd=ROOT, env=dict(ENV, TF_CPU_ALLOCATOR_USE_BFC="true"),
+                          capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     result = result_of(done.stdout)
     real = {0: result["task0_peak"]}
     for m in re.finditer(r"pipeline stage (\d+): allocator peak (\d+) bytes", done.stderr):
         real[int(m.group(1))] = int(m.group(2))
-    assert sorted(real) == [0, 1, 2], done.stderr[-3000:]
-    by_simulator = [real[k] / result["simulated"][k] for k in range(3)]
-    by_model = [real[k] / result["predicted"][k] for k in range(3)]
-    assert all(0.9 <= r <= 1.1 for r in by_simulator), (by_simulator, result, real)
-    assert all(0.9 <= r <= 1.2 for r in by_model), (by_model, result, real)
+    assert sorted(real) == list(range(stages)), done.stderr[-3000:]
     assert len(set(result["losses"])) > 1
+    return result, [real[k] for k in range(stages)]
+
+
+@pytest.mark.timeout(900)
+def test_each_stage_process_peaks_near_its_predicted_memory():
+    """One process per stage, each with its own allocator and its stage's weights and Adam slots
+    (place_stages): a 1024-wide, 7-layer MLP at batch 256, cut in three by lms_tf.partition (1F1B,
+    4 micro-batches), serialized. Each stage server reads its allocator's peak
+    (TF_CPU_ALLOCATOR_USE_BFC=true) and logs it when it stops; task 0 measures its own over one
+    step and adds its stage's resident weights and slots. A process's peak moves between runs (when
+    received tensors land decides where the allocator puts them), so each stage's median of three
+    runs is held to the issue's target against lms-tf's simulator on the built step
+    (PipelineStep.predicted_peaks): within 10%. Against the partition's per-layer model, made before
+    any step exists, the spread the benchmark measured (docs/benchmarks/partition.md)."""
+    runs = [memory_run("wide_mlp,1f1b,3,4,serialize") for _ in range(3)]
+    result = runs[0][0]
+    median = [sorted(real[k] for _, real in runs)[1] for k in range(3)]
+    by_simulator = [median[k] / result["simulated"][k] for k in range(3)]
+    by_model = [median[k] / result["predicted"][k] for k in range(3)]
+    assert all(0.9 <= r <= 1.1 for r in by_simulator), (by_simulator, [real for _, real in runs], result)
+    assert all(0.95 <= r <= 1.2 for r in by_model), (by_model, [real for _, real in runs], result)
