@@ -543,6 +543,7 @@ def serialize_stages(devices: Sequence[str], rank: Mapping[str, float], *, leave
     for device in devices:
         mine = {op.name: rank[op.name] for op in ops
                 if op.name in rank and on_device(op.device, device) and op.name not in free}
-        edges += impose_order(graph, mine, leave_free=free, free_through_control=False)
+        edges += impose_order(graph, mine, leave_free=free, free_through_control=False,
+                              onednn_fusions=_compat.onednn_enabled())
     logger.info("serialized the pipeline's %d stages in the schedule's order (%d control edges)", len(devices), edges)
     return edges

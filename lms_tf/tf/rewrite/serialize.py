@@ -241,7 +241,7 @@ def _fusable_gate_with_partner(op: tf.Operation) -> List[tf.Operation]:
 
 
 def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collection[str] = (), *,
-                 free_through_control: bool = True) -> int:
+                 free_through_control: bool = True, onednn_fusions: bool = True) -> int:
     """Chains the ranked ops of ``graph`` with control edges, in rank order where the graph allows.
 
     Must run while ``graph`` is being traced, after the automatic control dependencies of
@@ -258,6 +258,10 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collect
             after a stage's first bias gradient would go free; and in a step without recompute,
             the fused kernel's extra wait (for its partner's inputs, computed before it) cannot
             close a cycle.
+        onednn_fusions: Leave free what oneDNN fuses after Grappler (a ``BiasAddGrad`` and its
+            partner, the elementwise op that alone reads a fused contraction). False when oneDNN
+            is off (``TF_ENABLE_ONEDNN_OPTS=0``): nothing is fused then, and chaining them keeps
+            two filter gradients, each with its own scratch, from running at once.
 
     Returns:
         The number of control edges added. Each chained op carries its position in the
@@ -279,19 +283,22 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collect
         if (op.type == "Placeholder" and op.outputs[0].dtype != tf.resource
                 or any(t.op.name in reads_inputs for t in op.inputs)):
             reads_inputs.add(name)
-        if (is_collective(op.type) or _fusable_gate_with_partner(op)
+        if (is_collective(op.type) or (onednn_fusions and _fusable_gate_with_partner(op))
                 or any(t.op.name in downstream_of_unchainable for t in op.inputs)
                 or (free_through_control and any(c.name in downstream_of_unchainable for c in op.control_inputs))):
             downstream_of_unchainable.add(name)
     chain = [graph.get_operation_by_name(name) for name in order
              if name in rank and name in reads_inputs and name not in downstream_of_unchainable]
     # Fused kernels (see the module docstring): a control edge would change or deadlock them.
-    fused_after_grappler = {op.name for op in chain if op.type in FUSABLE_GATE_TYPES}
-    fused_after_grappler |= {partner.name for name in order
-                             for partner in _fusable_gate_with_partner(graph.get_operation_by_name(name))}
-    # oneDNN also extends a fused contraction by the elementwise op that alone reads it (the residual
-    # Add of MatMul + BiasAdd + Add in bfloat16), where Grappler offline shows no such fusion.
-    fused_after_grappler |= {reader.name for name in leave_free for reader in _sole_elementwise_reader(graph, name)}
+    fused_after_grappler = set()
+    if onednn_fusions:
+        fused_after_grappler = {op.name for op in chain if op.type in FUSABLE_GATE_TYPES}
+        fused_after_grappler |= {partner.name for name in order
+                                 for partner in _fusable_gate_with_partner(graph.get_operation_by_name(name))}
+        # oneDNN also extends a fused contraction by the elementwise op that alone reads it (the
+        # residual Add of MatMul + BiasAdd + Add in bfloat16), where Grappler offline shows no such fusion.
+        fused_after_grappler |= {reader.name for name in leave_free
+                                 for reader in _sole_elementwise_reader(graph, name)}
     chain = [op for op in chain if op.name not in fused_after_grappler and op.name not in leave_free]
     for position, op in enumerate(chain):
         _compat.set_int_attr(op, SERIAL_ATTR, position)
