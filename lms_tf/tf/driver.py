@@ -538,7 +538,8 @@ def serialize_stages(devices: Sequence[str], rank: Mapping[str, float], *, leave
     """
     graph = _traced_graph(api)
     ops = graph.get_operations()
-    free = grappler_rewritten_ops(graph, devices[0], CPU_GRAPPLER_MEMORY_BYTES) | frozenset(leave_free)
+    free = grappler_rewritten_ops(graph, devices[0], CPU_GRAPPLER_MEMORY_BYTES,
+                                  folded_shapes_unchanged=True) | frozenset(leave_free)
     edges = 0
     for device in devices:
         mine = {op.name: rank[op.name] for op in ops

@@ -160,7 +160,7 @@ def serial_chain(graph: tf.Graph) -> List[tf.Operation]:
 
 
 def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int, *,
-                           removed_only: bool = False) -> FrozenSet[str]:
+                           removed_only: bool = False, folded_shapes_unchanged: bool = False) -> FrozenSet[str]:
     """The ops of ``graph`` that TensorFlow's default Grappler pipeline fuses, folds or regroups
     (with ``removed_only``, those it leaves out of its result: the inner ops of a fused or
     regrouped group, whose last op keeps its name).
@@ -174,6 +174,10 @@ def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int, *,
         graph: The step's graph (it may still be being traced).
         device: The step's device, e.g. ``"/device:GPU:0"``.
         memory_bytes: The memory the runtime tells Grappler the device has.
+        removed_only: Only the ops left out of the result.
+        folded_shapes_unchanged: An op whose shape input (a convolution gradient's sizes, a
+            ``ShapeN``) Grappler only replaced by the constant it knows is not counted: it runs
+            the same kernel on the same values.
 
     Examples:
         >>> g = tf.Graph()
@@ -198,15 +202,21 @@ def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int, *,
     if removed_only:
         kept = {node.name for node in optimized.node}
         return frozenset(node.name for node in graph_def.node if node.name not in kept)
-    return frozenset(_changed_nodes(graph_def, optimized))
+    return frozenset(_changed_nodes(graph_def, optimized, folded_shapes_unchanged))
 
 
 _PASS_THROUGH = frozenset({"Identity", "Snapshot", "StopGradient"})
 
 
-def _changed_nodes(before, after) -> List[str]:
+#: Ops whose output is a shape: constant folding replaces them by the constant they compute.
+_SHAPE_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+
+def _changed_nodes(before, after, folded_shapes_unchanged: bool = False) -> List[str]:
     """Nodes of ``before`` missing from ``after``, of another op type there, or reading other values
-    (inputs compared as sets, through identity ops, which Grappler removes without changing a value)."""
+    (inputs compared as sets, through identity ops, which Grappler removes without changing a value).
+    With ``folded_shapes_unchanged``, a node that reads a shape compares its other inputs only
+    (its shapes and constants, before and after, left out)."""
     def sources(graph_def):
         nodes = {node.name: node for node in graph_def.node}
 
@@ -219,6 +229,15 @@ def _changed_nodes(before, after) -> List[str]:
 
     old_nodes, old_inputs = sources(before)
     new_nodes, new_inputs = sources(after)
+    if folded_shapes_unchanged:
+        def node_type(nodes, tensor: str):
+            node = nodes.get(tensor.split(":")[0])
+            return node.op if node is not None else None
+        folded = _SHAPE_TYPES | {"Const"}
+        for name, inputs in old_inputs.items():
+            if name in new_inputs and any(node_type(old_nodes, i) in _SHAPE_TYPES for i in inputs):
+                old_inputs[name] = {i for i in inputs if node_type(old_nodes, i) not in folded}
+                new_inputs[name] = {i for i in new_inputs[name] if node_type(new_nodes, i) not in folded}
     return [name for name, node in old_nodes.items()
             if name not in new_nodes or new_nodes[name].op != node.op or new_inputs[name] != old_inputs[name]]
 
