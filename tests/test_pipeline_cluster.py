@@ -273,7 +273,9 @@ def test_each_stage_process_peaks_near_its_predicted_memory():
     received tensors land decides where the allocator puts them), so each stage's median of three
     runs is held to the issue's target against lms-tf's simulator on the built step
     (PipelineStep.predicted_peaks): within 10%. Against the partition's per-layer model, made before
-    any step exists, the spread the benchmark measured (docs/benchmarks/partition.md)."""
+    any step exists, the spread the benchmark measured (docs/benchmarks/partition.md). Measured:
+    task 0 1.085-1.094 (its peak falls in the optimizer update, which serialization leaves free),
+    the stage servers 0.93-1.03."""
     runs = [memory_run("wide_mlp,1f1b,3,4,serialize") for _ in range(3)]
     result = runs[0][0]
     median = [sorted(real[k] for _, real in runs)[1] for k in range(3)]
