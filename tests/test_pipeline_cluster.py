@@ -270,15 +270,15 @@ def test_each_stage_process_peaks_near_its_predicted_memory():
     4 micro-batches), serialized. Each stage server reads its allocator's peak
     (TF_CPU_ALLOCATOR_USE_BFC=true) and logs it when it stops; task 0 measures its own over one
     step and adds its stage's resident weights and slots. A process's peak moves between runs (when
-    received tensors land decides where the allocator puts them), so each stage's median of three
+    received tensors land decides where the allocator puts them), so each stage's median of five
     runs is held to the issue's target against lms-tf's simulator on the built step
     (PipelineStep.predicted_peaks): within 10%. Against the partition's per-layer model, made before
     any step exists, the spread the benchmark measured (docs/benchmarks/partition.md). Measured:
     task 0 1.085-1.094 (its peak falls in the optimizer update, which serialization leaves free),
     the stage servers 0.93-1.03."""
-    runs = [memory_run("wide_mlp,1f1b,3,4,serialize") for _ in range(3)]
+    runs = [memory_run("wide_mlp,1f1b,3,4,serialize") for _ in range(5)]
     result = runs[0][0]
-    median = [sorted(real[k] for _, real in runs)[1] for k in range(3)]
+    median = [sorted(real[k] for _, real in runs)[2] for k in range(3)]
     by_simulator = [median[k] / result["simulated"][k] for k in range(3)]
     by_model = [median[k] / result["predicted"][k] for k in range(3)]
     assert all(0.9 <= r <= 1.1 for r in by_simulator), (by_simulator, [real for _, real in runs], result)
