@@ -37,15 +37,15 @@ import tensorflow as tf
 from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.policy import Policies, describe
-from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
 from lms_tf.cost import CostModel, get_device_spec
+from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
 from lms_tf.simulate import simulate, tensorflow_cpu_allocator
 from lms_tf.tf.diagnostics import cpu_kernel_library
 from lms_tf.tf.driver import RewriteRequest, call_step_for_rewrite, check_visible, is_visible, on_device, \
     resolve_device, rewrite_traced_stages, serialize_stages, visible_device_names
-from lms_tf.tf.trace import build_ir
 from lms_tf.tf.rewrite.common import mark
 from lms_tf.tf.rewrite.serialize import bypass_identity_n
+from lms_tf.tf.trace import build_ir
 from lms_tf.tf.variables import variable_bytes_by_device, variable_device
 
 logger = logging.getLogger("lms_tf")
@@ -440,6 +440,7 @@ class PipelineStep:
         self.model, self.devices, self.microbatches, self.schedule = model, list(devices), microbatches, schedule
         self.loss_fn, self.optimizer = _loss_and_optimizer(model, loss, optimizer)
         self.serialize = bool(serialize)
+        self._running_sums: List[str] = []  # set when traced: each weight's running sums (see _schedule_ranks)
         # Python loops over a static schedule; serialized, inside the automatic control
         # dependencies, which the chain must respect.
         self._step = tf.function(lambda x, y: call_step_for_rewrite(self.serialize, self._run, x, y), autograph=False)
@@ -495,8 +496,8 @@ class PipelineStep:
         device_of = {op.name: op.device for op in graph.get_operations()}
         resident = variable_bytes_by_device(list(self.model.weights) + list(self.optimizer.variables))
         cost = CostModel(get_device_spec(_TIMING_PRESET))
-        # Among ready ops, the one serialization chains first: the schedule's order, in which each
-        # weight's update also runs to its end before the next one's starts.
+        # Among ready ops, the one ranked first: the order serialization chains each stage in
+        # (the update, left out of the chain, replayed one weight after another).
         created = _schedule_ranks(graph, self._running_sums)
         # The IdentityN the update's readers were re-pointed around reads nothing anyone needs:
         # TensorFlow prunes it, so it receives nothing.
@@ -529,7 +530,7 @@ class PipelineStep:
         variables = [[v for name in stage.layers for v in self.model.get_layer(name).trainable_variables]
                      for stage in self.stages]
         accumulated: List[Optional[list]] = [None for _ in self.stages]
-        self._running_sums = []  # each weight's running sum over the micro-batches after the first
+        self._running_sums = []
         scopes: Dict[int, str] = {}
         for task in self.order:
             stage, m = self.stages[task.stage], task.microbatch
@@ -586,19 +587,18 @@ class PipelineStep:
         weights = self.model.trainable_variables
         graph = _compat.current_graph()
         update_starts = len(graph.get_operations())
-        # The mean goes where the update's first product will be, beside the weight: on one
-        # device Grappler folds the two (constant push-down), and it must fold the same here.
+        # The mean goes beside the weight, where the update's first product runs: Grappler folds
+        # the two on one device (constant push-down), and only folds ops on the same device.
         means = []
         for v in weights:
             with tf.device(variable_device(v)):
                 means += _mean_of([by_variable[id(v)]], self.microbatches)
         with _compat.place_with_inputs(graph):
             self.optimizer.apply_gradients(zip(means, weights))
-        # Keras passes all gradients through one IdentityN (its default strategy's all-reduce).
-        # Grappler prunes it on one device, and then folds the mean into the update's first
-        # product (constant push-down). Across devices it would stay: every stage's update would
-        # wait for all stages' gradients, and the fold would not happen, so the update would
-        # round differently from one device's. Its readers read its inputs instead.
+        # Keras passes all gradients through one IdentityN (its default strategy's all-reduce),
+        # which Grappler prunes on one device. Across devices it would stay: every stage's update
+        # would wait for all stages' gradients, and the fold above would not happen (the update
+        # would round differently). Its readers read its inputs instead.
         bypass_identity_n(graph)
         mean = tf.add_n([losses[m] for m in range(self.microbatches)]) / self.microbatches
         if self.swap_stages:
@@ -606,9 +606,8 @@ class PipelineStep:
                 [RewriteRequest(self._swap_policies, resolve_device(self.devices[k])) for k in self.swap_stages],
                 api="PipelineStep")
         if self.serialize:
-            # The update is left free: on one device Grappler folds the mean into the update's
-            # first product, and a control edge on that product would stop it (the numbers
-            # would change). It runs after every task anyway.
+            # The update is left free: a control edge on its first product would stop the fold
+            # above (the numbers would change). It runs after every task anyway.
             serialize_stages(self.devices, _schedule_ranks(graph, self._running_sums),
                              leave_free=[op.name for op in graph.get_operations()[update_starts:]], api="PipelineStep")
         return mean
