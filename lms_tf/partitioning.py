@@ -42,7 +42,9 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
         batch_size: Samples per step, split into ``microbatches`` equal micro-batches.
         schedule: ``"1f1b"`` or ``"gpipe"``.
         devices: A device preset (``lms-tf version --devices`` lists them) for every stage, or one per
-            stage; None balances bytes alone (op times then come from ``v100-16gb-pcie3``).
+            stage; None balances bytes alone for the devices this process has (op times then come
+            from ``v100-16gb-pcie3``; kernel scratch is that of this process's kernels: Eigen's
+            or oneDNN's on a CPU).
         budget: Bytes (or ``"12GiB"``) no stage may exceed.
         rule: ``"memory"`` (default), or DeepSpeed's ``"parameters"`` / ``"uniform"`` for comparison.
         objective: ``"memory"``, or ``"time"``: the fastest cut whose stages fit their devices and the budget.
@@ -77,12 +79,12 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
     if batch_size % microbatches:
         raise LMSOptionError(f"batch_size={batch_size} does not split into {microbatches} equal micro-batches; pass a "
                              f"batch_size divisible by microbatches (e.g. {batch_size // microbatches * microbatches or microbatches}).")
-    from lms_tf.tf.pipeline import trace_profile
+    from lms_tf.tf.pipeline import local_kernel_library, trace_profile
 
     first = devices if isinstance(devices, (str, DeviceSpec)) else (devices[0] if devices else DEFAULT_DEVICE)
     spec = first if isinstance(first, DeviceSpec) else get_device_spec(first)
     profile = trace_profile(model, microbatch=batch_size // microbatches, cost=CostModel(spec), optimizer=optimizer,
-                            input_shape=input_shape)
+                            input_shape=input_shape, kernels="cudnn" if devices else local_kernel_library())
     return partition_layers(profile, stages=stages, microbatches=microbatches, schedule=schedule, devices=devices,
                             budget=budget, rule=rule, objective=objective, model=model.name, swap=swap,
                             host_budget=host_budget)

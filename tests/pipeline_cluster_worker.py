@@ -30,24 +30,54 @@ def connect(workers):
 
 
 def main(workers, specs):
+    """Each spec is ``name,schedule,stages[,swap]``; with ``swap``, every stage swaps to
+    ``/CPU:1`` of its own process (the stage servers have two logical CPUs)."""
     devices = connect(workers)
     rows = []
     for spec in specs:
-        name, schedule, stages = spec.split(",")
+        name, schedule, stages, *swap = spec.split(",")
         made = {}
 
-        def pipelined(model, schedule=schedule, stages=int(stages)):
-            made["step"] = PipelineStep(model, cases.contiguous(model, stages), microbatches=cases.MICROBATCHES,
-                                        schedule=schedule, devices=devices[:stages])
-            return made["step"]
+        def pipelined(model, schedule=schedule, stages=int(stages), swap=swap == ["swap"]):
+            step = PipelineStep(model, cases.contiguous(model, stages), microbatches=cases.MICROBATCHES,
+                                schedule=schedule, devices=devices[:stages], swap=swap,
+                                host="/CPU:1" if swap else None, min_swap_bytes=0)
+            made["step"] = step
+
+            def call(x, y):
+                made["args"] = (x, y)
+                return step(x, y)
+            return call
 
         plain, piped, reference, model = cases.train_both(cases.MODELS[name], pipelined)
         same = len(reference.weights) == len(model.weights) and all(
             np.array_equal(a.numpy(), b.numpy()) for a, b in zip(reference.weights, model.weights))
         rows.append({"case": spec, "losses_equal": plain == piped, "trains": len(set(plain)) > 1,
                      "weights_equal": same, "devices": devices[:int(stages)]})
+        if swap:
+            rows[-1].update(swaps(made["step"], made["args"]))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print("RESULT " + json.dumps(rows), flush=True)
+
+
+def swaps(step, args):
+    """Where each stage's swaps went: the hosts, each plan's count, and the swap-outs counted by
+    where they run, where the tensor they copy was made, where their swap-ins run and where those
+    swap-ins' readers run."""
+    import collections
+
+    graph = step.get_concrete_function(*args).graph
+
+    def kind(op):
+        return op.get_attr("_lms") if "_lms" in op.node_def.attr else None
+
+    placements = collections.Counter()
+    for out in (op for op in graph.get_operations() if kind(op) == b"swap_out"):
+        swap_ins = [c for c in out.outputs[0].consumers() if kind(c) == b"swap_in"]
+        placements[json.dumps([out.device, out.inputs[0].op.device, sorted({c.device for c in swap_ins}),
+                               sorted({r.device for c in swap_ins for r in c.outputs[0].consumers()})])] += 1
+    return {"hosts": {str(k): h for k, h in step.hosts.items()}, "swapped": [len(p.swapped) for p in step.plans],
+            "swap_placements": [json.loads(key) + [count] for key, count in sorted(placements.items())]}
 
 
 def after_a_stage_dies(workers):
@@ -115,7 +145,7 @@ def memory(workers, spec):
     step) and task 0's allocator peak over one step (the stage servers log theirs)."""
     import tensorflow as tf
 
-    from lms_tf.tf.driver import on_device
+    from lms_tf.core.ir import same_device
     from lms_tf.tf.memory import measure_peak_memory
     from lms_tf.tf.variables import variable_bytes_by_device
     from lms_tf.tf.pipeline_step import place_stages
@@ -136,7 +166,7 @@ def memory(workers, spec):
     # (the batch, the user's model): add back only the stage's own weights and slots, resident
     # before the step as they are on a stage server.
     resident = variable_bytes_by_device(list(placed.weights) + list(placed.optimizer.variables))
-    stage0 = sum(nbytes for device, nbytes in resident.items() if on_device(device, devices[0]))
+    stage0 = sum(nbytes for device, nbytes in resident.items() if same_device(device, devices[0]))
     print("RESULT " + json.dumps({"predicted": [s.predicted_peak_bytes for s in partition.stages],
                                   "simulated": step.predicted_peaks(x, y),
                                   "layers": [list(s.layers) for s in partition.stages],

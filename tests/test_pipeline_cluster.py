@@ -157,6 +157,33 @@ def test_launch_runs_every_stage_and_leaves_no_process_behind():
     assert sorted(pids) == [0, 1, 2] and gone_within(pids.values(), 10), pids
 
 
+@pytest.mark.timeout(600)
+def test_each_stage_swaps_to_its_own_process_and_trains_exactly_as_one_device():
+    """``lms-tf launch --logical-cpus 2``: every process (task 0 through ``connect_stages``) has
+    CPU:0 and CPU:1, each stage runs on CPU:0 and swaps to its own CPU:1. No bytes move between
+    two logical CPUs (one allocator): this checks the rewrite across processes, not swap memory."""
+    cases = ["resnet_style,1f1b,3,swap", "attention_block,gpipe,3,swap"]
+    done = subprocess.run([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", "3", "--logical-cpus", "2", "--",
+                           sys.executable, WORKER, "-", *cases], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = result_of(done.stdout)
+    assert [r["case"] for r in rows] == cases
+    for row in rows:
+        assert row["losses_equal"] and row["weights_equal"] and row["trains"], row["case"]
+        task = [f"/job:worker/replica:0/task:{k}/device:CPU:" for k in range(3)]
+        assert row["hosts"] == {str(k): task[k] + "1" for k in range(3)}, row["hosts"]
+        assert len(row["swapped"]) == 3 and all(row["swapped"]), row["swapped"]
+        # Each swap-out runs on its stage's host, copies a tensor its stage made, and comes back
+        # through a swap-in on that host read only on that stage's device.
+        placements = row["swap_placements"]
+        assert sum(count for *_, count in placements) == sum(row["swapped"]), placements
+        for out, source, swap_ins, readers, count in placements:
+            k = int(re.search(r"task:(\d+)", out).group(1))
+            assert (out, source, swap_ins, readers) == (task[k] + "1", task[k] + "0", [task[k] + "1"], [task[k] + "0"])
+        assert {int(re.search(r"task:(\d+)", p[0]).group(1)) for p in placements} == {0, 1, 2}, placements
+
+
 @pytest.mark.timeout(300)
 def test_launch_stops_the_others_when_a_stage_dies():
     launcher = subprocess.Popen([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", "3", "--stop-timeout", "5",

@@ -449,9 +449,15 @@ def test_bad_swap_arguments_are_refused_before_anything_is_traced():
         PipelineStep(model, cut, devices=DEVICES[:2], swap=[2], host="/CPU:2")
     with pytest.raises(LMSOptionError, match="host='/CPU:9' names no device"):
         PipelineStep(model, cut, devices=DEVICES[:2], swap=True, host="/CPU:9")
-    with pytest.raises(LMSOptionError, match="cannot swap yet"):
-        PipelineStep(model, cut, devices=["/job:worker/replica:0/task:0/device:CPU:0",
-                                          "/job:worker/replica:0/task:1/device:CPU:0"], swap=True, host="/CPU:2")
+    with pytest.raises(LMSOptionError, match="stage 1 runs on /CPU:1, the host= it would swap to .* would move nothing"):
+        PipelineStep(model, cut, devices=DEVICES[:2], swap=[1], host="/CPU:1")
+    # In a cluster, host= names a device of each stage's own process: no job or task, and one
+    # that process has (this process is connected to no cluster, so no task has any).
+    cluster = ["/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:0"]
+    with pytest.raises(LMSOptionError, match="names a device type and index only .* received host='/job:worker/task:1/CPU:1'"):
+        PipelineStep(model, cut, devices=cluster, swap=True, host="/job:worker/task:1/CPU:1")
+    with pytest.raises(LMSOptionError, match=r"stage 0's process has no /device:CPU:1 \(it has none\).*--logical-cpus 2"):
+        PipelineStep(model, cut, devices=cluster, swap=True, host="/CPU:1")
 
 
 @pytest.mark.timeout(300)

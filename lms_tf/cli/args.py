@@ -137,6 +137,20 @@ def add_host_budget_argument(parser: argparse.ArgumentParser) -> None:
                              "swapped tensors, gradients copied out); default: this machine's physical memory")
 
 
+def add_logical_cpus_argument(parser: argparse.ArgumentParser) -> None:
+    """``--logical-cpus``: CPU devices each pipeline stage process has (``lms-tf launch`` and
+    ``lms-tf stage-server``).
+
+    Examples:
+        >>> p = argparse.ArgumentParser(); add_logical_cpus_argument(p)
+        >>> p.parse_args([]).logical_cpus, p.parse_args(["--logical-cpus", "2"]).logical_cpus
+        (1, 2)
+    """
+    parser.add_argument("--logical-cpus", type=positive_int, default=1,
+                        help="CPU devices each stage process has (CPU:0 to CPU:N-1, one allocator): with 2, a stage "
+                             "on CPU:0 can swap to host='/CPU:1' on a machine without GPUs (default: 1)")
+
+
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
     """``--device``: the device preset planned for (and the virtual GPU's memory).
 

@@ -33,7 +33,8 @@ from typing import List, Optional, Sequence
 
 from lms_tf.cli import args as cli_args
 from lms_tf.core.errors import LMSOptionError
-from lms_tf.tf.pipeline_cluster import WORKERS_VARIABLE  # a name only: that module imports TensorFlow lazily
+# Names only: that module imports TensorFlow lazily.
+from lms_tf.tf.pipeline_cluster import LOGICAL_CPUS_VARIABLE, WORKERS_VARIABLE
 
 logger = logging.getLogger("lms_tf")
 #: Exit code when a stage process died before the training command ended.
@@ -59,6 +60,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="one host per stage, comma-separated, this machine first: stages 1 and up are started "
                              "over ssh (passwordless, lms-tf installed at the same path)")
     launch.add_argument("--ssh-port", type=cli_args.positive_int, help="ssh port of the other hosts")
+    cli_args.add_logical_cpus_argument(launch)
     launch.add_argument("--stop-timeout", type=float, default=10.0,
                         help="seconds a process has to stop (its input closed, or SIGTERM) before SIGKILL")
     launch.add_argument("training_command", nargs=argparse.REMAINDER,
@@ -112,7 +114,8 @@ def _stop(processes: Sequence[subprocess.Popen], timeout: float) -> None:
             p.wait()
 
 
-def stage_command(workers: Sequence[str], index: int, *, remote: bool, ssh_port: Optional[int] = None) -> List[str]:
+def stage_command(workers: Sequence[str], index: int, *, remote: bool, ssh_port: Optional[int] = None,
+                  logical_cpus: int = 1) -> List[str]:
     """The command that starts stage ``index``: here, or over ssh on its host, in this directory
     with this Python; it stops when its standard input closes (the launcher, or the connection).
 
@@ -121,7 +124,7 @@ def stage_command(workers: Sequence[str], index: int, *, remote: bool, ssh_port:
         ['ssh', '-o', 'BatchMode=yes', '-p', '12345', 'b']
     """
     serve = [sys.executable, "-m", "lms_tf.cli", "stage-server", "--workers", ",".join(workers), "--index",
-             str(index), "--until-stdin-closes"]
+             str(index), "--until-stdin-closes", "--logical-cpus", str(logical_cpus)]
     if not remote:
         return serve
     host = workers[index].rpartition(":")[0]
@@ -131,7 +134,8 @@ def stage_command(workers: Sequence[str], index: int, *, remote: bool, ssh_port:
 
 
 def launch(command: Sequence[str], stages: int, *, host: str = "localhost", hosts: Optional[Sequence[str]] = None,
-           ssh_port: Optional[int] = None, stop_timeout: float = 10.0, poll_seconds: float = 0.2) -> int:
+           ssh_port: Optional[int] = None, stop_timeout: float = 10.0, poll_seconds: float = 0.2,
+           logical_cpus: int = 1) -> int:
     """Runs ``command`` as task 0 of a ``stages``-stage pipeline with its stage servers; returns its exit code.
 
     Args:
@@ -142,6 +146,8 @@ def launch(command: Sequence[str], stages: int, *, host: str = "localhost", host
         ssh_port: The other hosts' ssh port.
         stop_timeout: Seconds a process has to stop (its input closed, or SIGTERM) before SIGKILL.
         poll_seconds: How often the processes are checked.
+        logical_cpus: CPU devices each stage process has; the training command reads it from
+            ``LMS_TF_LOGICAL_CPUS`` (``connect_stages()`` does).
 
     Returns:
         The training command's exit code, or :data:`STAGE_DIED` if a stage process ended first.
@@ -162,7 +168,7 @@ def launch(command: Sequence[str], stages: int, *, host: str = "localhost", host
     workers = free_addresses(host, stages)
     if hosts is not None:  # the same free port numbers, on each stage's host
         workers = [f"{h}:{w.rpartition(':')[2]}" for h, w in zip(hosts, workers)]
-    env = dict(os.environ, **{WORKERS_VARIABLE: ",".join(workers)})
+    env = dict(os.environ, **{WORKERS_VARIABLE: ",".join(workers), LOGICAL_CPUS_VARIABLE: str(logical_cpus)})
     servers: List[subprocess.Popen] = []
     trainer: Optional[subprocess.Popen] = None
     interrupted = []
@@ -175,7 +181,8 @@ def launch(command: Sequence[str], stages: int, *, host: str = "localhost", host
         for k in range(1, stages):
             # Each stage reads a pipe from the launcher and stops when it closes, however the
             # launcher ends (killed included) and wherever the stage runs.
-            servers.append(subprocess.Popen(stage_command(workers, k, remote=hosts is not None, ssh_port=ssh_port),
+            servers.append(subprocess.Popen(stage_command(workers, k, remote=hosts is not None, ssh_port=ssh_port,
+                                                          logical_cpus=logical_cpus),
                                             env=env, stdin=subprocess.PIPE))
             logger.info("lms-tf launch: stage %d (pid %d) serving at %s", k, servers[-1].pid, workers[k])
         trainer = subprocess.Popen(list(command), env=env, preexec_fn=_stops_with_this_process)
@@ -209,7 +216,7 @@ def run(args) -> int:
 
     Examples:
         >>> run(argparse.Namespace(training_command=["--"], stages=2, host="localhost", hosts=None, ssh_port=None,
-        ...                        stop_timeout=1.0))
+        ...                        stop_timeout=1.0, logical_cpus=1))
         Traceback (most recent call last):
         ...
         lms_tf.LMSOptionError: lms-tf launch needs the training command after --, e.g. lms-tf launch --stages 2 -- python train.py
@@ -218,4 +225,4 @@ def run(args) -> int:
     if command[:1] == ["--"]:
         command = command[1:]
     return launch(command, args.stages, host=args.host, hosts=args.hosts, ssh_port=args.ssh_port,
-                  stop_timeout=args.stop_timeout)
+                  stop_timeout=args.stop_timeout, logical_cpus=args.logical_cpus)

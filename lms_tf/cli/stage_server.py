@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 
+from lms_tf.cli import args as cli_args
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Adds ``stage-server`` and its flags.
@@ -29,6 +31,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--index", type=int, required=True, help="this stage's task (1 and up)")
     server.add_argument("--until-stdin-closes", action="store_true",
                         help="stop when standard input closes (lms-tf launch uses it, also over ssh)")
+    cli_args.add_logical_cpus_argument(server)
     return server
 
 
@@ -36,12 +39,12 @@ def run(args) -> int:
     """Serves the stage until the process is stopped.
 
     Examples:
-        >>> run(argparse.Namespace(workers="localhost:2222", index=1, until_stdin_closes=False))
+        >>> run(argparse.Namespace(workers="localhost:2222", index=1, until_stdin_closes=False, logical_cpus=1))
         Traceback (most recent call last):
         ...
         lms_tf.LMSOptionError: stage-server serves stage 1 and up of a pipeline of two or more; --workers names one (localhost:2222), the training script's own.
     """
     from lms_tf.tf.pipeline_cluster import serve_stage
 
-    serve_stage(args.workers, args.index, until_stdin_closes=args.until_stdin_closes)
+    serve_stage(args.workers, args.index, until_stdin_closes=args.until_stdin_closes, logical_cpus=args.logical_cpus)
     return 0

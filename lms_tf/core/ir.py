@@ -292,6 +292,31 @@ def device_kind_and_index(device: str) -> Tuple[str, int]:
     return match.group(1).upper(), int(match.group(2))
 
 
+_DEVICE_PART = re.compile(r"/(job|replica|task):([^/]+)", re.IGNORECASE)
+
+
+def same_device(a: str, b: str) -> bool:
+    """Whether device strings ``a`` and ``b`` name the same device. A part either leaves out (job,
+    replica, task, index) matches any, so ``/CPU:1`` is this process's CPU:1 whatever its job,
+    while two tasks of a cluster (each with its own CPU:0) differ. An empty string names no device.
+
+    Examples:
+        >>> same_device("/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/task:1/CPU:0")
+        True
+        >>> same_device("/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/task:2/device:CPU:0")
+        False
+        >>> same_device("/job:localhost/replica:0/task:0/device:GPU:1", "/gpu:1"), same_device("", "/CPU:0")
+        (True, False)
+    """
+    if not a or not b:
+        return False
+    if device_kind_and_index(a) != device_kind_and_index(b):
+        return False
+    parts_a = {k.lower(): v for k, v in _DEVICE_PART.findall(a)}
+    parts_b = {k.lower(): v for k, v in _DEVICE_PART.findall(b)}
+    return all(parts_a[k] == parts_b[k] for k in parts_a.keys() & parts_b.keys())
+
+
 #: A size as a function of the batch: ``(per_sample, fixed)`` for ``per_sample * batch + fixed``.
 Linear = Tuple[int, int]
 

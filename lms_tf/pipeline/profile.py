@@ -13,7 +13,9 @@ Per layer:
   produced them: a skip connection read by a later layer's backward is kept by that layer (and,
   once cut, by the stage it falls in). A stage keeps one copy of each per micro-batch in flight.
 * ``work_bytes``: the largest transient set of one of its ops (inputs from other layers that it
-  does not keep, plus outputs; gradients flowing through its backward ops).
+  does not keep, plus outputs; gradients flowing through its backward ops), plus the scratch
+  its kernel takes from the allocator while it runs (a convolution's cuDNN workspace; on a CPU
+  without oneDNN, Eigen's ~30 MiB im2col buffer of a filter gradient), as the simulator counts it.
 * ``inputs``: the forward tensors it reads from earlier layers, ``(tensor, bytes, producer
   layer index)``: what a pipeline cut before it sends forward (and its gradient back).
 * ``forward_s`` / ``backward_s``: predicted compute time per micro-batch; ``update_s``: the
@@ -38,7 +40,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.ir import GraphIR, Phase, layer_of
 from lms_tf.cost.model import CostModel
-from lms_tf.simulate import resident_buffers
+from lms_tf.simulate import kernel_scratch_bytes, resident_buffers
 
 #: Op types whose outputs are the variables themselves, not activations.
 _VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather"})
@@ -169,7 +171,7 @@ def layer_keys(ir: GraphIR, layer_scopes: Optional[Mapping[str, str]] = None) ->
 
 
 def profile_layers(ir: GraphIR, cost: CostModel, *, layer_scopes: Optional[Mapping[str, str]] = None,
-                   microbatch: Optional[int] = None) -> PipelineProfile:
+                   microbatch: Optional[int] = None, kernels: str = "cudnn") -> PipelineProfile:
     """Groups the step's ops into layers and measures each layer's memory and time (no run).
 
     Ops outside every layer go where they run: the loss (forward ops after the model) with the
@@ -183,6 +185,9 @@ def profile_layers(ir: GraphIR, cost: CostModel, *, layer_scopes: Optional[Mappi
         layer_scopes: Layer name -> name scope in the trace (``lms_tf._compat`` reads it off a
             Keras model); without it, scopes under the model's are the layers.
         microbatch: The batch size the step was traced at, recorded in the profile.
+        kernels: The kernel library whose scratch each op's working set includes (see
+            :data:`lms_tf.simulate.KERNEL_LIBRARIES`): ``"cudnn"`` on a GPU, ``"eigen"`` or
+            ``"onednn"`` on a CPU.
 
     Returns:
         The :class:`PipelineProfile`.
@@ -271,7 +276,7 @@ def profile_layers(ir: GraphIR, cost: CostModel, *, layer_scopes: Optional[Mappi
                     inputs[layer][t] = (nbytes, index[source])
                     kept_elsewhere += nbytes
             out = sum(ir.tensors[t].nbytes or 0 for t in op.outputs) if op.type not in _VARIABLE_READS else 0
-            work[layer] = max(work[layer], kept_elsewhere + out)
+            work[layer] = max(work[layer], kept_elsewhere + out + kernel_scratch_bytes(ir, op, kernels))
         else:
             backward_s[layer] += seconds
             transient = 0
@@ -281,7 +286,8 @@ def profile_layers(ir: GraphIR, cost: CostModel, *, layer_scopes: Optional[Mappi
                     saved[layer][t] = nbytes
                 elif ir.op(ir.tensors[t].producer).type not in _VARIABLE_READS:
                     transient += nbytes
-            work[layer] = max(work[layer], transient + sum(ir.tensors[t].nbytes or 0 for t in op.outputs))
+            work[layer] = max(work[layer], transient + sum(ir.tensors[t].nbytes or 0 for t in op.outputs)
+                              + kernel_scratch_bytes(ir, op, kernels))
     # Updates: an op writing a layer's variable goes with that layer; the optimizer's shared
     # arithmetic (step counters, learning-rate schedules) is spread by weight bytes.
     update_s: Dict[str, float] = defaultdict(float)

@@ -21,7 +21,7 @@ import fnmatch
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from lms_tf.core.errors import LMSOptionError, UnknownSizeError
-from lms_tf.core.ir import GraphIR, OpInfo, Phase, device_kind_and_index, layer_of
+from lms_tf.core.ir import GraphIR, OpInfo, Phase, layer_of, same_device
 from lms_tf.core.op_kinds import (
     REGROUPED_ARITHMETIC_TYPES,
     CONSTANT_PUSHDOWN_FAMILIES,
@@ -210,7 +210,7 @@ def _accumulates(ir: GraphIR, op: OpInfo, tensor: str) -> bool:
 
 def _same_device(op_device: str, device: str) -> bool:
     """An op without a requested device is placed on the accelerator by TF's placer."""
-    return not op_device or device_kind_and_index(op_device) == device_kind_and_index(device)
+    return not op_device or same_device(op_device, device)
 
 
 def _ineligible(ir: GraphIR, op: OpInfo, tensor, readers, device: str, excluded_by) -> Optional[str]:

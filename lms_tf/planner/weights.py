@@ -26,7 +26,7 @@ import bisect
 import dataclasses
 from typing import AbstractSet, Callable, Dict, List, Mapping, Optional, Tuple
 
-from lms_tf.core.ir import GraphIR, OpInfo, Phase, device_kind_and_index
+from lms_tf.core.ir import GraphIR, OpInfo, Phase, same_device
 from lms_tf.core.op_kinds import CONSTANT_TYPES, CONTROL_FLOW_OP_TYPES, RESIDENT_TYPES, STATE_READ_TYPES
 from lms_tf.core.plan import Decision, SwapIn, WeightDecision
 from lms_tf.core.policy import Policies
@@ -267,7 +267,6 @@ def weight_candidates(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, 
     # A weight is read by the forward pass's work on the data, or by gradient ops; an optimizer's
     # slot is read by ops on neither (the update's arithmetic, whatever phase it is tagged with).
     on_data = _computes_on_data(ir)
-    host = device_kind_and_index(policies.host)
     reads: Dict[str, List[str]] = {}
     readers: Dict[str, Dict[str, OpInfo]] = {}
     for op in ir.ops:
@@ -276,7 +275,7 @@ def weight_candidates(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, 
         form = weight_view(ir, op.outputs[0])
         users = [ir.op(c) for c in ir.tensors[form].consumers]
         users = [u for u in users if u.phase in (Phase.FORWARD, Phase.BACKWARD)
-                 and not (u.device and device_kind_and_index(u.device) == host)]  # the host update reads it there
+                 and not same_device(u.device, policies.host)]  # the host update reads it there
         # A layer may shape or cast its weight first (a convolution's bias reshaped, a bfloat16
         # cast): those ops read it on the device too, on the way to the work on the data.
         if not any(_leads_to_the_step(ir, u, on_data) for u in users):

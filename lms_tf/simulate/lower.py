@@ -304,6 +304,43 @@ def _workspace(ir: GraphIR, op: OpInfo, kernels: str) -> int:
     return max([ir.tensors[t].nbytes or 0 for t in op.inputs] or [0])
 
 
+def check_kernel_library(kernels) -> str:
+    """``kernels`` if it is one of :data:`KERNEL_LIBRARIES`, else the library's error.
+
+    Examples:
+        >>> check_kernel_library("mkl")
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSOptionError: kernels= must be one of 'cudnn', 'eigen', 'onednn' (the kernel library whose scratch memory to count); got 'mkl'.
+    """
+    if kernels not in KERNEL_LIBRARIES:
+        raise LMSOptionError(f"kernels= must be one of {', '.join(map(repr, KERNEL_LIBRARIES))} (the kernel library "
+                             f"whose scratch memory to count); got {kernels!r}.")
+    return kernels
+
+
+def kernel_scratch_bytes(ir: GraphIR, op: OpInfo, kernels: str = "cudnn") -> int:
+    """Scratch bytes ``op``'s kernel takes from TensorFlow's allocator while it runs, with the
+    kernel library ``kernels`` (one of :data:`KERNEL_LIBRARIES`): what :func:`simulate` holds
+    beside the op's inputs and outputs, for per-layer models to count the same.
+
+    Raises:
+        LMSOptionError: An unknown kernel library.
+
+    Examples:
+        >>> from lms_tf.core import make_ir
+        >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (16, 32, 32, 64))]),
+        ...               dict(name="dy", type="Placeholder", outputs=[("dy:0", (16, 32, 32, 64))]),
+        ...               dict(name="s", type="Const", outputs=[("s:0", (4,))]),
+        ...               dict(name="g", type="Conv2DBackpropFilter", inputs=["x:0", "s:0", "dy:0"],
+        ...                    outputs=[("g:0", (3, 3, 64, 64))])])
+        >>> [kernel_scratch_bytes(ir, ir.op("g"), k) for k in KERNEL_LIBRARIES]
+        [4194304, 28311552, 0]
+    """
+    check_kernel_library(kernels)
+    return _eigen_workspace(ir, op) if kernels == "eigen" else _workspace(ir, op, kernels)
+
+
 #: The working set TensorFlow's CPU ``Conv2DBackpropFilter`` kernel (without oneDNN) sizes its
 #: im2col buffer for: its fixed L3 cache estimate, 30 MiB.
 EIGEN_FILTER_GRAD_WORKING_SET_BYTES = 30 << 20
@@ -395,9 +432,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         >>> len(lowered.ops), lowered.ops[-1].deps   # g1 waits for a and g2
         (8, [1, 6])
     """
-    if kernels not in KERNEL_LIBRARIES:
-        raise LMSOptionError(f"simulate(kernels=...) must be one of {', '.join(map(repr, KERNEL_LIBRARIES))} "
-                             f"(the kernel library whose scratch memory to model); got {kernels!r}.")
+    check_kernel_library(kernels)
     b = Lowered(ir, cost)
     b.accumulated_sums = accumulated_sums
     pooled = _pooled_for_gradient(b) if kernels == "onednn" else frozenset()

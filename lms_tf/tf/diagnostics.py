@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import tensorflow as tf
 
 from lms_tf import _compat
+from lms_tf.core.ir import same_device
 from lms_tf.core.op_kinds import FORWARDING_TYPES
 from lms_tf.tf.variables import variable_bytes_by_device
 
@@ -38,12 +39,6 @@ _VIRTUAL_GPU = "/job:localhost/replica:0/task:0/device:GPU:0"
 _VIRTUAL_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 #: The memory TensorFlow's runtime tells Grappler a CPU device has (its ``memory_limit``).
 CPU_GRAPPLER_MEMORY_BYTES = 256 << 20
-
-
-def _same_device(a: str, b: str) -> bool:
-    sa, sb = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
-    return (sa.device_type or "").upper() == (sb.device_type or "").upper() and \
-        (sa.device_index or 0) == (sb.device_index or 0)
 
 
 def virtual_gpu_peak(concrete_function, *, host: str = "/CPU:1", gpu_memory_bytes: int = 16 * 2**30,
@@ -84,7 +79,7 @@ def virtual_gpu_peak(concrete_function, *, host: str = "/CPU:1", gpu_memory_byte
     resident = 0
     if include_variables:
         resident = sum(n for device, n in variable_bytes_by_device(concrete_function.variables).items()
-                       if not _same_device(device, host))
+                       if not same_device(device, host))
     return report.peak_bytes + resident
 
 
@@ -159,11 +154,11 @@ def virtual_gpu_peak_report(concrete_function, *, host: str = "/CPU:1", gpu_memo
     # TensorFlow's placer runs an op that takes a variable's handle where the variable lives: a
     # read of a variable on the host (weights="host") runs on the host, whatever its device string.
     on_host = {internal.op.name for external, internal in graph.captures
-               if getattr(external, "dtype", None) == tf.resource and _same_device(external.device or "", host)}
+               if getattr(external, "dtype", None) == tf.resource and same_device(external.device or "", host)}
     for node in graph_def.node:
         # (with_variable_shapes turns a read's handle input into a control input: "^handle")
         takes_host_handle = any(name.lstrip("^").split(":")[0] in on_host for name in node.input)
-        node.device = _VIRTUAL_CPU if (node.device and _same_device(node.device, host)) or node.name in on_host \
+        node.device = _VIRTUAL_CPU if (node.device and same_device(node.device, host)) or node.name in on_host \
             or takes_host_handle else _VIRTUAL_GPU
     fetches = sorted({t.op.name for t in graph.outputs} | {op.name for op in graph.control_outputs})
     peaks = _compat.grappler_peak_live_tensors(

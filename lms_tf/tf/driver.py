@@ -19,14 +19,14 @@ import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.core.errors import LMSError, LMSOptionError, UnknownSizeError, warn_once
-from lms_tf.core.ir import GraphIR, device_kind_and_index
+from lms_tf.core.ir import GraphIR, same_device
 from lms_tf.core.plan import Decision, Plan
 from lms_tf.core.policy import Policies
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.planner import make_budget_plan, make_plan
 from lms_tf.simulate import simulate
 from lms_tf.tf.diagnostics import CPU_GRAPPLER_MEMORY_BYTES
-from lms_tf.tf.rewrite import apply_plan
+from lms_tf.tf.rewrite import apply_plan, apply_plans
 from lms_tf.tf.rewrite.recompute import simulator_name
 from lms_tf.tf.rewrite.serialize import grappler_rewritten_ops, impose_order
 from lms_tf.tf.trace import build_ir
@@ -241,8 +241,7 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
     """
     graph = _traced_graph(api)
     ir = build_ir(graph, input_shapes=input_shapes, batch_size=request.batch_size)
-    host = device_kind_and_index(request.policies.host)
-    on_host = frozenset(op.name for op in ir.ops if op.device and device_kind_and_index(op.device) == host)
+    on_host = frozenset(op.name for op in ir.ops if same_device(op.device, request.policies.host))
     if on_host:  # the update traced on the host (optimizer_on_host, weights="host"): host memory
         ir = dataclasses.replace(ir, host_placed=on_host)
     if request.plan is None and request.policies.weights != "device":
@@ -292,7 +291,8 @@ def rewrite_traced_stages(requests: Sequence[RewriteRequest], *, api: str) -> Li
     run once per graph, so each request (one per stage, its ``device`` the stage's) is planned
     on the same IR, keeps the decisions for tensors its own device produces (an op placed
     nowhere, such as the split of the batch, belongs to no stage), and the swaps of all of them
-    are inserted in one rewrite. Swap-only, by the TFLMS rule: a budget or recompute would be
+    are inserted in one rewrite, each stage's to its own request's host (in a cluster, a device
+    of the stage's own process). Swap-only, by the TFLMS rule: a budget or recompute would be
     planned by a simulator that replays the whole step on one device.
 
     Args:
@@ -315,23 +315,22 @@ def rewrite_traced_stages(requests: Sequence[RewriteRequest], *, api: str) -> Li
     graph = _traced_graph(api)
     ir = build_ir(graph, batch_size=requests[0].batch_size)
     device_of = {op.name: op.device for op in ir.ops}
-
-    def on(op_name: str, own) -> bool:
-        return bool(device_of.get(op_name)) and device_kind_and_index(device_of[op_name]) == own
-
     plans = []
     for request in requests:
         plan = make_plan(ir, request.policies, device=request.device)
-        own = device_kind_and_index(request.device)
+
+        def own(op_name: str, device: str = request.device) -> bool:
+            return same_device(device_of.get(op_name, ""), device)
+
         # A stage's own tensors, swapped for its own backward pass. In a pipeline step the
         # stages' forward and backward ops interleave, so the planner's phases (by position)
         # also offer a tensor sent to the next stage, or read by another stage's backward pass:
         # those stay where they are.
-        mine = tuple(d for d in plan.decisions if on(ir.tensors[d.tensor].producer, own) and all(
-            on(c, own) and c.startswith("gradient_tape/") for s in d.swap_ins for c in s.consumers))
+        mine = tuple(d for d in plan.decisions if own(ir.tensors[d.tensor].producer) and all(
+            own(c) and c.startswith("gradient_tape/") for s in d.swap_ins for c in s.consumers))
         plans.append(dataclasses.replace(plan, decisions=mine))
-    merged = dataclasses.replace(plans[0], decisions=tuple(d for plan in plans for d in plan.swapped))
-    report = apply_plan(graph, ir, merged)
+    # Each stage's swaps go to its own host (across processes, its own process's).
+    report = apply_plans(graph, ir, [dataclasses.replace(plan, decisions=plan.swapped) for plan in plans])
     _log_once(f"{api}: {len(plans)} stage(s) swapping: " + "; ".join(p.one_line() for p in plans)
               + f" (inserted {report.inserted})")
     return plans
@@ -356,7 +355,7 @@ def move_planned_weights(graph: tf.Graph, plan: Plan, *, api: str) -> int:
         if variable is None:
             continue  # not a captured variable of this trace: check_weights_on_host names it
         to_host = weight.decision is Decision.SWAP
-        if _same_device(variable.device, plan.host) == to_host:
+        if same_device(variable.device, plan.host) == to_host:
             continue
         _compat.move_variable_in_place(variable, plan.host if to_host else plan.device, graph)
         if to_host:
@@ -370,11 +369,6 @@ def move_planned_weights(graph: tf.Graph, plan: Plan, *, api: str) -> int:
                     nbytes / 2**20, plan.host, f" and {len(back)} back to {plan.device}" if back else "",
                     ", ".join((moved + back)[:3]))
     return len(moved) + len(back)
-
-
-def _same_device(a: str, b: str) -> bool:
-    spec_a, spec_b = tf.DeviceSpec.from_string(a or ""), tf.DeviceSpec.from_string(b or "")
-    return (spec_a.device_type, spec_a.device_index or 0) == (spec_b.device_type, spec_b.device_index or 0)
 
 
 def check_weights_on_host(graph: tf.Graph, plan: Plan, *, api: str) -> Plan:
@@ -401,7 +395,7 @@ def check_weights_on_host(graph: tf.Graph, plan: Plan, *, api: str) -> Plan:
         return device_of.get(weight.variable) or "an unknown device"
 
     def on_host(weight) -> bool:
-        return _same_device(device_of.get(weight.variable, ""), plan.host)
+        return same_device(device_of.get(weight.variable, ""), plan.host)
 
     off = [w for w in plan.offloaded_weights if not on_host(w)]
     if not off:
@@ -483,26 +477,6 @@ def simulated_ranks(graph: tf.Graph, ir: GraphIR, plan: Plan, cost: CostModel) -
     return {name: float(i) for i, name in enumerate(n for n in names if n is not None)}
 
 
-def on_device(op_device: str, device: str) -> bool:
-    """Whether an op placed on ``op_device`` runs on ``device``; a part either leaves out (job,
-    task, index) matches any.
-
-    Examples:
-        >>> on_device("/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/task:1/device:CPU:0")
-        True
-        >>> on_device("/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/task:2/device:CPU:0")
-        False
-        >>> on_device("/job:localhost/replica:0/task:0/device:CPU:2", "/CPU:2"), on_device("", "/CPU:0")
-        (True, False)
-    """
-    if not op_device:
-        return False
-    a, b = tf.DeviceSpec.from_string(op_device), tf.DeviceSpec.from_string(device)
-    return all(x is None or y is None or str(x).upper() == str(y).upper()
-               for x, y in ((a.job, b.job), (a.replica, b.replica), (a.task, b.task),
-                            (a.device_type, b.device_type), (a.device_index, b.device_index)))
-
-
 def serialize_stages(devices: Sequence[str], rank: Mapping[str, float], *, leave_free: Collection[str] = (),
                      api: str) -> int:
     """Chains each pipeline stage's ops on its own device, one at a time, in ``rank`` order (the
@@ -543,7 +517,7 @@ def serialize_stages(devices: Sequence[str], rank: Mapping[str, float], *, leave
     edges = 0
     for device in devices:
         mine = {op.name: rank[op.name] for op in ops
-                if op.name in rank and on_device(op.device, device) and op.name not in free}
+                if op.name in rank and same_device(op.device, device) and op.name not in free}
         edges += impose_order(graph, mine, leave_free=free, free_through_control=False,
                               onednn_fusions=_compat.onednn_enabled())
     logger.info("serialized the pipeline's %d stages in the schedule's order (%d control edges)", len(devices), edges)

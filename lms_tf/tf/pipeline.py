@@ -24,13 +24,14 @@ from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.cost.model import CostModel
 from lms_tf.pipeline.profile import PipelineProfile, profile_layers
+from lms_tf.simulate import check_kernel_library
 from lms_tf.tf.trace import trace_step_ir
 
 logger = logging.getLogger("lms_tf")
 
 
 def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None,
-                  input_shape: Optional[Sequence[int]] = None) -> PipelineProfile:
+                  input_shape: Optional[Sequence[int]] = None, kernels: str = "cudnn") -> PipelineProfile:
     """Traces ``model``'s training step at ``microbatch`` samples and profiles its layers.
 
     The step is the model's own ``train_step`` when it is compiled with a loss (what
@@ -43,6 +44,8 @@ def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None,
         cost: The cost model of the device planned for.
         optimizer: The optimizer of the uncompiled step (its slots count as memory per weight).
         input_shape: One sample's shape, for a subclassed model that has no ``Input``.
+        kernels: The kernel library whose scratch the layers' working sets include
+            (:func:`local_kernel_library` names this process's).
 
     Returns:
         The :class:`~lms_tf.pipeline.profile.PipelineProfile`.
@@ -55,6 +58,8 @@ def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None,
         'trace_profile'
     """
     from lms_tf.tf.workloads import fit_step, step_specs, train_step
+
+    check_kernel_library(kernels)
 
     inputs = getattr(model, "inputs", None)
     if input_shape is None and not inputs:
@@ -71,4 +76,20 @@ def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None,
                 time.perf_counter() - started)
     aliases = _compat.layer_scope_aliases_in(model, (op.name for op in ir.ops))
     top = {layer.name for layer in model.layers}
-    return profile_layers(ir, cost, layer_scopes={k: v for k, v in aliases.items() if k in top}, microbatch=microbatch)
+    return profile_layers(ir, cost, layer_scopes={k: v for k, v in aliases.items() if k in top}, microbatch=microbatch,
+                          kernels=kernels)
+
+
+def local_kernel_library() -> str:
+    """The kernel library this process runs a step with: ``"cudnn"`` when it sees a GPU, else its
+    CPU's (``"eigen"`` with ``TF_ENABLE_ONEDNN_OPTS=0``, ``"onednn"`` otherwise).
+
+    Examples:
+        >>> local_kernel_library() in ("cudnn", "eigen", "onednn")
+        True
+    """
+    import tensorflow as tf
+
+    from lms_tf.tf.diagnostics import cpu_kernel_library
+
+    return "cudnn" if tf.config.list_logical_devices("GPU") else cpu_kernel_library()

@@ -30,6 +30,8 @@ logger = logging.getLogger("lms_tf")
 JOB = "worker"
 #: Where ``connect_stages()`` finds the stage addresses when given none (``lms-tf launch`` sets it).
 WORKERS_VARIABLE = "LMS_TF_WORKERS"
+#: Where ``connect_stages()`` finds how many logical CPUs each process has (``lms-tf launch --logical-cpus``).
+LOGICAL_CPUS_VARIABLE = "LMS_TF_LOGICAL_CPUS"
 
 
 def check_workers(workers: Sequence[str]) -> List[str]:
@@ -74,14 +76,48 @@ def _cluster(workers: Sequence[str]):
     return tf.train.ClusterSpec({JOB: list(workers)})
 
 
-def serve_stage(workers: Sequence[str], index: int, *, until_stdin_closes: bool = False) -> None:
+def check_logical_cpus(count) -> int:
+    """Checks a number of logical CPU devices per process (1: the CPU as it is).
+
+    Raises:
+        LMSOptionError: Not a whole number of at least 1.
+
+    Examples:
+        >>> check_logical_cpus(2)
+        2
+        >>> check_logical_cpus("two")
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSOptionError: logical CPUs must be a whole number of at least 1 (2 lets a stage on CPU:0 swap to CPU:1 on a machine without GPUs); received 'two'.
+    """
+    try:
+        number = int(count)
+    except (TypeError, ValueError):
+        number = 0
+    if number < 1 or isinstance(count, bool) or str(number) != str(count).strip():
+        raise LMSOptionError(f"logical CPUs must be a whole number of at least 1 (2 lets a stage on CPU:0 swap to "
+                             f"CPU:1 on a machine without GPUs); received {count!r}.")
+    return number
+
+
+def serve_stage(workers: Sequence[str], index: int, *, until_stdin_closes: bool = False,
+                logical_cpus: int = 1) -> None:
     """Runs the server of stage ``index`` (``index >= 1``; task 0 is the process that runs the
     step) until the process is stopped, or with ``until_stdin_closes`` until its standard input
     closes: how ``lms-tf launch`` ties a stage to itself, also over ssh (the remote command's
     input closes with the connection), and even when the launcher is killed.
 
+    Args:
+        workers: Every stage process's ``host:port``, task 0 first.
+        index: This stage's task.
+        until_stdin_closes: Stop when standard input closes.
+        logical_cpus: CPU devices the server has (``CPU:0`` to ``CPU:<n-1>``, one allocator
+            between them): with 2, a stage on ``CPU:0`` can swap to ``CPU:1`` on a machine
+            without GPUs, which checks the rewrite across processes (no bytes move).
+
     Raises:
-        LMSOptionError: Bad addresses, or an index that is not one of the other tasks.
+        LMSOptionError: Bad addresses, an index that is not one of the other tasks, or a bad
+            ``logical_cpus``.
 
     Examples:
         >>> serve_stage(["localhost:2222", "localhost:2223"], 0)
@@ -96,9 +132,13 @@ def serve_stage(workers: Sequence[str], index: int, *, until_stdin_closes: bool 
     if not 1 <= index < len(workers):
         raise LMSOptionError(f"stage-server --index must be 1-{len(workers) - 1} (task 0 is the process that builds "
                              f"and runs the step, and serves itself); got {index}.")
+    logical_cpus = check_logical_cpus(logical_cpus)
     import tensorflow as tf
 
-    server = tf.distribute.Server(_cluster(workers), job_name=JOB, task_index=index, protocol="grpc")
+    # A server builds its devices from its own configuration, not from this process's logical
+    # device settings: the CPU count is asked for there.
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": logical_cpus}) if logical_cpus > 1 else None
+    server = tf.distribute.Server(_cluster(workers), job_name=JOB, task_index=index, protocol="grpc", config=config)
     logger.info("pipeline stage %d of %d serving at %s", index, len(workers), workers[index])
     if not until_stdin_closes:
         server.join()
@@ -147,8 +187,22 @@ def wait_for_workers(workers: Sequence[str], timeout: float) -> None:
                 time.sleep(0.2)
 
 
+def _split_cpu(tf, count: int) -> None:
+    """Gives this process ``count`` logical CPUs, unless it already has as many."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    if len(tf.config.get_logical_device_configuration(cpu) or []) >= count:
+        return
+    try:
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+    except RuntimeError:
+        raise LMSOptionError(f"connect_stages(logical_cpus={count}): TensorFlow already started in this process with "
+                             f"{len(tf.config.list_logical_devices('CPU'))} CPU device(s), and logical devices can "
+                             f"only be made before it starts. Call connect_stages() before any TensorFlow op, or "
+                             f"split the CPU yourself first (tf.config.set_logical_device_configuration).") from None
+
+
 def connect_stages(workers: Optional[Sequence[str]] = None, *, timeout: float = 60.0,
-                   device_type: str = "CPU") -> List[str]:
+                   device_type: str = "CPU", logical_cpus: Optional[int] = None) -> List[str]:
     """Connects this process (task 0) to the stage processes; returns each stage's device.
 
     Args:
@@ -156,12 +210,18 @@ def connect_stages(workers: Optional[Sequence[str]] = None, *, timeout: float = 
             ``LMS_TF_WORKERS`` environment variable, which ``lms-tf launch`` sets.
         timeout: Seconds to wait for the other tasks to answer.
         device_type: ``"CPU"`` or ``"GPU"``: the device of each task a stage runs on.
+        logical_cpus: Split this process's CPU into this many logical devices first, as the
+            stage servers were (``lms-tf stage-server --logical-cpus``). Default: the
+            ``LMS_TF_LOGICAL_CPUS`` environment variable (``lms-tf launch --logical-cpus`` sets
+            it), else the CPU as it is. A split this process already made is kept if it has at
+            least as many.
 
     Returns:
         One device name per stage, for ``PipelineStep(..., devices=...)``.
 
     Raises:
-        LMSOptionError: Bad addresses.
+        LMSOptionError: Bad addresses or ``logical_cpus``, or logical CPUs asked for after
+            TensorFlow started without them.
         LMSError: A task that does not answer within ``timeout``.
 
     Examples:
@@ -177,8 +237,14 @@ def connect_stages(workers: Optional[Sequence[str]] = None, *, timeout: float = 
                                  f"the stage addresses (task 0 first), or run the script under "
                                  f"lms-tf launch --stages K -- python your_script.py")
     workers = check_workers(workers)
+    if logical_cpus is None:
+        logical_cpus = os.environ.get(LOGICAL_CPUS_VARIABLE) or 1
+    logical_cpus = check_logical_cpus(logical_cpus)
     wait_for_workers(workers, timeout)
     import tensorflow as tf
+
+    if logical_cpus > 1:
+        _split_cpu(tf, logical_cpus)
 
     tf.config.experimental_connect_to_cluster(_cluster(workers), job_name=JOB, task_index=0, protocol="grpc")
     logger.info("connected to %d pipeline stage processes", len(workers))

@@ -36,13 +36,14 @@ import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
+from lms_tf.core.ir import canonical_device, same_device
 from lms_tf.core.policy import Policies, describe
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
 from lms_tf.simulate import simulate, tensorflow_cpu_allocator
 from lms_tf.tf.diagnostics import cpu_kernel_library
-from lms_tf.tf.driver import RewriteRequest, call_step_for_rewrite, check_visible, is_visible, on_device, \
-    resolve_device, rewrite_traced_stages, serialize_stages, visible_device_names
+from lms_tf.tf.driver import RewriteRequest, call_step_for_rewrite, check_visible, is_visible, resolve_device, \
+    rewrite_traced_stages, serialize_stages, visible_device_names
 from lms_tf.tf.rewrite.common import mark
 from lms_tf.tf.rewrite.serialize import bypass_identity_n
 from lms_tf.tf.trace import build_ir
@@ -375,8 +376,10 @@ class PipelineStep:
             hand), or a list of stage indices. Each such stage gets its own lms-tf plan (the
             TFLMS rule: a tensor its backward pass reads after ``swapout_threshold`` ops or more
             goes to the host and comes back, gated, before its reader), all applied in one
-            rewrite of the traced step. One process only.
-        host: Where swapped tensors live (needed when a stage swaps).
+            rewrite of the traced step.
+        host: Where swapped tensors live (needed when a stage swaps): a device of this process,
+            or with stages in a cluster, a device type and index (``"/CPU:0"``) naming that
+            device in each stage's own process, so each stage swaps to its own host memory.
         min_swap_bytes: Tensors smaller than this are never swapped.
         serialize: Run each stage's ops one at a time in the schedule's order (control edges on
             each stage's device; stages still run side by side), so a stage's memory follows the
@@ -388,6 +391,7 @@ class PipelineStep:
         stages: The :class:`StageModel` of each stage.
         tasks: Each stage's tasks in the order it runs them.
         swap_stages: The stages that swap.
+        hosts: Each swapping stage's host (a full device name in a cluster), by stage.
         plans: After the first call, each swapping stage's plan (in ``swap_stages`` order).
 
     Raises:
@@ -411,16 +415,6 @@ class PipelineStep:
         if swap is True and not self.swap_stages:
             logger.info("PipelineStep(swap=True): the partition swaps no stage (every stage fits its device), so "
                         "nothing is swapped")
-        self.host = None
-        if self.swap_stages:
-            if host is None:
-                raise LMSOptionError(f"swap: stages {self.swap_stages} swap activations, so host= must name where they "
-                                     f"go (a device this process has, such as '/CPU:0'); received host=None.")
-            if any(tf.DeviceSpec.from_string(d).job is not None for d in devices):
-                raise LMSOptionError("swap: stages in other processes (cluster devices) cannot swap yet; each stage "
-                                     "of a one-process pipeline can. Pass swap=False.")
-            self.host = check_visible(host, role="host", api="PipelineStep")
-        self._swap_policies = Policies(host=self.host or "/device:CPU:0", min_swap_bytes=min_swap_bytes)
         self.plans: List = []
         if _is_partition(stages):
             microbatches = stages.microbatches if microbatches is None else microbatches
@@ -428,10 +422,12 @@ class PipelineStep:
         microbatches = 1 if microbatches is None else microbatches
         schedule = schedule or "1f1b"
         for device in devices:  # a cluster task's device (a job named) is checked when connecting
-            if tf.DeviceSpec.from_string(device).job is None and not is_visible(device):
+            if not _in_cluster(device) and not is_visible(device):
                 raise LMSOptionError(f"device {device!r} is not one of this process's devices "
                                      f"({', '.join(sorted(visible_device_names()))}); on a CPU, make logical devices "
                                      f"with tf.config.set_logical_device_configuration before TensorFlow starts.")
+        self.hosts: Dict[int, str] = _stage_hosts(host, devices, self.swap_stages) if self.swap_stages else {}
+        self._min_swap_bytes = min_swap_bytes
         self.tasks = stage_tasks(schedule, len(stage_layers), microbatches)
         self.order = run_order(self.tasks)
         self.stages = split_stages(model, stage_layers)
@@ -506,14 +502,14 @@ class PipelineStep:
         peaks = []
         for k, device in enumerate(self.devices):
             mine = {op.name for op in ir.ops if op.name not in pruned and (
-                on_device(device_of.get(op.name, ""), device) or (k == 0 and not device_of.get(op.name)))}
+                same_device(device_of.get(op.name, ""), device) or (k == 0 and not device_of.get(op.name)))}
             received = {ir.tensors[t].producer for op in ir.ops if op.name in mine for t in op.inputs}
             elsewhere = frozenset(op.name for op in ir.ops if op.name not in mine and op.name not in received)
             simulation = simulate(dataclasses.replace(ir, host_placed=elsewhere), cost=cost, top=1, priority=created,
                                   allocator=tensorflow_cpu_allocator() if allocator else None,
                                   kernels=cpu_kernel_library())
             held = simulation.allocator_peak_bytes if allocator else simulation.peak_bytes
-            peaks.append(held + sum(nbytes for where, nbytes in resident.items() if on_device(where, device)))
+            peaks.append(held + sum(nbytes for where, nbytes in resident.items() if same_device(where, device)))
         return peaks
 
     def _run(self, x, y):
@@ -603,7 +599,8 @@ class PipelineStep:
         mean = tf.add_n([losses[m] for m in range(self.microbatches)]) / self.microbatches
         if self.swap_stages:
             self.plans = rewrite_traced_stages(
-                [RewriteRequest(self._swap_policies, resolve_device(self.devices[k])) for k in self.swap_stages],
+                [RewriteRequest(Policies(host=self.hosts[k], min_swap_bytes=self._min_swap_bytes),
+                                _full_device(self.devices[k])) for k in self.swap_stages],
                 api="PipelineStep")
         if self.serialize:
             # The update is left free: a control edge on its first product would stop the fold
@@ -635,6 +632,63 @@ def _schedule_ranks(graph, running_sums: Sequence[str]) -> Dict[str, float]:
         op = graph.get_operation_by_name(name)
         rank[name] = max(rank[t.op.name] for t in op.inputs) + 0.5
     return rank
+
+
+def _in_cluster(device: str) -> bool:
+    """Whether ``device`` is a cluster task's (it names a job), not one of this process's own."""
+    return tf.DeviceSpec.from_string(device).job is not None
+
+
+def _full_device(device: str) -> str:
+    """A stage's device for the driver: a cluster task's as it is (its task tells the stages
+    apart), one of this process's checked and canonical."""
+    return device if _in_cluster(device) else resolve_device(device, api="PipelineStep")
+
+
+def _same_task(a: str, b: str) -> bool:
+    """Whether two cluster devices belong to one process (same job, replica and task)."""
+    sa, sb = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    return (sa.job, sa.replica or 0, sa.task or 0) == (sb.job, sb.replica or 0, sb.task or 0)
+
+
+def _stage_hosts(host: Optional[str], devices: Sequence[str], swap_stages: Sequence[int]) -> Dict[int, str]:
+    """Each swapping stage's host: ``host`` itself in one process; in a cluster, the device
+    ``host`` names (a type and index) in the stage's own process, so each stage swaps to its own
+    host memory.
+
+    Raises:
+        LMSOptionError: No host, a host with a job or task in a cluster, a host no process has, or
+            a host that is the stage's own device (swapping there would move nothing).
+    """
+    if host is None:
+        raise LMSOptionError(f"swap: stages {list(swap_stages)} swap activations, so host= must name where they "
+                             f"go (a device such as '/CPU:0'); received host=None.")
+    cluster = any(_in_cluster(d) for d in devices)
+    if not cluster:
+        hosts = {k: check_visible(host, role="host", api="PipelineStep") for k in swap_stages}
+    else:
+        wanted = tf.DeviceSpec.from_string(host)
+        if wanted.job is not None or wanted.task is not None or wanted.replica is not None:
+            raise LMSOptionError(f"swap: in a cluster each stage swaps to a device of its own process, so host= "
+                                 f"names a device type and index only (such as '/CPU:0'); received host={host!r}.")
+        known = [d.name for d in tf.config.list_logical_devices()]
+        hosts = {}
+        for k in swap_stages:
+            stage = tf.DeviceSpec.from_string(devices[k])
+            hosts[k] = stage.replace(device_type=wanted.device_type, device_index=wanted.device_index or 0).to_string()
+            if not any(_same_task(name, hosts[k]) and same_device(name, hosts[k]) for name in known):
+                mine = [n for n in known if _same_task(n, devices[k])]
+                raise LMSOptionError(
+                    f"swap: stage {k}'s process has no {canonical_device(host)} (it has {', '.join(mine) or 'none'}). "
+                    f"Name one of its devices; on CPU-only stage servers, give each process two logical CPUs "
+                    f"(lms-tf launch --logical-cpus 2) and pass host='/CPU:1'.")
+    for k, stage_host in hosts.items():
+        if same_device(stage_host, devices[k]):
+            raise LMSOptionError(
+                f"swap: stage {k} runs on {devices[k]}, the host= it would swap to ({host!r}), so swapping would move "
+                f"nothing. Name another device: the CPU of a GPU stage, or on a CPU a second logical device "
+                f"(host='/CPU:1' with two logical CPUs).")
+    return hosts
 
 
 def _swap_stages(swap, stages, count: int) -> List[int]:

@@ -7,7 +7,7 @@ Examples:
 from __future__ import annotations
 
 import collections
-from typing import Dict
+from typing import Dict, Sequence
 
 import tensorflow as tf
 
@@ -63,6 +63,34 @@ def apply_plan(graph: tf.Graph, ir: GraphIR, plan: Plan) -> RewriteReport:
         >>> count_lms_ops(graph)   # the last activation is read by the first gradient op: kept
         {'swap_out': 3, 'swap_gate': 6, 'swap_in': 3, 'marker': 1}
     """
+    return apply_plans(graph, ir, [plan])
+
+
+def apply_plans(graph: tf.Graph, ir: GraphIR, plans: Sequence[Plan]) -> RewriteReport:
+    """Applies several plans over disjoint tensors of one traced graph in one rewrite, each with
+    its own device and host: a pipeline's stages, each swapping to its own process's host.
+
+    A graph is rewritten once (it is marked), so the plans go in together.
+
+    Args:
+        graph: The graph ``ir`` and ``plans`` were made from.
+        ir: Its IR.
+        plans: The plans, over disjoint tensors.
+
+    Returns:
+        What was inserted, all plans together.
+
+    Raises:
+        RewriteError: As :func:`apply_plan`.
+
+    Examples:
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.constant(1.0, name="x")
+        >>> from lms_tf.tf.trace import build_ir
+        >>> apply_plans(g, build_ir(g), []).inserted
+        {'marker': 1}
+    """
     if is_rewritten(graph):
         raise RewriteError(
             f"graph {getattr(graph, 'name', '')!r} was already rewritten by lms-tf (it has the "
@@ -72,12 +100,15 @@ def apply_plan(graph: tf.Graph, ir: GraphIR, plan: Plan) -> RewriteReport:
         for op in ir.ops if op.phase is Phase.FORWARD}
     inserted: Dict[str, int] = collections.Counter()
     with graph.as_default(), graph.name_scope(SCOPE), graph.control_dependencies(None):
-        swap_outs, rerouted = insert_swaps(graph, plan, inserted)
-        rerouted += insert_recomputes(graph, plan, swap_outs, inserted)
-        rerouted += insert_weight_fetches(graph, plan, inserted)
-        insert_orderings(graph, plan, inserted)
+        rerouted = 0
+        for plan in plans:
+            swap_outs, swaps_rerouted = insert_swaps(graph, plan, inserted, first=inserted["swap_out"])
+            rerouted += swaps_rerouted + insert_recomputes(graph, plan, swap_outs, inserted)
+            rerouted += insert_weight_fetches(graph, plan, inserted)
+            insert_orderings(graph, plan, inserted)
         marker = tf.raw_ops.NoOp(name="rewritten")
         _compat.set_string_attr(marker, LMS_ATTR, "marker")
         inserted["marker"] += 1
-    check_postconditions(graph, plan, forward_inputs_before)
+    for plan in plans:
+        check_postconditions(graph, plan, forward_inputs_before)
     return RewriteReport(inserted=dict(inserted), rerouted_inputs=rerouted)

@@ -107,10 +107,13 @@ def wait_for_swap_out(graph: tf.Graph, swap_out: tf.Tensor, waiter: tf.Operation
     _compat.add_control_input(waiter, _signal(graph, swap_out, waiter, name, "swap_out_done"))
 
 
-def insert_swaps(graph: tf.Graph, plan: Plan, inserted: Dict[str, int]) -> Tuple[Dict[str, tf.Tensor], int]:
+def insert_swaps(graph: tf.Graph, plan: Plan, inserted: Dict[str, int], first: int = 0
+                 ) -> Tuple[Dict[str, tf.Tensor], int]:
     """Inserts the plan's swap-outs and gated swap-ins, re-pointing backward consumers.
 
-    Must run inside ``graph.as_default()`` under the lms-tf name scope.
+    Must run inside ``graph.as_default()`` under the lms-tf name scope. Swap ``i`` of the plan is
+    named ``swap_out_<first + i>`` (its swap-ins ``swap_in_<first + i>_<j>``): several plans
+    inserted into one graph number their swaps on.
 
     Returns:
         Swapped tensor name -> its swap-out (host) tensor, and the number of re-pointed inputs.
@@ -133,7 +136,7 @@ def insert_swaps(graph: tf.Graph, plan: Plan, inserted: Dict[str, int]) -> Tuple
     """
     rerouted = 0
     swap_outs: Dict[str, tf.Tensor] = {}
-    for i, decision in enumerate(plan.swapped):
+    for i, decision in enumerate(plan.swapped, start=first):
         original = graph.get_tensor_by_name(decision.tensor)
         with graph.colocate_with(None, ignore_existing=True), graph.device(plan.host):
             swap_out = tf.identity(original, name=f"swap_out_{i}")
