@@ -354,17 +354,8 @@ def _eigen_workspace(ir: GraphIR, op: OpInfo) -> int:
     of ``P`` pixels, ``F = kh x kw x in_channels`` and ``O`` out channels, whatever the batch: about
     30 MiB for every filter gradient, which dominates the memory of small convolutional stages
     (TensorFlow's allocation trace shows ``[12, 1024, 576]`` for a 3x3, 64-channel convolution on
-    32x32 images, batch 16). Other convolution kernels: about their largest operand.
-
-    Examples:
-        >>> from lms_tf.core import make_ir
-        >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (16, 32, 32, 64))]),
-        ...               dict(name="dy", type="Placeholder", outputs=[("dy:0", (16, 32, 32, 64))]),
-        ...               dict(name="s", type="Const", outputs=[("s:0", (4,))]),
-        ...               dict(name="g", type="Conv2DBackpropFilter", inputs=["x:0", "s:0", "dy:0"],
-        ...                    outputs=[("g:0", (3, 3, 64, 64))])])
-        >>> _eigen_workspace(ir, ir.op("g"))
-        28311552
+    32x32 images, batch 16). Other convolution kernels: about their largest operand. Example:
+    :func:`kernel_scratch_bytes` with ``"eigen"``.
     """
     if op.type != "Conv2DBackpropFilter" or len(op.inputs) < 3:
         return _workspace(ir, op, "eigen")
