@@ -503,9 +503,12 @@ class Plan:
         fits = "fits" if pred.feasible else "DOES NOT FIT"
         chunks = ("" if pred.planned_allocator_peak_bytes is None
                   else f", {_mib(pred.planned_allocator_peak_bytes)} MiB in allocator chunks")
-        return (f"budget {_mib(self.budget_bytes)} MiB on {self.device_spec}: simulated peak "
+        head = (f"budget {_mib(self.budget_bytes)} MiB on {self.device_spec}: simulated peak "
                 f"{_mib(pred.baseline_peak_bytes)} MiB plain -> {_mib(pred.planned_peak_bytes)} MiB planned"
-                f"{chunks} ({fits}); "
+                f"{chunks} ({fits})")
+        if pred.baseline_step_time_s is None:  # memory only (a pipeline stage held to its budget)
+            return head
+        return (f"{head}; "
                 f"predicted step {1e3 * (pred.baseline_step_time_s or 0):.1f} ms -> "
                 f"{1e3 * (pred.predicted_step_time_s or 0):.1f} ms ({pred.overhead or 0:.2f}x)"
                 + ("" if pred.least_step_time_s is None else

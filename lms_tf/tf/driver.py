@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence
 
 import tensorflow as tf
 
@@ -284,7 +284,8 @@ def _traced_graph(api: str) -> tf.Graph:
     return graph
 
 
-def rewrite_traced_stages(requests: Sequence[RewriteRequest], *, api: str) -> List[Plan]:
+def rewrite_traced_stages(requests: Sequence[RewriteRequest], *, api: str,
+                          refine: Optional[Callable[[int, GraphIR, Plan], Plan]] = None) -> List[Plan]:
     """Plans each pipeline stage's device with its own request and applies the plans together.
 
     A pipeline step is one traced graph whose stages run on different devices; the rewrite can
@@ -299,9 +300,11 @@ def rewrite_traced_stages(requests: Sequence[RewriteRequest], *, api: str) -> Li
         requests: One per stage that swaps (``policies.budget`` None, ``recompute`` False,
             ``weights="device"``).
         api: Front-end name for messages.
+        refine: Called with each request's index, the step's IR and that stage's plan; returns
+            the plan to apply instead (a pipeline holds each stage to its budget with it).
 
     Returns:
-        Each request's plan, restricted to its stage's tensors.
+        Each request's plan, restricted to its stage's tensors (refined, if asked).
 
     Raises:
         LMSError: Not inside a ``tf.function`` trace.
@@ -329,6 +332,8 @@ def rewrite_traced_stages(requests: Sequence[RewriteRequest], *, api: str) -> Li
         mine = tuple(d for d in plan.decisions if own(ir.tensors[d.tensor].producer) and all(
             own(c) and c.startswith("gradient_tape/") for s in d.swap_ins for c in s.consumers))
         plans.append(dataclasses.replace(plan, decisions=mine))
+    if refine is not None:
+        plans = [refine(i, ir, plan) for i, plan in enumerate(plans)]
     # Each stage's swaps go to its own host (across processes, its own process's).
     report = apply_plans(graph, ir, [dataclasses.replace(plan, decisions=plan.swapped) for plan in plans])
     _log_once(f"{api}: {len(plans)} stage(s) swapping: " + "; ".join(p.one_line() for p in plans)

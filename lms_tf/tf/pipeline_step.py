@@ -35,16 +35,17 @@ import keras
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.core.errors import LMSOptionError
+from lms_tf.core.errors import LMSOptionError, infeasible
 from lms_tf.core.ir import canonical_device, same_device
-from lms_tf.core.policy import Policies, describe
+from lms_tf.core.plan import Decision, Plan, Predictions
+from lms_tf.core.policy import Policies, describe, format_bytes, parse_bytes
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
 from lms_tf.simulate import simulate, tensorflow_cpu_allocator
 from lms_tf.tf.diagnostics import cpu_kernel_library
 from lms_tf.tf.driver import RewriteRequest, call_step_for_rewrite, check_visible, is_visible, resolve_device, \
     rewrite_traced_stages, serialize_stages, visible_device_names
-from lms_tf.tf.rewrite.common import mark
+from lms_tf.tf.rewrite.common import LMS_ATTR, mark
 from lms_tf.tf.rewrite.serialize import bypass_identity_n
 from lms_tf.tf.trace import build_ir
 from lms_tf.tf.variables import variable_bytes_by_device, variable_device
@@ -377,6 +378,17 @@ class PipelineStep:
             TFLMS rule: a tensor its backward pass reads after ``swapout_threshold`` ops or more
             goes to the host and comes back, gated, before its reader), all applied in one
             rewrite of the traced step.
+        budget: Holds each swapping stage to a memory budget instead of swapping every tensor
+            the TFLMS rule finds: bytes or a size (``"12GiB"``) for every swapping stage, or a
+            list with one entry per stage (None: that stage swaps by the rule alone). A stage
+            then swaps the fewest of the rule's tensors (those waiting longest for their
+            backward reader first, then the largest) with which lms-tf's simulator, counting
+            the stage as :meth:`predicted_peaks` does, replays it within its budget. The
+            simulator copies a swapped tensor out and back as a GPU stage would; between
+            logical CPUs TensorFlow hands over the same buffer, so there the built step's real
+            peak (and :meth:`predicted_peaks`, which replays the built step) does not drop.
+            Each such plan's ``budget_bytes`` and ``predictions`` (the stage's simulated peak
+            without swapping and with its plan, weights and slots included) say what was chosen.
         host: Where swapped tensors live (needed when a stage swaps): a device of this process,
             or with stages in a cluster, a device type and index (``"/CPU:0"``) naming that
             device in each stage's own process, so each stage swaps to its own host memory.
@@ -393,6 +405,7 @@ class PipelineStep:
         swap_stages: The stages that swap.
         hosts: Each swapping stage's host (a full device name in a cluster), by stage.
         plans: After the first call, each swapping stage's plan (in ``swap_stages`` order).
+        budgets: Each budgeted stage's budget in bytes, by stage.
 
     Raises:
         LMSOptionError: Bad stages (see :func:`split_stages`), a device count that is not one per
@@ -409,7 +422,7 @@ class PipelineStep:
 
     def __init__(self, model, stages, *, microbatches: Optional[int] = None, schedule: Optional[str] = None,
                  devices: Sequence[str], loss=None, optimizer=None, swap=False, host: Optional[str] = None,
-                 min_swap_bytes: int = 64 * 1024, serialize: bool = False):
+                 min_swap_bytes: int = 64 * 1024, serialize: bool = False, budget=None):
         stage_layers = _stage_layers(model, stages, devices)
         self.swap_stages = _swap_stages(swap, stages, len(stage_layers))
         if swap is True and not self.swap_stages:
@@ -427,6 +440,7 @@ class PipelineStep:
                                      f"({', '.join(sorted(visible_device_names()))}); on a CPU, make logical devices "
                                      f"with tf.config.set_logical_device_configuration before TensorFlow starts.")
         self.hosts: Dict[int, str] = _stage_hosts(host, devices, self.swap_stages) if self.swap_stages else {}
+        self.budgets: Dict[int, int] = _stage_budgets(budget, self.swap_stages, len(stage_layers))
         self._min_swap_bytes = min_swap_bytes
         self.tasks = stage_tasks(schedule, len(stage_layers), microbatches)
         self.order = run_order(self.tasks)
@@ -466,7 +480,10 @@ class PipelineStep:
         use); ops with no device run where the step is called, counted for stage 0. The stage's
         weights and optimizer slots (resident before the step) are added. This predicts the
         step as it is built, where the partition's per-layer model predicts a cut before any step
-        exists: the two are compared in ``docs/benchmarks/partition.md``.
+        exists: the two are compared in ``docs/benchmarks/partition.md``. A swap in the built
+        step is replayed as TensorFlow runs it between logical CPUs (the host gets the same
+        buffer), so a swapping stage shows no saving here; what its plan saves on a GPU stage is
+        in its plan's ``predictions`` (with ``budget=``).
 
         Args:
             x: A batch of inputs (only its shapes matter).
@@ -489,6 +506,12 @@ class PipelineStep:
         """
         graph = self._step.get_concrete_function(x, y).graph
         ir = build_ir(graph)
+        return [self._stage_peak(graph, ir, k, allocator=allocator) for k in range(len(self.devices))]
+
+    def _stage_peak(self, graph, ir, k: int, plan: Optional[Plan] = None, allocator: bool = True) -> int:
+        """Stage ``k``'s predicted peak bytes in its own process (see :meth:`predicted_peaks`),
+        with ``plan`` (one of its swap plans, over ``ir``) replayed as well, if given."""
+        device = self.devices[k]
         device_of = {op.name: op.device for op in graph.get_operations()}
         resident = variable_bytes_by_device(list(self.model.weights) + list(self.optimizer.variables))
         cost = CostModel(get_device_spec(_TIMING_PRESET))
@@ -499,18 +522,65 @@ class PipelineStep:
         # TensorFlow prunes it, so it receives nothing.
         pruned = {op.name for op in graph.get_operations()
                   if op.type == "IdentityN" and not any(t.consumers() for t in op.outputs)}
-        peaks = []
-        for k, device in enumerate(self.devices):
-            mine = {op.name for op in ir.ops if op.name not in pruned and (
-                same_device(device_of.get(op.name, ""), device) or (k == 0 and not device_of.get(op.name)))}
-            received = {ir.tensors[t].producer for op in ir.ops if op.name in mine for t in op.inputs}
-            elsewhere = frozenset(op.name for op in ir.ops if op.name not in mine and op.name not in received)
-            simulation = simulate(dataclasses.replace(ir, host_placed=elsewhere), cost=cost, top=1, priority=created,
-                                  allocator=tensorflow_cpu_allocator() if allocator else None,
-                                  kernels=cpu_kernel_library())
-            held = simulation.allocator_peak_bytes if allocator else simulation.peak_bytes
-            peaks.append(held + sum(nbytes for where, nbytes in resident.items() if same_device(where, device)))
-        return peaks
+        mine = {op.name for op in ir.ops if op.name not in pruned and (
+            same_device(device_of.get(op.name, ""), device) or (k == 0 and not device_of.get(op.name)))}
+        received = {ir.tensors[t].producer for op in ir.ops if op.name in mine for t in op.inputs}
+        elsewhere = frozenset(op.name for op in ir.ops if op.name not in mine and op.name not in received)
+        cpu = (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU"
+        simulation = simulate(dataclasses.replace(ir, host_placed=elsewhere), plan, cost=cost, top=1, priority=created,
+                              allocator=tensorflow_cpu_allocator() if allocator and cpu else None,
+                              kernels=cpu_kernel_library() if cpu else "cudnn")
+        held = simulation.allocator_peak_bytes if allocator and cpu else simulation.peak_bytes
+        return held + sum(nbytes for where, nbytes in resident.items() if same_device(where, device))
+
+    def _hold_to_budget(self, k: int, ir, plan: Plan) -> Plan:
+        """Stage ``k``'s swap plan cut down to the fewest swaps that fit its budget, or the
+        library's error naming the least the stage reaches when swapping all of them does not."""
+        budget = self.budgets.get(k)
+        if budget is None:
+            return plan
+        graph = _compat.current_graph()
+        # Longest-waiting first: a tensor held across most of the stage's other work is the most
+        # likely to be live at its peak, and its copies have the most time to hide.
+        order = sorted(plan.swapped, key=lambda d: (-(d.distance or 0), -(d.nbytes or 0), d.tensor))
+
+        def first(n: int) -> Plan:
+            chosen = {d.tensor for d in order[:n]}
+            return dataclasses.replace(plan, decisions=tuple(
+                d if d.decision is not Decision.SWAP or d.tensor in chosen else _kept(d) for d in plan.decisions))
+
+        peaks: Dict[int, int] = {}
+
+        def peak(n: int) -> int:
+            if n not in peaks:
+                peaks[n] = self._stage_peak(graph, ir, k, first(n))
+            return peaks[n]
+
+        if peak(0) <= budget:
+            high = 0
+        elif peak(len(order)) > budget:
+            # Swapping can even raise a stage's peak (a copy brought back while the micro-batches
+            # still in flight hold the device): the least known is the lower of the two.
+            raise infeasible(
+                f"PipelineStep(budget=...): stage {k} does not fit {format_bytes(budget)}: lms-tf's simulator "
+                f"replays it at {format_bytes(peak(0))} without swapping and at {format_bytes(peak(len(order)))} "
+                f"swapping all {len(order)} tensors the TFLMS rule finds (its weights and slots included). Give "
+                f"stage {k} at least {format_bytes(min(peak(0), peak(len(order))))}, cut the model into more stages, "
+                f"or use fewer micro-batches in flight.", budget, min(peak(0), peak(len(order))))
+        else:
+            low, high = 1, len(order)  # the fewest swaps that fit: peak(high) fits throughout
+            while low < high:
+                middle = (low + high) // 2
+                if peak(middle) <= budget:
+                    high = middle
+                else:
+                    low = middle + 1
+        logger.info("PipelineStep: stage %d swaps %d of the %d tensors the TFLMS rule finds: simulated peak %s "
+                    "(budget %s; %s without swapping)", k, high, len(order), format_bytes(peak(high)),
+                    format_bytes(budget), format_bytes(peak(0)))
+        return dataclasses.replace(first(high), budget_bytes=budget, device_spec=f"pipeline stage {k}",
+                                   predictions=Predictions(baseline_peak_bytes=peak(0),
+                                                           planned_peak_bytes=peak(high), feasible=True))
 
     def _run(self, x, y):
         input_keys = set(self._input_keys)
@@ -601,7 +671,9 @@ class PipelineStep:
             self.plans = rewrite_traced_stages(
                 [RewriteRequest(Policies(host=self.hosts[k], min_swap_bytes=self._min_swap_bytes),
                                 _full_device(self.devices[k])) for k in self.swap_stages],
-                api="PipelineStep")
+                api="PipelineStep",
+                refine=(lambda i, ir, plan: self._hold_to_budget(self.swap_stages[i], ir, plan)) if self.budgets
+                else None)
         if self.serialize:
             # The update is left free: a control edge on its first product would stop the fold
             # above (the numbers would change). It runs after every task anyway.
@@ -631,6 +703,13 @@ def _schedule_ranks(graph, running_sums: Sequence[str]) -> Dict[str, float]:
     for name in running_sums:  # in creation order: a sum's previous sum is ranked already
         op = graph.get_operation_by_name(name)
         rank[name] = max(rank[t.op.name] for t in op.inputs) + 0.5
+    # lms-tf's swap ops are created after the whole step, but TensorFlow runs each as soon as it
+    # is ready (a copy out right after its tensor is made, a copy in right after its gate):
+    # ranked by creation they would wait behind every compute op.
+    for op in graph.get_operations():
+        if LMS_ATTR in op.node_def.attr:
+            waits_for = [t.op.name for t in op.inputs] + [c.name for c in op.control_inputs]
+            rank[op.name] = max((rank[n] for n in waits_for), default=rank[op.name]) + 0.25
     return rank
 
 
@@ -689,6 +768,43 @@ def _stage_hosts(host: Optional[str], devices: Sequence[str], swap_stages: Seque
                 f"nothing. Name another device: the CPU of a GPU stage, or on a CPU a second logical device "
                 f"(host='/CPU:1' with two logical CPUs).")
     return hosts
+
+
+def _kept(decision):
+    """A swap decision turned into keep: the stage fits its budget without it."""
+    return dataclasses.replace(decision, decision=Decision.KEEP, swap_ins=(), swap_out_before=None,
+                               reason="kept: the stage fits its budget without swapping it")
+
+
+def _stage_budgets(budget, swap_stages: Sequence[int], count: int) -> Dict[int, int]:
+    """Each budgeted stage's budget in bytes, by stage: ``budget`` (see :class:`PipelineStep`) checked.
+
+    Raises:
+        LMSOptionError: A budget with no stage swapping, a list that is not one entry per stage,
+            an entry that is not a size, or one given to a stage that does not swap.
+    """
+    if budget is None:
+        return {}
+    if not swap_stages:
+        raise LMSOptionError(f"budget= holds swapping stages to a memory budget, but no stage swaps; pass swap=True "
+                             f"(or a list of stages) with it, or drop budget=. Received budget={budget!r}.")
+    listed = isinstance(budget, (list, tuple))
+    if listed and len(budget) != count:
+        raise LMSOptionError(f"budget= as a list needs one entry per stage ({count}, None for a stage swapping by "
+                             f"the rule alone); received {len(budget)}: {budget!r}.")
+    budgets = {}
+    for k, entry in enumerate(budget if listed else [budget] * count):
+        if entry is None or (not listed and k not in swap_stages):
+            continue
+        nbytes = parse_bytes(entry)
+        if nbytes is None or isinstance(entry, bool):
+            raise LMSOptionError(f"budget= for stage {k} must be bytes or a size such as '12GiB'; received "
+                                 f"{describe(entry)}.")
+        if k not in swap_stages:
+            raise LMSOptionError(f"budget= gives stage {k} {format_bytes(nbytes)}, but stage {k} does not swap "
+                                 f"(swapping stages: {list(swap_stages)}); give it None, or let it swap.")
+        budgets[k] = nbytes
+    return budgets
 
 
 def _swap_stages(swap, stages, count: int) -> List[int]:
