@@ -55,6 +55,14 @@ def _cases():
                                   keras.layers.Dense(2, name="head")], name="mlp")
         lms_tf.PipelineStep(model, [["hidden"]], devices=["/CPU:0"])
 
+    def stage_without_host():
+        import keras
+
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="hidden"),
+                                  keras.layers.Dense(2, name="head")], name="mlp")
+        lms_tf.PipelineStep(model, [["hidden"], ["head"]], swap=True, host="/CPU:1",
+                            devices=["/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:0"])
+
     def eager():
         tf.config.run_functions_eagerly(True)
         try:
@@ -88,6 +96,7 @@ def _cases():
         ("A pipeline stage process that is not running", lambda: lms_tf.connect_stages(
             "localhost:2222,localhost:1", timeout=1)),
         ("A pipeline script started without its stages' addresses", no_workers),
+        ("A swapping stage whose process has no such host device", stage_without_host),
         ("Asking for a plan before training", lambda: lms_tf.explain(lms_tf.LMSCallback())),
         ("A step that runs eagerly", eager),
         ("No GPU and no device given (a warning: the step trains untouched)",

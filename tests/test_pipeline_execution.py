@@ -456,7 +456,8 @@ def test_bad_swap_arguments_are_refused_before_anything_is_traced():
     cluster = ["/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:0"]
     with pytest.raises(LMSOptionError, match="names a device type and index only .* received host='/job:worker/task:1/CPU:1'"):
         PipelineStep(model, cut, devices=cluster, swap=True, host="/job:worker/task:1/CPU:1")
-    with pytest.raises(LMSOptionError, match=r"stage 0's process has no /device:CPU:1 \(it has none\).*--logical-cpus 2"):
+    with pytest.raises(LMSOptionError, match=r"stage 0's process has no /device:CPU:1 \(none of its devices is known here: connect "
+                                             r"with lms_tf.connect_stages\(\) first\).*--logical-cpus 2"):
         PipelineStep(model, cut, devices=cluster, swap=True, host="/CPU:1")
 
 

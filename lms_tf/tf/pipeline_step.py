@@ -757,8 +757,10 @@ def _stage_hosts(host: Optional[str], devices: Sequence[str], swap_stages: Seque
             hosts[k] = stage.replace(device_type=wanted.device_type, device_index=wanted.device_index or 0).to_string()
             if not any(_same_task(name, hosts[k]) and same_device(name, hosts[k]) for name in known):
                 mine = [n for n in known if _same_task(n, devices[k])]
+                has = (f"it has {', '.join(mine)}" if mine else
+                       "none of its devices is known here: connect with lms_tf.connect_stages() first")
                 raise LMSOptionError(
-                    f"swap: stage {k}'s process has no {canonical_device(host)} (it has {', '.join(mine) or 'none'}). "
+                    f"swap: stage {k}'s process has no {canonical_device(host)} ({has}). "
                     f"Name one of its devices; on CPU-only stage servers, give each process two logical CPUs "
                     f"(lms-tf launch --logical-cpus 2) and pass host='/CPU:1'.")
     for k, stage_host in hosts.items():
