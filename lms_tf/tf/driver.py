@@ -293,8 +293,9 @@ def rewrite_traced_stages(requests: Sequence[RewriteRequest], *, api: str,
     on the same IR, keeps the decisions for tensors its own device produces (an op placed
     nowhere, such as the split of the batch, belongs to no stage), and the swaps of all of them
     are inserted in one rewrite, each stage's to its own request's host (in a cluster, a device
-    of the stage's own process). Swap-only, by the TFLMS rule: a budget or recompute would be
-    planned by a simulator that replays the whole step on one device.
+    of the stage's own process). Swap-only, by the TFLMS rule (the budget planner's search
+    replays a whole step on one device); ``refine`` lets the caller cut each stage's plan down,
+    as ``PipelineStep(budget=)`` does with a replay of the stage alone.
 
     Args:
         requests: One per stage that swaps (``policies.budget`` None, ``recompute`` False,

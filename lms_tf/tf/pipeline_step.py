@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -506,14 +506,16 @@ class PipelineStep:
         """
         graph = self._step.get_concrete_function(x, y).graph
         ir = build_ir(graph)
-        return [self._stage_peak(graph, ir, k, allocator=allocator) for k in range(len(self.devices))]
+        return [self._stage_replay(graph, ir, k)(allocator=allocator) for k in range(len(self.devices))]
 
-    def _stage_peak(self, graph, ir, k: int, plan: Optional[Plan] = None, allocator: bool = True) -> int:
-        """Stage ``k``'s predicted peak bytes in its own process (see :meth:`predicted_peaks`),
-        with ``plan`` (one of its swap plans, over ``ir``) replayed as well, if given."""
+    def _stage_replay(self, graph, ir, k: int) -> Callable[..., int]:
+        """A function giving stage ``k``'s predicted peak bytes in its own process (see
+        :meth:`predicted_peaks`), with a swap plan over ``ir`` replayed as well if given: what
+        the stage holds is worked out once, and each plan tried replays it again."""
         device = self.devices[k]
         device_of = {op.name: op.device for op in graph.get_operations()}
-        resident = variable_bytes_by_device(list(self.model.weights) + list(self.optimizer.variables))
+        resident = sum(nbytes for where, nbytes in variable_bytes_by_device(
+            list(self.model.weights) + list(self.optimizer.variables)).items() if same_device(where, device))
         cost = CostModel(get_device_spec(_TIMING_PRESET))
         # Among ready ops, the one ranked first: the order serialization chains each stage in
         # (the update, left out of the chain, replayed one weight after another).
@@ -525,13 +527,18 @@ class PipelineStep:
         mine = {op.name for op in ir.ops if op.name not in pruned and (
             same_device(device_of.get(op.name, ""), device) or (k == 0 and not device_of.get(op.name)))}
         received = {ir.tensors[t].producer for op in ir.ops if op.name in mine for t in op.inputs}
-        elsewhere = frozenset(op.name for op in ir.ops if op.name not in mine and op.name not in received)
+        stage_ir = dataclasses.replace(ir, host_placed=frozenset(
+            op.name for op in ir.ops if op.name not in mine and op.name not in received))
         cpu = (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU"
-        simulation = simulate(dataclasses.replace(ir, host_placed=elsewhere), plan, cost=cost, top=1, priority=created,
-                              allocator=tensorflow_cpu_allocator() if allocator and cpu else None,
-                              kernels=cpu_kernel_library() if cpu else "cudnn")
-        held = simulation.allocator_peak_bytes if allocator and cpu else simulation.peak_bytes
-        return held + sum(nbytes for where, nbytes in resident.items() if same_device(where, device))
+
+        def peak(plan: Optional[Plan] = None, allocator: bool = True) -> int:
+            modelled = allocator and cpu
+            simulation = simulate(stage_ir, plan, cost=cost, top=1, priority=created,
+                                  allocator=tensorflow_cpu_allocator() if modelled else None,
+                                  kernels=cpu_kernel_library() if cpu else "cudnn")
+            return (simulation.allocator_peak_bytes if modelled else simulation.peak_bytes) + resident
+
+        return peak
 
     def _hold_to_budget(self, k: int, ir, plan: Plan) -> Plan:
         """Stage ``k``'s swap plan cut down to the fewest swaps that fit its budget, or the
@@ -539,7 +546,7 @@ class PipelineStep:
         budget = self.budgets.get(k)
         if budget is None:
             return plan
-        graph = _compat.current_graph()
+        replay = self._stage_replay(_compat.current_graph(), ir, k)
         # Longest-waiting first: a tensor held across most of the stage's other work is the most
         # likely to be live at its peak, and its copies have the most time to hide.
         order = sorted(plan.swapped, key=lambda d: (-(d.distance or 0), -(d.nbytes or 0), d.tensor))
@@ -553,7 +560,7 @@ class PipelineStep:
 
         def peak(n: int) -> int:
             if n not in peaks:
-                peaks[n] = self._stage_peak(graph, ir, k, first(n))
+                peaks[n] = replay(first(n))
             return peaks[n]
 
         if peak(0) <= budget:
