@@ -691,6 +691,13 @@ def test_a_budget_holds_each_stage_to_it_with_fewer_swaps_and_the_same_numbers(n
         assert plan.budget_bytes == budgets[k] and plan.predictions.feasible
         assert plan.predictions.planned_peak_bytes <= budgets[k] < plan.predictions.baseline_peak_bytes
         assert "fits" in plan.summary().splitlines()[1], plan.summary()
+    # The traced graph holds exactly the swaps the plans chose, each out of its stage's device.
+    graph = step.get_concrete_function(tf.constant(bx), tf.constant(by)).graph
+    outs = _marked(graph, b"swap_out")
+    assert len(outs) == sum(len(plan.swapped) for plan in step.plans), (len(outs), [p.one_line() for p in step.plans])
+    chosen = {d.tensor for plan in step.plans for d in plan.swapped}
+    assert {out.inputs[0].name for out in outs} == chosen
+    assert all(out.device.endswith("CPU:2") for out in outs)
 
 
 def test_a_budget_no_swap_plan_meets_names_the_least_the_stage_reaches():
