@@ -440,6 +440,38 @@ def test_the_stages_a_partition_says_swap_are_the_ones_that_do():
     assert_same_state(twin, model)
 
 
+@pytest.mark.timeout(300)
+def test_budget_partition_holds_each_swapping_stage_to_the_limit_it_was_cut_for():
+    """``budget="partition"``: the stages the partition says swap are held to its budget (the
+    limit it cut them for), swap only some of the rule's tensors, and train to the numbers of the
+    pipeline that swaps nothing."""
+    model, (x, y) = attention_block()
+    twin, _ = attention_block()
+    arguments = dict(stages=2, microbatches=MICROBATCHES, batch_size=zoo.BATCH, schedule="gpipe")
+    plain = lms_tf.partition(model, **arguments)
+    with pytest.raises(lms_tf.InfeasibleBudgetError) as caught:
+        lms_tf.partition(model, **arguments, budget=1)
+    budget = (caught.value.smallest_feasible_bytes + plain.max_stage_peak_bytes) // 2
+    p = lms_tf.partition(model, **arguments, budget=budget)
+    swapping_stages = [s.index for s in p.stages if s.host_bytes]
+    assert swapping_stages and p.feasible
+    step = PipelineStep(model, p, devices=DEVICES[:2], swap=True, host="/CPU:2", min_swap_bytes=0, budget="partition")
+    every = PipelineStep(attention_block()[0], p, devices=DEVICES[:2], swap=True, host="/CPU:2", min_swap_bytes=0)
+    reference = PipelineStep(twin, p, devices=DEVICES[:2])
+    assert step.budgets == {k: budget for k in swapping_stages}
+    bx, by = x[:zoo.BATCH], y[:zoo.BATCH]
+    assert [float(step(bx, by)) for _ in range(3)] == [float(reference(bx, by)) for _ in range(3)]
+    assert_same_state(twin, model)
+    every(bx, by)
+    for plan, everything in zip(step.plans, every.plans):
+        assert plan.budget_bytes == budget and plan.predictions.planned_peak_bytes <= budget
+        assert len(plan.swapped) < len(everything.swapped), (plan.one_line(), everything.one_line())
+    with pytest.raises(LMSOptionError, match="budget='partition' .* the stages were cut by hand"):
+        PipelineStep(model, contiguous(model, 2), devices=DEVICES[:2], swap=True, host="/CPU:2", budget="partition")
+    with pytest.raises(LMSOptionError, match="cut with no devices and no budget"):
+        PipelineStep(model, plain, devices=DEVICES[:2], swap=[0], host="/CPU:2", budget="partition")
+
+
 def test_bad_swap_arguments_are_refused_before_anything_is_traced():
     model, _ = zoo.sequential_cnn()
     cut = contiguous(model, 2)

@@ -380,7 +380,10 @@ class PipelineStep:
             rewrite of the traced step.
         budget: Holds each swapping stage to a memory budget instead of swapping every tensor
             the TFLMS rule finds: bytes or a size (``"12GiB"``) for every swapping stage, or a
-            list with one entry per stage (None: that stage swaps by the rule alone). A stage
+            list with one entry per stage (None: that stage swaps by the rule alone), or
+            ``"partition"``: with a :class:`~lms_tf.pipeline.Partition`, the limit it cut each
+            swapping stage for (the stage's device memory, or the partition's budget where
+            lower), so a stage swaps what the built step needs to fit it. A stage
             then swaps the fewest of the rule's tensors (those waiting longest for their
             backward reader first, then the largest) with which lms-tf's simulator, counting
             the stage as :meth:`predicted_peaks` does, replays it within its budget. The
@@ -440,7 +443,8 @@ class PipelineStep:
                                      f"({', '.join(sorted(visible_device_names()))}); on a CPU, make logical devices "
                                      f"with tf.config.set_logical_device_configuration before TensorFlow starts.")
         self.hosts: Dict[int, str] = _stage_hosts(host, devices, self.swap_stages) if self.swap_stages else {}
-        self.budgets: Dict[int, int] = _stage_budgets(budget, self.swap_stages, len(stage_layers))
+        self.budgets: Dict[int, int] = _stage_budgets(_partition_budgets(budget, stages), self.swap_stages,
+                                                      len(stage_layers))
         self._min_swap_bytes = min_swap_bytes
         self.tasks = stage_tasks(schedule, len(stage_layers), microbatches)
         self.order = run_order(self.tasks)
@@ -785,6 +789,32 @@ def _kept(decision):
                                reason="kept: the stage fits its budget without swapping it")
 
 
+def _partition_budgets(budget, stages):
+    """``budget="partition"`` as one entry per stage: the limit the partition cut each stage for
+    (its device's memory, or the partition's budget where that is lower), None for a stage that
+    has neither; any other ``budget`` as it is.
+
+    Raises:
+        LMSOptionError: ``"partition"`` with stages cut by hand, or with a partition that had no
+            device and no budget to cut for.
+    """
+    if not (isinstance(budget, str) and budget == "partition"):
+        return budget
+    if not _is_partition(stages):
+        raise LMSOptionError("budget='partition' holds each stage to the limit lms_tf.partition cut it for, but the "
+                             "stages were cut by hand; pass the Partition itself as stages, or the budgets in bytes.")
+    limits = [min([c for c in (s.capacity_bytes, stages.budget_bytes) if c is not None], default=None)
+              for s in stages.stages]
+    if all(limit is None for limit in limits):
+        raise LMSOptionError("budget='partition': the partition was cut with no devices and no budget, so it has no "
+                             "limit to hold a stage to; partition with devices= or budget=, or pass budgets in bytes.")
+    return _PartitionLimits(limits)
+
+
+class _PartitionLimits(list):
+    """A partition's limit for every stage: only the swapping stages' are budgets."""
+
+
 def _stage_budgets(budget, swap_stages: Sequence[int], count: int) -> Dict[int, int]:
     """Each budgeted stage's budget in bytes, by stage: ``budget`` (see :class:`PipelineStep`) checked.
 
@@ -798,12 +828,15 @@ def _stage_budgets(budget, swap_stages: Sequence[int], count: int) -> Dict[int, 
         raise LMSOptionError(f"budget= holds swapping stages to a memory budget, but no stage swaps; pass swap=True "
                              f"(or a list of stages) with it, or drop budget=. Received budget={budget!r}.")
     listed = isinstance(budget, (list, tuple))
+    from_partition = False
+    if isinstance(budget, _PartitionLimits):
+        listed, from_partition = True, True
     if listed and len(budget) != count:
         raise LMSOptionError(f"budget= as a list needs one entry per stage ({count}, None for a stage swapping by "
                              f"the rule alone); received {len(budget)}: {budget!r}.")
     budgets = {}
     for k, entry in enumerate(budget if listed else [budget] * count):
-        if entry is None or (not listed and k not in swap_stages):
+        if entry is None or (not listed and k not in swap_stages) or (from_partition and k not in swap_stages):
             continue
         nbytes = parse_bytes(entry)
         if nbytes is None or isinstance(entry, bool):
