@@ -265,13 +265,15 @@ def test_a_skip_connection_goes_straight_to_the_stage_that_reads_it():
 
 def kernel_task(node, device_of):
     """The task a kernel of a pipelined step ran for: forward ops are named ``microbatch<m>/...``,
-    their gradients ``gradient_tape/microbatch<m>/...``, and the op's device is its stage's
-    (``device_of``: graph op name -> device; Grappler may prefix an executed node's name)."""
-    found = re.search(r"(?:^|/)((gradient_tape/)?microbatch(\d+)/.*)$", node)
+    their gradients ``gradient_tape/microbatch<m>/...``, a recomputing stage's second forward
+    pass (part of its backward task) ``recompute/microbatch<m>/...`` and its gradients
+    ``gradient_tape/recompute/microbatch<m>/...``; the op's device is its stage's (``device_of``:
+    graph op name -> device; Grappler may prefix an executed node's name)."""
+    found = re.search(r"(?:^|/)((gradient_tape/)?(recompute/)?microbatch(\d+)/.*)$", node)
     if found is None or found.group(1) not in device_of:
         return None
     stage = tf.DeviceSpec.from_string(device_of[found.group(1)]).device_index
-    return f"stage{stage}_{'B' if found.group(2) else 'F'}{found.group(3)}"
+    return f"stage{stage}_{'B' if found.group(2) or found.group(3) else 'F'}{found.group(4)}"
 
 
 def _gates(step, x, y):
@@ -304,12 +306,14 @@ def test_each_stage_task_waits_for_the_one_before_it_through_kept_identities(sch
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_the_executor_runs_each_stage_in_the_schedules_order(schedule):
+@pytest.mark.parametrize("schedule,recompute", [("gpipe", False), ("1f1b", False), ("gpipe", True), ("1f1b", True)])
+def test_the_executor_runs_each_stage_in_the_schedules_order(schedule, recompute):
     """The profiler's kernels per stage: every compute kernel of a task ends before the first
-    compute kernel of the stage's next task starts."""
+    compute kernel of the stage's next task starts (a recomputing stage's second forward pass
+    inside its backward task)."""
     model, (x, y) = zoo.sequential_cnn()
-    step = PipelineStep(model, contiguous(model, 3), microbatches=MICROBATCHES, schedule=schedule, devices=DEVICES)
+    step = PipelineStep(model, contiguous(model, 3), microbatches=MICROBATCHES, schedule=schedule, devices=DEVICES,
+                        recompute=recompute)
     bx, by = tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH])
     step(bx, by)
     device_of = {op.name: op.device for op in step.get_concrete_function(bx, by).graph.get_operations()}
@@ -324,6 +328,12 @@ def test_the_executor_runs_each_stage_in_the_schedules_order(schedule):
         for (task, (_, end)), (following, (start, _)) in zip(zip(tasks, spans), zip(tasks[1:], spans[1:])):
             assert end <= start, (k, str(task), str(following))
     assert max_in_flight(step.tasks[0]) == in_flight(schedule, 0, 3, MICROBATCHES)
+    if recompute:   # each backward task starts with its micro-batch's forward kernels run again
+        for k, tasks in enumerate(step.tasks):
+            for task in (t for t in tasks if t.kind == "B"):
+                again = [e for e in events if e.type in compute and "gradient_tape/" not in e.node
+                         and "recompute/" in e.node and kernel_task(e.node, device_of) == f"stage{k}_{task}"]
+                assert again, (k, str(task))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -394,6 +404,79 @@ def test_stages_that_swap_train_to_exactly_the_numbers_of_stages_that_do_not(nam
     step = steps[0]
     assert step.swap_stages == [0, 1] and len(step.plans) == 2
     assert all(plan.swapped for plan in step.plans), [plan.one_line() for plan in step.plans]
+
+
+RECOMPUTE_CASES = [("resnet_style", "1f1b", 2), ("attention_block", "gpipe", 2), ("lstm", "1f1b", 3),
+                   ("text_embedding", "gpipe", 3), ("inception_style", "gpipe", 2), ("sequential_cnn", "1f1b", 3)]
+
+
+def recomputing(schedule, stages, recompute=True, **kwargs):
+    return lambda model: PipelineStep(model, contiguous(model, stages), microbatches=MICROBATCHES, schedule=schedule,
+                                      devices=DEVICES[:stages], recompute=recompute, **kwargs)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,schedule,stages", RECOMPUTE_CASES, ids=[f"{n}-{s}-K{k}" for n, s, k in RECOMPUTE_CASES])
+def test_stages_that_run_their_forward_pass_again_train_to_exactly_the_same_numbers(name, schedule, stages):
+    """Every stage keeps only what it receives and runs its forward pass again in its backward
+    task: the accumulation step's losses, weights, slots and (ResNet's) BatchNorm statistics."""
+    steps = []
+    plain, piped, reference, pipelined_model = train_both(
+        MODELS[name], lambda model: steps.append(recomputing(schedule, stages)(model)) or steps[-1])
+    assert plain == piped and len(set(plain)) > 1, (plain, piped)
+    assert_same_state(reference, pipelined_model)
+    assert steps[0].recompute_stages == list(range(stages))
+
+
+def test_a_recomputing_stage_keeps_only_what_it_receives_for_its_backward_pass():
+    """Structure: a recomputing stage's gradient ops read nothing its first forward pass computed
+    (only the second pass's tensors, gradients and weights); its second pass reads the stage's
+    inputs through gates that wait for the stage's previous task; a stage that does not
+    recompute still reads its first pass's tensors."""
+    model, (x, y) = zoo.resnet_style()
+    step = recomputing("1f1b", 2, recompute=[0])(model)
+    graph = step.get_concrete_function(tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH])).graph
+    on = lambda op, k: tf.DeviceSpec.from_string(op.device).device_index == k
+    first_pass = lambda op: re.match(r"microbatch\d+/", op.name) is not None
+    for k, recomputes in ((0, True), (1, False)):
+        backward = [op for op in graph.get_operations() if op.name.startswith("gradient_tape/") and on(op, k)]
+        reads_first = [op.name for op in backward if any(first_pass(t.op) for t in op.inputs)]
+        reads_second = [op.name for op in backward if any(t.op.name.startswith("recompute/") for t in op.inputs)]
+        if recomputes:
+            assert backward and not reads_first and reads_second, reads_first[:5]
+        else:
+            assert reads_first and not reads_second, reads_second[:5]
+    gates = [op for op in graph.get_operations() if op.type == "Identity" and "_lms" in op.node_def.attr
+             and op.get_attr("_lms") == b"pipeline_gate"
+             and any(c.name.startswith("recompute/") for c in op.outputs[0].consumers())]
+    backward_tasks = [str(t) for t in step.tasks[0] if t.kind == "B"]
+    assert {g.get_attr("_lms_task").decode() for g in gates} == {f"stage0_{t}" for t in backward_tasks}
+    assert all(g.control_inputs and on(g, 0) for g in gates)
+    # (a variable's reads are placed with the variable)
+    assert not [op.name for op in graph.get_operations()
+                if op.name.startswith("recompute/") and op.type != "ReadVariableOp" and not on(op, 0)]
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_that_draws_random_numbers_keeps_its_activations_with_a_warning(caplog):
+    """Dropout would draw another mask the second time: that stage keeps its activations (a
+    warning names the layer), the other recomputes, and the numbers stay the accumulation step's."""
+    steps = []
+    with caplog.at_level("WARNING", logger="lms_tf"):
+        plain, piped, reference, pipelined_model = train_both(
+            MODELS["dropout_mlp"], lambda model: steps.append(recomputing("gpipe", 2)(model)) or steps[-1])
+    assert plain == piped and len(set(plain)) > 1, (plain, piped)
+    assert_same_state(reference, pipelined_model)
+    warned = [r.getMessage() for r in caplog.records if "keeps its activations instead" in r.getMessage()]
+    assert len(warned) == len(set(range(2)) - set(steps[0].recompute_stages)) >= 1, warned
+    assert all("dropout" in w and "draws random numbers" in w for w in warned), warned
+
+
+def test_bad_recompute_arguments_are_refused_before_anything_is_traced():
+    model, _ = zoo.sequential_cnn()
+    with pytest.raises(LMSOptionError, match=r"recompute must be True, False or a list of stage indices \(0 to 1\); "
+                                             r"received .*5"):
+        PipelineStep(model, contiguous(model, 2), devices=DEVICES[:2], recompute=[5])
 
 
 def _marked(graph, kind):

@@ -58,6 +58,7 @@ from lms_tf._compat.keras import (
                                   nodes_in_call_order,
                                   optimizer_entry_points,
                                   rekey_optimizer,
+                                  run_again_without_updates,
                                   set_jit_compile,
                                   using_legacy_keras,
 )
@@ -69,6 +70,6 @@ __all__ = ["GRAPPLER_RECOMPUTED_PREFIX", "GRAPPLER_SWAP_OPS", "add_control_input
            "grappler_default_optimized", "grappler_memory_optimized", "grappler_peak_live_tensors",
            "grappler_peak_memory", "infer_shapes_with_inputs", "is_function_graph", "keras_module",
            "layer_scope_aliases", "layer_scope_aliases_in", "move_variables", "nodes_in_call_order", "onednn_enabled",
-           "op_is_stateful", "optimizer_entry_points", "place_with_inputs", "profile_allocations", "profile_executed_ops", "rekey_optimizer",
+           "op_is_stateful", "optimizer_entry_points", "place_with_inputs", "profile_allocations", "profile_executed_ops", "rekey_optimizer", "run_again_without_updates",
            "set_bool_attr", "set_int_attr", "set_jit_compile", "set_string_attr", "string_attr", "update_input",
            "using_legacy_keras"]

@@ -358,3 +358,53 @@ def rekey_optimizer(optimizer) -> None:
     if not getattr(optimizer, "built", False) or variables is None:
         return
     optimizer._trainable_variables_indices = {optimizer._var_key(v): i for i, v in enumerate(variables)}
+
+
+#: TensorFlow's stateful random ops: run a second time, one draws other numbers.
+STATEFUL_RANDOM_OP_TYPES = frozenset({
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal", "ParameterizedTruncatedNormal",
+    "RandomShuffle", "RandomGamma", "RandomPoisson", "RandomPoissonV2", "Multinomial", "RandomCrop",
+    "StatefulUniform", "StatefulUniformInt", "StatefulUniformFullInt", "StatefulStandardNormal",
+    "StatefulStandardNormalV2", "StatefulTruncatedNormal", "StatefulRandomBinomial"})
+
+
+def run_again_without_updates(function, layers) -> Tuple[object, Optional[str]]:
+    """Runs ``function()`` (a second run of ``layers``' calls) inside Keras's ``StatelessScope``,
+    so the variable updates it makes are dropped (a BatchNormalization's moving statistics move
+    once per forward pass, as without the second run), and says whether the run drew random
+    numbers that differ from the first run's: a Keras ``SeedGenerator`` (a layer's, or Keras's
+    global one) advanced by it, or one of TensorFlow's stateful random ops created by it.
+
+    Returns:
+        ``(what function returned, None)``, or ``(..., the name of what drew)`` when it drew.
+
+    Examples:
+        >>> keras = keras_module()
+        >>> dense, drop = keras.layers.Dense(2, name="d"), keras.layers.Dropout(0.5, name="drop")
+        >>> x = tf.ones((2, 3))
+        >>> run_again_without_updates(lambda: dense(x), [dense])[1] is None
+        True
+        >>> run_again_without_updates(lambda: drop(x, training=True), [drop])[1]
+        'drop'
+    """
+    from keras.src.backend.common import global_state
+    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+
+    keras = keras_module()
+    owners = {id(g.state): sub.name for layer in layers for sub in nested_layers(layer)
+              for g in getattr(sub, "_seed_generators", ())}
+    graph = tf.compat.v1.get_default_graph()
+    first = len(graph.get_operations()) if not tf.executing_eagerly() else None
+    with keras.StatelessScope() as scope:
+        result = function()
+    drawn = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    if drawn is not None:
+        owners.setdefault(id(drawn.state), "Keras's global seed generator")
+    for key, owner in owners.items():
+        if key in scope.state_mapping:
+            return result, owner
+    if first is not None:
+        for op in graph.get_operations()[first:]:
+            if op.type in STATEFUL_RANDOM_OP_TYPES:
+                return result, op.name
+    return result, None

@@ -302,6 +302,7 @@ class Stage:
     received_bytes: int
     host_bytes: int = 0
     swapped_bytes_per_microbatch: int = 0
+    recompute: bool = False
 
     @property
     def fits(self) -> bool:

@@ -396,6 +396,14 @@ class PipelineStep:
             or with stages in a cluster, a device type and index (``"/CPU:0"``) naming that
             device in each stage's own process, so each stage swaps to its own host memory.
         min_swap_bytes: Tensors smaller than this are never swapped.
+        recompute: Which stages keep only the tensors they receive for each micro-batch and run
+            their forward pass again at the start of its backward task (GPipe's
+            re-materialization), instead of keeping what the backward pass reads: ``False``
+            (none), ``True`` (the stages the partition says recompute; every stage when cut by
+            hand), or a list of stage indices. The second pass computes the same values, so the
+            numbers do not change; its variable updates are dropped (a BatchNormalization's
+            moving statistics move once). A stage whose forward pass draws random numbers
+            (dropout, noise) keeps its activations instead, with a warning.
         serialize: Run each stage's ops one at a time in the schedule's order (control edges on
             each stage's device; stages still run side by side), so a stage's memory follows the
             order its prediction counts instead of the executor's choice among ready ops: for
@@ -406,6 +414,8 @@ class PipelineStep:
         stages: The :class:`StageModel` of each stage.
         tasks: Each stage's tasks in the order it runs them.
         swap_stages: The stages that swap.
+        recompute_stages: The stages that run their forward pass again (after the first call,
+            without any that turned out to draw random numbers).
         hosts: Each swapping stage's host (a full device name in a cluster), by stage.
         plans: After the first call, each swapping stage's plan (in ``swap_stages`` order).
         budgets: Each budgeted stage's budget in bytes, by stage.
@@ -425,9 +435,10 @@ class PipelineStep:
 
     def __init__(self, model, stages, *, microbatches: Optional[int] = None, schedule: Optional[str] = None,
                  devices: Sequence[str], loss=None, optimizer=None, swap=False, host: Optional[str] = None,
-                 min_swap_bytes: int = 64 * 1024, serialize: bool = False, budget=None):
+                 min_swap_bytes: int = 64 * 1024, serialize: bool = False, budget=None, recompute=False):
         stage_layers = _stage_layers(model, stages, devices)
         self.swap_stages = _swap_stages(swap, stages, len(stage_layers))
+        self.recompute_stages = _chosen_stages(recompute, stages, len(stage_layers), "recompute")
         if swap is True and not self.swap_stages:
             logger.info("PipelineStep(swap=True): the partition swaps no stage (every stage fits its device), so "
                         "nothing is swapped")
@@ -593,6 +604,43 @@ class PipelineStep:
                                    predictions=Predictions(baseline_peak_bytes=peak(0),
                                                            planned_peak_bytes=peak(high), feasible=True))
 
+    def _forward_again(self, k: int, m: int, inputs, labels, previous, label, recorded, scopes: Dict[int, str]):
+        """Stage ``k``'s forward pass of micro-batch ``m`` run again from its inputs, under a new
+        tape, when its backward task starts (GPipe's re-materialization): the tape, inputs,
+        outputs and loss (last stage) its backward pass takes, or ``recorded`` (the first pass's)
+        when the stage cannot run again to the same numbers.
+
+        The second pass waits for the stage's previous task through the same kept Identities as
+        every task, and runs in ``recompute/microbatch<m>/``: its gradient ops sort among
+        themselves by name as the first pass's would (Grappler orders an AddN's inputs by name).
+        Its variable updates are dropped (Keras's ``StatelessScope``), so a BatchNormalization's
+        moving statistics move once per micro-batch. A pass that draws random numbers (dropout,
+        noise) would draw others the second time: the stage then keeps its activations instead,
+        with a warning."""
+        stage = self.stages[k]
+        input_keys = set(self._input_keys)
+        with tf.name_scope(scopes.get(m, f"recompute/{microbatch_scope(m, self.microbatches)}")) as scope_name:
+            scopes.setdefault(m, scope_name)  # every stage's second pass of micro-batch m in one scope
+            with tf.GradientTape() as tape:
+                again = _gated(list(inputs), previous[k], label)
+                tape.watch([t for key, t in zip(stage.inputs, again) if key not in input_keys])
+
+                def run():
+                    outputs = stage(again, training=True)
+                    loss = (self.loss_fn(labels, outputs[0] if len(outputs) == 1 else outputs)
+                            if k == len(self.stages) - 1 else None)
+                    return outputs, loss
+
+                (outputs, loss), drew = _compat.run_again_without_updates(
+                    run, [self.model.get_layer(name) for name in stage.layers])
+        if drew is None:
+            return tape, again, outputs, loss
+        self.recompute_stages.remove(k)
+        logger.warning("PipelineStep(recompute=...): stage %d keeps its activations instead of running its forward "
+                       "pass again: %s draws random numbers, and a second pass would draw others (the numbers would "
+                       "change). Recompute only stages without dropout or noise layers.", k, drew)
+        return recorded
+
     def _run(self, x, y):
         input_keys = set(self._input_keys)
         splits = [_split(t, self.microbatches, "input") for t in _compat.flat_model_inputs(self._graph, x)]
@@ -609,6 +657,7 @@ class PipelineStep:
         accumulated: List[Optional[list]] = [None for _ in self.stages]
         self._running_sums = []
         scopes: Dict[int, str] = {}
+        recompute_scopes: Dict[int, str] = {}
         for task in self.order:
             stage, m = self.stages[task.stage], task.microbatch
             label = f"stage{task.stage}_{task}"
@@ -637,10 +686,15 @@ class PipelineStep:
                     previous[task.stage] = _done(outputs + ([losses[m]] if task.stage == last else []), label)
                 else:
                     tape, inputs, outputs = tapes.pop((task.stage, m))
+                    loss = losses.get(m)
+                    if task.stage in self.recompute_stages:
+                        tape, inputs, outputs, loss = self._forward_again(
+                            task.stage, m, inputs, ys[m], previous, label, (tape, inputs, outputs, loss),
+                            recompute_scopes)
                     sources = [t for key, t in zip(stage.inputs, inputs) if key not in input_keys]
                     source_keys = [key for key in stage.inputs if key not in input_keys]
                     if task.stage == last:  # the seed TensorFlow would use, gated like the others
-                        target, seeds = [losses[m]], [tf.ones_like(losses[m])]
+                        target, seeds = [loss], [tf.ones_like(loss)]
                     else:
                         target = outputs
                         seeds = [_summed(grads_in[m].get(key), out) for key, out in zip(stage.outputs, outputs)]
@@ -851,15 +905,24 @@ def _stage_budgets(budget, swap_stages: Sequence[int], count: int) -> Dict[int, 
 
 def _swap_stages(swap, stages, count: int) -> List[int]:
     """The stages that swap: ``swap`` resolved against the partition (or a hand cut of ``count``)."""
-    if swap is False or swap is None:
+    return _chosen_stages(swap, stages, count, "swap")
+
+
+def _chosen_stages(chosen, stages, count: int, what: str) -> List[int]:
+    """The stages ``chosen`` names for ``what`` (``"swap"`` or ``"recompute"``): True is the stages
+    the partition says do it (``host_bytes > 0``, ``recompute``), or every stage of a hand cut of
+    ``count``; False none; else a list of stage indices."""
+    if chosen is False or chosen is None:
         return []
-    if swap is True:
-        return [s.index for s in stages.stages if s.host_bytes] if _is_partition(stages) else list(range(count))
-    if isinstance(swap, (list, tuple)) and all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < count
-                                               for k in swap):
-        return sorted(set(swap))
-    raise LMSOptionError(f"swap must be True, False or a list of stage indices (0 to {count - 1}); received "
-                         f"{describe(swap)}.")
+    if chosen is True:
+        if not _is_partition(stages):
+            return list(range(count))
+        return [s.index for s in stages.stages if (s.host_bytes if what == "swap" else s.recompute)]
+    if isinstance(chosen, (list, tuple)) and all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < count
+                                                 for k in chosen):
+        return sorted(set(chosen))
+    raise LMSOptionError(f"{what} must be True, False or a list of stage indices (0 to {count - 1}); received "
+                         f"{describe(chosen)}.")
 
 
 def _done(results: List[tf.Tensor], task: str) -> List[tf.Operation]:
