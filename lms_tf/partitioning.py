@@ -32,7 +32,7 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
               devices: Union[None, str, DeviceSpec, Sequence[Union[str, DeviceSpec]]] = None,
               budget: Union[None, int, str] = None, rule: str = "memory", objective: str = "memory",
               optimizer=None, input_shape: Optional[Sequence[int]] = None, swap: bool = True,
-              host_budget: Union[None, int, str] = None) -> Partition:
+              host_budget: Union[None, int, str] = None, recompute: bool = False) -> Partition:
     """Cuts ``model`` into ``stages`` pipeline stages balanced by predicted peak memory (mCAP).
 
     Args:
@@ -56,6 +56,10 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
             without it; ``False`` never swaps.
         host_budget: Host memory one stage's process may take for what it swaps (bytes or
             ``"64GiB"``); None: this machine's physical memory.
+        recompute: Whether a stage that does not fit may keep only what it receives and run its
+            forward pass again in each backward task (GPipe's re-materialization); where both
+            fit a stage, the one with less time is taken. ``PipelineStep(partition,
+            recompute=True)`` runs those stages so.
 
     Returns:
         The :class:`~lms_tf.pipeline.Partition`: print it, or ``to_json()`` it.
@@ -87,4 +91,4 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
                             input_shape=input_shape, kernels="cudnn" if devices else local_kernel_library())
     return partition_layers(profile, stages=stages, microbatches=microbatches, schedule=schedule, devices=devices,
                             budget=budget, rule=rule, objective=objective, model=model.name, swap=swap,
-                            host_budget=host_budget)
+                            host_budget=host_budget, recompute=recompute)

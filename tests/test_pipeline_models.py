@@ -187,6 +187,43 @@ def test_a_stage_over_its_budget_swaps_its_waiting_microbatches_on_a_real_model(
     assert json.loads(short.stdout)["host_needed_bytes"] == max(s.host_bytes for s in swapped.stages)
 
 
+def test_a_stage_over_its_budget_recomputes_on_a_real_model():
+    """U-Net, GPipe, 4 micro-batches: under a budget no cut meets keeping activations, stages
+    that keep only what they receive (the skips crossing the cut included) and run their forward
+    pass again fit it, each at recompute_peak's figure; the CLI's ``--recompute`` says the same."""
+    from lms_tf.pipeline import recompute_peak
+    from lms_tf.tf.pipeline import trace_profile
+    from lms_tf.cost import CostModel, get_device_spec
+
+    model = build_model("UNet", image_size=32, classes=2)
+    arguments = dict(stages=2, microbatches=4, batch_size=8, schedule="gpipe", devices="v100-16gb-pcie3", swap=False)
+    plain = lms_tf.partition(model, **arguments)
+    with pytest.raises(lms_tf.InfeasibleBudgetError, match=r"or recomputing, among the cuts tried\) is") as caught:
+        lms_tf.partition(model, **arguments, budget=1, recompute=True)
+    least = caught.value.smallest_feasible_bytes
+    assert least < plain.max_stage_peak_bytes
+    budget = (least + plain.max_stage_peak_bytes) // 2
+    with pytest.raises(lms_tf.InfeasibleBudgetError, match=r"or let stages recompute \(recompute=True\)"):
+        lms_tf.partition(model, **arguments, budget=budget)
+    p = lms_tf.partition(model, **arguments, budget=budget, recompute=True)
+    assert p.feasible and p.max_stage_peak_bytes <= budget and any(s.recompute for s in p.stages), p.summary()
+    profile = trace_profile(model, microbatch=2, cost=CostModel(get_device_spec("v100-16gb-pcie3")))
+    lo = 0
+    for s in p.stages:
+        hi = lo + len(s.layers)
+        if s.recompute:
+            assert s.predicted_peak_bytes == recompute_peak(profile, lo, hi, s.in_flight) and not s.host_bytes
+        lo = hi
+    cli = ["--model", "unet", "--input-shape", "32x32", "--classes", "2", "--batch", "8", "--stages", "2",
+           "--microbatches", "4", "--schedule", "gpipe", "--budget", str(budget), "--no-swap", "--json"]
+    done = run_cli(*cli, "--recompute")
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["feasible"] and result["recompute"]
+    assert [s["recompute"] for s in result["stages"]] == [s.recompute for s in p.stages]
+    assert run_cli(*cli).returncode == 3
+
+
 def test_each_layers_working_set_holds_its_kernels_scratch_as_the_simulator_counts_it():
     """A convolution's filter gradient takes scratch from the allocator while it runs: on a CPU
     without oneDNN, Eigen's im2col buffer (about 30 MiB whatever the batch), on a GPU cuDNN's

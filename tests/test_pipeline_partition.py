@@ -18,6 +18,7 @@ from lms_tf.pipeline import (
     exhaustive_partition,
     in_flight,
     partition_layers,
+    recompute_peak,
     stage_peak,
 )
 
@@ -279,3 +280,83 @@ def test_a_swapping_stage_needing_more_host_memory_than_allowed_is_reported_or_r
     assert partition_layers(profile, stages=4, microbatches=8, devices=device).host_budget_bytes > 2**20
     with pytest.raises(LMSOptionError, match="host_budget must be a positive size"):
         partition_layers(profile, stages=4, microbatches=8, host_budget="lots")
+
+
+def test_a_recomputing_stage_holds_what_it_receives_per_microbatch_and_one_backward_pass():
+    """By hand: a chain whose layer i keeps its own input; a stage receives its first layer's input."""
+    profile = PipelineProfile.chain([100, 200, 300, 400], [10, 20, 30, 40], work_bytes=7)
+    # layers 1-2, 4 in flight: weights 2*50, 4 micro-batches x 200 received, one backward pass's
+    # 200 + 300 kept (the received 200 counted once), the working set.
+    assert recompute_peak(profile, 1, 3, 4) == 100 + 800 + 300 + 7
+    assert stage_peak(profile, 1, 3, 4) == 100 + 4 * 500 + 7
+    # Stage 0 receives nothing (the model's input is not a layer's): one backward pass's kept.
+    assert recompute_peak(profile, 0, 2, 8) == 2 * 30 + 300 + 7
+    # A skip connection crossing the cut is received too: layer 3 reads layer 0's output.
+    skip = LayerProfile("l3", params=(("w3", 40),), saved=(("x3", 400), ("x0", 100)), work_bytes=7,
+                        inputs=(("x3", 400, 2), ("x0", 100, 0)))
+    layers = [LayerProfile(f"l{i}", params=((f"w{i}", 10 * (i + 1)),), saved=((f"x{i}", 100 * (i + 1)),),
+                           work_bytes=7, inputs=(((f"x{i}", 100 * (i + 1), i - 1),) if i else ()))
+              for i in range(3)] + [skip]
+    branchy = PipelineProfile(tuple(layers), profile.slot_bytes_per_param_byte)
+    assert recompute_peak(branchy, 3, 4, 2) == 80 + 2 * (400 + 100) + 0 + 7
+
+
+def test_recompute_fits_stages_swapping_cannot_and_is_chosen_where_it_costs_less_time():
+    profile = PipelineProfile.chain([100] * 8)
+    arguments = dict(stages=2, microbatches=8, schedule="gpipe")
+    # Without swapping, 4 layers x 8 micro-batches = 3200 B per stage; recomputing: 8 x 100 B
+    # received and one pass's 400 B (less the 100 B received), 1100 B.
+    with pytest.raises(InfeasibleBudgetError):
+        partition_layers(profile, **arguments, budget=1100, swap=False)
+    p = partition_layers(profile, **arguments, budget=1100, swap=False, recompute=True)
+    assert p.feasible and p.recompute and [s.recompute for s in p.stages] == [True, True]
+    assert [s.predicted_peak_bytes for s in p.stages] == [400, 1100] or p.max_stage_peak_bytes <= 1100
+    assert all(s.host_bytes == 0 for s in p.stages)
+    assert "recomputes" in p.summary() and p.to_dict()["stages"][0]["recompute"] is True
+    # One more forward pass of time per micro-batch on each recomputing stage.
+    kept = evaluate(profile, [4, 8], microbatches=8, schedule="gpipe")
+    again = evaluate(profile, [4, 8], microbatches=8, schedule="gpipe", budget=1100, swap=False, recompute=True)
+    assert [round(b.seconds_per_microbatch - a.seconds_per_microbatch, 9) for a, b in zip(kept.stages, again.stages)] \
+        == [round(4 * 0.001, 9)] * 2
+    # Both allowed: the second stage receives 1 MiB but would swap 1 GiB per micro-batch over
+    # PCIe (0.09 s, against 0.012 s of compute): a forward pass again (0.004 s) costs less.
+    big = PipelineProfile.chain([2**30] * 4 + [2**20] + [2**30] * 3)
+    both = partition_layers(big, **arguments, devices="v100-16gb-pcie3", recompute=True)
+    swapping = partition_layers(big, **arguments, devices="v100-16gb-pcie3")
+    assert [len(s.layers) for s in both.stages] == [len(s.layers) for s in swapping.stages] == [4, 4]
+    assert swapping.feasible and swapping.stages[1].host_bytes and not swapping.stages[1].recompute
+    assert both.feasible and both.stages[1].recompute and not both.stages[1].host_bytes, both.summary()
+    assert both.predicted_step_time_s < swapping.predicted_step_time_s
+
+
+def test_allowing_recompute_never_makes_a_partition_worse():
+    """On random profiles (skips, shared weights): with recompute allowed, the partition fits
+    whenever it fits without (the same partition when every stage fits as it is), its fullest
+    stage is never fuller when it does not, and each recomputing stage's figure is
+    recompute_peak's. (Where a stage fits by swapping, recomputing may be chosen instead for
+    time.)"""
+    rng = random.Random(11)
+    helped = recomputing = 0
+    for trial in range(80):
+        n = rng.randrange(3, 12)
+        stages = rng.randrange(2, min(n, 4) + 1)
+        kwargs = dict(stages=stages, microbatches=rng.randrange(1, 9), schedule=rng.choice(["1f1b", "gpipe"]),
+                      devices=tiny_device("d", rng.randrange(300, 3000)), swap=rng.random() < 0.5)
+        profile = random_profile(rng, n)
+        without = partition_layers(profile, **kwargs)
+        with_it = partition_layers(profile, **kwargs, recompute=True)
+        fullest = lambda p: max(s.predicted_peak_bytes for s in p.stages)
+        assert with_it.feasible >= without.feasible, trial
+        if without.feasible and not any(s.host_bytes for s in without.stages):   # nothing to recompute
+            assert with_it.to_dict() | {"recompute": False} == without.to_dict(), trial
+        elif not without.feasible:
+            assert fullest(with_it) <= fullest(without), trial
+        helped += with_it.feasible and not without.feasible
+        recomputing += any(s.recompute for s in with_it.stages)
+        lo = 0
+        for s in with_it.stages:
+            hi = lo + len(s.layers)
+            if s.recompute:
+                assert s.predicted_peak_bytes == recompute_peak(profile, lo, hi, s.in_flight) and not s.host_bytes
+            lo = hi
+    assert helped >= 1 and recomputing >= 10, (helped, recomputing)   # the trials exercise it

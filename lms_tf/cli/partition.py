@@ -69,6 +69,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     part.add_argument("--no-swap", action="store_true",
                       help="never swap activations to the host (by default a stage that does not fit swaps what is "
                            "over its device, when no cut fits without it)")
+    part.add_argument("--recompute", action="store_true",
+                      help="a stage that does not fit may keep only what it receives and run its forward pass again "
+                           "in each backward task (where swapping also fits it, the faster of the two)")
     part.add_argument("--compare", action="store_true", help="also print the three rules side by side")
     part.add_argument("--plot", default=None, help="write per-stage memory against each device to this PNG file")
     part.add_argument("--json", action="store_true", help="print one JSON object")
@@ -125,6 +128,8 @@ def plot_stages(path: str, partitions, title: str = "") -> None:
         for bar, stage in zip(bars, p.stages):
             if stage.host_bytes:   # hatched: the stage swaps activations to the host
                 bar.set_hatch("//")
+            elif stage.recompute:  # dotted: it runs its forward pass again
+                bar.set_hatch("..")
     capacities = [s.capacity_bytes for s in partitions[0].stages]
     tallest = max(s.predicted_peak_bytes for p in partitions for s in p.stages)
     if any(capacities):
@@ -154,6 +159,9 @@ def plot_stages(path: str, partitions, title: str = "") -> None:
     if any(s.host_bytes for p in partitions for s in p.stages):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="//"))
         labels.append("hatched: swaps activations to the host")
+    if any(s.recompute for p in partitions for s in p.stages):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch=".."))
+        labels.append("dotted: runs its forward pass again")
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -195,7 +203,8 @@ def run(args) -> int:
     profile = trace_profile(model, microbatch=args.batch // args.microbatches,
                             cost=CostModel(get_device_spec(args.device[0])), optimizer=optimizer)
     common = dict(stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, devices=devices,
-                  objective=args.objective, model=args.model, swap=not args.no_swap, host_budget=args.host_budget)
+                  objective=args.objective, model=args.model, swap=not args.no_swap, host_budget=args.host_budget,
+                  recompute=args.recompute)
     try:
         chosen = partition_layers(profile, budget=args.budget, rule=args.rule, **common)
     except InfeasibleBudgetError as err:

@@ -22,11 +22,12 @@ from lms_tf.pipeline.partition import (
     exhaustive_partition,
     in_flight,
     partition_layers,
+    recompute_peak,
     stage_peak,
 )
 from lms_tf.pipeline.profile import LayerProfile, PipelineProfile, layer_keys, profile_layers
 from lms_tf.pipeline.schedule import Task, max_in_flight, run_order, stage_tasks
 
 __all__ = ["OBJECTIVES", "RULES", "SCHEDULES", "LayerProfile", "Partition", "PipelineProfile", "Stage", "check_arguments", "evaluate",
-           "exhaustive_partition", "in_flight", "layer_keys", "max_in_flight", "partition_layers", "profile_layers", "run_order",
-           "stage_peak", "stage_tasks", "Task"]
+           "exhaustive_partition", "in_flight", "layer_keys", "max_in_flight", "partition_layers", "profile_layers",
+           "recompute_peak", "run_order", "stage_peak", "stage_tasks", "Task"]

@@ -206,6 +206,29 @@ def stage_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, swap: bo
     return window.least_peak(flight) if swap else window.peak(flight)
 
 
+def recompute_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, window: Optional["_Window"] = None) -> int:
+    """The predicted peak of layers ``[lo, hi)`` as one stage that keeps only what it receives
+    for each of its ``flight`` micro-batches and runs its forward pass again at the start of each
+    backward task (GPipe's re-materialization, ``PipelineStep(recompute=)``): its weights,
+    gradients and slots, the received tensors of every micro-batch in flight, one micro-batch's
+    kept activations (those of the backward pass running; a received tensor it keeps counted
+    once) and the largest working set.
+
+    Examples:
+        >>> from lms_tf.pipeline.profile import PipelineProfile
+        >>> chain = PipelineProfile.chain([100, 200, 300], [10, 20, 30])
+        >>> stage_peak(chain, 1, 3, 4), recompute_peak(chain, 1, 3, 4)   # 2*50 + 4*500; 2*50 + 4*200 + 300
+        (2100, 1200)
+    """
+    window = window or _Window.over(profile, lo, hi)
+    params, kept, work, _, _ = window.now()
+    layers = profile.layers
+    received = {t: b for layer in layers[lo:hi] for t, b, producer in layer.inputs if producer < lo}
+    saved = {t for layer in layers[lo:hi] for t, _ in layer.saved}
+    again = sum(b for t, b in received.items() if t in saved)
+    return int(params * (2 + window.slots)) + flight * sum(received.values()) + kept - again + work
+
+
 def _measure(rule: str, swap: bool = False):
     """What a rule balances, from a stage's figures (see :meth:`_Window.now`) and its flight."""
     if rule == "parameters":
@@ -284,6 +307,8 @@ class Stage:
         host_bytes: Activations it swaps to the host to fit (0: it does not swap): what they take
             in host memory at the stage's peak.
         swapped_bytes_per_microbatch: Each micro-batch's share of them, copied out and back.
+        recompute: Whether it keeps only what it receives and runs its forward pass again in each
+            backward task to fit (``PipelineStep(recompute=True)`` runs it so).
 
     Examples:
         >>> Stage(0, ("a",), None, None, 10, 0, 10, 1, 0.1, 0).fits
@@ -340,6 +365,7 @@ class Partition:
     model: str = ""
     swap: bool = True
     host_budget_bytes: Optional[int] = None
+    recompute: bool = False
 
     @property
     def max_stage_peak_bytes(self) -> int:
@@ -382,7 +408,7 @@ class Partition:
                                                         for s in self.stages],
                 "ideal_peak_bytes": self.ideal_peak_bytes, "max_stage_peak_bytes": self.max_stage_peak_bytes,
                 "predicted_step_time_s": self.predicted_step_time_s, "budget_bytes": self.budget_bytes,
-                "swap": self.swap, "host_bytes": sum(s.host_bytes for s in self.stages),
+                "swap": self.swap, "recompute": self.recompute, "host_bytes": sum(s.host_bytes for s in self.stages),
                 "host_budget_bytes": self.host_budget_bytes, "feasible": self.feasible}
 
     def to_json(self, **kwargs) -> str:
@@ -426,8 +452,10 @@ class Partition:
                 f"predicted step {self.predicted_step_time_s:.4g} s")
         dev = max([len("device")] + [len(s.device or "-") for s in self.stages]) + 2
         swapping = any(s.host_bytes for s in self.stages)
+        recomputing = any(s.recompute for s in self.stages)
         rows = [f"{'stage':<7}{'layers':<{width + 2}}{'device':<{dev}}{'peak':<11}{'of device':<11}{'in flight':<11}"
-                + ("swapped to host  " if swapping else "") + "s/micro-batch"]
+                + ("swapped to host  " if swapping else "") + ("recomputes  " if recomputing else "")
+                + "s/micro-batch"]
         for s in self.stages:
             names = f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})" if len(s.layers) > 1 else s.layers[0]
             if len(names) > width:
@@ -436,11 +464,18 @@ class Partition:
             rows.append(f"{s.index:<7}{names:<{width + 2}}{s.device or '-':<{dev}}{format_bytes(s.predicted_peak_bytes):<11}"
                         f"{share:<11}{s.in_flight:<11}"
                         + (f"{format_bytes(s.host_bytes) if s.host_bytes else '-':<17}" if swapping else "")
+                        + (f"{'yes' if s.recompute else '-':<12}" if recomputing else "")
                         + f"{s.seconds_per_microbatch:.4f}")
         return "\n".join([head] + rows)
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _fullest(partition: Partition) -> float:
+    """The largest stage's peak over its limit (its device, the budget), or its bytes with neither."""
+    return max(s.predicted_peak_bytes / min([c for c in (s.capacity_bytes, partition.budget_bytes) if c] or [1])
+               for s in partition.stages)
 
 
 def _devices(devices, stages: int) -> List[Optional[DeviceSpec]]:
@@ -543,11 +578,15 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
 
 def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int, schedule: str = "1f1b",
              devices=None, rule: str = "memory", objective: str = "memory", budget: Optional[int] = None,
-             model: str = "", swap: bool = True, host_budget: Optional[int] = None) -> Partition:
+             model: str = "", swap: bool = True, host_budget: Optional[int] = None,
+             recompute: bool = False) -> Partition:
     """The :class:`Partition` of the stages ending at ``cuts`` (exclusive layer indices), judged by the memory model.
 
     With ``swap``, a stage over its device or the budget swaps the activations over it to the
-    host, as far as :func:`stage_peak` with ``swap=True`` allows.
+    host, as far as :func:`stage_peak` with ``swap=True`` allows. With ``recompute``, such a
+    stage may instead keep only what it receives and run its forward pass again
+    (:func:`recompute_peak`); of the ways that fit, the one with the least time per
+    micro-batch is taken (else the one reaching lowest).
 
     Examples:
         >>> from lms_tf.pipeline.profile import PipelineProfile
@@ -573,28 +612,40 @@ def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int
         slowest_update = max(slowest_update, sum(layer.update_s for layer in layers[lo:hi]))
         limits = [c for c in (spec.memory_bytes if spec else None, budget) if c is not None]
         capacity = min(limits) if limits else None
-        peak = kept_peak = window.peak(flight)
-        if swap and capacity is not None and peak > capacity:
-            peak = max(window.least_peak(flight), int(capacity))   # swap just what is over
-        host = kept_peak - peak
-        per_microbatch = host // flight
-        if host and spec:  # each micro-batch's share out and back, on the copy engines beside the compute
-            seconds = max(seconds, per_microbatch / min(spec.host_to_device_bytes_per_s,
-                                                        spec.device_to_host_bytes_per_s))
+        kept_peak = window.peak(flight)
+        # The ways the stage may run: (peak, seconds per micro-batch, host bytes, recomputes).
+        ways = [(kept_peak, seconds, 0, False)]
+        if capacity is not None and kept_peak > capacity:
+            if swap:
+                peak = max(window.least_peak(flight), int(capacity))   # swap just what is over
+                copy = ((kept_peak - peak) // flight / min(spec.host_to_device_bytes_per_s,
+                                                            spec.device_to_host_bytes_per_s)) if spec else 0.0
+                # each micro-batch's share out and back, on the copy engines beside the compute
+                ways.append((peak, max(seconds, copy), kept_peak - peak, False))
+            if recompute:
+                ways.append((recompute_peak(profile, lo, hi, flight, window),
+                             seconds + sum(layer.forward_s for layer in layers[lo:hi]), 0, True))
+        chosen = ways[0]
+        if len(ways) > 1:
+            fitting = [w for w in ways if w[0] <= capacity]
+            chosen = min(fitting, key=lambda w: (w[1], w[0])) if fitting else min(ways, key=lambda w: w[0])
+        peak, seconds, host, recomputes = chosen
         out.append(Stage(k, tuple(layer.name for layer in layers[lo:hi]), spec.name if spec else None,
                          spec.memory_bytes if spec else None, peak, window.param_bytes,
-                         window.kept_bytes, flight, seconds, sum(received.values()), host, per_microbatch))
+                         window.kept_bytes, flight, seconds, sum(received.values()), host, host // flight,
+                         recomputes))
         lo = hi
     ideal = _Window.over(profile, 0, len(layers)).peak(1) // stages
     step = (microbatches + stages - 1) * max(s.seconds_per_microbatch for s in out) + slowest_update
     return Partition(tuple(out), schedule, microbatches, rule, objective, ideal, step, budget, model, swap,
-                     host_budget)
+                     host_budget, recompute)
 
 
 def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int, schedule: str = "1f1b",
                      devices: Union[None, str, DeviceSpec, Sequence[Union[str, DeviceSpec]]] = None,
                      budget: Union[None, int, str] = None, rule: str = "memory", objective: str = "memory",
-                     model: str = "", swap: bool = True, host_budget: Union[None, int, str] = None) -> Partition:
+                     model: str = "", swap: bool = True, host_budget: Union[None, int, str] = None,
+                     recompute: bool = False) -> Partition:
     """Cuts the profiled layers into ``stages`` contiguous pipeline stages.
 
     Args:
@@ -617,6 +668,13 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         host_budget: Host memory one stage's process may take for what it swaps (bytes or text
             such as ``"64GiB"``); None: this machine's physical memory. The cut is not searched
             for it: a cut whose swapping stage needs more is reported as not fitting.
+        recompute: Whether a stage that does not fit may instead keep only what it receives and
+            run its forward pass again in each backward task (:func:`recompute_peak`; one more
+            forward pass of time per micro-batch). Of the ways that fit a stage, the one with the
+            least time is taken. Cuts are then also searched by each stage's peak at one
+            micro-batch in flight (a lower bound of its recomputing peak that, unlike it, only
+            grows with the stage), and the best partition of those tried is kept: a heuristic,
+            not the exact search the other measures get.
 
     Returns:
         The :class:`Partition`; ``feasible`` says whether every stage fits.
@@ -649,9 +707,9 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
     host_limit = parse_host_budget(host_budget)
     kwargs = dict(microbatches=microbatches, schedule=schedule, devices=devices, rule=rule, objective=objective,
                   budget=budget_bytes, model=model, swap=swap,
-                  host_budget=host_limit if host_limit is not None else machine_memory_bytes())
+                  host_budget=host_limit if host_limit is not None else machine_memory_bytes(), recompute=recompute)
 
-    def search(swapping: bool) -> List[int]:
+    def search(swapping: bool, measure=None) -> List[int]:
         if rule == "uniform":
             return _uniform_cuts(len(profile.layers), stages)
         if rule == "parameters":
@@ -663,23 +721,35 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
             if cuts is not None:
                 return cuts
             # nothing fits: say how close the memory-balanced cut gets
-        return _least_limit(profile, capacities, flights, _measure("memory", swapping))
+        return _least_limit(profile, capacities, flights, measure or _measure("memory", swapping))
 
     result = evaluate(profile, search(False), **kwargs)
     if swap and rule == "memory" and not result._fits_devices():
         # Swapping costs time, so it is the second resort: cut again by the least peaks, and let
         # evaluate() swap only the stages that do not fit as they are.
         result = evaluate(profile, search(True), **kwargs)
+    if recompute and rule == "memory" and not result._fits_devices():
+        # A recomputing stage's peak grows with what it receives, which can shrink as the stage
+        # grows: no exact sweep. Its peak at one micro-batch in flight bounds it from below and
+        # only grows, so cut by that (or by the least peak swapping, where lower) as well.
+        lower = (lambda window, figures, flight: min(window.peak(1, figures), window.least_peak(flight, figures))) \
+            if swap else (lambda window, figures, flight: window.peak(1, figures))
+        tried = evaluate(profile, search(swap, lower), **kwargs)
+        result = min((result, tried), key=lambda p: (not p._fits_devices(), _fullest(p), p.predicted_step_time_s))
     if budget_bytes is not None and rule == "memory" and not result._fits_devices():
         ones, measure = [1.0] * stages, _measure("memory", swap)
         least = int(_worst(profile, _least_limit(profile, ones, flights, measure), ones, flights, measure))
+        if recompute:   # the best the recomputing cuts reached, where lower
+            least = min(least, result.max_stage_peak_bytes)
         raise infeasible(
             f"no cut of the {len(profile.layers)} layers into {stages} stages ({schedule}, {microbatches} micro-batches) "
             f"keeps every stage under the budget {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
             + (f" and its device ({', '.join(sorted({s.name for s in specs if s}))})" if devices is not None else "")
-            + f": the smallest largest-stage peak any cut reaches{' with swapping' if swap else ''} is "
+            + f": the smallest largest-stage peak any cut reaches{' with swapping' if swap else ''}"
+            + (" (or recomputing, among the cuts tried)" if recompute else "") + " is "
             f"{format_bytes(least)} ({least} bytes). Pass budget >= that, more stages, or smaller micro-batches (more "
-            f"of them for the same batch).", budget_bytes, least)
+            f"of them for the same batch)" + ("" if recompute else ", or let stages recompute (recompute=True)")
+            + ".", budget_bytes, least)
     needing = max(result.stages, key=lambda s: s.host_bytes)
     if host_limit is not None and needing.host_bytes > host_limit:
         raise host_budget_error(
@@ -716,4 +786,4 @@ def exhaustive_partition(profile: PipelineProfile, *, stages: int, microbatches:
 
 
 __all__ = ["OBJECTIVES", "RULES", "SCHEDULES", "Partition", "Stage", "check_arguments", "evaluate", "exhaustive_partition", "in_flight",
-           "partition_layers", "stage_peak"]
+           "partition_layers", "recompute_peak", "stage_peak"]
