@@ -139,10 +139,12 @@ WIDE = {"wide_mlp": wide_mlp, "wide_cnn": wide_cnn}
 
 
 def memory(workers, spec):
-    """Trains ``name,schedule,stages,microbatches[,serialize]`` (a zoo case, ``wide_mlp`` or ``wide_cnn``) as
-    ``lms_tf.partition`` cuts it, each stage's weights on its own task (serialized if asked); prints
-    each stage's predicted peaks (the partition's per-layer model; lms-tf's simulator on the built
-    step) and task 0's allocator peak over one step (the stage servers log theirs)."""
+    """Trains ``name,schedule,stages,microbatches[,serialize][,recompute]`` (a zoo case, ``wide_mlp``
+    or ``wide_cnn``) as ``lms_tf.partition`` cuts it, each stage's weights on its own task
+    (serialized if asked; with ``recompute``, every stage keeps only what it receives and runs
+    its forward pass again); prints each stage's predicted peaks (the partition's per-layer
+    model, ``recompute_peak`` for a recomputing stage; lms-tf's simulator on the built step) and
+    task 0's allocator peak over one step (the stage servers log theirs)."""
     import tensorflow as tf
 
     from lms_tf.core.ir import same_device
@@ -150,14 +152,30 @@ def memory(workers, spec):
     from lms_tf.tf.variables import variable_bytes_by_device
     from lms_tf.tf.pipeline_step import place_stages
 
-    name, schedule, stages, microbatches, *serialize = spec.split(",")
+    name, schedule, stages, microbatches, *flags = spec.split(",")
     devices = connect(workers)
     model, (x, y) = WIDE[name]() if name in WIDE else cases.MODELS[name]()
     partition = lms_tf.partition(model, stages=int(stages), microbatches=int(microbatches), batch_size=len(y),
                                  schedule=schedule)
+    predicted = [s.predicted_peak_bytes for s in partition.stages]
+    recompute = "recompute" in flags
+    if recompute:   # the same profile lms_tf.partition cut by
+        from lms_tf.cost import CostModel, get_device_spec
+        from lms_tf.pipeline import recompute_peak
+        from lms_tf.partitioning import DEFAULT_DEVICE
+        from lms_tf.tf.pipeline import local_kernel_library, trace_profile
+
+        profile = trace_profile(model, microbatch=len(y) // int(microbatches),
+                                cost=CostModel(get_device_spec(DEFAULT_DEVICE)), kernels=local_kernel_library())
+        bounds = [0]
+        for s in partition.stages:
+            bounds.append(bounds[-1] + len(s.layers))
+        predicted = [recompute_peak(profile, bounds[k], bounds[k + 1], s.in_flight)
+                     for k, s in enumerate(partition.stages)]
     placed = place_stages(model, partition, devices)
     del model
-    step = PipelineStep(placed, partition, devices=devices, serialize=serialize == ["serialize"])
+    step = PipelineStep(placed, partition, devices=devices, serialize="serialize" in flags,
+                        recompute=list(range(int(stages))) if recompute else False)
     x, y = tf.constant(x), tf.constant(y)
     losses = [float(step(x, y)) for _ in range(2)]
     with measure_peak_memory(devices[0], settle_seconds=0.3) as task0:
@@ -167,7 +185,7 @@ def memory(workers, spec):
     # before the step as they are on a stage server.
     resident = variable_bytes_by_device(list(placed.weights) + list(placed.optimizer.variables))
     stage0 = sum(nbytes for device, nbytes in resident.items() if same_device(device, devices[0]))
-    print("RESULT " + json.dumps({"predicted": [s.predicted_peak_bytes for s in partition.stages],
+    print("RESULT " + json.dumps({"predicted": predicted, "recompute_stages": step.recompute_stages,
                                   "simulated": step.predicted_peaks(x, y),
                                   "layers": [list(s.layers) for s in partition.stages],
                                   "task0_peak": task0.peak_bytes + stage0, "task0_step_peak": task0.peak_bytes,

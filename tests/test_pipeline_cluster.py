@@ -310,3 +310,27 @@ def test_each_stage_process_peaks_near_its_predicted_memory():
     by_model = [median[k] / result["predicted"][k] for k in range(3)]
     assert all(0.9 <= r <= 1.1 for r in by_simulator), (by_simulator, [real for _, real in runs], result)
     assert all(0.95 <= r <= 1.2 for r in by_model), (by_model, [real for _, real in runs], result)
+
+
+@pytest.mark.timeout(900)
+def test_recomputing_stages_lower_each_stage_process_real_peak_as_predicted():
+    """One process per stage, each with its own allocator: the activation-heavy CNN cut in two
+    (GPipe, 4 micro-batches, serialized), trained with every stage keeping all it computes and
+    again with every stage keeping only what it receives and running its forward pass again
+    (PipelineStep(recompute=)). Each stage process's real peak drops (measured 0.62x and 0.64x),
+    the numbers do not change, and the medians of three runs are within the issue's 10% of
+    lms-tf's simulator replaying the built step (measured 0.99 and 1.03). Against the per-layer
+    figure the partition uses (recompute_peak), the spread the benchmark reports (1.11 and 1.02
+    here; docs/benchmarks/partition.md)."""
+    kept = [memory_run("wide_cnn,gpipe,2,4,serialize") for _ in range(3)]
+    again = [memory_run("wide_cnn,gpipe,2,4,serialize,recompute") for _ in range(3)]
+    assert all(result["losses"] == kept[0][0]["losses"] for result, _ in kept + again)
+    assert again[0][0]["recompute_stages"] == [0, 1] and kept[0][0]["recompute_stages"] == []
+    median = lambda runs: [sorted(real[k] for _, real in runs)[1] for k in range(2)]
+    before, after = median(kept), median(again)
+    assert all(a < 0.75 * b for a, b in zip(after, before)), (before, after)
+    result = again[0][0]
+    by_simulator = [after[k] / result["simulated"][k] for k in range(2)]
+    by_model = [after[k] / result["predicted"][k] for k in range(2)]
+    assert all(0.9 <= r <= 1.1 for r in by_simulator), (by_simulator, [real for _, real in again], result)
+    assert all(0.95 <= r <= 1.25 for r in by_model), (by_model, [real for _, real in again], result)

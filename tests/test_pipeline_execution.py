@@ -266,10 +266,10 @@ def test_a_skip_connection_goes_straight_to_the_stage_that_reads_it():
 def kernel_task(node, device_of):
     """The task a kernel of a pipelined step ran for: forward ops are named ``microbatch<m>/...``,
     their gradients ``gradient_tape/microbatch<m>/...``, a recomputing stage's second forward
-    pass (part of its backward task) ``recompute/microbatch<m>/...`` and its gradients
-    ``gradient_tape/recompute/microbatch<m>/...``; the op's device is its stage's (``device_of``:
+    pass (part of its backward task) ``rematerialized/microbatch<m>/...`` and its gradients
+    ``gradient_tape/rematerialized/microbatch<m>/...``; the op's device is its stage's (``device_of``:
     graph op name -> device; Grappler may prefix an executed node's name)."""
-    found = re.search(r"(?:^|/)((gradient_tape/)?(recompute/)?microbatch(\d+)/.*)$", node)
+    found = re.search(r"(?:^|/)((gradient_tape/)?(rematerialized/)?microbatch(\d+)/.*)$", node)
     if found is None or found.group(1) not in device_of:
         return None
     stage = tf.DeviceSpec.from_string(device_of[found.group(1)]).device_index
@@ -332,7 +332,7 @@ def test_the_executor_runs_each_stage_in_the_schedules_order(schedule, recompute
         for k, tasks in enumerate(step.tasks):
             for task in (t for t in tasks if t.kind == "B"):
                 again = [e for e in events if e.type in compute and "gradient_tape/" not in e.node
-                         and "recompute/" in e.node and kernel_task(e.node, device_of) == f"stage{k}_{task}"]
+                         and "rematerialized/" in e.node and kernel_task(e.node, device_of) == f"stage{k}_{task}"]
                 assert again, (k, str(task))
 
 
@@ -441,20 +441,20 @@ def test_a_recomputing_stage_keeps_only_what_it_receives_for_its_backward_pass()
     for k, recomputes in ((0, True), (1, False)):
         backward = [op for op in graph.get_operations() if op.name.startswith("gradient_tape/") and on(op, k)]
         reads_first = [op.name for op in backward if any(first_pass(t.op) for t in op.inputs)]
-        reads_second = [op.name for op in backward if any(t.op.name.startswith("recompute/") for t in op.inputs)]
+        reads_second = [op.name for op in backward if any(t.op.name.startswith("rematerialized/") for t in op.inputs)]
         if recomputes:
             assert backward and not reads_first and reads_second, reads_first[:5]
         else:
             assert reads_first and not reads_second, reads_second[:5]
     gates = [op for op in graph.get_operations() if op.type == "Identity" and "_lms" in op.node_def.attr
              and op.get_attr("_lms") == b"pipeline_gate"
-             and any(c.name.startswith("recompute/") for c in op.outputs[0].consumers())]
+             and any(c.name.startswith("rematerialized/") for c in op.outputs[0].consumers())]
     backward_tasks = [str(t) for t in step.tasks[0] if t.kind == "B"]
     assert {g.get_attr("_lms_task").decode() for g in gates} == {f"stage0_{t}" for t in backward_tasks}
     assert all(g.control_inputs and on(g, 0) for g in gates)
     # (a variable's reads are placed with the variable)
     assert not [op.name for op in graph.get_operations()
-                if op.name.startswith("recompute/") and op.type != "ReadVariableOp" and not on(op, 0)]
+                if op.name.startswith("rematerialized/") and op.type != "ReadVariableOp" and not on(op, 0)]
 
 
 @pytest.mark.timeout(300)

@@ -539,11 +539,10 @@ class PipelineStep:
         # TensorFlow prunes it, so it receives nothing.
         pruned = {op.name for op in graph.get_operations()
                   if op.type == "IdentityN" and not any(t.consumers() for t in op.outputs)}
-        mine = {op.name for op in ir.ops if op.name not in pruned and (
-            same_device(device_of.get(op.name, ""), device) or (k == 0 and not device_of.get(op.name)))}
+        mine = {op.name for op in ir.ops if op.name not in pruned and _stage_of(op, ir, device_of, self.devices) == k}
         received = {ir.tensors[t].producer for op in ir.ops if op.name in mine for t in op.inputs}
-        stage_ir = dataclasses.replace(ir, host_placed=frozenset(
-            op.name for op in ir.ops if op.name not in mine and op.name not in received))
+        stage_ir = _sent_when_made(dataclasses.replace(ir, host_placed=frozenset(
+            op.name for op in ir.ops if op.name not in mine and op.name not in received)), mine)
         cpu = (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU"
 
         def peak(plan: Optional[Plan] = None, allocator: bool = True) -> int:
@@ -608,10 +607,12 @@ class PipelineStep:
         """Stage ``k``'s forward pass of micro-batch ``m`` run again from its inputs, under a new
         tape, when its backward task starts (GPipe's re-materialization): the tape, inputs,
         outputs and loss (last stage) its backward pass takes, or ``recorded`` (the first pass's)
-        when the stage cannot run again to the same numbers.
+        when the stage cannot run again to the same numbers. ``scopes`` holds each micro-batch's
+        scope for the second passes, entered again by its full name as the forward passes' is.
 
         The second pass waits for the stage's previous task through the same kept Identities as
-        every task, and runs in ``recompute/microbatch<m>/``: its gradient ops sort among
+        every task, and runs in ``rematerialized/microbatch<m>/`` (one scope for every stage; not
+        ``recompute/``, which names lms-tf's recompute clones to the simulator): its gradient ops sort among
         themselves by name as the first pass's would (Grappler orders an AddN's inputs by name).
         Its variable updates are dropped (Keras's ``StatelessScope``), so a BatchNormalization's
         moving statistics move once per micro-batch. A pass that draws random numbers (dropout,
@@ -619,7 +620,7 @@ class PipelineStep:
         with a warning."""
         stage = self.stages[k]
         input_keys = set(self._input_keys)
-        with tf.name_scope(scopes.get(m, f"recompute/{microbatch_scope(m, self.microbatches)}")) as scope_name:
+        with tf.name_scope(scopes.get(m, f"rematerialized/{microbatch_scope(m, self.microbatches)}")) as scope_name:
             scopes.setdefault(m, scope_name)  # every stage's second pass of micro-batch m in one scope
             with tf.GradientTape() as tape:
                 again = _gated(list(inputs), previous[k], label)
@@ -745,6 +746,53 @@ class PipelineStep:
             serialize_stages(self.devices, _schedule_ranks(graph, self._running_sums),
                              leave_free=[op.name for op in graph.get_operations()[update_starts:]], api="PipelineStep")
         return mean
+
+
+def _stage_of(op, ir, device_of: Dict[str, str], devices: Sequence[str]) -> int:
+    """The stage whose process runs ``op``: the one whose device it is placed on. An op placed
+    nowhere (a variable's read, colocated with the variable; the split of the batch) runs with
+    its readers when they are all one stage's, else where the step is called (stage 0)."""
+    placed = device_of.get(op.name, "")
+    for devs in ([placed] if placed else []), sorted({device_of.get(c, "") for t in op.outputs
+                                                        for c in ir.tensors[t].consumers}):
+        if len(devs) == 1 and devs[0]:
+            found = [k for k, d in enumerate(devices) if same_device(devs[0], d)]
+            if found:
+                return found[0]
+    return 0
+
+
+def _sent_when_made(ir, mine) -> "GraphIR":
+    """``ir`` with every tensor of the stage (ops ``mine``) that another stage reads handed to a
+    send op of its own, ranked right after the tensor's producer, and the other stages' readers
+    reading the send's output instead: across processes TensorFlow sends a tensor as soon as it
+    is made (the receiving task's receive waits from the step's start), so the sending stage
+    frees it then, unless its own ops still read it. The sends are host-placed (their outputs are
+    the other process's memory)."""
+    ops, tensors, renamed, sends = [], dict(ir.tensors), {}, set()
+    for op in ir.ops:
+        ops.append(op)
+        if op.name not in mine:
+            continue
+        for t in op.outputs:
+            info = ir.tensors[t]
+            away = tuple(c for c in info.consumers if c not in mine)
+            if not away:
+                continue
+            send = f"lms_tf_stage_send/{t.replace(':', '_')}"
+            sent = f"{send}:0"
+            ops.append(dataclasses.replace(op, name=send, type="_Send", inputs=(t,), control_inputs=(), outputs=(sent,),
+                                           stateful=False, inner_kernels=0))
+            tensors[sent] = dataclasses.replace(info, name=sent, producer=send, consumers=away)
+            tensors[t] = dataclasses.replace(info, consumers=tuple(c for c in info.consumers if c in mine) + (send,))
+            sends.add(send)
+            for reader in away:
+                renamed.setdefault(reader, {})[t] = sent
+    if not sends:
+        return ir
+    ops = [dataclasses.replace(o, index=i, inputs=tuple(renamed.get(o.name, {}).get(t, t) for t in o.inputs))
+           for i, o in enumerate(ops)]
+    return dataclasses.replace(ir, ops=tuple(ops), tensors=tensors, host_placed=ir.host_placed | sends)
 
 
 def _schedule_ranks(graph, running_sums: Sequence[str]) -> Dict[str, float]:
