@@ -79,12 +79,14 @@ def repeat_blocks(profile: PipelineProfile, blocks: int, block_prefix: str = "bl
 
 
 def deepest(profile: PipelineProfile, rule: str, stages: int, device, upper: int = 4096,
-            swap: bool = False) -> int:
+            swap: bool = False, recompute: bool = False) -> int:
     """The most blocks whose partition (by ``rule``, stages swapping their waiting micro-batches
-    when ``swap`` and they need to) fits ``device`` on every stage (bisection)."""
+    when ``swap``, or running their forward pass again when ``recompute``, where they need to)
+    fits ``device`` on every stage (bisection)."""
     fits = lambda n: n >= stages and partition_layers(repeat_blocks(profile, n), stages=stages,
                                                       microbatches=MICROBATCHES, devices=device, rule=rule,
-                                                      swap=swap, host_budget=HOST_BUDGET).feasible
+                                                      swap=swap, host_budget=HOST_BUDGET,
+                                                      recompute=recompute).feasible
     good, bad = 0, None
     n = max(stages, 8)
     while bad is None and n <= upper:
@@ -191,12 +193,16 @@ def main() -> None:
     depth_rows = ["| K | memory: blocks | parameters: blocks | uniform: blocks | memory / uniform | memory / parameters "
                   "| memory + swap: blocks | uniform + swap: blocks | memory + swap / uniform | its step time / the same "
                   f"cut's without swapping | its largest stage's host memory (GiB) | memory + swap, devices at "
-                  f"{worst:.0%}: blocks (/ uniform) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"{worst:.0%}: blocks (/ uniform) | memory + recompute: blocks (/ uniform) | memory + swap or "
+                  "recompute: blocks (/ uniform) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for stages in (2, 4, 8):
         depth = {rule: deepest(transformer_profile, rule, stages, "v100-16gb-pcie3") for rule in RULES}
         for rule in ("memory", "uniform"):
             depth[rule + "+swap"] = deepest(transformer_profile, rule, stages, "v100-16gb-pcie3", swap=True)
         depth["memory+swap@worst"] = deepest(transformer_profile, "memory", stages, shrunk, swap=True)
+        depth["memory+recompute"] = deepest(transformer_profile, "memory", stages, "v100-16gb-pcie3", recompute=True)
+        depth["memory+both"] = deepest(transformer_profile, "memory", stages, "v100-16gb-pcie3", swap=True,
+                                       recompute=True)
         # What swapping costs: the deepest swapping cut's predicted step against the same cut's
         # with nothing swapped (which would not fit; its time without the copies).
         deep_profile = repeat_blocks(transformer_profile, depth["memory+swap"])
@@ -212,7 +218,9 @@ def main() -> None:
                           f"{depth['memory'] / depth['parameters']:.2f}x | {depth['memory+swap']} | "
                           f"{depth['uniform+swap']} | **{depth['memory+swap'] / depth['uniform']:.2f}x** | "
                           f"{times[True] / times[False]:.2f} | {max(s.host_bytes for s in deep.stages) / GiB:.0f} | "
-                          f"{depth['memory+swap@worst']} ({depth['memory+swap@worst'] / depth['uniform']:.2f}x) |")
+                          f"{depth['memory+swap@worst']} ({depth['memory+swap@worst'] / depth['uniform']:.2f}x) | "
+                          f"{depth['memory+recompute']} ({depth['memory+recompute'] / depth['uniform']:.2f}x) | "
+                          f"{depth['memory+both']} (**{depth['memory+both'] / depth['uniform']:.2f}x**) |")
         logging.info("deepest at K=%d: %s", stages, results["depth"][stages])
 
     # The search on 1,000 layers (the Transformer's block repeated to 1,000 layers).
@@ -247,7 +255,9 @@ def main() -> None:
         f"time over the same cut's without the copies. Host memory is capped at {HOST_BUDGET} per stage process, "
         "not at a particular server's: the host memory column says what the first stage needs. The per-layer model's least peak reads as low as "
         f"{worst:.2f}x lms-tf's planner's (next table), so the last column takes every device as only that share "
-        "of its memory.", "", *depth_rows, "",
+        "of its memory. With recompute, a stage that does not fit may instead keep only what it receives per "
+        "micro-batch in flight and run its forward pass again (one more forward pass of time); with both, each "
+        "such stage takes whichever fits in less time.", "", *depth_rows, "",
         "What swapping lets the whole step reach (one stage, one micro-batch) by the per-layer model (weights, "
         "gradients and slots, the largest working set, 2 layers' kept activations) against lms-tf's own budget "
         "planner on the same traced step, swapping only (the least budget it fits, from the error a 1 KiB budget "

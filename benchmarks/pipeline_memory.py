@@ -9,8 +9,15 @@ resident before it); each stage server logs its peak when it stops. Each configu
 serialized (``PipelineStep(serialize=True)``: each stage's ops one at a time in the schedule's
 order) and in TensorFlow's own order, several times each.
 
-Command: ``.venv/bin/python benchmarks/pipeline_memory.py`` (about 15 minutes on 2 cores; writes
-``benchmarks/out/pipeline_memory.json`` and the table into ``docs/benchmarks/partition.md``).
+``--recompute`` measures instead what recompute in a stage saves: each case serialized, with every
+stage keeping what it computes and again with every stage keeping only what it receives and
+running its forward pass again (``PipelineStep(recompute=)``), side by side in one run: each
+stage's real peak in both, their ratio, and the recomputing stage's real peak over the simulator's
+replay of the built step and over the partition's per-layer figure (``recompute_peak``).
+
+Command: ``.venv/bin/python benchmarks/pipeline_memory.py [--recompute]`` (about 15 minutes, or 3
+with ``--recompute``, on 2 cores; writes ``benchmarks/out/pipeline_memory[_recompute].json`` and the
+table into ``docs/benchmarks/partition.md``).
 """
 
 from __future__ import annotations
@@ -39,9 +46,16 @@ ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_DETERMINISTIC_OPS="1", TF_EN
            TF_CPU_ALLOCATOR_USE_BFC="true")
 
 
-def run_once(model: str, schedule: str, stages: int, microbatches: int, serialize: bool) -> dict:
+#: Recompute: an activation-heavy CNN (where it should save most), 1F1B (where later stages hold
+#: fewer micro-batches), and the weight-heavy MLP (where it should save least).
+RECOMPUTE_CASES = [("wide_cnn", "gpipe", 2, 4), ("wide_cnn", "1f1b", 3, 4), ("wide_mlp", "gpipe", 2, 4)]
+
+
+def run_once(model: str, schedule: str, stages: int, microbatches: int, serialize: bool,
+             recompute: bool = False) -> dict:
     """One training under ``lms-tf launch``: predicted and real peak per stage."""
-    spec = f"{model},{schedule},{stages},{microbatches}" + (",serialize" if serialize else "")
+    spec = (f"{model},{schedule},{stages},{microbatches}" + (",serialize" if serialize else "")
+            + (",recompute" if recompute else ""))
     done = subprocess.run([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", str(stages), "--",
                            sys.executable, WORKER, "-", "--memory", spec],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
@@ -52,7 +66,51 @@ def run_once(model: str, schedule: str, stages: int, microbatches: int, serializ
     for m in re.finditer(r"pipeline stage (\d+): allocator peak (\d+) bytes", done.stderr):
         real[int(m.group(1))] = int(m.group(2))
     return {"predicted": result["predicted"], "simulated": result["simulated"], "real": [real[k] for k in range(stages)],
-            "layers": result["layers"]}
+            "layers": result["layers"], "losses": result["losses"]}
+
+
+def recompute_main() -> None:
+    """Each recompute case serialized, without and with every stage recomputing, side by side."""
+    results = []
+    for model, schedule, stages, microbatches in RECOMPUTE_CASES:
+        case = {"model": model, "schedule": schedule, "stages": stages, "microbatches": microbatches}
+        for label, recompute in (("kept", False), ("recomputed", True)):
+            case[label] = [run_once(model, schedule, stages, microbatches, True, recompute) for _ in range(RUNS)]
+        same = all(run["losses"] == case["kept"][0]["losses"] for run in case["kept"] + case["recomputed"])
+        case["losses_equal"] = same
+        logger.info("%s %s K=%d: real peak with recompute / without %s; losses equal: %s", model, schedule, stages,
+                    ", ".join(f"{_median(case, 'recomputed', k) / _median(case, 'kept', k):.2f}" for k in range(stages)),
+                    same)
+        results.append(case)
+    rows = ["| model | schedule | K | stage | in flight | kept: real MiB | recomputed: real MiB | recomputed / kept | "
+            "recomputed: real / simulated | real / per-layer model | losses equal |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for case in results:
+        for k in range(case["stages"]):
+            runs = case["recomputed"]
+            by_sim = [run["real"][k] / run["simulated"][k] for run in runs]
+            by_model = [run["real"][k] / run["predicted"][k] for run in runs]
+            flight = case["microbatches"] if case["schedule"] == "gpipe" else min(case["stages"] - k, case["microbatches"])
+            rows.append(f"| {case['model']} | {case['schedule']} | {case['stages']} | {k}{' (task 0)' if k == 0 else ''} | "
+                        f"{flight} | {_median(case, 'kept', k) / 2**20:.1f} | {_median(case, 'recomputed', k) / 2**20:.1f} | "
+                        f"**{_median(case, 'recomputed', k) / _median(case, 'kept', k):.2f}** | "
+                        f"{min(by_sim):.3f}-{max(by_sim):.3f} | {min(by_model):.3f}-{max(by_model):.3f} | "
+                        f"{'yes' if case['losses_equal'] else 'NO'} |")
+    text = (f"Serialized, one process per stage, medians (and min-max of the ratios) of {RUNS} runs each, both "
+            "columns measured in one run of the benchmark. Kept: every stage keeps what its backward pass reads "
+            "for every micro-batch in flight; recomputed: every stage keeps only what it receives and runs its "
+            "forward pass again in each backward task (`PipelineStep(recompute=...)`). The per-layer model is "
+            "`recompute_peak`, the partition's figure for a recomputing stage; simulated is "
+            "`PipelineStep.predicted_peaks` on the built, recomputing step. Losses equal: every run's losses "
+            "bit-identical to the first kept run's.\n\n" + "\n".join(rows))
+    OUT.mkdir(exist_ok=True)
+    (OUT / "pipeline_memory_recompute.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    publish("pipeline_recompute", text, page="partition")
+
+
+def _median(case: dict, label: str, k: int) -> float:
+    real = sorted(run["real"][k] for run in case[label])
+    return real[len(real) // 2]
 
 
 def main() -> None:
@@ -100,4 +158,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    main()
+    recompute_main() if "--recompute" in sys.argv[1:] else main()
