@@ -263,6 +263,49 @@ def test_swapping_is_the_last_resort_and_finds_a_fitting_cut_whenever_one_exists
     assert swapped_some >= 10   # the trials exercise swapping
 
 
+def test_the_cut_is_searched_for_host_memory_when_stages_swap():
+    """Against exhaustive search on random models whose stages must swap: with the host budget
+    per stage process between the least any fitting cut needs and what the least-peak cut needs,
+    the search finds another cut within it; one byte below the least, no cut fits and the
+    library's HostBudgetError says so."""
+    rng = random.Random(13)
+    moved = refused = 0
+    for trial in range(800):
+        n = rng.randrange(3, 10)
+        stages = rng.randrange(2, min(n, 4) + 1)
+        micro, schedule = rng.randrange(2, 9), rng.choice(["1f1b", "gpipe"])
+        profile = random_profile(rng, n)
+        plain = partition_layers(profile, stages=stages, microbatches=micro, schedule=schedule, swap=False)
+        capacity = rng.randrange(max(1, plain.max_stage_peak_bytes // 3), plain.max_stage_peak_bytes)
+        kwargs = dict(stages=stages, microbatches=micro, schedule=schedule, devices=tiny_device("d", capacity))
+
+        def host_needed(bounds):   # None: the cut does not fit its devices even swapping
+            needed = 0
+            for k in range(stages):
+                flight = in_flight(schedule, k, stages, micro)
+                if stage_peak(profile, bounds[k], bounds[k + 1], flight, swap=True) > capacity:
+                    return None
+                needed = max(needed, stage_peak(profile, bounds[k], bounds[k + 1], flight) - capacity)
+            return needed
+
+        needs = [h for h in (host_needed([0, *inner, n]) for inner in itertools.combinations(range(1, n), stages - 1))
+                 if h is not None]
+        unlimited = partition_layers(profile, **kwargs)
+        if not needs or not unlimited.feasible:
+            continue
+        least, taken = min(needs), max(s.host_bytes for s in unlimited.stages)
+        if least < taken:
+            host = rng.randrange(max(least, 1), taken)
+            found = partition_layers(profile, **kwargs, host_budget=host)
+            assert found.feasible and max(s.host_bytes for s in found.stages) <= host, trial
+            moved += 1
+        if least > 1:   # (a host budget is a positive size)
+            with pytest.raises(HostBudgetError):
+                partition_layers(profile, **kwargs, host_budget=least - 1)
+            refused += 1
+    assert moved >= 5 and refused >= 5, (moved, refused)
+
+
 def test_a_swapping_stage_needing_more_host_memory_than_allowed_is_reported_or_refused():
     profile = PipelineProfile.chain([100] * 4, [10] * 4, work_bytes=7)
     device = tiny_device("small", 250)

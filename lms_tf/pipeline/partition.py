@@ -241,9 +241,12 @@ def _measure(rule: str, swap: bool = False):
 
 
 def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
-         memory_limits: Optional[Sequence[float]] = None, swap: bool = False) -> Optional[List[int]]:
+         memory_limits: Optional[Sequence[float]] = None, swap: bool = False,
+         kept_limits: Optional[Sequence[float]] = None) -> Optional[List[int]]:
     """Stage ends (exclusive) cutting the layers into ``len(limits)`` non-empty stages with stage
-    ``k``'s measure at most ``limits[k]`` (and its peak at most ``memory_limits[k]``), or None.
+    ``k``'s measure at most ``limits[k]`` (and its peak at most ``memory_limits[k]``, and its peak
+    keeping everything at most ``kept_limits[k]``: what a swapping stage puts on the host is what
+    that peak has over its device), or None.
 
     Exact: the positions where stage ``k`` can end form a set computed from the set where stage
     ``k - 1`` can end. From a start ``s``, a stage can end anywhere in ``(s, e(s)]``, and ``e`` never
@@ -268,7 +271,8 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
                 figures = window.grown()
                 peak = window.least_peak if swap else window.peak
                 if measure(window, figures, flights[k]) > limits[k] or (
-                        memory_limits is not None and peak(flights[k], figures) > memory_limits[k]):
+                        memory_limits is not None and peak(flights[k], figures) > memory_limits[k]) or (
+                        kept_limits is not None and window.peak(flights[k], figures) > kept_limits[k]):
                     break
                 window.push()
             for end in range(max(covered, s) + 1, window.hi + 1):
@@ -548,16 +552,16 @@ def _worst(profile, cuts: Sequence[int], capacities: Sequence[float], flights: S
 
 def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights: Sequence[int], measure,
                  memory_limits: Optional[Sequence[float]] = None, integral: bool = True,
-                 swap: bool = False) -> Optional[List[int]]:
+                 swap: bool = False, kept_limits: Optional[Sequence[float]] = None) -> Optional[List[int]]:
     """The cut with the least ``tau`` such that stage ``k``'s measure is at most ``tau * capacities[k]``
     (bisection on ``tau``; each cut found lowers the bracket to its own worst stage). None when
-    the memory limits refuse every cut."""
+    the memory limits (or the kept limits, see :func:`_cut`) refuse every cut."""
     n, stages = len(profile.layers), len(capacities)
     profile = _Compiled(profile)
     # Every stage is part of the whole model, so the whole model's measure bounds every cut.
     whole = _Window.over(profile, 0, n)
     hi = max(measure(whole, whole.now(), flights[k]) / capacities[k] for k in range(stages))
-    best = _cut(profile, [hi * c for c in capacities], flights, measure, memory_limits, swap)
+    best = _cut(profile, [hi * c for c in capacities], flights, measure, memory_limits, swap, kept_limits)
     if best is None:
         return None
     hi = _worst(profile, best, capacities, flights, measure)
@@ -568,7 +572,7 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
     whole_bytes = integral and len(set(capacities)) == 1
     while hi - lo > (max(1.0 / capacities[0], PRECISION * hi) if whole_bytes else PRECISION * hi):
         mid = (lo + hi) / 2
-        cuts = _cut(profile, [mid * c for c in capacities], flights, measure, memory_limits, swap)
+        cuts = _cut(profile, [mid * c for c in capacities], flights, measure, memory_limits, swap, kept_limits)
         if cuts is None:
             lo = mid
         else:
@@ -666,8 +670,10 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
             the host (just the bytes over; at least ``SWAP_RESIDENT`` layers' kept activations
             stay). Only when no cut fits without it.
         host_budget: Host memory one stage's process may take for what it swaps (bytes or text
-            such as ``"64GiB"``); None: this machine's physical memory. The cut is not searched
-            for it: a cut whose swapping stage needs more is reported as not fitting.
+            such as ``"64GiB"``); None: this machine's physical memory. When stages swap, the cut
+            is searched so that each swapping stage's host bytes fit it; when no cut does, the
+            best cut regardless is returned and reported as not fitting (``HostBudgetError``
+            when ``host_budget`` was given).
         recompute: Whether a stage that does not fit may instead keep only what it receives and
             run its forward pass again in each backward task (:func:`recompute_peak`; one more
             forward pass of time per micro-batch). Of the ways that fit a stage, the one with the
@@ -705,9 +711,13 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
     if budget_bytes is not None:
         capacities = [min(c, budget_bytes) if s else float(budget_bytes) for c, s in zip(capacities, specs)]
     host_limit = parse_host_budget(host_budget)
+    host_room = host_limit if host_limit is not None else machine_memory_bytes()
     kwargs = dict(microbatches=microbatches, schedule=schedule, devices=devices, rule=rule, objective=objective,
-                  budget=budget_bytes, model=model, swap=swap,
-                  host_budget=host_limit if host_limit is not None else machine_memory_bytes(), recompute=recompute)
+                  budget=budget_bytes, model=model, swap=swap, host_budget=host_room, recompute=recompute)
+    limited = devices is not None or budget_bytes is not None
+    # A swapping stage puts what its peak keeping everything has over its limit on the host: cut
+    # so that this fits the host budget too (a bound on that peak, which only grows with the stage).
+    kept_limits = [c + host_room for c in capacities] if limited else None
 
     def search(swapping: bool, measure=None) -> List[int]:
         if rule == "uniform":
@@ -715,13 +725,21 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         if rule == "parameters":
             return _least_limit(profile, [1.0] * stages, flights, _measure("parameters"))
         if objective == "time":
-            limits = capacities if (devices is not None or budget_bytes is not None) else None
+            limits = capacities if limited else None
             cuts = _least_limit(profile, [1.0] * stages, flights, _measure("time"), limits, integral=False,
-                                swap=swapping)
+                                swap=swapping, kept_limits=kept_limits if swapping else None)
             if cuts is not None:
                 return cuts
             # nothing fits: say how close the memory-balanced cut gets
-        return _least_limit(profile, capacities, flights, measure or _measure("memory", swapping))
+        searched_for_host = swapping and measure is None and kept_limits is not None
+        measure = measure or _measure("memory", swapping)
+        if searched_for_host:
+            # the cuts whose swapping stages fit the host, if one fits the devices too; else the
+            # least peaks regardless (reported as needing more host memory)
+            cuts = _least_limit(profile, capacities, flights, measure, kept_limits=kept_limits)
+            if cuts is not None and _worst(profile, cuts, capacities, flights, measure) <= 1.0:
+                return cuts
+        return _least_limit(profile, capacities, flights, measure)
 
     result = evaluate(profile, search(False), **kwargs)
     if swap and rule == "memory" and not result._fits_devices():
