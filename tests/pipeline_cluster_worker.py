@@ -167,11 +167,8 @@ def memory(workers, spec):
 
         profile = trace_profile(model, microbatch=len(y) // int(microbatches),
                                 cost=CostModel(get_device_spec(DEFAULT_DEVICE)), kernels=local_kernel_library())
-        bounds = [0]
-        for s in partition.stages:
-            bounds.append(bounds[-1] + len(s.layers))
-        predicted = [recompute_peak(profile, bounds[k], bounds[k + 1], s.in_flight)
-                     for k, s in enumerate(partition.stages)]
+        predicted = [recompute_peak(profile, lo, hi, s.in_flight) for s, (lo, hi) in zip(partition.stages,
+                                                                                          partition.bounds)]
     placed = place_stages(model, partition, devices)
     del model
     step = PipelineStep(placed, partition, devices=devices, serialize="serialize" in flags,

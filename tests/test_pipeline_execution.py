@@ -501,20 +501,28 @@ def test_each_swapping_stage_has_its_own_plan_over_its_own_tensors():
     assert not [d for d in step.plans[0].swapped if "CPU:1" in graph.get_operation_by_name(d.tensor.split(":")[0]).device]
 
 
-@pytest.mark.timeout(300)
-def test_the_stages_a_partition_says_swap_are_the_ones_that_do():
-    """A budget below the best cut without swapping: the partition swaps some stages; the
-    pipeline swaps exactly those, and trains to the numbers of the pipeline that swaps nothing."""
-    model, (x, y) = zoo.sequential_cnn()
-    twin, _ = zoo.sequential_cnn()   # the same model, built again (its unnamed layers named apart)
+def partition_that_swaps(model):
+    """Two GPipe stages cut under a budget halfway between the least any cut reaches swapping and
+    the best cut's peak without: (the partition, with some stages swapping; the budget; the
+    partition's arguments)."""
     arguments = dict(stages=2, microbatches=MICROBATCHES, batch_size=zoo.BATCH, schedule="gpipe")
     plain = lms_tf.partition(model, **arguments)
     with pytest.raises(lms_tf.InfeasibleBudgetError) as caught:
         lms_tf.partition(model, **arguments, budget=1)
     budget = (caught.value.smallest_feasible_bytes + plain.max_stage_peak_bytes) // 2
     p = lms_tf.partition(model, **arguments, budget=budget)
+    assert p.feasible and any(s.host_bytes for s in p.stages), p.summary()
+    return p, budget, arguments
+
+
+@pytest.mark.timeout(300)
+def test_the_stages_a_partition_says_swap_are_the_ones_that_do():
+    """A budget below the best cut without swapping: the partition swaps some stages; the
+    pipeline swaps exactly those, and trains to the numbers of the pipeline that swaps nothing."""
+    model, (x, y) = zoo.sequential_cnn()
+    twin, _ = zoo.sequential_cnn()   # the same model, built again (its unnamed layers named apart)
+    p, budget, arguments = partition_that_swaps(model)
     swapping_stages = [s.index for s in p.stages if s.host_bytes]
-    assert swapping_stages and p.feasible
     step = PipelineStep(model, p, devices=DEVICES[:2], swap=True, host="/CPU:2", min_swap_bytes=0)
     reference = PipelineStep(twin, lms_tf.partition(twin, **arguments, budget=budget), devices=DEVICES[:2])
     assert step.swap_stages == swapping_stages
@@ -530,14 +538,8 @@ def test_budget_partition_holds_each_swapping_stage_to_the_limit_it_was_cut_for(
     pipeline that swaps nothing."""
     model, (x, y) = attention_block()
     twin, _ = attention_block()
-    arguments = dict(stages=2, microbatches=MICROBATCHES, batch_size=zoo.BATCH, schedule="gpipe")
-    plain = lms_tf.partition(model, **arguments)
-    with pytest.raises(lms_tf.InfeasibleBudgetError) as caught:
-        lms_tf.partition(model, **arguments, budget=1)
-    budget = (caught.value.smallest_feasible_bytes + plain.max_stage_peak_bytes) // 2
-    p = lms_tf.partition(model, **arguments, budget=budget)
+    p, budget, arguments = partition_that_swaps(model)
     swapping_stages = [s.index for s in p.stages if s.host_bytes]
-    assert swapping_stages and p.feasible
     step = PipelineStep(model, p, devices=DEVICES[:2], swap=True, host="/CPU:2", min_swap_bytes=0, budget="partition")
     every = PipelineStep(attention_block()[0], p, devices=DEVICES[:2], swap=True, host="/CPU:2", min_swap_bytes=0)
     reference = PipelineStep(twin, p, devices=DEVICES[:2])
@@ -552,7 +554,8 @@ def test_budget_partition_holds_each_swapping_stage_to_the_limit_it_was_cut_for(
     with pytest.raises(LMSOptionError, match="budget='partition' .* the stages were cut by hand"):
         PipelineStep(model, contiguous(model, 2), devices=DEVICES[:2], swap=True, host="/CPU:2", budget="partition")
     with pytest.raises(LMSOptionError, match="cut with no devices and no budget"):
-        PipelineStep(model, plain, devices=DEVICES[:2], swap=[0], host="/CPU:2", budget="partition")
+        PipelineStep(model, lms_tf.partition(model, **arguments), devices=DEVICES[:2], swap=[0], host="/CPU:2",
+                     budget="partition")
 
 
 def test_bad_swap_arguments_are_refused_before_anything_is_traced():

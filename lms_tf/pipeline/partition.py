@@ -372,6 +372,18 @@ class Partition:
     recompute: bool = False
 
     @property
+    def bounds(self) -> List[Tuple[int, int]]:
+        """Each stage's layers as a range ``(lo, hi)`` of the profile's layer order (``hi`` exclusive).
+
+        Examples:
+            >>> from lms_tf.pipeline.profile import PipelineProfile
+            >>> partition_layers(PipelineProfile.chain([100] * 4), stages=2, microbatches=2).bounds
+            [(0, 1), (1, 4)]
+        """
+        ends = list(itertools.accumulate(len(s.layers) for s in self.stages))
+        return list(zip([0] + ends[:-1], ends))
+
+    @property
     def max_stage_peak_bytes(self) -> int:
         """The largest stage's predicted peak.
 
