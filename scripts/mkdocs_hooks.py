@@ -63,6 +63,17 @@ def _cases():
         lms_tf.PipelineStep(model, [["hidden"], ["head"]], swap=True, host="/CPU:1",
                             devices=["/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:0"])
 
+    def random_stage():
+        import keras
+        import numpy as np
+
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="hidden"),
+                                  keras.layers.Dropout(0.5, name="dropout"), keras.layers.Dense(2, name="head")],
+                                 name="mlp")
+        step = lms_tf.PipelineStep(model, [["hidden", "dropout"], ["head"]], devices=["/CPU:0", "/CPU:1"],
+                                   recompute=True)
+        step(np.ones((2, 4), "float32"), np.zeros((2,), "int32"))
+
     def eager():
         tf.config.run_functions_eagerly(True)
         try:
@@ -97,6 +108,8 @@ def _cases():
             "localhost:2222,localhost:1", timeout=1)),
         ("A pipeline script started without its stages' addresses", no_workers),
         ("A swapping stage whose process has no such host device", stage_without_host),
+        ("A recomputing pipeline stage that draws random numbers (a warning: that stage keeps its activations)",
+         random_stage),
         ("Asking for a plan before training", lambda: lms_tf.explain(lms_tf.LMSCallback())),
         ("A step that runs eagerly", eager),
         ("No GPU and no device given (a warning: the step trains untouched)",

@@ -35,7 +35,7 @@ import keras
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.core.errors import LMSOptionError, infeasible
+from lms_tf.core.errors import LMSOptionError, infeasible, warn_once
 from lms_tf.core.ir import canonical_device, same_device
 from lms_tf.core.plan import Decision, Plan, Predictions
 from lms_tf.core.policy import Policies, describe, format_bytes, parse_bytes
@@ -637,9 +637,11 @@ class PipelineStep:
         if drew is None:
             return tape, again, outputs, loss
         self.recompute_stages.remove(k)
-        logger.warning("PipelineStep(recompute=...): stage %d keeps its activations instead of running its forward "
-                       "pass again: %s draws random numbers, and a second pass would draw others (the numbers would "
-                       "change). Recompute only stages without dropout or noise layers.", k, drew)
+        warn_once(f"pipeline-recompute-random-{id(self)}-{k}",
+                  f"PipelineStep(recompute=...): stage {k} keeps its activations instead of running its forward pass "
+                  f"again: {drew} draws random numbers, and a second pass would draw others (the numbers would "
+                  f"change). The step trains as without recompute on that stage; recompute only stages without "
+                  f"dropout or noise layers (recompute=[...]).")
         return recorded
 
     def _run(self, x, y):
