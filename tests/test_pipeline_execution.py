@@ -429,6 +429,29 @@ def test_stages_that_run_their_forward_pass_again_train_to_exactly_the_same_numb
     assert steps[0].recompute_stages == list(range(stages))
 
 
+@pytest.mark.timeout(300)
+def test_the_stages_a_partition_says_recompute_are_the_ones_that_do():
+    """A budget no cut meets keeping activations, met by recomputing: the pipeline's
+    ``recompute=True`` recomputes exactly the stages the partition says, and trains to the
+    numbers of the pipeline that recomputes nothing."""
+    model, (x, y) = attention_block()
+    twin, _ = attention_block()
+    arguments = dict(stages=2, microbatches=MICROBATCHES, batch_size=zoo.BATCH, schedule="gpipe", swap=False)
+    plain = lms_tf.partition(model, **arguments)
+    with pytest.raises(lms_tf.InfeasibleBudgetError) as caught:
+        lms_tf.partition(model, **arguments, budget=1, recompute=True)
+    budget = (caught.value.smallest_feasible_bytes + plain.max_stage_peak_bytes) // 2
+    p = lms_tf.partition(model, **arguments, budget=budget, recompute=True)
+    recomputing_stages = [s.index for s in p.stages if s.recompute]
+    assert p.feasible and recomputing_stages, p.summary()
+    step = PipelineStep(model, p, devices=DEVICES[:2], recompute=True)
+    reference = PipelineStep(twin, p, devices=DEVICES[:2])
+    assert step.recompute_stages == recomputing_stages
+    bx, by = x[:zoo.BATCH], y[:zoo.BATCH]
+    assert [float(step(bx, by)) for _ in range(3)] == [float(reference(bx, by)) for _ in range(3)]
+    assert_same_state(twin, model)
+
+
 def test_a_recomputing_stage_keeps_only_what_it_receives_for_its_backward_pass():
     """Structure: a recomputing stage's gradient ops read nothing its first forward pass computed
     (only the second pass's tensors, gradients and weights); its second pass reads the stage's
