@@ -15,7 +15,6 @@ Command: ``.venv/bin/python benchmarks/partition.py`` (a few minutes on 2 cores;
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -208,7 +207,7 @@ def main() -> None:
         deep_profile = repeat_blocks(transformer_profile, depth["memory+swap"])
         deep = partition_layers(deep_profile, stages=stages, microbatches=MICROBATCHES, devices="v100-16gb-pcie3",
                                 host_budget=HOST_BUDGET)
-        cuts = list(itertools.accumulate(len(s.layers) for s in deep.stages))
+        cuts = [hi for _, hi in deep.bounds]
         unswapped = evaluate(deep_profile, cuts, microbatches=MICROBATCHES, devices="v100-16gb-pcie3", swap=False)
         times = {True: deep.predicted_step_time_s, False: unswapped.predicted_step_time_s}
         results["depth"][stages] = depth | {"host_bytes_per_stage": [s.host_bytes for s in deep.stages],

@@ -18,6 +18,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import tensorflow as tf
 
 from lms_tf._compat.data import dataset_batch_size
+from lms_tf._compat.graph import current_graph
 
 
 def using_legacy_keras() -> bool:
@@ -393,7 +394,7 @@ def run_again_without_updates(function, layers) -> Tuple[object, Optional[str]]:
     keras = keras_module()
     owners = {id(g.state): sub.name for layer in layers for sub in nested_layers(layer)
               for g in getattr(sub, "_seed_generators", ())}
-    graph = tf.compat.v1.get_default_graph()
+    graph = current_graph()
     first = len(graph.get_operations()) if not tf.executing_eagerly() else None
     with keras.StatelessScope() as scope:
         result = function()

@@ -222,11 +222,16 @@ def recompute_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, wind
     """
     window = window or _Window.over(profile, lo, hi)
     params, kept, work, _, _ = window.now()
-    layers = profile.layers
-    received = {t: b for layer in layers[lo:hi] for t, b, producer in layer.inputs if producer < lo}
-    saved = {t for layer in layers[lo:hi] for t, _ in layer.saved}
+    received = _received(profile, lo, hi)
+    saved = {t for layer in profile.layers[lo:hi] for t, _ in layer.saved}
     again = sum(b for t, b in received.items() if t in saved)
     return int(params * (2 + window.slots)) + flight * sum(received.values()) + kept - again + work
+
+
+def _received(profile: PipelineProfile, lo: int, hi: int) -> Dict[str, int]:
+    """The tensors layers ``[lo, hi)`` read from earlier layers, by name: what the stage receives
+    per micro-batch (a skip connection crossing the cut included)."""
+    return {t: b for layer in profile.layers[lo:hi] for t, b, producer in layer.inputs if producer < lo}
 
 
 def _measure(rule: str, swap: bool = False):
@@ -621,7 +626,7 @@ def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int
     for k, hi in enumerate(cuts):
         flight = in_flight(schedule, k, stages, microbatches)
         window = _Window.over(profile, lo, hi)
-        received = {t: b for layer in layers[lo:hi] for t, b, producer in layer.inputs if producer < lo}
+        received = _received(profile, lo, hi)
         spec = specs[k]
         link = spec.host_to_device_bytes_per_s if spec else None
         seconds = window.seconds + (2 * sum(received.values()) / link if link else 0.0)

@@ -437,7 +437,7 @@ class PipelineStep:
                  devices: Sequence[str], loss=None, optimizer=None, swap=False, host: Optional[str] = None,
                  min_swap_bytes: int = 64 * 1024, serialize: bool = False, budget=None, recompute=False):
         stage_layers = _stage_layers(model, stages, devices)
-        self.swap_stages = _swap_stages(swap, stages, len(stage_layers))
+        self.swap_stages = _chosen_stages(swap, stages, len(stage_layers), "swap")
         self.recompute_stages = _chosen_stages(recompute, stages, len(stage_layers), "recompute")
         if swap is True and not self.swap_stages:
             logger.info("PipelineStep(swap=True): the partition swaps no stage (every stage fits its device), so "
@@ -454,8 +454,8 @@ class PipelineStep:
                                      f"({', '.join(sorted(visible_device_names()))}); on a CPU, make logical devices "
                                      f"with tf.config.set_logical_device_configuration before TensorFlow starts.")
         self.hosts: Dict[int, str] = _stage_hosts(host, devices, self.swap_stages) if self.swap_stages else {}
-        self.budgets: Dict[int, int] = _stage_budgets(_partition_budgets(budget, stages), self.swap_stages,
-                                                      len(stage_layers))
+        self.budgets: Dict[int, int] = _stage_budgets(_partition_budgets(budget, stages, self.swap_stages),
+                                                      self.swap_stages, len(stage_layers))
         self._min_swap_bytes = min_swap_bytes
         self.tasks = stage_tasks(schedule, len(stage_layers), microbatches)
         self.order = run_order(self.tasks)
@@ -754,14 +754,15 @@ def _stage_of(op, ir, device_of: Dict[str, str], devices: Sequence[str]) -> int:
     """The stage whose process runs ``op``: the one whose device it is placed on. An op placed
     nowhere (a variable's read, colocated with the variable; the split of the batch) runs with
     its readers when they are all one stage's, else where the step is called (stage 0)."""
-    placed = device_of.get(op.name, "")
-    for devs in ([placed] if placed else []), sorted({device_of.get(c, "") for t in op.outputs
-                                                        for c in ir.tensors[t].consumers}):
-        if len(devs) == 1 and devs[0]:
-            found = [k for k, d in enumerate(devices) if same_device(devs[0], d)]
-            if found:
-                return found[0]
-    return 0
+    def stage_on(device: str) -> Optional[int]:
+        return next((k for k, d in enumerate(devices) if device and same_device(device, d)), None)
+
+    placed = stage_on(device_of.get(op.name, ""))
+    if placed is not None:
+        return placed
+    readers = {device_of.get(c, "") for t in op.outputs for c in ir.tensors[t].consumers}
+    by_readers = stage_on(readers.pop()) if len(readers) == 1 else None
+    return 0 if by_readers is None else by_readers
 
 
 def _sent_when_made(ir, mine) -> "GraphIR":
@@ -893,16 +894,16 @@ def _kept(decision):
                                reason="kept: the stage fits its budget without swapping it")
 
 
-def _partition_budgets(budget, stages):
-    """``budget="partition"`` as one entry per stage: the limit the partition cut each stage for
-    (its device's memory, or the partition's budget where that is lower), None for a stage that
-    has neither; any other ``budget`` as it is.
+def _partition_budgets(budget, stages, swap_stages: Sequence[int]):
+    """``budget="partition"`` as one entry per stage: for each swapping stage, the limit the
+    partition cut it for (its device's memory, or the partition's budget where that is lower);
+    None for the others. Any other ``budget`` (or no stage swapping) as it is.
 
     Raises:
         LMSOptionError: ``"partition"`` with stages cut by hand, or with a partition that had no
             device and no budget to cut for.
     """
-    if not (isinstance(budget, str) and budget == "partition"):
+    if not (isinstance(budget, str) and budget == "partition") or not swap_stages:
         return budget
     if not _is_partition(stages):
         raise LMSOptionError("budget='partition' holds each stage to the limit lms_tf.partition cut it for, but the "
@@ -912,11 +913,7 @@ def _partition_budgets(budget, stages):
     if all(limit is None for limit in limits):
         raise LMSOptionError("budget='partition': the partition was cut with no devices and no budget, so it has no "
                              "limit to hold a stage to; partition with devices= or budget=, or pass budgets in bytes.")
-    return _PartitionLimits(limits)
-
-
-class _PartitionLimits(list):
-    """A partition's limit for every stage: only the swapping stages' are budgets."""
+    return [limit if k in swap_stages else None for k, limit in enumerate(limits)]
 
 
 def _stage_budgets(budget, swap_stages: Sequence[int], count: int) -> Dict[int, int]:
@@ -932,15 +929,12 @@ def _stage_budgets(budget, swap_stages: Sequence[int], count: int) -> Dict[int, 
         raise LMSOptionError(f"budget= holds swapping stages to a memory budget, but no stage swaps; pass swap=True "
                              f"(or a list of stages) with it, or drop budget=. Received budget={budget!r}.")
     listed = isinstance(budget, (list, tuple))
-    from_partition = False
-    if isinstance(budget, _PartitionLimits):
-        listed, from_partition = True, True
     if listed and len(budget) != count:
         raise LMSOptionError(f"budget= as a list needs one entry per stage ({count}, None for a stage swapping by "
                              f"the rule alone); received {len(budget)}: {budget!r}.")
     budgets = {}
     for k, entry in enumerate(budget if listed else [budget] * count):
-        if entry is None or (not listed and k not in swap_stages) or (from_partition and k not in swap_stages):
+        if entry is None or (not listed and k not in swap_stages):
             continue
         nbytes = parse_bytes(entry)
         if nbytes is None or isinstance(entry, bool):
@@ -951,11 +945,6 @@ def _stage_budgets(budget, swap_stages: Sequence[int], count: int) -> Dict[int, 
                                  f"(swapping stages: {list(swap_stages)}); give it None, or let it swap.")
         budgets[k] = nbytes
     return budgets
-
-
-def _swap_stages(swap, stages, count: int) -> List[int]:
-    """The stages that swap: ``swap`` resolved against the partition (or a hand cut of ``count``)."""
-    return _chosen_stages(swap, stages, count, "swap")
 
 
 def _chosen_stages(chosen, stages, count: int, what: str) -> List[int]:
