@@ -28,8 +28,8 @@ setup(
         "legacy-keras": [TF_KERAS],
         "plot": ["matplotlib>=3.7"],
         "docs": DOCS,
-        "test": [TF_KERAS, "pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "import-linter>=2.1",
-                 *DOCS],
+        "test": [TF_KERAS, "pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "matplotlib>=3.7",
+                 "import-linter>=2.1", *DOCS],
     },
     entry_points={"console_scripts": ["lms-tf=lms_tf.cli:main"]},
     classifiers=[
