@@ -1,6 +1,7 @@
 """Pipeline partitioning's search and memory model (no TensorFlow): optimal against exhaustive search,
 the 1F1B rule by hand, mixed devices, the baselines' rules, speed on 1,000 layers, bad input."""
 
+import dataclasses
 import itertools
 import json
 import random
@@ -10,7 +11,7 @@ import pytest
 
 from lms_tf.core.errors import HostBudgetError, InfeasibleBudgetError, LMSOptionError
 from lms_tf.cost.devices import DeviceSpec
-from lms_tf.pipeline.partition import PRECISION, SWAP_RESIDENT
+from lms_tf.pipeline.partition import PRECISION, SWAP_RESIDENT, _recompute_cut
 from lms_tf.pipeline import (
     LayerProfile,
     PipelineProfile,
@@ -43,6 +44,21 @@ def random_profile(rng: random.Random, n: int) -> PipelineProfile:
     layers = [LayerProfile(l.name, tuple((name, sizes.get(name, 0)) for name, _ in l.params), l.saved, l.work_bytes,
                            l.inputs, l.forward_s, l.backward_s) for l in layers]
     return PipelineProfile(tuple(layers), slot_bytes_per_param_byte=rng.choice([0.0, 1.0, 2.0]))
+
+
+def crossing_profile(rng: random.Random, n: int) -> PipelineProfile:
+    """:func:`random_profile` whose layers also read earlier layers' outputs (skip connections as
+    inputs): a stage starting between them receives those too, so what it receives can shrink as
+    it starts earlier."""
+    base = random_profile(rng, n)
+    layers = []
+    for i, layer in enumerate(base.layers):
+        inputs = list(layer.inputs)
+        if i >= 2 and rng.random() < 0.4:
+            j = rng.randrange(1, i)   # the output of layer j - 1, kept by layer j
+            inputs.append((f"x{j}", base.layers[j].saved[0][1], j - 1))
+        layers.append(dataclasses.replace(layer, inputs=tuple(inputs)))
+    return PipelineProfile(tuple(layers), slot_bytes_per_param_byte=base.slot_bytes_per_param_byte)
 
 
 def tiny_device(name: str, memory_bytes: int) -> DeviceSpec:
@@ -400,3 +416,33 @@ def test_allowing_recompute_never_makes_a_partition_worse():
             if s.recompute:
                 assert s.predicted_peak_bytes == recompute_peak(profile, lo, hi, s.in_flight) and not s.host_bytes
     assert helped >= 1 and recomputing >= 10, (helped, recomputing)   # the trials exercise it
+
+
+def test_the_recompute_search_is_exact_against_every_cut():
+    """With recompute allowed, what a stage receives can shrink as it starts earlier, so the
+    threshold sweep does not apply; the dynamic programme must still find the least full fullest
+    stage (each at the lowest of keeping, swapping and recomputing), equal to trying every cut on
+    models whose skip connections cross cuts, and partition_layers must fit whenever a cut does."""
+    rng = random.Random(3)
+    fitting = 0
+    for trial in range(200):
+        n = rng.randrange(3, 10)
+        stages = rng.randrange(1, min(n, 4) + 1)
+        micro, schedule, swap = rng.randrange(1, 9), rng.choice(["1f1b", "gpipe"]), rng.random() < 0.5
+        profile = crossing_profile(rng, n)
+        capacities = [float(rng.randrange(300, 8000)) for _ in range(stages)]
+        flights = [in_flight(schedule, k, stages, micro) for k in range(stages)]
+        reference = float("inf")
+        for inner in itertools.combinations(range(1, n), stages - 1):
+            bounds = list(zip((0,) + inner, inner + (n,)))
+            reference = min(reference, max(
+                min(stage_peak(profile, lo, hi, flights[k], swap), recompute_peak(profile, lo, hi, flights[k]))
+                / capacities[k] for k, (lo, hi) in enumerate(bounds)))
+        found, cuts = _recompute_cut(profile, capacities, flights, swap, float("inf"))
+        assert found == reference, (trial, found, reference)
+        devices = [tiny_device(f"d{k}", int(c)) for k, c in enumerate(capacities)]
+        p = partition_layers(profile, stages=stages, microbatches=micro, schedule=schedule, devices=devices,
+                             swap=swap, recompute=True)
+        assert p.feasible == (reference <= 1.0), (trial, reference, p.summary())
+        fitting += reference <= 1.0
+    assert 40 <= fitting <= 160, fitting   # both outcomes are exercised

@@ -296,6 +296,82 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
     return cuts[::-1]
 
 
+def _lowest_fraction(window, params: int, received: int, again: int, flight: int, capacity: float,
+                     swap: bool) -> float:
+    """The least fraction of ``capacity`` the stage in ``window`` reaches: keeping everything,
+    swapping (with ``swap``) or recomputing, given its ``received`` bytes per micro-batch and
+    ``again``, those of them it also keeps (see :func:`recompute_peak`)."""
+    _, kept, work, _, largest = window.now()
+    keeping = params + flight * kept + work
+    recomputing = params + flight * received + kept - again + work
+    lowest = min(keeping, recomputing)
+    if swap:
+        lowest = min(lowest, params + SWAP_RESIDENT * largest + work)
+    return lowest / capacity
+
+
+def _recompute_cut(profile: PipelineProfile, capacities: Sequence[float], flights: Sequence[int], swap: bool,
+                   bound: float) -> Tuple[float, Optional[List[int]]]:
+    """The cut into ``len(capacities)`` stages whose fullest stage, each at the lowest of keeping,
+    swapping (with ``swap``) and recomputing, is least full: (that fraction, stage ends), or
+    ``(bound, None)`` when no cut is below ``bound``.
+
+    Exact, by dynamic programming over (stage, end): a recomputing stage's peak counts what it
+    receives, which can shrink as the stage starts later, so the threshold sweep of :func:`_cut`
+    does not apply. From each start the stage is grown one layer at a time; every way's peak only
+    grows with the stage's end, so growing stops once even the lowest way of every stage is
+    above ``bound`` (a cut known to reach it bounds the search).
+    """
+    compiled = _Compiled(profile)
+    n, stages = len(compiled.layers), len(capacities)
+    inf = float("inf")
+    # best[k][e]: the least fullest fraction of stages 0..k with stage k ending at e; came[k][e]: its start
+    best = [[inf] * (n + 1) for _ in range(stages)]
+    came = [[-1] * (n + 1) for _ in range(stages)]
+    weight = 2 + compiled.slots
+    for start in range(n):
+        before = [0.0 if start == 0 else inf] + [best[k - 1][start] for k in range(1, stages)]
+        open_stages = [k for k in range(stages) if before[k] <= bound and k <= start]
+        if not open_stages:
+            continue
+        window = _Window(compiled, start)
+        received = again = 0
+        seen_received: Dict[str, int] = {}
+        seen_kept: set = set()
+        for end in range(start + 1, n + 1):
+            layer = compiled.layers[end - 1]
+            for name, nbytes, producer in layer.inputs:
+                if producer < start and name not in seen_received:
+                    seen_received[name] = nbytes
+                    received += nbytes
+                    again += nbytes if name in seen_kept else 0
+            for name, nbytes in layer.saved:
+                if name not in seen_kept:
+                    seen_kept.add(name)
+                    again += seen_received.get(name, 0)
+            window.push()
+            params = int(window.param_bytes * weight)
+            growing = False
+            for k in open_stages:
+                if end > n - (stages - 1 - k):   # leave one layer for each later stage
+                    continue
+                fraction = _lowest_fraction(window, params, received, again, flights[k], capacities[k], swap)
+                if fraction <= bound:
+                    growing = True
+                worst = max(before[k], fraction)
+                if worst < best[k][end]:
+                    best[k][end], came[k][end] = worst, start
+            if not growing:
+                break
+    if best[-1][n] > bound:
+        return bound, None
+    cuts, end = [], n
+    for k in range(stages - 1, -1, -1):
+        cuts.append(end)
+        end = came[k][end]
+    return best[-1][n], cuts[::-1]
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One pipeline stage of a :class:`Partition`.
@@ -577,7 +653,8 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
     profile = _Compiled(profile)
     # Every stage is part of the whole model, so the whole model's measure bounds every cut.
     whole = _Window.over(profile, 0, n)
-    hi = max(measure(whole, whole.now(), flights[k]) / capacities[k] for k in range(stages))
+    # (Raised by a hair: measure / capacity * capacity may round one ulp below measure.)
+    hi = max(measure(whole, whole.now(), flights[k]) / capacities[k] for k in range(stages)) * (1 + 1e-9)
     best = _cut(profile, [hi * c for c in capacities], flights, measure, memory_limits, swap, kept_limits)
     if best is None:
         return None
@@ -694,10 +771,10 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         recompute: Whether a stage that does not fit may instead keep only what it receives and
             run its forward pass again in each backward task (:func:`recompute_peak`; one more
             forward pass of time per micro-batch). Of the ways that fit a stage, the one with the
-            least time is taken. Cuts are then also searched by each stage's peak at one
-            micro-batch in flight (a lower bound of its recomputing peak that, unlike it, only
-            grows with the stage), and the best partition of those tried is kept: a heuristic,
-            not the exact search the other measures get.
+            least time is taken. When no cut fits without, the cut is searched exactly for the
+            least full fullest stage, each stage at the lowest of keeping, swapping (with
+            ``swap``) and recomputing: a cut where every stage fits one way is found whenever
+            one exists.
 
     Returns:
         The :class:`Partition`; ``feasible`` says whether every stage fits.
@@ -764,13 +841,15 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         # evaluate() swap only the stages that do not fit as they are.
         result = evaluate(profile, search(True), **kwargs)
     if recompute and rule == "memory" and not result._fits_devices():
-        # A recomputing stage's peak grows with what it receives, which can shrink as the stage
-        # grows: no exact sweep. Its peak at one micro-batch in flight bounds it from below and
-        # only grows, so cut by that (or by the least peak swapping, where lower) as well.
-        lower = (lambda window, figures, flight: min(window.peak(1, figures), window.least_peak(flight, figures))) \
-            if swap else (lambda window, figures, flight: window.peak(1, figures))
-        tried = evaluate(profile, search(swap, lower), **kwargs)
-        result = min((result, tried), key=lambda p: (not p._fits_devices(), _fullest(p), p.predicted_step_time_s))
+        # Stages that recompute: searched exactly for the least full fullest stage (each at the
+        # lowest way it has), bounded by the cut already found; the faster way is then chosen
+        # per stage, and of the two cuts the one fitting (then less full, then faster) is kept.
+        bound = max(min(stage_peak(profile, lo, hi, flights[k], swap), recompute_peak(profile, lo, hi, flights[k]))
+                    / capacities[k] for k, (lo, hi) in enumerate(result.bounds))
+        _, cuts = _recompute_cut(profile, capacities, flights, swap, bound)
+        if cuts is not None:
+            tried = evaluate(profile, cuts, **kwargs)
+            result = min((result, tried), key=lambda p: (not p._fits_devices(), _fullest(p), p.predicted_step_time_s))
     if budget_bytes is not None and rule == "memory" and not result._fits_devices():
         ones, measure = [1.0] * stages, _measure("memory", swap)
         least = int(_worst(profile, _least_limit(profile, ones, flights, measure), ones, flights, measure))
