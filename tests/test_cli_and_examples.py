@@ -103,14 +103,15 @@ def test_cli_infeasible_text_says_so_without_a_planned_figure():
 
 
 @pytest.mark.timeout(60)
-def test_help_answers_in_under_a_second():
-    """``lms-tf --help`` imports no TensorFlow (0.16 s measured here; TensorFlow's import alone takes ~5 s)."""
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "lms_tf.cli", "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=50)
-    seconds = time.perf_counter() - started
-    assert done.returncode == 0 and "max-batch" in done.stdout
-    assert seconds < 1.0, seconds
+def test_help_imports_no_tensorflow():
+    """``lms-tf --help`` answers without importing TensorFlow (0.16 s measured here; TensorFlow's
+    import alone takes ~5 s). Checked by the modules loaded, not by a clock: a busy CI machine
+    makes wall-clock bounds flaky."""
+    script = ("import sys\nfrom lms_tf.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+              "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0 and "max-batch" in done.stdout, done.stderr
+    assert done.stdout.splitlines()[-1] == "LOADED []", done.stdout.splitlines()[-1]
 
 
 @pytest.mark.timeout(300)

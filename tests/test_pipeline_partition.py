@@ -1,11 +1,10 @@
 """Pipeline partitioning's search and memory model (no TensorFlow): optimal against exhaustive search,
-the 1F1B rule by hand, mixed devices, the baselines' rules, speed on 1,000 layers, bad input."""
+the 1F1B rule by hand, mixed devices, the baselines' rules, linear sweeps on 1,000 layers, bad input."""
 
 import dataclasses
 import itertools
 import json
 import random
-import time
 
 import pytest
 
@@ -152,14 +151,33 @@ def test_time_objective_is_fastest_among_cuts_that_fit():
     assert tight.max_stage_peak_bytes <= balanced.max_stage_peak_bytes
 
 
-def test_thousand_layers_partition_in_under_a_second():
+def test_thousand_layers_are_cut_with_linear_sweeps(monkeypatch):
+    """The search's work on 1,000 layers: each try of the bisection is one sweep in which every
+    stage's window takes each layer at most once, and the bisection stops within 64 tries. (Its
+    time, under a second, is measured in benchmarks/partition.py, not here: a shared CI machine
+    makes wall-clock bounds flaky.)"""
+    from lms_tf.pipeline import partition as module
+    counts = {"push": 0, "cut": 0}
+    push, cut = module._Window.push, module._cut
+
+    def counted_push(self):
+        counts["push"] += 1
+        push(self)
+
+    def counted_cut(*args, **kwargs):
+        counts["cut"] += 1
+        return cut(*args, **kwargs)
+
+    monkeypatch.setattr(module._Window, "push", counted_push)
+    monkeypatch.setattr(module, "_cut", counted_cut)
     profile = random_profile(random.Random(5), 1000)
     for stages in (2, 8):
-        started = time.perf_counter()
+        counts.update(push=0, cut=0)
         p = partition_layers(profile, stages=stages, microbatches=16)
-        elapsed = time.perf_counter() - started
-        assert elapsed < 1.0, (stages, elapsed)
         assert sum(len(s.layers) for s in p.stages) == 1000
+        # one sweep per stage per try, plus one pass over the layers judging each cut found
+        assert 0 < counts["cut"] <= 64, counts
+        assert counts["push"] <= (stages + 1) * 1000 * (counts["cut"] + 2), (stages, counts)
 
 
 def test_output_has_the_documented_fields_and_prints():

@@ -296,20 +296,6 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
     return cuts[::-1]
 
 
-def _lowest_fraction(window, params: int, received: int, again: int, flight: int, capacity: float,
-                     swap: bool) -> float:
-    """The least fraction of ``capacity`` the stage in ``window`` reaches: keeping everything,
-    swapping (with ``swap``) or recomputing, given its ``received`` bytes per micro-batch and
-    ``again``, those of them it also keeps (see :func:`recompute_peak`)."""
-    _, kept, work, _, largest = window.now()
-    keeping = params + flight * kept + work
-    recomputing = params + flight * received + kept - again + work
-    lowest = min(keeping, recomputing)
-    if swap:
-        lowest = min(lowest, params + SWAP_RESIDENT * largest + work)
-    return lowest / capacity
-
-
 def _recompute_cut(profile: PipelineProfile, capacities: Sequence[float], flights: Sequence[int], swap: bool,
                    bound: float) -> Tuple[float, Optional[List[int]]]:
     """The cut into ``len(capacities)`` stages whose fullest stage, each at the lowest of keeping,
@@ -351,14 +337,20 @@ def _recompute_cut(profile: PipelineProfile, capacities: Sequence[float], flight
                     again += seen_received.get(name, 0)
             window.push()
             params = int(window.param_bytes * weight)
+            _, kept, work, _, largest = window.now()
+            swapping = params + SWAP_RESIDENT * largest + work if swap else inf
             growing = False
             for k in open_stages:
                 if end > n - (stages - 1 - k):   # leave one layer for each later stage
                     continue
-                fraction = _lowest_fraction(window, params, received, again, flights[k], capacities[k], swap)
+                flight = flights[k]
+                # the lowest of keeping everything, swapping and recomputing (see recompute_peak)
+                lowest = min(params + flight * kept + work, params + flight * received + kept - again + work,
+                             swapping)
+                fraction = lowest / capacities[k]
                 if fraction <= bound:
                     growing = True
-                worst = max(before[k], fraction)
+                worst = before[k] if before[k] > fraction else fraction
                 if worst < best[k][end]:
                     best[k][end], came[k][end] = worst, start
             if not growing:
