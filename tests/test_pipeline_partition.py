@@ -450,12 +450,18 @@ def test_the_recompute_search_is_exact_against_every_cut():
         profile = crossing_profile(rng, n)
         capacities = [float(rng.randrange(300, 8000)) for _ in range(stages)]
         flights = [in_flight(schedule, k, stages, micro) for k in range(stages)]
-        reference = float("inf")
+        reference = least_bytes = float("inf")
         for inner in itertools.combinations(range(1, n), stages - 1):
             bounds = list(zip((0,) + inner, inner + (n,)))
-            reference = min(reference, max(
-                min(stage_peak(profile, lo, hi, flights[k], swap), recompute_peak(profile, lo, hi, flights[k]))
-                / capacities[k] for k, (lo, hi) in enumerate(bounds)))
+            lowest = [min(stage_peak(profile, lo, hi, flights[k], swap), recompute_peak(profile, lo, hi, flights[k]))
+                      for k, (lo, hi) in enumerate(bounds)]
+            reference = min(reference, max(b / c for b, c in zip(lowest, capacities)))
+            least_bytes = min(least_bytes, max(lowest))
+        # a budget below every cut: the error names the least any cut reaches, recomputing included
+        with pytest.raises(InfeasibleBudgetError) as caught:
+            partition_layers(profile, stages=stages, microbatches=micro, schedule=schedule, swap=swap,
+                             recompute=True, budget=1)
+        assert caught.value.smallest_feasible_bytes == least_bytes, (trial, caught.value, least_bytes)
         found, cuts = _recompute_cut(profile, capacities, flights, swap, float("inf"))
         assert found == reference, (trial, found, reference)
         devices = [tiny_device(f"d{k}", int(c)) for k, c in enumerate(capacities)]

@@ -845,14 +845,15 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
     if budget_bytes is not None and rule == "memory" and not result._fits_devices():
         ones, measure = [1.0] * stages, _measure("memory", swap)
         least = int(_worst(profile, _least_limit(profile, ones, flights, measure), ones, flights, measure))
-        if recompute:   # the best the recomputing cuts reached, where lower
-            least = min(least, result.max_stage_peak_bytes)
+        if recompute:   # the least any cut reaches when its stages may also recompute (bounded by the above)
+            least = min(least, int(_recompute_cut(profile, ones, flights, swap, float(least))[0]))
         raise infeasible(
             f"no cut of the {len(profile.layers)} layers into {stages} stages ({schedule}, {microbatches} micro-batches) "
             f"keeps every stage under the budget {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
             + (f" and its device ({', '.join(sorted({s.name for s in specs if s}))})" if devices is not None else "")
-            + f": the smallest largest-stage peak any cut reaches{' with swapping' if swap else ''}"
-            + (" (or recomputing, among the cuts tried)" if recompute else "") + " is "
+            + ": the smallest largest-stage peak any cut reaches"
+            + {(True, True): " with swapping or recomputing", (True, False): " with swapping",
+               (False, True): " with recomputing", (False, False): ""}[(bool(swap), bool(recompute))] + " is "
             f"{format_bytes(least)} ({least} bytes). Pass budget >= that, more stages, or smaller micro-batches (more "
             f"of them for the same batch)" + ("" if recompute else ", or let stages recompute (recompute=True)")
             + ".", budget_bytes, least)
