@@ -852,8 +852,8 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
             f"keeps every stage under the budget {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
             + (f" and its device ({', '.join(sorted({s.name for s in specs if s}))})" if devices is not None else "")
             + ": the smallest largest-stage peak any cut reaches"
-            + {(True, True): " with swapping or recomputing", (True, False): " with swapping",
-               (False, True): " with recomputing", (False, False): ""}[(bool(swap), bool(recompute))] + " is "
+            + "".join(f" {word} {way}" for word, way in zip(("with", "or"), [w for w, on in (("swapping", swap),
+                      ("recomputing", recompute)) if on])) + " is "
             f"{format_bytes(least)} ({least} bytes). Pass budget >= that, more stages, or smaller micro-batches (more "
             f"of them for the same batch)" + ("" if recompute else ", or let stages recompute (recompute=True)")
             + ".", budget_bytes, least)
