@@ -500,9 +500,18 @@ def test_a_stage_that_draws_random_numbers_keeps_its_activations_with_a_warning(
 
 def test_bad_recompute_arguments_are_refused_before_anything_is_traced():
     model, _ = zoo.sequential_cnn()
-    with pytest.raises(LMSOptionError, match=r"recompute must be True, False or a list of stage indices \(0 to 1\); "
-                                             r"received .*5"):
+    with pytest.raises(LMSOptionError, match=r"recompute must be True, False, a list of stage indices \(0 to 1\) "
+                                             r"or a recompute policy .*; received .*5"):
         PipelineStep(model, contiguous(model, 2), devices=DEVICES[:2], recompute=[5])
+    with pytest.raises(LMSOptionError, match=r"recompute='auto' lets lms-tf's budget planner .* no stage has one"):
+        PipelineStep(model, contiguous(model, 2), devices=DEVICES[:2], recompute="auto")
+    with pytest.raises(LMSOptionError, match=r"recompute must be False, 'auto', 'cheap', 'sqrt' .* received 'most'"):
+        PipelineStep(model, contiguous(model, 2), devices=DEVICES[:2], swap=True, host="/CPU:2", budget="1GiB",
+                     recompute="most")
+    with pytest.raises(LMSOptionError, match=r"unknown device preset 'v100'"):
+        PipelineStep(model, contiguous(model, 2), devices=DEVICES[:2], device_spec="v100")
+    with pytest.raises(LMSOptionError, match=r"device_spec= as a list needs one preset per stage \(2\); received 1"):
+        PipelineStep(model, contiguous(model, 2), devices=DEVICES[:2], device_spec=["v100-16gb-pcie3"])
 
 
 def _marked(graph, kind):
@@ -589,7 +598,7 @@ def test_bad_swap_arguments_are_refused_before_anything_is_traced():
     cut = contiguous(model, 2)
     with pytest.raises(LMSOptionError, match="host= must name where they go"):
         PipelineStep(model, cut, devices=DEVICES[:2], swap=True)
-    with pytest.raises(LMSOptionError, match=r"swap must be True, False or a list of stage indices \(0 to 1\)"):
+    with pytest.raises(LMSOptionError, match=r"swap must be True, False, a list of stage indices \(0 to 1\); "):
         PipelineStep(model, cut, devices=DEVICES[:2], swap=[2], host="/CPU:2")
     with pytest.raises(LMSOptionError, match="host='/CPU:9' names no device"):
         PipelineStep(model, cut, devices=DEVICES[:2], swap=True, host="/CPU:9")
@@ -786,71 +795,147 @@ def test_predicted_peaks_count_each_stages_own_memory():
     assert all(0.9 <= r <= 1.1 for r in ratios), ratios
 
 
-def budgeted(schedule, budget):
+def budgeted(schedule, budget, swap=True, recompute=False, min_swap_bytes=0):
     return lambda model: PipelineStep(model, contiguous(model, 2), microbatches=MICROBATCHES, schedule=schedule,
-                                      devices=DEVICES[:2], swap=True, host="/CPU:2", min_swap_bytes=0, budget=budget)
+                                      devices=DEVICES[:2], swap=swap, host="/CPU:2", min_swap_bytes=min_swap_bytes,
+                                      budget=budget, recompute=recompute)
+
+
+def least_and_plain(name, schedule, recompute=False, min_swap_bytes=0):
+    """Each stage's replayed peak without a plan, and the least the budget planner reaches on it
+    (read off the error a 1-byte budget raises): two lists, by stage."""
+    model, (x, y) = MODELS[name]()
+    roomy = budgeted(schedule, "1GiB", recompute=recompute, min_swap_bytes=min_swap_bytes)(model)
+    roomy(x[:zoo.BATCH], y[:zoo.BATCH])
+    assert not any(plan.swapped or plan.recomputed for plan in roomy.plans), [p.one_line() for p in roomy.plans]
+    least = []
+    for k in range(2):
+        with pytest.raises(lms_tf.InfeasibleBudgetError, match=f"stage {k} does not fit 1 B") as caught:
+            budgeted(schedule, [1 if i == k else None for i in range(2)], swap=[k], recompute=recompute,
+                     min_swap_bytes=min_swap_bytes)(
+                MODELS[name]()[0])(x[:zoo.BATCH], y[:zoo.BATCH])
+        least.append(caught.value.smallest_feasible_bytes)
+    return least, [plan.predictions.baseline_peak_bytes for plan in roomy.plans]
+
+
+def assert_gates_are_the_stages(step, graph, plain_graph):
+    """Structure: every swap-in's gate, and every recompute's, reads an op of its own stage or one
+    whose output the stage receives, never another stage's op it does not wait for anyway, and
+    never an op Grappler folds into another in the step before the rewrite (``plain_graph``): the
+    gate's reader would stop that and the numbers would change. (The planner avoids every op
+    Grappler rewrites in the graph as it is traced, a wider set: tests/test_planner_tflms.py.
+    The finished graph can differ in ops whose inputs Grappler replaces, so only the ops it
+    removes are checked here.)"""
+    from lms_tf.tf.diagnostics import CPU_GRAPPLER_MEMORY_BYTES
+    from lms_tf.tf.rewrite.serialize import grappler_rewritten_ops
+
+    for k, plan in zip(step.swap_stages, step.plans):
+        device = step.devices[k]
+        rewritten = grappler_rewritten_ops(plain_graph, device, CPU_GRAPPLER_MEMORY_BYTES, removed_only=True)
+        assert rewritten
+        triggers = [s.trigger for d in plan.swapped for s in d.swap_ins] + [d.gate for d in plan.recomputed]
+        assert triggers, plan.one_line()
+        for name in triggers:
+            trigger = graph.get_operation_by_name(name)
+            on_stage = trigger.device.endswith(device[1:])
+            sent_to_stage = any(c.device.endswith(device[1:]) for t in trigger.outputs for c in t.consumers())
+            assert on_stage or sent_to_stage, (k, name, trigger.device)
+            plain_graph.get_operation_by_name(name)  # the same op before the rewrite
+            assert name not in rewritten, (k, name)
 
 
 # GPipe: every stage holds all micro-batches, so swapping lowers each stage. (With 1F1B at K = 2
 # on these small models it barely does, or raises a stage: see docs/pipeline.md.)
-BUDGET_CASES = [("attention_block", "gpipe"), ("text_embedding", "gpipe")]
+BUDGET_CASES = [("attention_block", "gpipe"), ("sequential_cnn", "gpipe"), ("lstm", "gpipe")]
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name,schedule", BUDGET_CASES, ids=[f"{n}-{s}" for n, s in BUDGET_CASES])
-def test_a_budget_holds_each_stage_to_it_with_fewer_swaps_and_the_same_numbers(name, schedule):
-    """Each stage's budget halfway between its simulated peak without swapping and with every
-    swap the TFLMS rule finds: each stage swaps some of those tensors, not all, its plan's
-    simulated peak fits its budget, and the numbers are the accumulation step's. (The simulator
-    copies swapped tensors as a GPU stage would; logical CPUs share one allocator, so no real
-    memory is claimed here.)"""
-    model, (x, y) = MODELS[name]()
-    bx, by = x[:zoo.BATCH], y[:zoo.BATCH]
-    every = swapping(schedule)(model)
-    every(bx, by)
-    roomy = budgeted(schedule, "1GiB")(MODELS[name]()[0])
-    roomy(bx, by)
-    plain = [plan.predictions.baseline_peak_bytes for plan in roomy.plans]
-    assert all(not plan.swapped for plan in roomy.plans), [p.one_line() for p in roomy.plans]
-    least = []
-    for k in range(2):
-        with pytest.raises(lms_tf.InfeasibleBudgetError, match=f"stage {k} does not fit") as caught:
-            budgeted(schedule, [1 if i == k else None for i in range(2)])(MODELS[name]()[0])(bx, by)
-        least.append(caught.value.smallest_feasible_bytes)
-    assert all(low < high for low, high in zip(least, plain)), (least, plain)
-    budgets = [(low + high) // 2 for low, high in zip(least, plain)]
+def test_a_budget_plans_each_stage_with_the_budget_planner_to_the_same_numbers(name, schedule):
+    """Each stage the budget planner can lower gets a budget halfway between the least it reaches
+    and the stage's peak without a plan: the planner swaps some of the stage's tensors, each copy
+    timed, and the stage's replay fits the budget; the numbers are the accumulation step's; the
+    traced graph holds exactly the plans' swaps, to the host, gated on the stage's own ops (or
+    what it receives), never on an op Grappler folds. (The simulator copies swapped tensors as a
+    GPU stage would; logical CPUs share one allocator, so no real memory is claimed here.)"""
+    least, plain = least_and_plain(name, schedule)
+    lowered = [k for k in range(2) if least[k] < plain[k]]
+    assert lowered, (least, plain)
+    budgets = [(least[k] + plain[k]) // 2 if k in lowered else None for k in range(2)]
     steps = []
     losses, piped, reference, pipelined_model = train_both(
-        MODELS[name], lambda m: steps.append(budgeted(schedule, budgets)(m)) or steps[-1])
+        MODELS[name], lambda m: steps.append(budgeted(schedule, budgets, swap=lowered)(m)) or steps[-1])
     assert losses == piped and len(set(losses)) > 1, (losses, piped)
     assert_same_state(reference, pipelined_model)
     step = steps[0]
-    assert step.budgets == {0: budgets[0], 1: budgets[1]}
-    for k, (plan, everything) in enumerate(zip(step.plans, every.plans)):
-        assert 0 < len(plan.swapped) < len(everything.swapped), (k, plan.one_line(), everything.one_line())
-        # The rule's tensors (the same model, built again, has the same rule): some swapped, the
-        # others kept because the stage fits without them.
-        unneeded = [d for d in plan.decisions if d.reason == "kept: the stage fits its budget without swapping it"]
-        assert len(plan.swapped) + len(unneeded) == len(everything.swapped), (k, len(unneeded))
-        assert plan.budget_bytes == budgets[k] and plan.predictions.feasible
-        assert plan.predictions.planned_peak_bytes <= budgets[k] < plan.predictions.baseline_peak_bytes
-        assert "fits" in plan.summary().splitlines()[1], plan.summary()
-    # The traced graph holds exactly the swaps the plans chose, each out of its stage's device.
-    graph = step.get_concrete_function(tf.constant(bx), tf.constant(by)).graph
+    assert step.budgets == {k: budgets[k] for k in lowered}
+    for k, plan in zip(lowered, step.plans):
+        assert plan.swapped and plan.budget_bytes == budgets[k] and plan.predictions.feasible, plan.one_line()
+        assert plan.predictions.planned_peak_bytes <= budgets[k] < plan.predictions.baseline_peak_bytes == plain[k]
+        assert plan.predictions.predicted_step_time_s > 0  # the planner's timed copies
+        assert all(d.swap_ins and d.nbytes for d in plan.swapped)
+        assert "v100-16gb-pcie3" in plan.device_spec and "fits" in plan.summary().splitlines()[1], plan.summary()
+    graph, plain_graph = traced_with_and_without(step, name, schedule)
     outs = _marked(graph, b"swap_out")
-    assert len(outs) == sum(len(plan.swapped) for plan in step.plans), (len(outs), [p.one_line() for p in step.plans])
-    chosen = {d.tensor for plan in step.plans for d in plan.swapped}
-    assert {out.inputs[0].name for out in outs} == chosen
+    assert {out.inputs[0].name for out in outs} == {d.tensor for plan in step.plans for d in plan.swapped}
+    assert len(outs) == sum(len(plan.swapped) for plan in step.plans)
     assert all(out.device.endswith("CPU:2") for out in outs)
+    assert_gates_are_the_stages(step, graph, plain_graph)
+
+
+def traced_with_and_without(step, name, schedule):
+    """The graph ``step`` traced, and the same model's step without lms-tf (its ops named alike)."""
+    bx, by = (tf.constant(t[:zoo.BATCH]) for t in MODELS[name]()[1])
+    plain = PipelineStep(step.model, contiguous(step.model, 2), microbatches=MICROBATCHES, schedule=schedule,
+                         devices=DEVICES[:2])
+    return step.get_concrete_function(bx, by).graph, plain.get_concrete_function(bx, by).graph
+
+
+@pytest.mark.timeout(600)
+def test_a_budget_with_a_recompute_policy_recomputes_tensors_inside_a_stage_to_the_same_numbers():
+    """``recompute="auto"`` with no tensor large enough to swap (``min_swap_bytes`` above them
+    all), a budget halfway between the stage's plain peak and the least the planner reaches: the
+    planner recomputes single tensors inside the stage (no stage runs again as a whole), the
+    replay fits, the clones run on the stage's device, gated on its own ops, and the numbers are
+    the accumulation step's."""
+    name, schedule = "attention_block", "gpipe"
+    options = dict(recompute="auto", min_swap_bytes=1 << 30)
+    least, plain = least_and_plain(name, schedule, **options)
+    assert least[0] < plain[0], (least, plain)
+    budget = (least[0] + plain[0]) // 2
+    steps = []
+    losses, piped, reference, pipelined_model = train_both(
+        MODELS[name], lambda m: steps.append(budgeted(schedule, [budget, None], swap=[0], **options)(m)) or steps[-1])
+    assert losses == piped and len(set(losses)) > 1, (losses, piped)
+    assert_same_state(reference, pipelined_model)
+    step = steps[0]
+    assert step.recompute_stages == []
+    plan = step.plans[0]
+    assert plan.recomputed and not plan.swapped and plan.predictions.planned_peak_bytes <= budget, plan.one_line()
+    graph, plain_graph = traced_with_and_without(step, name, schedule)
+    clones = _marked(graph, b"recompute")
+    # Each clone runs where its original does: on the stage's device, or placed nowhere as the
+    # split of the batch into micro-batches is (it runs where the step is called, stage 0's).
+    unplaced = {op.name.replace("/", "_") for op in plain_graph.get_operations() if not op.device}
+    assert clones and all(op.device.endswith("CPU:0") or (not op.device and op.name.rpartition("/")[2] in unplaced)
+                          for op in clones), [(o.name, o.device) for o in clones]
+    assert_gates_are_the_stages(step, graph, plain_graph)
 
 
 def test_a_budget_no_swap_plan_meets_names_the_least_the_stage_reaches():
+    """A 1 KiB budget: the error names the least the stage's replay reaches with the planner's
+    closest plan, and that figure, given as the budget, is met."""
     model, (x, y) = zoo.sequential_cnn()
-    step = budgeted("gpipe", "1KiB")(model)
-    with pytest.raises(lms_tf.InfeasibleBudgetError, match=r"stage 0 does not fit 1.0 KiB: lms-tf's simulator replays it "
-                                                          r"at .* without swapping and at .* swapping all \d+ tensors") as caught:
+    step = budgeted("gpipe", "1KiB", swap=[0])(model)
+    with pytest.raises(lms_tf.InfeasibleBudgetError, match=r"stage 0 does not fit 1.0 KiB: lms-tf's budget planner finds "
+                                                          r"no plan swapping its tensors .* The least it reaches is "
+                                                          r".* \(with its closest plan, lms-tf: swapped [1-9]") as caught:
         step(x[:zoo.BATCH], y[:zoo.BATCH])
-    assert caught.value.smallest_feasible_bytes > 1024
+    least = caught.value.smallest_feasible_bytes
+    assert least > 1024
+    met = budgeted("gpipe", [least, None], swap=[0])(zoo.sequential_cnn()[0])
+    met(x[:zoo.BATCH], y[:zoo.BATCH])
+    assert met.plans[0].swapped and met.plans[0].predictions.planned_peak_bytes <= least
 
 
 def test_bad_budget_arguments_are_refused_before_anything_is_traced():

@@ -95,3 +95,21 @@ def test_plan_is_printable_data(chain_ir):
     assert data["totals"]["num_swap_ins"] == plan.num_swap_ins and data["policies"]["host"] == "/device:CPU:1"
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.decisions = ()  # frozen
+
+
+def test_no_gate_is_an_op_grappler_rewrites_or_an_op_run_off_the_device(chain_ir):
+    """A gate's reader on an op Grappler folds into another would stop that rewrite (and change the
+    numbers); an op run off the device (another pipeline stage's, the update on the host) would
+    tie the swap-in to another device's progress. Both are left out of the gates, and the plans
+    trigger on the others."""
+    import dataclasses
+
+    gates = [g.name for g in backward_gates(chain_ir)]
+    assert len(gates) > 4
+    folded, elsewhere = frozenset(gates[1::3]), frozenset(gates[2::3])
+    ir = dataclasses.replace(chain_ir, grappler_rewritten=folded, host_placed=elsewhere)
+    left = [g.name for g in backward_gates(ir)]
+    assert left == [g for g in gates if g not in folded | elsewhere]
+    plan = make_plan(ir, _options(swapout_threshold=1), device=DEVICE)
+    triggers = {s.trigger for d in plan.swapped for s in d.swap_ins}
+    assert triggers and not triggers & (folded | elsewhere), triggers

@@ -162,12 +162,19 @@ def _after_the_forward_pass(ir: GraphIR) -> Set[str]:
 
 
 def backward_gates(ir: GraphIR) -> List[OpInfo]:
-    """Backward ops that can trigger a swap-in: they carry gradient data, so they run in the backward pass."""
+    """Backward ops that can trigger a swap-in: they carry gradient data, so they run in the backward pass.
+
+    An op Grappler folds into another (:attr:`GraphIR.grappler_rewritten`, when the caller found
+    them) is never one: the gate's extra reader would stop the rewrite and change the numbers.
+    Nor is an op run off the device (:attr:`GraphIR.host_placed`: the update on the host, or in a
+    pipeline stage's view, another stage's ops): the swap-in would wait for another device's
+    progress."""
     candidates = []
     after_forward = _after_the_forward_pass(ir)
     for op in ir.ops:
         if (op.phase is not Phase.BACKWARD or op.type in ("Const", "NoOp") or op.type in CONTROL_FLOW_OP_TYPES
-                or op.type in FUSABLE_GATE_TYPES or op.name not in after_forward):
+                or op.type in FUSABLE_GATE_TYPES or op.name not in after_forward or op.name in ir.grappler_rewritten
+                or op.name in ir.host_placed):
             continue
         gradient_input = any(ir.op(ir.tensors[t].producer).phase is Phase.BACKWARD
                              and ir.op(ir.tensors[t].producer).type != "Const" for t in op.inputs)

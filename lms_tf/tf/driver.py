@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.core.errors import LMSError, LMSOptionError, UnknownSizeError, warn_once
-from lms_tf.core.ir import GraphIR, same_device
+from lms_tf.core.ir import GraphIR, Phase, same_device
 from lms_tf.core.plan import Decision, Plan
 from lms_tf.core.policy import Policies
 from lms_tf.cost import CostModel, get_device_spec
@@ -293,16 +293,17 @@ def rewrite_traced_stages(requests: Sequence[RewriteRequest], *, api: str,
     on the same IR, keeps the decisions for tensors its own device produces (an op placed
     nowhere, such as the split of the batch, belongs to no stage), and the swaps of all of them
     are inserted in one rewrite, each stage's to its own request's host (in a cluster, a device
-    of the stage's own process). Swap-only, by the TFLMS rule (the budget planner's search
-    replays a whole step on one device); ``refine`` lets the caller cut each stage's plan down,
-    as ``PipelineStep(budget=)`` does with a replay of the stage alone.
+    of the stage's own process). Each plan is the TFLMS rule's, kept to what the stage does
+    alone (:func:`stage_plan`); ``refine`` lets the caller plan a stage again, as
+    ``PipelineStep(budget=)`` does with lms-tf's budget planner on a view of the stage alone.
 
     Args:
         requests: One per stage that swaps (``policies.budget`` None, ``recompute`` False,
             ``weights="device"``).
         api: Front-end name for messages.
         refine: Called with each request's index, the step's IR and that stage's plan; returns
-            the plan to apply instead (a pipeline holds each stage to its budget with it).
+            the plan to apply instead (a pipeline holds each stage to its budget with it): its
+            swaps and recomputes are applied.
 
     Returns:
         Each request's plan, restricted to its stage's tensors (refined, if asked).
@@ -318,28 +319,78 @@ def rewrite_traced_stages(requests: Sequence[RewriteRequest], *, api: str,
         return []
     graph = _traced_graph(api)
     ir = build_ir(graph, batch_size=requests[0].batch_size)
-    device_of = {op.name: op.device for op in ir.ops}
-    plans = []
-    for request in requests:
-        plan = make_plan(ir, request.policies, device=request.device)
-
-        def own(op_name: str, device: str = request.device) -> bool:
-            return same_device(device_of.get(op_name, ""), device)
-
-        # A stage's own tensors, swapped for its own backward pass. In a pipeline step the
-        # stages' forward and backward ops interleave, so the planner's phases (by position)
-        # also offer a tensor sent to the next stage, or read by another stage's backward pass:
-        # those stay where they are.
-        mine = tuple(d for d in plan.decisions if own(ir.tensors[d.tensor].producer) and all(
-            own(c) and c.startswith("gradient_tape/") for s in d.swap_ins for c in s.consumers))
-        plans.append(dataclasses.replace(plan, decisions=mine))
+    plans = [stage_plan(make_plan(ir, request.policies, device=request.device), ir, request.device)
+             for request in requests]
     if refine is not None:
         plans = [refine(i, ir, plan) for i, plan in enumerate(plans)]
-    # Each stage's swaps go to its own host (across processes, its own process's).
-    report = apply_plans(graph, ir, [dataclasses.replace(plan, decisions=plan.swapped) for plan in plans])
-    _log_once(f"{api}: {len(plans)} stage(s) swapping: " + "; ".join(p.one_line() for p in plans)
+    # Each stage's swaps (and recomputes, when a budget planned them) go to its own host (across
+    # processes, its own process's).
+    report = apply_plans(graph, ir, [dataclasses.replace(plan, decisions=tuple(
+        d for d in plan.decisions if d.decision is not Decision.KEEP)) for plan in plans])
+    _log_once(f"{api}: {len(plans)} stage(s) planned: " + "; ".join(p.one_line() for p in plans)
               + f" (inserted {report.inserted})")
     return plans
+
+
+def stage_plan(plan: Plan, ir: GraphIR, device: str, unplaced: Collection[str] = ()) -> Plan:
+    """``plan`` restricted to what one pipeline stage (the ops placed on ``device``) does alone.
+
+    In a pipeline step the stages' forward and backward ops interleave, so a planner working by
+    position or by time also offers a tensor sent to the next stage, or one read in another
+    stage's backward pass. Moving it would make another stage read this stage's host (across
+    processes, another task's memory), so it is kept instead: a decision stays only when its
+    tensor is the stage's, its readers are the stage's backward ops, and the forward op made to
+    wait for its copy out and the ops a recompute clones are the stage's (or, for a clone, an op
+    placed nowhere that runs with the stage). Orderings over other stages' ops are dropped alike.
+    A trigger may be another stage's op: the swap-in then also waits for that op, through a data
+    edge (across processes, a send between the tasks), which cannot hang.
+
+    Args:
+        plan: A plan made over the whole step's IR (or a stage's view of it).
+        ir: That IR.
+        device: The stage's device.
+        unplaced: Ops placed nowhere that run with the stage (the split of its micro-batches):
+            a recompute may clone them too.
+
+    Returns:
+        The plan with every other decision kept and those orderings dropped.
+
+    Examples:
+        >>> from lms_tf.core.examples import chain_ir
+        >>> from lms_tf.planner import make_plan
+        >>> ir = chain_ir()   # one stage, every op on GPU:0
+        >>> ir = dataclasses.replace(ir, ops=tuple(dataclasses.replace(op, device="/device:GPU:0") for op in ir.ops))
+        >>> plan = make_plan(ir, Policies(host="/CPU:0", min_swap_bytes=0, swapout_threshold=1), device="/device:GPU:0")
+        >>> len(stage_plan(plan, ir, "/device:GPU:0").swapped) == len(plan.swapped) > 0
+        True
+        >>> stage_plan(plan, ir, "/device:GPU:1").swapped
+        ()
+    """
+    device_of = {op.name: op.device for op in ir.ops}
+
+    def own(op_name: str) -> bool:
+        return same_device(device_of.get(op_name, ""), device)
+
+
+    def backward(op_name: str) -> bool:
+        return own(op_name) and ir.op(op_name).phase is Phase.BACKWARD
+
+    def alone(d) -> bool:
+        if d.decision is Decision.KEEP:
+            return True
+        readers = [c for s in d.swap_ins for c in s.consumers] + list(d.consumers)
+        return (own(ir.tensors[d.tensor].producer) and all(map(backward, readers))
+                and (d.swap_out_before is None or own(d.swap_out_before))
+                and all(own(op) or op in unplaced for op in d.recompute_ops))
+
+    # A plan made over a stage's view can name tensors only the view has (its sends to other
+    # stages' processes): they are not the stage's to move.
+    decisions = tuple(d if alone(d) else dataclasses.replace(
+        d, decision=Decision.KEEP, swap_ins=(), swap_out_before=None, recompute_ops=(), gate=None, consumers=(),
+        reason="kept: it is read in another stage, or its plan would hold or clone an op there") for d in plan.decisions
+        if d.tensor in ir.tensors and own(ir.tensors[d.tensor].producer))
+    orderings = tuple(o for o in plan.orderings if all(map(own, o.waiters + o.after)))
+    return dataclasses.replace(plan, decisions=decisions, orderings=orderings)
 
 
 def move_planned_weights(graph: tf.Graph, plan: Plan, *, api: str) -> int:

@@ -29,24 +29,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.core.errors import LMSOptionError, infeasible, warn_once
-from lms_tf.core.ir import canonical_device, same_device
+from lms_tf.core.errors import InfeasibleBudgetError, LMSOptionError, infeasible, warn_once
+from lms_tf.core.ir import GraphIR, canonical_device, same_device
 from lms_tf.core.plan import Decision, Plan, Predictions
 from lms_tf.core.policy import Policies, describe, format_bytes, parse_bytes
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
+from lms_tf.planner import make_budget_plan
 from lms_tf.simulate import simulate, tensorflow_cpu_allocator
-from lms_tf.tf.diagnostics import cpu_kernel_library
+from lms_tf.tf.diagnostics import CPU_GRAPPLER_MEMORY_BYTES, cpu_kernel_library
 from lms_tf.tf.driver import RewriteRequest, call_step_for_rewrite, check_visible, is_visible, resolve_device, \
-    rewrite_traced_stages, serialize_stages, visible_device_names
+    rewrite_traced_stages, serialize_stages, stage_plan, visible_device_names
 from lms_tf.tf.rewrite.common import LMS_ATTR, mark
-from lms_tf.tf.rewrite.serialize import bypass_identity_n
+from lms_tf.tf.rewrite.serialize import bypass_identity_n, grappler_rewritten_ops
 from lms_tf.tf.trace import build_ir
 from lms_tf.tf.variables import variable_bytes_by_device, variable_device
 
@@ -55,6 +56,10 @@ logger = logging.getLogger("lms_tf")
 #: The device whose cost model times the replay of :meth:`PipelineStep.predicted_peaks` (the
 #: memory it predicts does not depend on it).
 _TIMING_PRESET = "v100-16gb-pcie3"
+#: How many budgets (in the planner's own count, from a stage's plain peak to the least the
+#: planner reaches) a stage is planned for before it is reported infeasible: see
+#: :meth:`PipelineStep._fit_replay`.
+_LADDER_RUNGS = 8
 
 #: The op attribute naming the task a pipeline gate belongs to (``stage<k>_<F|B><m>``).
 TASK_ATTR = "_lms_task"
@@ -383,15 +388,19 @@ class PipelineStep:
             list with one entry per stage (None: that stage swaps by the rule alone), or
             ``"partition"``: with a :class:`~lms_tf.pipeline.Partition`, the limit it cut each
             swapping stage for (the stage's device memory, or the partition's budget where
-            lower), so a stage swaps what the built step needs to fit it. A stage
-            then swaps the fewest of the rule's tensors (those waiting longest for their
-            backward reader first, then the largest) with which lms-tf's simulator, counting
-            the stage as :meth:`predicted_peaks` does, replays it within its budget. The
-            simulator copies a swapped tensor out and back as a GPU stage would; between
-            logical CPUs TensorFlow hands over the same buffer, so there the built step's real
-            peak (and :meth:`predicted_peaks`, which replays the built step) does not drop.
-            Each such plan's ``budget_bytes`` and ``predictions`` (the stage's simulated peak
-            without swapping and with its plan, weights and slots included) say what was chosen.
+            lower), so a stage swaps what the built step needs to fit it. lms-tf's budget planner
+            then plans each such stage on its own (the other stages' ops run elsewhere; what it
+            receives arrives when sent), as it plans a single-device step: per tensor, what to
+            swap (each copy timed against the link of the stage's ``device_spec``) and, with a
+            recompute policy, what to recompute, at the least predicted slowdown. The stage's
+            replay (counted as :meth:`predicted_peaks` does) judges the plan, and the stage is
+            planned again to a lower budget while the replay finds it over. A stage that fits
+            without a plan keeps everything. The simulator copies a swapped tensor out and back
+            as a GPU stage would; between logical CPUs TensorFlow hands over the same buffer, so
+            there the built step's real peak (and :meth:`predicted_peaks`, which replays the
+            built step) does not drop. Each such plan's ``budget_bytes`` and ``predictions``
+            (the stage's replayed peak without a plan and with its plan, weights and slots
+            included; the planner's predicted step time) say what was chosen.
         host: Where swapped tensors live (needed when a stage swaps): a device of this process,
             or with stages in a cluster, a device type and index (``"/CPU:0"``) naming that
             device in each stage's own process, so each stage swaps to its own host memory.
@@ -400,7 +409,10 @@ class PipelineStep:
             their forward pass again at the start of its backward task (GPipe's
             re-materialization), instead of keeping what the backward pass reads: ``False``
             (none), ``True`` (the stages the partition says recompute; every stage when cut by
-            hand), or a list of stage indices. The second pass computes the same values, so the
+            hand), or a list of stage indices. Or one of lms-tf's recompute policies
+            (``"auto"``, ``"cheap"`` or ``"sqrt"``, as in :class:`~lms_tf.LMSCallback`):
+            then no stage runs again as a whole, and the budget planner may recompute single
+            tensors inside each stage held to a ``budget``. The second pass computes the same values, so the
             numbers do not change; its variable updates are dropped (a BatchNormalization's
             moving statistics move once). A stage whose forward pass draws random numbers
             (dropout, noise) keeps its activations instead, with a warning.
@@ -409,6 +421,9 @@ class PipelineStep:
             order its prediction counts instead of the executor's choice among ready ops: for
             checking the partition's per-stage figures on real allocators. The numbers do not
             change.
+        device_spec: The device preset (or :class:`~lms_tf.cost.DeviceSpec`) whose cost model
+            the budget planner plans each budgeted stage for, or a list with one per stage.
+            Default: the device the partition cut the stage for, else ``"v100-16gb-pcie3"``.
 
     Attributes:
         stages: The :class:`StageModel` of each stage.
@@ -435,10 +450,15 @@ class PipelineStep:
 
     def __init__(self, model, stages, *, microbatches: Optional[int] = None, schedule: Optional[str] = None,
                  devices: Sequence[str], loss=None, optimizer=None, swap=False, host: Optional[str] = None,
-                 min_swap_bytes: int = 64 * 1024, serialize: bool = False, budget=None, recompute=False):
+                 min_swap_bytes: int = 64 * 1024, serialize: bool = False, budget=None, recompute=False,
+                 device_spec=None):
         stage_layers = _stage_layers(model, stages, devices)
         self.swap_stages = _chosen_stages(swap, stages, len(stage_layers), "swap")
-        self.recompute_stages = _chosen_stages(recompute, stages, len(stage_layers), "recompute")
+        # A recompute policy ('auto', ...) is for the budget planner inside each budgeted stage;
+        # True or stage indices re-run whole stages.
+        self._tensor_recompute = recompute if isinstance(recompute, str) else None
+        self.recompute_stages = [] if self._tensor_recompute else _chosen_stages(
+            recompute, stages, len(stage_layers), "recompute")
         if swap is True and not self.swap_stages:
             logger.info("PipelineStep(swap=True): the partition swaps no stage (every stage fits its device), so "
                         "nothing is swapped")
@@ -456,6 +476,14 @@ class PipelineStep:
         self.hosts: Dict[int, str] = _stage_hosts(host, devices, self.swap_stages) if self.swap_stages else {}
         self.budgets: Dict[int, int] = _stage_budgets(_partition_budgets(budget, stages, self.swap_stages),
                                                       self.swap_stages, len(stage_layers))
+        if self._tensor_recompute is not None:
+            Policies(recompute=self._tensor_recompute)  # the library's error for a policy it does not know
+            if not self.budgets:
+                raise LMSOptionError(f"recompute={self._tensor_recompute!r} lets lms-tf's budget planner recompute "
+                                     f"tensors inside stages held to a budget, but no stage has one; pass budget= "
+                                     f"with swap=True, or recompute=True (or stage indices) to run whole stages' "
+                                     f"forward passes again.")
+        self._presets = _stage_presets(device_spec, stages, len(stage_layers))
         self._min_swap_bytes = min_swap_bytes
         self.tasks = stage_tasks(schedule, len(stage_layers), microbatches)
         self.order = run_order(self.tasks)
@@ -525,8 +553,15 @@ class PipelineStep:
 
     def _stage_replay(self, graph, ir, k: int) -> Callable[..., int]:
         """A function giving stage ``k``'s predicted peak bytes in its own process (see
-        :meth:`predicted_peaks`), with a swap plan over ``ir`` replayed as well if given: what
-        the stage holds is worked out once, and each plan tried replays it again."""
+        :meth:`predicted_peaks`), with a plan over ``ir`` replayed as well if given: what the
+        stage holds is worked out once, and each plan tried replays it again."""
+        return self._stage_view(graph, ir, k)[1]
+
+    def _stage_view(self, graph, ir, k: int) -> Tuple[GraphIR, Callable[..., int], FrozenSet[str]]:
+        """Stage ``k`` as its own process sees the step: the IR with every op the process does not
+        hold placed elsewhere, the replay of :meth:`_stage_replay` (which adds the stage's
+        weights and slots, resident before the step), and the ops placed nowhere that run with
+        the stage."""
         device = self.devices[k]
         device_of = {op.name: op.device for op in graph.get_operations()}
         resident = sum(nbytes for where, nbytes in variable_bytes_by_device(
@@ -552,56 +587,102 @@ class PipelineStep:
                                   kernels=cpu_kernel_library() if cpu else "cudnn")
             return (simulation.allocator_peak_bytes if modelled else simulation.peak_bytes) + resident
 
-        return peak
+        return stage_ir, peak, frozenset(op for op in mine if not device_of.get(op))
 
-    def _hold_to_budget(self, k: int, ir, plan: Plan) -> Plan:
-        """Stage ``k``'s swap plan cut down to the fewest swaps that fit its budget, or the
-        library's error naming the least the stage reaches when swapping all of them does not."""
+    def _hold_to_budget(self, k: int, ir, rule: Plan) -> Plan:
+        """Stage ``k`` planned by lms-tf's budget planner to fit its budget, or the library's error
+        naming the least the stage reaches.
+
+        The planner sees the stage alone (:meth:`_stage_view`: the other stages' ops run
+        elsewhere, what the stage receives arrives when it is sent) and chooses, per tensor, what
+        to swap (each copy timed against the link of the stage's device preset) and, with a
+        recompute policy, what to recompute, at the least predicted slowdown. Its own simulation
+        counts differently from the stage's replay (its order among ready ops, the allocator of
+        the device preset, no weights): so the replay judges each plan, and a plan over budget is
+        planned again to a budget lowered by the excess, a few times at most.
+        """
         budget = self.budgets.get(k)
         if budget is None:
-            return plan
-        replay = self._stage_replay(_compat.current_graph(), ir, k)
-        # Longest-waiting first: a tensor held across most of the stage's other work is the most
-        # likely to be live at its peak, and its copies have the most time to hide.
-        order = sorted(plan.swapped, key=lambda d: (-(d.distance or 0), -(d.nbytes or 0), d.tensor))
+            return rule
+        graph = _compat.current_graph()
+        stage_ir, replay, unplaced = self._stage_view(graph, ir, k)
+        device = _full_device(self.devices[k])
+        cost = CostModel(self._presets[k])
+        # A swap-in's gate reads its trigger: on an op Grappler folds into another (an inner op of
+        # a fused or regrouped group, such as a GELU's gradient) that extra reader would stop the
+        # rewrite, and the numbers would change. The planner gates on other ops.
+        cpu = (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU"
+        stage_ir = dataclasses.replace(stage_ir, grappler_rewritten=grappler_rewritten_ops(
+            graph, device, CPU_GRAPPLER_MEMORY_BYTES if cpu else cost.device.memory_bytes))
+        plain = replay()
+        unplanned = dataclasses.replace(rule, decisions=tuple(
+            d if d.decision is Decision.KEEP else _kept(d) for d in rule.decisions))
+        plan, reached = unplanned, plain
+        if plain > budget:
+            plan, reached = self._fit_replay(k, ir, stage_ir, replay, budget, device, cost, unplaced) or (
+                unplanned, plain)
+            if reached > budget:
+                ways = "swapping or recomputing" if self._tensor_recompute else "swapping"
+                hint = "" if self._tensor_recompute else ", let it recompute tensors too (recompute='auto')"
+                least = min(plain, reached)
+                how = (f"with its closest plan, {plan.one_line()}; {format_bytes(plain)} without one"
+                       if reached < plain else "without a plan: no plan the planner finds lowers it")
+                raise infeasible(
+                    f"PipelineStep(budget=...): stage {k} does not fit {format_bytes(budget)}: lms-tf's budget planner "
+                    f"finds no plan {ways} its tensors that lms-tf's simulator replays within it (weights and slots "
+                    f"included). The least it reaches is {format_bytes(least)} ({how}). Give stage {k} at least "
+                    f"{format_bytes(least)}, cut the model into more stages{hint}, or use fewer micro-batches in "
+                    f"flight.", budget, least)
+        logger.info("PipelineStep: stage %d planned for %s: %s; replayed peak %s (%s without it)", k,
+                    format_bytes(budget), plan.one_line(), format_bytes(reached), format_bytes(plain))
+        predictions = plan.predictions if plan.predictions is not None else Predictions()
+        return dataclasses.replace(plan, budget_bytes=budget, device_spec=f"pipeline stage {k} ({self._presets[k].name})",
+                                   predictions=dataclasses.replace(predictions, baseline_peak_bytes=plain,
+                                                                   planned_peak_bytes=reached, feasible=True))
 
-        def first(n: int) -> Plan:
-            chosen = {d.tensor for d in order[:n]}
-            return dataclasses.replace(plan, decisions=tuple(
-                d if d.decision is not Decision.SWAP or d.tensor in chosen else _kept(d) for d in plan.decisions))
+    def _fit_replay(self, k: int, ir, stage_ir, replay, budget: int, device: str, cost: CostModel,
+                    unplaced: FrozenSet[str]) -> Optional[Tuple[Plan, int]]:
+        """The budget planner's plan for stage ``k`` with the least predicted slowdown whose replay
+        fits ``budget``: the plan and its replayed peak, or the plan that replayed lowest when
+        none fits (None when the planner finds no plan at all).
 
-        peaks: Dict[int, int] = {}
+        The planner counts the stage its own way (its order among ready ops, the allocator of the
+        device preset, no weights), so it is asked for a ladder of budgets in its own count, from
+        the stage's plain peak down to the least it can reach, and each plan is replayed. The
+        ladder does not depend on ``budget``: the least the error names is a budget that is met.
+        A higher rung moves less, so the first rung whose replay fits is taken.
+        """
+        def plan_for(target: int) -> Plan:
+            return stage_plan(self._budget_plan(stage_ir, k, target, device, cost), ir, device, unplaced)
 
-        def peak(n: int) -> int:
-            if n not in peaks:
-                peaks[n] = replay(first(n))
-            return peaks[n]
+        top = self._budget_plan(stage_ir, k, 1 << 62, device, cost).predictions.baseline_peak_bytes
+        try:
+            plan_for(1)
+            floor = 1
+        except InfeasibleBudgetError as err:
+            floor = err.smallest_feasible_bytes
+        best: Optional[Tuple[Plan, int]] = None
+        for rung in range(_LADDER_RUNGS - 1, -1, -1):
+            target = floor + (top - floor) * rung // _LADDER_RUNGS
+            try:
+                plan = plan_for(target)
+            except InfeasibleBudgetError as err:  # its least is "about": aim at what it says instead
+                try:
+                    plan = plan_for(err.smallest_feasible_bytes)
+                except InfeasibleBudgetError:
+                    continue
+            reached = replay(plan)
+            if best is None or reached < best[1]:
+                best = (plan, reached)
+            if reached <= budget:
+                return plan, reached
+        return best
 
-        if peak(0) <= budget:
-            high = 0
-        elif peak(len(order)) > budget:
-            # Swapping can even raise a stage's peak (a copy brought back while the micro-batches
-            # still in flight hold the device): the least known is the lower of the two.
-            raise infeasible(
-                f"PipelineStep(budget=...): stage {k} does not fit {format_bytes(budget)}: lms-tf's simulator "
-                f"replays it at {format_bytes(peak(0))} without swapping and at {format_bytes(peak(len(order)))} "
-                f"swapping all {len(order)} tensors the TFLMS rule finds (its weights and slots included). Give "
-                f"stage {k} at least {format_bytes(min(peak(0), peak(len(order))))}, cut the model into more stages, "
-                f"or use fewer micro-batches in flight.", budget, min(peak(0), peak(len(order))))
-        else:
-            low, high = 1, len(order)  # the fewest swaps that fit: peak(high) fits throughout
-            while low < high:
-                middle = (low + high) // 2
-                if peak(middle) <= budget:
-                    high = middle
-                else:
-                    low = middle + 1
-        logger.info("PipelineStep: stage %d swaps %d of the %d tensors the TFLMS rule finds: simulated peak %s "
-                    "(budget %s; %s without swapping)", k, high, len(order), format_bytes(peak(high)),
-                    format_bytes(budget), format_bytes(peak(0)))
-        return dataclasses.replace(first(high), budget_bytes=budget, device_spec=f"pipeline stage {k}",
-                                   predictions=Predictions(baseline_peak_bytes=peak(0),
-                                                           planned_peak_bytes=peak(high), feasible=True))
+    def _budget_plan(self, stage_ir, k: int, target: int, device: str, cost: CostModel) -> Plan:
+        """lms-tf's budget planner on stage ``k``'s view, its activations held to ``target`` bytes."""
+        policies = Policies(budget=max(target, 1), host=self.hosts[k], min_swap_bytes=self._min_swap_bytes,
+                            recompute=self._tensor_recompute or False)
+        return make_budget_plan(stage_ir, policies, device=device, cost=cost)
 
     def _forward_again(self, k: int, m: int, inputs, labels, previous, label, recorded, scopes: Dict[int, str]):
         """Stage ``k``'s forward pass of micro-batch ``m`` run again from its inputs, under a new
@@ -947,6 +1028,25 @@ def _stage_budgets(budget, swap_stages: Sequence[int], count: int) -> Dict[int, 
     return budgets
 
 
+def _stage_presets(device_spec, stages, count: int) -> list:
+    """Each stage's device preset for the budget planner's cost model: ``device_spec`` (one for
+    every stage, or a list with one per stage), else the device the partition cut the stage for,
+    else :data:`_TIMING_PRESET`.
+
+    Raises:
+        LMSOptionError: An unknown preset, or a list that is not one per stage.
+    """
+    if isinstance(device_spec, (list, tuple)):
+        if len(device_spec) != count:
+            raise LMSOptionError(f"device_spec= as a list needs one preset per stage ({count}); received "
+                                 f"{len(device_spec)}: {device_spec!r}.")
+        return [get_device_spec(spec) for spec in device_spec]
+    if device_spec is not None:
+        return [get_device_spec(device_spec)] * count
+    cut_for = [s.device for s in stages.stages] if _is_partition(stages) else [None] * count
+    return [get_device_spec(spec or _TIMING_PRESET) for spec in cut_for]
+
+
 def _chosen_stages(chosen, stages, count: int, what: str) -> List[int]:
     """The stages ``chosen`` names for ``what`` (``"swap"`` or ``"recompute"``): True is the stages
     the partition says do it (``host_bytes > 0``, ``recompute``), or every stage of a hand cut of
@@ -960,8 +1060,9 @@ def _chosen_stages(chosen, stages, count: int, what: str) -> List[int]:
     if isinstance(chosen, (list, tuple)) and all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < count
                                                  for k in chosen):
         return sorted(set(chosen))
-    raise LMSOptionError(f"{what} must be True, False or a list of stage indices (0 to {count - 1}); received "
-                         f"{describe(chosen)}.")
+    policies = " or a recompute policy for the budget planner ('auto', 'cheap', 'sqrt')" if what == "recompute" else ""
+    raise LMSOptionError(f"{what} must be True, False, a list of stage indices (0 to {count - 1}){policies}; "
+                         f"received {describe(chosen)}.")
 
 
 def _done(results: List[tf.Tensor], task: str) -> List[tf.Operation]:
