@@ -46,6 +46,21 @@ def attention_block():
     return zoo._compile(keras.Model(inputs, outputs, name="attention_block")), (x, y)
 
 
+def operator_residual():
+    """A residual MLP whose sums are ``x + h`` on Keras tensors: Keras makes an operation of each
+    (not a layer ``model.get_layer`` knows), and a stage runs it like a layer."""
+    zoo._seed()
+    rng = np.random.RandomState(11)
+    x = rng.rand(3 * zoo.BATCH, 32).astype("float32")
+    y = rng.randint(0, 5, 3 * zoo.BATCH).astype("int32")
+    inputs = keras.Input((32,))
+    h = layers.Dense(64, activation="relu", name="embed")(inputs)
+    for i in range(3):
+        h = layers.LayerNormalization(name=f"norm{i}")(h + layers.Dense(64, activation="relu", name=f"dense{i}")(h))
+    outputs = layers.Dense(5, name="head")(h)
+    return zoo._compile(keras.Model(inputs, outputs, name="operator_residual")), (x, y)
+
+
 MODELS = {"sequential_cnn": zoo.sequential_cnn, "resnet_style": zoo.resnet_style,
           "inception_style": zoo.inception_style, "text_embedding": zoo.text_embedding,
           "dropout_mlp": zoo.dropout_mlp, "lstm": zoo.lstm_model, "attention_block": attention_block}
@@ -496,6 +511,20 @@ def test_a_stage_that_draws_random_numbers_keeps_its_activations_with_a_warning(
               and "keeps its activations instead" in str(w.message)]
     assert len(warned) == len(set(range(2)) - set(steps[0].recompute_stages)) >= 1, warned
     assert all("dropout" in w and "draws random numbers" in w for w in warned), warned
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_a_model_whose_sums_are_operators_pipelines_bit_for_bit(recompute):
+    """``x + h`` makes a Keras operation, not a layer: it is cut into a stage like a layer, has no
+    weights, and the step (keeping or recomputing) is the accumulation step's, bit for bit."""
+    model, _ = operator_residual()
+    adds = [op.name for op in model.operations if not isinstance(op, keras.layers.Layer)]
+    assert len(adds) == 3, adds
+    plain, piped, reference, pipelined_model = train_both(operator_residual, lambda m: PipelineStep(
+        m, contiguous(m, 2), microbatches=MICROBATCHES, schedule="1f1b", devices=DEVICES[:2], recompute=recompute))
+    assert plain == piped and len(set(plain)) > 1, (plain, piped)
+    assert_same_state(reference, pipelined_model)
 
 
 def test_bad_recompute_arguments_are_refused_before_anything_is_traced():

@@ -489,6 +489,9 @@ class PipelineStep:
         self.order = run_order(self.tasks)
         self.stages = split_stages(model, stage_layers)
         self._graph = _compat.functional_graph(model)
+        # By name, every operation a stage runs: layers, and the operations Keras makes of ``x + y``
+        # on its tensors (which ``model.get_layer`` does not know).
+        self._operations = {node.operation.name: node.operation for node in _compat.nodes_in_call_order(self._graph)}
         self._input_keys = [_tensor_key(t) for t in self._graph.inputs]
         self.model, self.devices, self.microbatches, self.schedule = model, list(devices), microbatches, schedule
         self.loss_fn, self.optimizer = _loss_and_optimizer(model, loss, optimizer)
@@ -714,7 +717,7 @@ class PipelineStep:
                     return outputs, loss
 
                 (outputs, loss), drew = _compat.run_again_without_updates(
-                    run, [self.model.get_layer(name) for name in stage.layers])
+                    run, [op for op in map(self._operations.get, stage.layers) if isinstance(op, keras.layers.Layer)])
         if drew is None:
             return tape, again, outputs, loss
         self.recompute_stages.remove(k)
@@ -736,7 +739,7 @@ class PipelineStep:
         tapes: Dict[Tuple[int, int], Tuple[tf.GradientTape, list, list]] = {}
         losses: Dict[int, tf.Tensor] = {}
         previous: List[list] = [[] for _ in self.stages]  # each stage's last task's done op: the next one waits
-        variables = [[v for name in stage.layers for v in self.model.get_layer(name).trainable_variables]
+        variables = [[v for name in stage.layers for v in getattr(self._operations[name], "trainable_variables", ())]
                      for stage in self.stages]
         accumulated: List[Optional[list]] = [None for _ in self.stages]
         self._running_sums = []
