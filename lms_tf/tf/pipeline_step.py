@@ -393,8 +393,9 @@ class PipelineStep:
             receives arrives when sent), as it plans a single-device step: per tensor, what to
             swap (each copy timed against the link of the stage's ``device_spec``) and, with a
             recompute policy, what to recompute, at the least predicted slowdown. The stage's
-            replay (counted as :meth:`predicted_peaks` does) judges the plan, and the stage is
-            planned again to a lower budget while the replay finds it over. A stage that fits
+            replay (counted as :meth:`predicted_peaks` does) judges the plans made for a ladder of
+            budgets in the planner's own count, and the one that moves least and fits is
+            taken. A stage that fits
             without a plan keeps everything. The simulator copies a swapped tensor out and back
             as a GPU stage would; between logical CPUs TensorFlow hands over the same buffer, so
             there the built step's real peak (and :meth:`predicted_peaks`, which replays the
@@ -601,8 +602,7 @@ class PipelineStep:
         to swap (each copy timed against the link of the stage's device preset) and, with a
         recompute policy, what to recompute, at the least predicted slowdown. Its own simulation
         counts differently from the stage's replay (its order among ready ops, the allocator of
-        the device preset, no weights): so the replay judges each plan, and a plan over budget is
-        planned again to a budget lowered by the excess, a few times at most.
+        the device preset, no weights): so the replay judges each plan (:meth:`_fit_replay`).
         """
         budget = self.budgets.get(k)
         if budget is None:
