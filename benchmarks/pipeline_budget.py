@@ -11,8 +11,9 @@ the planning time. Nothing here runs on a GPU: the peaks are lms-tf's simulator'
 CPUs a swap moves no bytes, so no real memory is claimed (each stage's real peak in its own process
 is measured in ``benchmarks/pipeline_memory.py``).
 
-Command: ``.venv/bin/python benchmarks/pipeline_budget.py`` (a few minutes on 2 cores; writes
-``benchmarks/out/pipeline_budget.json`` and the table into ``docs/benchmarks/partition.md``).
+Command: ``.venv/bin/python benchmarks/pipeline_budget.py [--from-json]`` (about 20 minutes on 2
+cores; writes ``benchmarks/out/pipeline_budget.json`` and the table into
+``docs/benchmarks/partition.md``; ``--from-json`` writes the table again from the last results).
 """
 
 from __future__ import annotations
@@ -121,9 +122,26 @@ def main() -> None:
         results.append(case)
     OUT.mkdir(exist_ok=True)
     (OUT / "pipeline_budget.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    publish("pipeline_budget", render(results), page="partition")
+
+
+def render(results: list) -> str:
+    """The table of :func:`main`'s results."""
+    import re
+
+    OUT.mkdir(exist_ok=True)
+    (OUT / "pipeline_budget.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    publish("pipeline_budget", render(results), page="partition")
+
+
+def render(results: list) -> str:
+    """The table of :func:`main`'s results."""
+    import re
+
     lines = [f"Two GPipe stages, {MICROBATCHES} micro-batches, planned for `{PRESET}`; peaks are lms-tf's replay "
              "of each built stage (weights and slots included). Time is the budget planner's predicted stage "
-             "time over the plain stage's (copies timed against the link); 1.00 where the stage fits as it is.", "",
+             "time over the plain stage's (copies timed against the link; 1.00 where nothing is exposed). A "
+             "budget no plan meets names the first stage that misses it and the least that stage reaches.", "",
              "| model | budget (of each stage's plain peak) | planner | stage | planned / plain peak | swapped | "
              "recomputed | predicted time / plain | planning s (both stages) |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -131,8 +149,10 @@ def main() -> None:
         for row in case["rows"]:
             head = f"| {case['model']} | {row['fraction']:.0%} | {row['mode']} |"
             if "error" in row:
-                lines.append(f"{head} all | does not fit: least {row['least'] / 2**20:.1f} MiB | | | | "
-                             f"{row['seconds']:.1f} |")
+                k = int(re.search(r"stage (\d+) does not fit", row["error"]).group(1))
+                plain = case["plain_peaks"][k]
+                lines.append(f"{head} {k} | does not fit: least {row['least'] / plain:.2f} "
+                             f"({row['least'] / 2**20:.1f} of {plain / 2**20:.1f} MiB) | | | | {row['seconds']:.1f} |")
                 continue
             for k, stage in enumerate(row["stages"]):
                 ratio = "1.00" if stage["time_ratio"] is None else f"{stage['time_ratio']:.2f}"
@@ -141,9 +161,13 @@ def main() -> None:
                              f"{stage['swapped'] / 2**20:.1f} MiB ({stage['n_swapped']}) | "
                              f"{stage['recomputed'] / 2**20:.1f} MiB ({stage['n_recomputed']}) | {ratio} | "
                              f"{row['seconds']:.1f} |")
-    publish("pipeline_budget", "\n".join(lines), page="partition")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    main()
+    if "--from-json" in sys.argv[1:]:  # the table again from the last run's results
+        publish("pipeline_budget", render(json.loads((OUT / "pipeline_budget.json").read_text(encoding="utf-8"))),
+                page="partition")
+    else:
+        main()
