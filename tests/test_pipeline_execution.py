@@ -527,6 +527,44 @@ def test_a_model_whose_sums_are_operators_pipelines_bit_for_bit(recompute):
     assert_same_state(reference, pipelined_model)
 
 
+def scaled_norms(build):
+    """``build`` with every LayerNormalization's gamma and beta drawn away from 1 and 0: with
+    gamma 1 and beta 0 the norm's products and sums are exact, so a regrouped sum rounds alike."""
+    def built():
+        model, data = build()
+        rng = np.random.RandomState(3)
+        for layer in model.layers:
+            if isinstance(layer, layers.LayerNormalization):
+                for w in (layer.gamma, layer.beta):
+                    w.assign(rng.uniform(0.5, 1.5, w.shape).astype("float32"))
+        return model, data
+    return built
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_stages_ending_in_layer_normalization_pipeline_bit_for_bit(schedule):
+    """Three stages, the first two ending in a LayerNorm whose output the next stage reads.
+    Grappler regroups the norm's last sums (``x * inv + (beta - mean * inv)``) in the
+    single-device step, but not at an op that drives a control edge; so a stage waits for what
+    it sends through Identities, never by an edge from the op that makes it."""
+    model, _ = operator_residual()
+    assert [s[-1] for s in contiguous(model, 3)[:2]] == ["norm0", "norm1"], contiguous(model, 3)
+    plain, piped, reference, pipelined_model = train_both(scaled_norms(operator_residual), lambda m: PipelineStep(
+        m, contiguous(m, 3), microbatches=MICROBATCHES, schedule=schedule, devices=DEVICES))
+    assert plain == piped and len(set(plain)) > 1, (plain, piped)
+    assert_same_state(reference, pipelined_model)
+    # Structure: no op whose output another stage reads drives a control edge.
+    model, (x, y) = operator_residual()
+    graph = PipelineStep(model, contiguous(model, 3), microbatches=MICROBATCHES, schedule=schedule,
+                         devices=DEVICES).get_concrete_function(x[:zoo.BATCH], y[:zoo.BATCH]).graph
+    in_step = lambda op: re.match(r"(gradient_tape/)?microbatch\d", op.name)   # forward and backward, not the update
+    sent = {t.op for op in graph.get_operations() if in_step(op) for t in op.inputs if in_step(t.op)
+            and t.op.device != op.device and t.op.type not in ("Identity", "ReadVariableOp")}
+    # norm0 and norm1 of each micro-batch (what is sent back comes out of the tape through an Identity)
+    assert len(sent) == 2 * MICROBATCHES, sorted(op.name for op in sent)
+    assert not [op.name for op in sent if op._control_outputs], "a sent tensor's op drives a control edge"
+
+
 def test_bad_recompute_arguments_are_refused_before_anything_is_traced():
     model, _ = zoo.sequential_cnn()
     with pytest.raises(LMSOptionError, match=r"recompute must be True, False, a list of stage indices \(0 to 1\) "

@@ -770,7 +770,7 @@ class PipelineStep:
                     for key, value in zip(stage.outputs, outputs):
                         values[m][key] = value
                     tapes[(task.stage, m)] = (tape, inputs, outputs)
-                    previous[task.stage] = _done(outputs + ([losses[m]] if task.stage == last else []), label)
+                    previous[task.stage] = _done([], label, sent=outputs + ([losses[m]] if task.stage == last else []))
                 else:
                     tape, inputs, outputs = tapes.pop((task.stage, m))
                     loss = losses.get(m)
@@ -795,7 +795,7 @@ class PipelineStep:
                     accumulated[task.stage] = _accumulate(accumulated[task.stage], weight_grads)
                     if not first:
                         self._running_sums += [t.op.name for t in accumulated[task.stage]]
-                    previous[task.stage] = _done(list(accumulated[task.stage]) + list(grads[:len(sources)]), label)
+                    previous[task.stage] = _done(list(accumulated[task.stage]), label, sent=grads[:len(sources)])
         # One update for all stages' weights, in the model's order: the optimizer counts one
         # iteration per step (Adam's bias correction reads it), as the single-device step does.
         # Each weight's share of it (the mean of its gradients, the optimizer's arithmetic) runs
@@ -1068,10 +1068,21 @@ def _chosen_stages(chosen, stages, count: int, what: str) -> List[int]:
                          f"received {describe(chosen)}.")
 
 
-def _done(results: List[tf.Tensor], task: str) -> List[tf.Operation]:
+def _done(results: List[tf.Tensor], task: str, sent: Sequence[tf.Tensor] = ()) -> List[tf.Operation]:
     """One op, ``<task>_done``, that runs when every result of a task is computed: what the
-    stage's next task waits for (on the same device)."""
-    with tf.control_dependencies(results):
+    stage's next task waits for (on the same device).
+
+    ``sent`` (what the task hands to other stages, and the loss) is waited for through
+    Identities, not by a control edge from the op that makes it: Grappler's arithmetic optimizer
+    leaves an op that drives a control edge as it is (it would not regroup a LayerNorm's
+    ``x * inv + (beta - mean * inv)`` rooted there), and in the single-device step nothing waits
+    on these tensors, so an edge on them would round differently. ``results`` (the running sums
+    of gradients) are waited for directly, as the single-device step waits for its own."""
+    watched = list(results)
+    for t in sent:
+        with tf.name_scope(t.op.name + "/"):
+            watched.append(tf.identity(t, name="pipeline_sent"))
+    with tf.control_dependencies(watched):
         return [tf.no_op(name=f"{task}_done")]
 
 
