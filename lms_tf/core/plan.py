@@ -96,6 +96,18 @@ class TensorDecision:
     consumers: Tuple[str, ...] = ()
     swap_out_before: Optional[str] = None
 
+    def kept(self, reason: str) -> "TensorDecision":
+        """This decision turned into KEEP, with nothing left of its swap or recompute, for ``reason``.
+
+        Examples:
+            >>> d = TensorDecision("c/Relu:0", "c", (8, 8), 256, Decision.SWAP, "largest", 3, ())
+            >>> k = d.kept("kept: the stage fits without it")
+            >>> k.decision.value, k.reason, k.swap_ins, k.swap_out_before
+            ('keep', 'kept: the stage fits without it', (), None)
+        """
+        return dataclasses.replace(self, decision=Decision.KEEP, reason=reason, swap_ins=(), recompute_ops=(),
+                                   gate=None, consumers=(), swap_out_before=None)
+
 
 @dataclasses.dataclass(frozen=True)
 class WeightDecision:

@@ -385,10 +385,9 @@ def stage_plan(plan: Plan, ir: GraphIR, device: str, unplaced: Collection[str] =
 
     # A plan made over a stage's view can name tensors only the view has (its sends to other
     # stages' processes): they are not the stage's to move.
-    decisions = tuple(d if alone(d) else dataclasses.replace(
-        d, decision=Decision.KEEP, swap_ins=(), swap_out_before=None, recompute_ops=(), gate=None, consumers=(),
-        reason="kept: it is read in another stage, or its plan would hold or clone an op there") for d in plan.decisions
-        if d.tensor in ir.tensors and own(ir.tensors[d.tensor].producer))
+    decisions = tuple(d if alone(d) else d.kept("kept: it is read in another stage, or its plan would hold or clone "
+                                                 "an op there") for d in plan.decisions
+                      if d.tensor in ir.tensors and own(ir.tensors[d.tensor].producer))
     orderings = tuple(o for o in plan.orderings if all(map(own, o.waiters + o.after)))
     return dataclasses.replace(plan, decisions=decisions, orderings=orderings)
 

@@ -582,7 +582,7 @@ class PipelineStep:
         received = {ir.tensors[t].producer for op in ir.ops if op.name in mine for t in op.inputs}
         stage_ir = _sent_when_made(dataclasses.replace(ir, host_placed=frozenset(
             op.name for op in ir.ops if op.name not in mine and op.name not in received)), mine)
-        cpu = (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU"
+        cpu = _on_cpu(device)
 
         def peak(plan: Optional[Plan] = None, allocator: bool = True) -> int:
             modelled = allocator and cpu
@@ -614,12 +614,13 @@ class PipelineStep:
         # A swap-in's gate reads its trigger: on an op Grappler folds into another (an inner op of
         # a fused or regrouped group, such as a GELU's gradient) that extra reader would stop the
         # rewrite, and the numbers would change. The planner gates on other ops.
-        cpu = (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU"
+        cpu = _on_cpu(device)
         stage_ir = dataclasses.replace(stage_ir, grappler_rewritten=grappler_rewritten_ops(
             graph, device, CPU_GRAPPLER_MEMORY_BYTES if cpu else cost.device.memory_bytes))
         plain = replay()
         unplanned = dataclasses.replace(rule, decisions=tuple(
-            d if d.decision is Decision.KEEP else _kept(d) for d in rule.decisions))
+            d if d.decision is Decision.KEEP else d.kept("kept: the stage fits its budget without swapping it")
+            for d in rule.decisions))
         plan, reached = unplanned, plain
         if plain > budget:
             plan, reached = self._fit_replay(k, ir, stage_ir, replay, budget, device, cost, unplaced) or (
@@ -655,8 +656,18 @@ class PipelineStep:
         ladder does not depend on ``budget``: the least the error names is a budget that is met.
         A higher rung moves less, so the first rung whose replay fits is taken.
         """
+        tried: Dict[int, object] = {}   # target -> its plan, or the planner's error (rungs often repeat the floor)
+
         def plan_for(target: int) -> Plan:
-            return stage_plan(self._budget_plan(stage_ir, k, target, device, cost), ir, device, unplaced)
+            if target not in tried:
+                try:
+                    tried[target] = stage_plan(self._budget_plan(stage_ir, k, target, device, cost), ir, device,
+                                               unplaced)
+                except InfeasibleBudgetError as err:
+                    tried[target] = err
+            if isinstance(tried[target], InfeasibleBudgetError):
+                raise tried[target]
+            return tried[target]
 
         top = self._budget_plan(stage_ir, k, 1 << 62, device, cost).predictions.baseline_peak_bytes
         try:
@@ -972,10 +983,9 @@ def _stage_hosts(host: Optional[str], devices: Sequence[str], swap_stages: Seque
     return hosts
 
 
-def _kept(decision):
-    """A swap decision turned into keep: the stage fits its budget without it."""
-    return dataclasses.replace(decision, decision=Decision.KEEP, swap_ins=(), swap_out_before=None,
-                               reason="kept: the stage fits its budget without swapping it")
+def _on_cpu(device: str) -> bool:
+    """Whether ``device`` is a CPU (a device named without a type counts as one, as TensorFlow places it)."""
+    return (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU"
 
 
 def _partition_budgets(budget, stages, swap_stages: Sequence[int]):
