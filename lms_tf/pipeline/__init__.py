@@ -22,6 +22,7 @@ from lms_tf.pipeline.partition import (
     exhaustive_partition,
     in_flight,
     partition_layers,
+    received_ahead,
     recompute_peak,
     stage_peak,
 )
@@ -30,4 +31,4 @@ from lms_tf.pipeline.schedule import Task, max_in_flight, run_order, stage_tasks
 
 __all__ = ["OBJECTIVES", "RULES", "SCHEDULES", "LayerProfile", "Partition", "PipelineProfile", "Stage", "check_arguments", "evaluate",
            "exhaustive_partition", "in_flight", "layer_keys", "max_in_flight", "partition_layers", "profile_layers",
-           "recompute_peak", "run_order", "stage_peak", "stage_tasks", "Task"]
+           "received_ahead", "recompute_peak", "run_order", "stage_peak", "stage_tasks", "Task"]

@@ -47,7 +47,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from collections import deque
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from lms_tf.core.errors import LMSOptionError, host_budget_error, infeasible
@@ -75,6 +74,20 @@ def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
     return min(stages - stage, microbatches) if schedule == "1f1b" else microbatches
 
 
+def received_ahead(schedule: str, stage: int, stages: int, microbatches: int) -> int:
+    """Micro-batches whose input stage ``stage`` holds beyond those in flight: with 1F1B, the
+    stage before runs its next forward pass while this stage runs a backward pass, so the next
+    micro-batch's input has arrived before this stage starts it (1). With GPipe every
+    micro-batch is in flight anyway, and the first stage's input is the step's own (0).
+
+    Examples:
+        >>> [received_ahead("1f1b", k, 3, 4) for k in range(3)], received_ahead("gpipe", 1, 3, 4)
+        ([0, 1, 1], 0)
+    """
+    flight = in_flight(schedule, stage, stages, microbatches)
+    return 1 if schedule == "1f1b" and stage > 0 and flight < microbatches else 0
+
+
 class _Compiled:
     """A profile's layers as flat lists with weights and kept tensors numbered (the search's inner
     loop counts references in lists, not dicts keyed by name)."""
@@ -89,16 +102,50 @@ class _Compiled:
         self.kept = [tuple((kept_ids.setdefault(name, len(kept_ids)), b) for name, b in layer.saved)
                      for layer in profile.layers]
         self.work = [layer.work_bytes for layer in profile.layers]
+        read_ids: Dict[str, int] = {}
+        self.inputs = [tuple((read_ids.setdefault(name, len(read_ids)), b, producer) for name, b, producer in layer.inputs)
+                       for layer in profile.layers]
+        self.n_read = len(read_ids)
+        made: List[Dict[int, int]] = [{} for _ in profile.layers]
+        for layer_inputs in self.inputs:
+            for k, nbytes, producer in layer_inputs:
+                if 0 <= producer < len(made):
+                    made[producer][k] = nbytes
+        self.made = [tuple(m.items()) for m in made]   # per layer: the tensors it makes that a later layer reads
         self.layer_kept = [sum(b for _, b in layer.saved) for layer in profile.layers]
+        self.work_max, self.kept_max = _RangeMax(self.work), _RangeMax(self.layer_kept)
         self.seconds = [layer.forward_s + layer.backward_s for layer in profile.layers]
         self.n_params, self.n_kept = len(param_ids), len(kept_ids)
         self.layers = profile.layers
 
 
+class _RangeMax:
+    """The largest of ``values[lo:hi]`` for any ``lo < hi`` in constant time (a sparse table:
+    the maxima of every run of length 2**j)."""
+
+    def __init__(self, values: Sequence[int]):
+        self.levels = [list(values)]
+        width = 1
+        while 2 * width <= len(values):
+            below = self.levels[-1]
+            self.levels.append([a if a > b else b for a, b in zip(below, below[width:])])
+            width *= 2
+
+    def __call__(self, lo: int, hi: int) -> int:
+        if hi <= lo:
+            return 0
+        j = (hi - lo).bit_length() - 1
+        level = self.levels[j]
+        a, b = level[lo], level[hi - (1 << j)]
+        return a if a > b else b
+
+
 class _Window:
-    """The layers ``[lo, hi)`` as one stage: its weights, kept tensors, working set and compute
-    time, updated as layers join at the right and leave at the left (a sliding-window maximum for
-    the working set). :meth:`grown` tells what the stage would be with layer ``hi`` added."""
+    """The layers ``[lo, hi)`` as one stage: its weights, kept tensors, working set, compute
+    time and what it receives, updated as layers join or leave at either end (shared weights,
+    shared kept tensors and received tensors counted once by reference counts; the largest
+    working set by a range maximum). :meth:`grown` tells what the stage would be with layer
+    ``hi`` added."""
 
     def __init__(self, profile, at: int = 0):
         self.c = profile if isinstance(profile, _Compiled) else _Compiled(profile)
@@ -107,8 +154,8 @@ class _Window:
         self.params = [0] * self.c.n_params
         self.kept = [0] * self.c.n_kept
         self.param_bytes = self.kept_bytes = 0
-        self.work: deque = deque()  # (index, bytes), bytes decreasing
-        self.largest: deque = deque()  # (index, a layer's kept bytes), decreasing
+        self.reads = [0] * self.c.n_read   # layers of the stage reading each tensor
+        self.received_bytes = 0   # of those, the tensors made before the stage
         self.seconds = 0.0
 
     @classmethod
@@ -119,81 +166,91 @@ class _Window:
             window.push()
         return window
 
-    def now(self) -> Tuple[int, int, int, float, int]:
-        """(weights, kept activations, working set, seconds, the largest layer's kept bytes) of the stage as it is."""
-        return (self.param_bytes, self.kept_bytes, self.work[0][1] if self.work else 0, self.seconds,
-                self.largest[0][1] if self.largest else 0)
+    def now(self) -> Tuple[int, int, int, float, int, int]:
+        """(weights, kept activations, working set, seconds, the largest layer's kept bytes, bytes
+        received per micro-batch) of the stage as it is."""
+        c = self.c
+        return (self.param_bytes, self.kept_bytes, c.work_max(self.lo, self.hi), self.seconds,
+                c.kept_max(self.lo, self.hi), self.received_bytes)
 
-    def grown(self) -> Tuple[int, int, int, float, int]:
+    def grown(self) -> Tuple[int, int, int, float, int, int]:
         """:meth:`now` with layer ``hi`` added."""
         c, i = self.c, self.hi
         counts = self.params
         params = self.param_bytes + sum(b for k, b in c.params[i] if not counts[k])
         counts = self.kept
         kept = self.kept_bytes + sum(b for k, b in c.kept[i] if not counts[k])
-        work = self.work[0][1] if self.work else 0
-        largest = self.largest[0][1] if self.largest else 0
-        return (params, kept, work if work > c.work[i] else c.work[i], self.seconds + c.seconds[i],
-                largest if largest > c.layer_kept[i] else c.layer_kept[i])
+        reads, lo = self.reads, self.lo
+        received = self.received_bytes + sum(b for k, b, producer in c.inputs[i] if producer < lo and not reads[k])
+        return (params, kept, c.work_max(lo, i + 1), self.seconds + c.seconds[i], c.kept_max(lo, i + 1), received)
+
+    def _add(self, i: int, sign: int) -> None:
+        """Counts layer ``i``'s weights and kept tensors in (``sign`` 1) or out (-1)."""
+        c = self.c
+        for counts, layer, total in ((self.params, c.params[i], "param_bytes"), (self.kept, c.kept[i], "kept_bytes")):
+            for k, nbytes in layer:
+                if sign < 0:
+                    counts[k] -= 1
+                if not counts[k]:
+                    setattr(self, total, getattr(self, total) + sign * nbytes)
+                if sign > 0:
+                    counts[k] += 1
+        self.seconds += sign * c.seconds[i]
 
     def push(self) -> None:
-        c, i = self.c, self.hi
-        counts = self.params
-        for k, nbytes in c.params[i]:
-            if not counts[k]:
-                self.param_bytes += nbytes
-            counts[k] += 1
-        counts = self.kept
-        for k, nbytes in c.kept[i]:
-            if not counts[k]:
-                self.kept_bytes += nbytes
-            counts[k] += 1
-        work = c.work[i]
-        while self.work and self.work[-1][1] <= work:
-            self.work.pop()
-        self.work.append((i, work))
-        kept = c.layer_kept[i]
-        while self.largest and self.largest[-1][1] <= kept:
-            self.largest.pop()
-        self.largest.append((i, kept))
-        self.seconds += c.seconds[i]
+        """Layer ``hi`` joins at the right."""
+        i, reads = self.hi, self.reads
+        self._add(i, 1)
+        for k, nbytes, producer in self.c.inputs[i]:
+            if not reads[k] and producer < self.lo:
+                self.received_bytes += nbytes
+            reads[k] += 1
         self.hi += 1
 
+    def pop_right(self) -> None:
+        """Layer ``hi - 1`` leaves at the right."""
+        self.hi -= 1
+        i, reads = self.hi, self.reads
+        self._add(i, -1)
+        for k, nbytes, producer in self.c.inputs[i]:
+            reads[k] -= 1
+            if not reads[k] and producer < self.lo:
+                self.received_bytes -= nbytes
+
     def pop(self) -> None:
-        c, i = self.c, self.lo
-        counts = self.params
-        for k, nbytes in c.params[i]:
-            counts[k] -= 1
-            if not counts[k]:
-                self.param_bytes -= nbytes
-        counts = self.kept
-        for k, nbytes in c.kept[i]:
-            counts[k] -= 1
-            if not counts[k]:
-                self.kept_bytes -= nbytes
-        if self.work and self.work[0][0] == i:
-            self.work.popleft()
-        if self.largest and self.largest[0][0] == i:
-            self.largest.popleft()
-        self.seconds -= c.seconds[i]
+        """Layer ``lo`` leaves at the left: what it made for the stage now arrives from outside."""
+        i, reads = self.lo, self.reads
+        self._add(i, -1)
+        for k, nbytes, producer in self.c.inputs[i]:
+            reads[k] -= 1
+            if not reads[k] and producer < i:
+                self.received_bytes -= nbytes
+        for k, nbytes in self.c.made[i]:
+            if reads[k]:
+                self.received_bytes += nbytes
         self.lo += 1
 
-    def peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int]] = None) -> int:
-        """The stage's predicted peak with ``flight`` micro-batches in flight (``figures``: from
-        :meth:`grown` instead of the stage as it is)."""
-        params, kept, work, _, _ = figures or self.now()
-        return int(params * (2 + self.slots)) + flight * kept + work
+    def peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int, int]] = None,
+             ahead: int = 0) -> int:
+        """The stage's predicted peak with ``flight`` micro-batches in flight and the input of
+        ``ahead`` more received (see :func:`received_ahead`); ``figures``: from :meth:`grown`
+        instead of the stage as it is."""
+        params, kept, work, _, _, received = figures or self.now()
+        return int(params * (2 + self.slots)) + flight * kept + ahead * received + work
 
-    def least_peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int]] = None) -> int:
+    def least_peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int, int]] = None,
+                   ahead: int = 0) -> int:
         """The least peak the stage reaches by swapping activations (:data:`SWAP_RESIDENT` layers'
         kept activations stay), or its peak when that is less."""
-        params, kept, work, _, largest = figures or self.now()
-        return int(params * (2 + self.slots)) + min(flight * kept, SWAP_RESIDENT * largest) + work
+        params, kept, work, _, largest, received = figures or self.now()
+        return (int(params * (2 + self.slots)) + min(flight * kept, SWAP_RESIDENT * largest) + ahead * received
+                + work)
 
 
-def stage_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, swap: bool = False) -> int:
+def stage_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, swap: bool = False, ahead: int = 0) -> int:
     """The predicted peak of layers ``[lo, hi)`` as one stage with ``flight`` micro-batches in
-    flight; with ``swap``, the least it reaches by swapping activations to the host.
+    flight and the input of ``ahead`` more received (:func:`received_ahead`); with ``swap``, the
+    least it reaches by swapping activations to the host.
 
     Examples:
         >>> from lms_tf.pipeline.profile import PipelineProfile
@@ -203,14 +260,16 @@ def stage_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, swap: bo
         460
     """
     window = _Window.over(profile, lo, hi)
-    return window.least_peak(flight) if swap else window.peak(flight)
+    return window.least_peak(flight, ahead=ahead) if swap else window.peak(flight, ahead=ahead)
 
 
-def recompute_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, window: Optional["_Window"] = None) -> int:
+def recompute_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, window: Optional["_Window"] = None,
+                   ahead: int = 0) -> int:
     """The predicted peak of layers ``[lo, hi)`` as one stage that keeps only what it receives
     for each of its ``flight`` micro-batches and runs its forward pass again at the start of each
     backward task (GPipe's re-materialization, ``PipelineStep(recompute=)``): its weights,
-    gradients and slots, the received tensors of every micro-batch in flight, one micro-batch's
+    gradients and slots, the received tensors of every micro-batch in flight (and of ``ahead``
+    more, :func:`received_ahead`), one micro-batch's
     kept activations (those of the backward pass running; a received tensor it keeps counted
     once) and the largest working set.
 
@@ -221,11 +280,11 @@ def recompute_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, wind
         (2100, 1200)
     """
     window = window or _Window.over(profile, lo, hi)
-    params, kept, work, _, _ = window.now()
+    params, kept, work, _, _, _ = window.now()
     received = _received(profile, lo, hi)
     saved = {t for layer in profile.layers[lo:hi] for t, _ in layer.saved}
     again = sum(b for t, b in received.items() if t in saved)
-    return int(params * (2 + window.slots)) + flight * sum(received.values()) + kept - again + work
+    return int(params * (2 + window.slots)) + (flight + ahead) * sum(received.values()) + kept - again + work
 
 
 def _received(profile: PipelineProfile, lo: int, hi: int) -> Dict[str, int]:
@@ -237,29 +296,32 @@ def _received(profile: PipelineProfile, lo: int, hi: int) -> Dict[str, int]:
 def _measure(rule: str, swap: bool = False):
     """What a rule balances, from a stage's figures (see :meth:`_Window.now`) and its flight."""
     if rule == "parameters":
-        return lambda window, figures, flight: figures[0]
+        return lambda window, figures, flight, ahead: figures[0]
     if rule == "time":
-        return lambda window, figures, flight: figures[3]
+        return lambda window, figures, flight, ahead: figures[3]
     if swap:
-        return lambda window, figures, flight: window.least_peak(flight, figures)
-    return lambda window, figures, flight: window.peak(flight, figures)
+        return lambda window, figures, flight, ahead: window.least_peak(flight, figures, ahead)
+    return lambda window, figures, flight, ahead: window.peak(flight, figures, ahead)
 
 
 def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
          memory_limits: Optional[Sequence[float]] = None, swap: bool = False,
-         kept_limits: Optional[Sequence[float]] = None) -> Optional[List[int]]:
+         kept_limits: Optional[Sequence[float]] = None, aheads: Optional[Sequence[int]] = None) -> Optional[List[int]]:
     """Stage ends (exclusive) cutting the layers into ``len(limits)`` non-empty stages with stage
     ``k``'s measure at most ``limits[k]`` (and its peak at most ``memory_limits[k]``, and its peak
     keeping everything at most ``kept_limits[k]``: what a swapping stage puts on the host is what
     that peak has over its device), or None.
 
     Exact: the positions where stage ``k`` can end form a set computed from the set where stage
-    ``k - 1`` can end. From a start ``s``, a stage can end anywhere in ``(s, e(s)]``, and ``e`` never
-    decreases as ``s`` grows (a stage that fits still fits without its first layer), so one sweep
-    with a window sliding right finds every ``e(s)``.
+    ``k - 1`` can end. From a start ``s``, a stage can end anywhere in ``(s, e(s)]`` (a stage that
+    fits still fits without its last layer). Mostly ``e`` does not decrease as ``s`` grows (nor
+    does a stage's peak without its first layer), so one sweep with a window sliding right finds
+    every ``e(s)``; only what a stage receives ahead (:func:`received_ahead`) can grow as its
+    first layer leaves, and then the window gives back layers at the right until it fits.
     """
     n, stages = len(profile.layers), len(limits)
     profile = profile if isinstance(profile, _Compiled) else _Compiled(profile)
+    aheads = aheads or [0] * stages
     starts = [0]
     came_from: List[Dict[int, int]] = []
     for k in range(stages):
@@ -267,17 +329,23 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
         ends: Dict[int, int] = {}
         window = _Window(profile, starts[0])
         covered = starts[0]
+        flight, ahead = flights[k], aheads[k]
+
+        def fits(window, figures) -> bool:
+            peak = window.least_peak if swap else window.peak
+            return not (measure(window, figures, flight, ahead) > limits[k] or (
+                memory_limits is not None and peak(flight, figures, ahead) > memory_limits[k]) or (
+                kept_limits is not None and window.peak(flight, figures, ahead) > kept_limits[k]))
+
         for s in starts:
             if window.hi <= s:
                 window = _Window(profile, s)
             while window.lo < s:
                 window.pop()
+            while ahead and window.hi > s and not fits(window, window.now()):
+                window.pop_right()   # it receives more without its first layer
             while window.hi < last_end:
-                figures = window.grown()
-                peak = window.least_peak if swap else window.peak
-                if measure(window, figures, flights[k]) > limits[k] or (
-                        memory_limits is not None and peak(flights[k], figures) > memory_limits[k]) or (
-                        kept_limits is not None and window.peak(flights[k], figures) > kept_limits[k]):
+                if not fits(window, window.grown()):
                     break
                 window.push()
             for end in range(max(covered, s) + 1, window.hi + 1):
@@ -297,7 +365,7 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
 
 
 def _recompute_cut(profile: PipelineProfile, capacities: Sequence[float], flights: Sequence[int], swap: bool,
-                   bound: float) -> Tuple[float, Optional[List[int]]]:
+                   bound: float, aheads: Optional[Sequence[int]] = None) -> Tuple[float, Optional[List[int]]]:
     """The cut into ``len(capacities)`` stages whose fullest stage, each at the lowest of keeping,
     swapping (with ``swap``) and recomputing, is least full: (that fraction, stage ends), or
     ``(bound, None)`` when no cut is below ``bound``.
@@ -310,6 +378,7 @@ def _recompute_cut(profile: PipelineProfile, capacities: Sequence[float], flight
     """
     compiled = _Compiled(profile)
     n, stages = len(compiled.layers), len(capacities)
+    aheads = aheads or [0] * stages
     inf = float("inf")
     # best[k][e]: the least fullest fraction of stages 0..k with stage k ending at e; came[k][e]: its start
     best = [[inf] * (n + 1) for _ in range(stages)]
@@ -337,16 +406,17 @@ def _recompute_cut(profile: PipelineProfile, capacities: Sequence[float], flight
                     again += seen_received.get(name, 0)
             window.push()
             params = int(window.param_bytes * weight)
-            _, kept, work, _, largest = window.now()
+            _, kept, work, _, largest, _ = window.now()
             swapping = params + SWAP_RESIDENT * largest + work if swap else inf
             growing = False
             for k in open_stages:
                 if end > n - (stages - 1 - k):   # leave one layer for each later stage
                     continue
-                flight = flights[k]
-                # the lowest of keeping everything, swapping and recomputing (see recompute_peak)
+                flight, ahead = flights[k], aheads[k]
+                # the lowest of keeping everything, swapping and recomputing (see recompute_peak);
+                # each holds the next micro-batch's input too when it arrives ahead
                 lowest = min(params + flight * kept + work, params + flight * received + kept - again + work,
-                             swapping)
+                             swapping) + ahead * received
                 fraction = lowest / capacities[k]
                 if fraction <= bound:
                     growing = True
@@ -374,7 +444,7 @@ class Stage:
         device: The device preset it is planned for (None: no device given).
         capacity_bytes: That device's memory (None: no device given).
         predicted_peak_bytes: Its predicted peak (weights, gradients, slots, activations in flight,
-            working set).
+            the inputs it holds ahead, working set).
         param_bytes: Its weights.
         activation_bytes: What it keeps per micro-batch.
         in_flight: Micro-batches it holds at once.
@@ -386,6 +456,8 @@ class Stage:
         swapped_bytes_per_microbatch: Each micro-batch's share of them, copied out and back.
         recompute: Whether it keeps only what it receives and runs its forward pass again in each
             backward task to fit (``PipelineStep(recompute=True)`` runs it so).
+        received_ahead: Micro-batches whose input it holds beyond those in flight (1F1B: the
+            next one's, sent while it runs a backward pass; see :func:`received_ahead`).
 
     Examples:
         >>> Stage(0, ("a",), None, None, 10, 0, 10, 1, 0.1, 0).fits
@@ -405,6 +477,18 @@ class Stage:
     host_bytes: int = 0
     swapped_bytes_per_microbatch: int = 0
     recompute: bool = False
+    received_ahead: int = 0
+
+    @property
+    def in_flight_text(self) -> str:
+        """Micro-batches in flight as a table shows them: ``"1 (+1 in)"`` when the next one's input
+        is held too.
+
+        Examples:
+            >>> Stage(1, ("a",), None, None, 10, 0, 10, 1, 0.1, 0, received_ahead=1).in_flight_text
+            '1 (+1 in)'
+        """
+        return f"{self.in_flight} (+{self.received_ahead} in)" if self.received_ahead else str(self.in_flight)
 
     @property
     def fits(self) -> bool:
@@ -427,8 +511,8 @@ class Partition:
     Examples:
         >>> from lms_tf.pipeline.profile import PipelineProfile
         >>> p = partition_layers(PipelineProfile.chain([100] * 4), stages=2, microbatches=2)
-        >>> p.to_dict()["max_stage_peak_bytes"], p.feasible
-        (300, True)
+        >>> p.to_dict()["max_stage_peak_bytes"], p.feasible   # [layer0] 2 x 100 | [layer1..3] 300 + 100 ahead
+        (400, True)
     """
 
     stages: Tuple[Stage, ...]
@@ -518,10 +602,10 @@ class Partition:
             >>> print(partition_layers(PipelineProfile.chain([2**20] * 4), stages=2, microbatches=2).summary())
             ... # doctest: +NORMALIZE_WHITESPACE
             lms-tf partition: 2 stages, 1f1b, 2 micro-batches, rule memory, objective memory: fits
-            largest stage 3.0 MiB, 1.50x the ideal 2.0 MiB (one copy of the whole step / 2); predicted step 0.027 s
+            largest stage 4.0 MiB, 2.00x the ideal 2.0 MiB (one copy of the whole step / 2); predicted step 0.027 s
             stage  layers                                            device  peak       of device  in flight  s/micro-batch
             0      layer0                                            -       2.0 MiB    -          2          0.0030
-            1      layer1 .. layer3 (3)                              -       3.0 MiB    -          1          0.0090
+            1      layer1 .. layer3 (3)                              -       4.0 MiB    -          1 (+1 in)  0.0090
         """
         ratio = self.max_stage_peak_bytes / self.ideal_peak_bytes if self.ideal_peak_bytes else float("nan")
         over_host = [s.index for s in self.stages
@@ -551,7 +635,7 @@ class Partition:
                 names = names[: width // 2 - 1] + "…" + names[-(width - width // 2):]
             share = f"{s.predicted_peak_bytes / s.capacity_bytes:.0%}" if s.capacity_bytes else "-"
             rows.append(f"{s.index:<7}{names:<{width + 2}}{s.device or '-':<{dev}}{format_bytes(s.predicted_peak_bytes):<11}"
-                        f"{share:<11}{s.in_flight:<11}"
+                        f"{share:<11}{s.in_flight_text:<11}"
                         + (f"{format_bytes(s.host_bytes) if s.host_bytes else '-':<17}" if swapping else "")
                         + (f"{'yes' if s.recompute else '-':<12}" if recomputing else "")
                         + f"{s.seconds_per_microbatch:.4f}")
@@ -625,19 +709,21 @@ def _uniform_cuts(n: int, stages: int) -> List[int]:
 
 
 def _worst(profile, cuts: Sequence[int], capacities: Sequence[float], flights: Sequence[int],
-           measure) -> float:
+           measure, aheads: Optional[Sequence[int]] = None) -> float:
     """The largest ``measure / capacity`` over the stages ending at ``cuts``."""
     worst, lo = 0.0, 0
+    aheads = aheads or [0] * len(cuts)
     for k, hi in enumerate(cuts):
         window = _Window.over(profile, lo, hi)
-        worst = max(worst, measure(window, window.now(), flights[k]) / capacities[k])
+        worst = max(worst, measure(window, window.now(), flights[k], aheads[k]) / capacities[k])
         lo = hi
     return worst
 
 
 def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights: Sequence[int], measure,
                  memory_limits: Optional[Sequence[float]] = None, integral: bool = True,
-                 swap: bool = False, kept_limits: Optional[Sequence[float]] = None) -> Optional[List[int]]:
+                 swap: bool = False, kept_limits: Optional[Sequence[float]] = None,
+                 aheads: Optional[Sequence[int]] = None) -> Optional[List[int]]:
     """The cut with the least ``tau`` such that stage ``k``'s measure is at most ``tau * capacities[k]``
     (bisection on ``tau``; each cut found lowers the bracket to its own worst stage). None when
     the memory limits (or the kept limits, see :func:`_cut`) refuse every cut."""
@@ -646,11 +732,14 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
     # Every stage is part of the whole model, so the whole model's measure bounds every cut.
     whole = _Window.over(profile, 0, n)
     # (Raised by a hair: measure / capacity * capacity may round one ulp below measure.)
-    hi = max(measure(whole, whole.now(), flights[k]) / capacities[k] for k in range(stages)) * (1 + 1e-9)
-    best = _cut(profile, [hi * c for c in capacities], flights, measure, memory_limits, swap, kept_limits)
+    aheads = aheads or [0] * stages
+    # (What a stage receives is at most every tensor a layer reads from another.)
+    figures = whole.now()[:5] + (sum({k: b for layer in profile.inputs for k, b, _ in layer}.values()),)
+    hi = max(measure(whole, figures, flights[k], aheads[k]) / capacities[k] for k in range(stages)) * (1 + 1e-9)
+    best = _cut(profile, [hi * c for c in capacities], flights, measure, memory_limits, swap, kept_limits, aheads)
     if best is None:
         return None
-    hi = _worst(profile, best, capacities, flights, measure)
+    hi = _worst(profile, best, capacities, flights, measure, aheads)
     lo = 0.0
     # Byte counts on equal devices are whole numbers: once the bracket is narrower than one byte,
     # the cut found is optimal. The search stops earlier, at a relative PRECISION of the largest
@@ -658,11 +747,11 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
     whole_bytes = integral and len(set(capacities)) == 1
     while hi - lo > (max(1.0 / capacities[0], PRECISION * hi) if whole_bytes else PRECISION * hi):
         mid = (lo + hi) / 2
-        cuts = _cut(profile, [mid * c for c in capacities], flights, measure, memory_limits, swap, kept_limits)
+        cuts = _cut(profile, [mid * c for c in capacities], flights, measure, memory_limits, swap, kept_limits, aheads)
         if cuts is None:
             lo = mid
         else:
-            best, hi = cuts, _worst(profile, cuts, capacities, flights, measure)
+            best, hi = cuts, _worst(profile, cuts, capacities, flights, measure, aheads)
     return best
 
 
@@ -680,8 +769,8 @@ def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int
 
     Examples:
         >>> from lms_tf.pipeline.profile import PipelineProfile
-        >>> evaluate(PipelineProfile.chain([100] * 4), [1, 4], microbatches=4).max_stage_peak_bytes   # 2 in flight
-        300
+        >>> evaluate(PipelineProfile.chain([100] * 4), [1, 4], microbatches=4).max_stage_peak_bytes   # 1 + 1 ahead
+        400
         >>> p = evaluate(PipelineProfile.chain([100] * 4), [1, 4], microbatches=8, schedule="gpipe", budget=700)
         >>> [(s.predicted_peak_bytes, s.host_bytes, s.swapped_bytes_per_microbatch) for s in p.stages]  # 800, 2400
         [(700, 100, 12), (700, 1700, 212)]
@@ -694,6 +783,7 @@ def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int
     slowest_update = 0.0
     for k, hi in enumerate(cuts):
         flight = in_flight(schedule, k, stages, microbatches)
+        ahead = received_ahead(schedule, k, stages, microbatches)
         window = _Window.over(profile, lo, hi)
         received = _received(profile, lo, hi)
         spec = specs[k]
@@ -702,18 +792,18 @@ def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int
         slowest_update = max(slowest_update, sum(layer.update_s for layer in layers[lo:hi]))
         limits = [c for c in (spec.memory_bytes if spec else None, budget) if c is not None]
         capacity = min(limits) if limits else None
-        kept_peak = window.peak(flight)
+        kept_peak = window.peak(flight, ahead=ahead)
         # The ways the stage may run: (peak, seconds per micro-batch, host bytes, recomputes).
         ways = [(kept_peak, seconds, 0, False)]
         if capacity is not None and kept_peak > capacity:
             if swap:
-                peak = max(window.least_peak(flight), int(capacity))   # swap just what is over
+                peak = max(window.least_peak(flight, ahead=ahead), int(capacity))   # swap just what is over
                 copy = ((kept_peak - peak) // flight / min(spec.host_to_device_bytes_per_s,
                                                             spec.device_to_host_bytes_per_s)) if spec else 0.0
                 # each micro-batch's share out and back, on the copy engines beside the compute
                 ways.append((peak, max(seconds, copy), kept_peak - peak, False))
             if recompute:
-                ways.append((recompute_peak(profile, lo, hi, flight, window),
+                ways.append((recompute_peak(profile, lo, hi, flight, window, ahead),
                              seconds + sum(layer.forward_s for layer in layers[lo:hi]), 0, True))
         chosen = ways[0]
         if len(ways) > 1:
@@ -723,7 +813,7 @@ def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int
         out.append(Stage(k, tuple(layer.name for layer in layers[lo:hi]), spec.name if spec else None,
                          spec.memory_bytes if spec else None, peak, window.param_bytes,
                          window.kept_bytes, flight, seconds, sum(received.values()), host, host // flight,
-                         recomputes))
+                         recomputes, ahead))
         lo = hi
     ideal = _Window.over(profile, 0, len(layers)).peak(1) // stages
     step = (microbatches + stages - 1) * max(s.seconds_per_microbatch for s in out) + slowest_update
@@ -793,6 +883,7 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
                                    swap=swap, host_budget=host_budget)
     specs = _devices(devices, stages)
     flights = [in_flight(schedule, k, stages, microbatches) for k in range(stages)]
+    aheads = [received_ahead(schedule, k, stages, microbatches) for k in range(stages)]
     capacities = [float(s.memory_bytes) if s else 1.0 for s in specs]
     if budget_bytes is not None:
         capacities = [min(c, budget_bytes) if s else float(budget_bytes) for c, s in zip(capacities, specs)]
@@ -813,7 +904,7 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         if objective == "time":
             limits = capacities if limited else None
             cuts = _least_limit(profile, [1.0] * stages, flights, _measure("time"), limits, integral=False,
-                                swap=swapping, kept_limits=kept_limits if swapping else None)
+                                swap=swapping, kept_limits=kept_limits if swapping else None, aheads=aheads)
             if cuts is not None:
                 return cuts
             # nothing fits: say how close the memory-balanced cut gets
@@ -822,10 +913,10 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         if searched_for_host:
             # the cuts whose swapping stages fit the host, if one fits the devices too; else the
             # least peaks regardless (reported as needing more host memory)
-            cuts = _least_limit(profile, capacities, flights, measure, kept_limits=kept_limits)
-            if cuts is not None and _worst(profile, cuts, capacities, flights, measure) <= 1.0:
+            cuts = _least_limit(profile, capacities, flights, measure, kept_limits=kept_limits, aheads=aheads)
+            if cuts is not None and _worst(profile, cuts, capacities, flights, measure, aheads) <= 1.0:
                 return cuts
-        return _least_limit(profile, capacities, flights, measure)
+        return _least_limit(profile, capacities, flights, measure, aheads=aheads)
 
     result = evaluate(profile, search(False), **kwargs)
     if swap and rule == "memory" and not result._fits_devices():
@@ -836,17 +927,19 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         # Stages that recompute: searched exactly for the least full fullest stage (each at the
         # lowest way it has), bounded by the cut already found; the faster way is then chosen
         # per stage, and of the two cuts the one fitting (then less full, then faster) is kept.
-        bound = max(min(stage_peak(profile, lo, hi, flights[k], swap), recompute_peak(profile, lo, hi, flights[k]))
+        bound = max(min(stage_peak(profile, lo, hi, flights[k], swap, aheads[k]),
+                        recompute_peak(profile, lo, hi, flights[k], ahead=aheads[k]))
                     / capacities[k] for k, (lo, hi) in enumerate(result.bounds))
-        _, cuts = _recompute_cut(profile, capacities, flights, swap, bound)
+        _, cuts = _recompute_cut(profile, capacities, flights, swap, bound, aheads)
         if cuts is not None:
             tried = evaluate(profile, cuts, **kwargs)
             result = min((result, tried), key=lambda p: (not p._fits_devices(), _fullest(p), p.predicted_step_time_s))
     if budget_bytes is not None and rule == "memory" and not result._fits_devices():
         ones, measure = [1.0] * stages, _measure("memory", swap)
-        least = int(_worst(profile, _least_limit(profile, ones, flights, measure), ones, flights, measure))
+        least = int(_worst(profile, _least_limit(profile, ones, flights, measure, aheads=aheads), ones, flights, measure,
+                           aheads))
         if recompute:   # the least any cut reaches when its stages may also recompute (bounded by the above)
-            least = min(least, int(_recompute_cut(profile, ones, flights, swap, float(least))[0]))
+            least = min(least, int(_recompute_cut(profile, ones, flights, swap, float(least), aheads)[0]))
         raise infeasible(
             f"no cut of the {len(profile.layers)} layers into {stages} stages ({schedule}, {microbatches} micro-batches) "
             f"keeps every stage under the budget {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
@@ -884,7 +977,8 @@ def exhaustive_partition(profile: PipelineProfile, *, stages: int, microbatches:
         cuts = list(inner) + [n]
         worst, lo = 0.0, 0
         for k, hi in enumerate(cuts):
-            peak = stage_peak(profile, lo, hi, in_flight(schedule, k, stages, microbatches))
+            peak = stage_peak(profile, lo, hi, in_flight(schedule, k, stages, microbatches),
+                              ahead=received_ahead(schedule, k, stages, microbatches))
             worst = max(worst, peak / specs[k].memory_bytes if specs[k] else float(peak))
             lo = hi
         if worst < best[0]:
@@ -893,4 +987,4 @@ def exhaustive_partition(profile: PipelineProfile, *, stages: int, microbatches:
 
 
 __all__ = ["OBJECTIVES", "RULES", "SCHEDULES", "Partition", "Stage", "check_arguments", "evaluate", "exhaustive_partition", "in_flight",
-           "partition_layers", "recompute_peak", "stage_peak"]
+           "partition_layers", "received_ahead", "recompute_peak", "stage_peak"]
