@@ -144,8 +144,8 @@ class _Window:
     """The layers ``[lo, hi)`` as one stage: its weights, kept tensors, working set, compute
     time and what it receives, updated as layers join or leave at either end (shared weights,
     shared kept tensors and received tensors counted once by reference counts; the largest
-    working set by a range maximum). :meth:`grown` tells what the stage would be with layer
-    ``hi`` added."""
+    working set kept as layers join, and taken again from a range maximum when the layer holding
+    it leaves). :meth:`grown` tells what the stage would be with layer ``hi`` added."""
 
     def __init__(self, profile, at: int = 0):
         self.c = profile if isinstance(profile, _Compiled) else _Compiled(profile)
@@ -156,6 +156,7 @@ class _Window:
         self.param_bytes = self.kept_bytes = 0
         self.reads = [0] * self.c.n_read   # layers of the stage reading each tensor
         self.received_bytes = 0   # of those, the tensors made before the stage
+        self.work = self.largest = 0   # the largest working set, the largest layer's kept bytes
         self.seconds = 0.0
 
     @classmethod
@@ -169,66 +170,98 @@ class _Window:
     def now(self) -> Tuple[int, int, int, float, int, int]:
         """(weights, kept activations, working set, seconds, the largest layer's kept bytes, bytes
         received per micro-batch) of the stage as it is."""
-        c = self.c
-        return (self.param_bytes, self.kept_bytes, c.work_max(self.lo, self.hi), self.seconds,
-                c.kept_max(self.lo, self.hi), self.received_bytes)
+        return (self.param_bytes, self.kept_bytes, self.work, self.seconds, self.largest, self.received_bytes)
 
     def grown(self) -> Tuple[int, int, int, float, int, int]:
         """:meth:`now` with layer ``hi`` added."""
         c, i = self.c, self.hi
-        counts = self.params
-        params = self.param_bytes + sum(b for k, b in c.params[i] if not counts[k])
-        counts = self.kept
-        kept = self.kept_bytes + sum(b for k, b in c.kept[i] if not counts[k])
-        reads, lo = self.reads, self.lo
-        received = self.received_bytes + sum(b for k, b, producer in c.inputs[i] if producer < lo and not reads[k])
-        return (params, kept, c.work_max(lo, i + 1), self.seconds + c.seconds[i], c.kept_max(lo, i + 1), received)
+        params, counts = self.param_bytes, self.params
+        for k, nbytes in c.params[i]:   # (loops, not sum(): this is the search's innermost call)
+            if not counts[k]:
+                params += nbytes
+        kept, counts = self.kept_bytes, self.kept
+        for k, nbytes in c.kept[i]:
+            if not counts[k]:
+                kept += nbytes
+        received, reads, lo = self.received_bytes, self.reads, self.lo
+        for k, nbytes, producer in c.inputs[i]:
+            if producer < lo and not reads[k]:
+                received += nbytes
+        work, largest = c.work[i], c.layer_kept[i]
+        return (params, kept, self.work if self.work > work else work, self.seconds + c.seconds[i],
+                self.largest if self.largest > largest else largest, received)
 
-    def _add(self, i: int, sign: int) -> None:
-        """Counts layer ``i``'s weights and kept tensors in (``sign`` 1) or out (-1)."""
-        c = self.c
-        for counts, layer, total in ((self.params, c.params[i], "param_bytes"), (self.kept, c.kept[i], "kept_bytes")):
-            for k, nbytes in layer:
-                if sign < 0:
-                    counts[k] -= 1
-                if not counts[k]:
-                    setattr(self, total, getattr(self, total) + sign * nbytes)
-                if sign > 0:
-                    counts[k] += 1
-        self.seconds += sign * c.seconds[i]
-
+    # push, pop and pop_right are written out (not one helper with a sign): the search calls them
+    # millions of times on 1,000 layers.
     def push(self) -> None:
         """Layer ``hi`` joins at the right."""
-        i, reads = self.hi, self.reads
-        self._add(i, 1)
-        for k, nbytes, producer in self.c.inputs[i]:
-            if not reads[k] and producer < self.lo:
+        c, i = self.c, self.hi
+        counts = self.params
+        for k, nbytes in c.params[i]:
+            if not counts[k]:
+                self.param_bytes += nbytes
+            counts[k] += 1
+        counts = self.kept
+        for k, nbytes in c.kept[i]:
+            if not counts[k]:
+                self.kept_bytes += nbytes
+            counts[k] += 1
+        reads, lo = self.reads, self.lo
+        for k, nbytes, producer in c.inputs[i]:
+            if not reads[k] and producer < lo:
                 self.received_bytes += nbytes
             reads[k] += 1
-        self.hi += 1
+        if c.work[i] > self.work:
+            self.work = c.work[i]
+        if c.layer_kept[i] > self.largest:
+            self.largest = c.layer_kept[i]
+        self.seconds += c.seconds[i]
+        self.hi = i + 1
+
+    def _remove(self, i: int) -> None:
+        """Layer ``i``'s weights, kept tensors and time out of the counts (either end)."""
+        c = self.c
+        counts = self.params
+        for k, nbytes in c.params[i]:
+            counts[k] -= 1
+            if not counts[k]:
+                self.param_bytes -= nbytes
+        counts = self.kept
+        for k, nbytes in c.kept[i]:
+            counts[k] -= 1
+            if not counts[k]:
+                self.kept_bytes -= nbytes
+        self.seconds -= c.seconds[i]
 
     def pop_right(self) -> None:
         """Layer ``hi - 1`` leaves at the right."""
+        c = self.c
         self.hi -= 1
-        i, reads = self.hi, self.reads
-        self._add(i, -1)
-        for k, nbytes, producer in self.c.inputs[i]:
+        i, reads, lo = self.hi, self.reads, self.lo
+        self._remove(i)
+        for k, nbytes, producer in c.inputs[i]:
             reads[k] -= 1
-            if not reads[k] and producer < self.lo:
+            if not reads[k] and producer < lo:
                 self.received_bytes -= nbytes
+        self.work, self.largest = c.work_max(lo, i), c.kept_max(lo, i)
 
     def pop(self) -> None:
         """Layer ``lo`` leaves at the left: what it made for the stage now arrives from outside."""
+        c = self.c
         i, reads = self.lo, self.reads
-        self._add(i, -1)
-        for k, nbytes, producer in self.c.inputs[i]:
+        self._remove(i)
+        for k, nbytes, producer in c.inputs[i]:
             reads[k] -= 1
             if not reads[k] and producer < i:
                 self.received_bytes -= nbytes
-        for k, nbytes in self.c.made[i]:
+        for k, nbytes in c.made[i]:
             if reads[k]:
                 self.received_bytes += nbytes
-        self.lo += 1
+        self.lo = i + 1
+        if c.work[i] == self.work:
+            self.work = c.work_max(i + 1, self.hi)
+        if c.layer_kept[i] == self.largest:
+            self.largest = c.kept_max(i + 1, self.hi)
 
     def peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int, int]] = None,
              ahead: int = 0) -> int:
@@ -340,10 +373,12 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
         for s in starts:
             if window.hi <= s:
                 window = _Window(profile, s)
+            received = window.received_bytes
             while window.lo < s:
                 window.pop()
-            while ahead and window.hi > s and not fits(window, window.now()):
-                window.pop_right()   # it receives more without its first layer
+            # The window fitted; without its first layers only what it receives can have grown.
+            while ahead and window.received_bytes > received and window.hi > s and not fits(window, window.now()):
+                window.pop_right()
             while window.hi < last_end:
                 if not fits(window, window.grown()):
                     break
