@@ -191,8 +191,8 @@ class _Window:
         return (params, kept, self.work if self.work > work else work, self.seconds + c.seconds[i],
                 self.largest if self.largest > largest else largest, received)
 
-    # push, pop and pop_right are written out (not one helper with a sign): the search calls them
-    # millions of times on 1,000 layers.
+    # push, pop and pop_right are plain loops over flat tuples: the search calls them millions of
+    # times on 1,000 layers.
     def push(self) -> None:
         """Layer ``hi`` joins at the right."""
         c, i = self.c, self.hi
