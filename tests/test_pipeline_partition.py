@@ -10,7 +10,7 @@ import pytest
 
 from lms_tf.core.errors import HostBudgetError, InfeasibleBudgetError, LMSOptionError
 from lms_tf.cost.devices import DeviceSpec
-from lms_tf.pipeline.partition import PRECISION, SWAP_RESIDENT, _recompute_cut
+from lms_tf.pipeline.partition import PRECISION, SWAP_RESIDENT, TIME_PRECISION, _recompute_cut
 from lms_tf.pipeline import (
     LayerProfile,
     PipelineProfile,
@@ -78,6 +78,33 @@ def test_memory_rule_is_optimal_against_exhaustive_search(schedule):
         assert found.max_stage_peak_bytes == best, (trial, n, stages, micro)
         assert [len(s.layers) for s in found.stages] and all(s.layers for s in found.stages)
         assert sum(len(s.layers) for s in found.stages) == n
+
+
+def test_ties_in_the_largest_stage_are_broken_by_step_time():
+    """Many cuts share the least largest peak (it is one stage's); of those, the search takes the
+    one with the least predicted step time (to TIME_PRECISION), checked against every cut."""
+    # By hand: the last layer's 300 B of weights (600 B with their gradients) make every cut's
+    # largest stage 1004 B; cutting 2 | 2 instead of 1 | 3 makes the slowest stage 2 layers long.
+    chain = PipelineProfile.chain([400, 100, 100, 100], [1, 1, 1, 300])
+    assert [evaluate(chain, cuts, microbatches=2).max_stage_peak_bytes for cuts in ([1, 4], [2, 4])] == [1004, 1004]
+    found = partition_layers(chain, stages=2, microbatches=2)
+    assert found.bounds == [(0, 2), (2, 4)] and found.predicted_step_time_s == pytest.approx(3 * 0.006)
+    rng = random.Random(13)
+    ties = 0
+    for trial in range(200):
+        n = rng.randrange(4, 11)
+        stages = rng.randrange(2, min(n, 4) + 1)
+        micro = rng.randrange(1, 9)
+        profile = random_profile(rng, n)
+        judged = [evaluate(profile, list(inner) + [n], microbatches=micro)
+                  for inner in itertools.combinations(range(1, n), stages - 1)]
+        least = min(p.max_stage_peak_bytes for p in judged)
+        tied = [p.predicted_step_time_s for p in judged if p.max_stage_peak_bytes == least]
+        ties += len(tied) > 1
+        found = partition_layers(profile, stages=stages, microbatches=micro)
+        assert found.max_stage_peak_bytes == least, trial
+        assert found.predicted_step_time_s <= min(tied) * (1 + TIME_PRECISION), (trial, found.bounds)
+    assert ties >= 20, ties   # the check saw real ties, not only unique optima
 
 
 def test_mixed_devices_balance_how_full_each_is_optimally():

@@ -87,7 +87,7 @@ def comparison_table(partitions) -> str:
         >>> print(comparison_table([partition_layers(profile, stages=2, microbatches=2, rule=r) for r in
         ...                         ("memory", "parameters", "uniform")]))
         rule        largest stage  / ideal  predicted step  fits
-        memory      1004 B         1.54x    0.0270 s        yes
+        memory      1004 B         1.54x    0.0180 s        yes
         parameters  1.2 KiB        1.85x    0.0270 s        yes
         uniform     1004 B         1.54x    0.0180 s        yes
     """

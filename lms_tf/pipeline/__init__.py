@@ -7,8 +7,8 @@ No TensorFlow here: :func:`profile_layers` reads an IR, :func:`partition_layers`
 Examples:
     >>> from lms_tf.pipeline import PipelineProfile, partition_layers
     >>> p = partition_layers(PipelineProfile.chain([100] * 6), stages=3, microbatches=4)
-    >>> [len(s.layers) for s in p.stages], [s.in_flight for s in p.stages]
-    ([1, 1, 4], [3, 2, 1])
+    >>> [len(s.layers) for s in p.stages], [s.in_flight for s in p.stages]   # 300, 300 + 200, 300 + 100 B
+    ([1, 2, 3], [3, 2, 1])
 """
 
 from lms_tf.pipeline.partition import (

@@ -57,11 +57,15 @@ from lms_tf.pipeline.profile import PipelineProfile
 SCHEDULES = ("1f1b", "gpipe")
 RULES = ("memory", "parameters", "uniform")
 OBJECTIVES = ("memory", "time")
-#: Bisection stops when the least limit is known to this relative precision (or to one byte).
+#: Bisection stops when the least limit is known to this relative precision (or exactly, when
+#: the bracket closes first).
 PRECISION = 1e-6
 #: Layers' kept activations a swapping stage holds on its device at least: the layer whose
 #: backward pass runs, and the next one being copied in (or the last forward's being copied out).
 SWAP_RESIDENT = 2
+#: Relative precision of the step time among the cuts with the least largest peak: the cost
+#: model's own error is far larger, and each halving of it costs one more sweep.
+TIME_PRECISION = 1e-4
 
 
 def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
@@ -119,6 +123,11 @@ class _Compiled:
         self.layers = profile.layers
 
 
+def _compiled(profile) -> _Compiled:
+    """``profile`` compiled, once: the search and the judging of its cuts share one."""
+    return profile if isinstance(profile, _Compiled) else _Compiled(profile)
+
+
 class _RangeMax:
     """The largest of ``values[lo:hi]`` for any ``lo < hi`` in constant time (a sparse table:
     the maxima of every run of length 2**j)."""
@@ -140,6 +149,28 @@ class _RangeMax:
         return a if a > b else b
 
 
+class _Blocked:
+    """What stopped a sweep of :func:`_cut` at limits ``tau * capacities``: the least
+    ``measure / capacity`` of a stage that could not take one more layer because of its measure
+    alone. Every ``tau`` below it makes the same decisions, so when the sweep found no cut, no
+    cut has its fullest stage below it either (and it is a figure a stage really has).
+
+    Examples:
+        >>> blocked = _Blocked([100.0, 200.0])
+        >>> blocked.note(0, 150); blocked.note(1, 250); blocked.least
+        1.25
+    """
+
+    def __init__(self, capacities: Sequence[float]):
+        self.capacities = capacities
+        self.least = float("inf")
+
+    def note(self, stage: int, measured: float) -> None:
+        fraction = measured / self.capacities[stage]   # as _worst() computes it
+        if fraction < self.least:
+            self.least = fraction
+
+
 class _Window:
     """The layers ``[lo, hi)`` as one stage: its weights, kept tensors, working set, compute
     time and what it receives, updated as layers join or leave at either end (shared weights,
@@ -148,7 +179,7 @@ class _Window:
     it leaves). :meth:`grown` tells what the stage would be with layer ``hi`` added."""
 
     def __init__(self, profile, at: int = 0):
-        self.c = profile if isinstance(profile, _Compiled) else _Compiled(profile)
+        self.c = _compiled(profile)
         self.slots = self.c.slots
         self.lo = self.hi = at
         self.params = [0] * self.c.n_params
@@ -339,11 +370,13 @@ def _measure(rule: str, swap: bool = False):
 
 def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
          memory_limits: Optional[Sequence[float]] = None, swap: bool = False,
-         kept_limits: Optional[Sequence[float]] = None, aheads: Optional[Sequence[int]] = None) -> Optional[List[int]]:
+         kept_limits: Optional[Sequence[float]] = None, aheads: Optional[Sequence[int]] = None,
+         blocked: Optional["_Blocked"] = None) -> Optional[List[int]]:
     """Stage ends (exclusive) cutting the layers into ``len(limits)`` non-empty stages with stage
     ``k``'s measure at most ``limits[k]`` (and its peak at most ``memory_limits[k]``, and its peak
     keeping everything at most ``kept_limits[k]``: what a swapping stage puts on the host is what
-    that peak has over its device), or None.
+    that peak has over its device), or None. ``blocked`` notes each stage that could not take one
+    more layer because of its measure alone (see :class:`_Blocked`).
 
     Exact: the positions where stage ``k`` can end form a set computed from the set where stage
     ``k - 1`` can end. From a start ``s``, a stage can end anywhere in ``(s, e(s)]`` (a stage that
@@ -353,7 +386,7 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
     first layer leaves, and then the window gives back layers at the right until it fits.
     """
     n, stages = len(profile.layers), len(limits)
-    profile = profile if isinstance(profile, _Compiled) else _Compiled(profile)
+    profile = _compiled(profile)
     aheads = aheads or [0] * stages
     starts = [0]
     came_from: List[Dict[int, int]] = []
@@ -365,10 +398,18 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
         flight, ahead = flights[k], aheads[k]
 
         def fits(window, figures) -> bool:
+            measured = measure(window, figures, flight, ahead)
+            over = measured > limits[k]
+            if over and blocked is None:
+                return False
             peak = window.least_peak if swap else window.peak
-            return not (measure(window, figures, flight, ahead) > limits[k] or (
-                memory_limits is not None and peak(flight, figures, ahead) > memory_limits[k]) or (
-                kept_limits is not None and window.peak(flight, figures, ahead) > kept_limits[k]))
+            if (memory_limits is not None and peak(flight, figures, ahead) > memory_limits[k]) or (
+                    kept_limits is not None and window.peak(flight, figures, ahead) > kept_limits[k]):
+                return False
+            if over:
+                blocked.note(k, measured)
+                return False
+            return True
 
         for s in starts:
             if window.hi <= s:
@@ -411,7 +452,7 @@ def _recompute_cut(profile: PipelineProfile, capacities: Sequence[float], flight
     grows with the stage's end, so growing stops once even the lowest way of every stage is
     above ``bound`` (a cut known to reach it bounds the search).
     """
-    compiled = _Compiled(profile)
+    compiled = _compiled(profile)
     n, stages = len(compiled.layers), len(capacities)
     aheads = aheads or [0] * stages
     inf = float("inf")
@@ -570,7 +611,7 @@ class Partition:
         Examples:
             >>> from lms_tf.pipeline.profile import PipelineProfile
             >>> partition_layers(PipelineProfile.chain([100] * 4), stages=2, microbatches=2).bounds
-            [(0, 1), (1, 4)]
+            [(0, 2), (2, 4)]
         """
         ends = list(itertools.accumulate(len(s.layers) for s in self.stages))
         return list(zip([0] + ends[:-1], ends))
@@ -637,10 +678,10 @@ class Partition:
             >>> print(partition_layers(PipelineProfile.chain([2**20] * 4), stages=2, microbatches=2).summary())
             ... # doctest: +NORMALIZE_WHITESPACE
             lms-tf partition: 2 stages, 1f1b, 2 micro-batches, rule memory, objective memory: fits
-            largest stage 4.0 MiB, 2.00x the ideal 2.0 MiB (one copy of the whole step / 2); predicted step 0.027 s
+            largest stage 4.0 MiB, 2.00x the ideal 2.0 MiB (one copy of the whole step / 2); predicted step 0.018 s
             stage  layers                                            device  peak       of device  in flight  s/micro-batch
-            0      layer0                                            -       2.0 MiB    -          2          0.0030
-            1      layer1 .. layer3 (3)                              -       4.0 MiB    -          1 (+1 in)  0.0090
+            0      layer0 .. layer1 (2)                              -       4.0 MiB    -          2          0.0060
+            1      layer2 .. layer3 (2)                              -       3.0 MiB    -          1 (+1 in)  0.0060
         """
         ratio = self.max_stage_peak_bytes / self.ideal_peak_bytes if self.ideal_peak_bytes else float("nan")
         over_host = [s.index for s in self.stages
@@ -756,35 +797,41 @@ def _worst(profile, cuts: Sequence[int], capacities: Sequence[float], flights: S
 
 
 def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights: Sequence[int], measure,
-                 memory_limits: Optional[Sequence[float]] = None, integral: bool = True,
+                 memory_limits: Optional[Sequence[float]] = None,
                  swap: bool = False, kept_limits: Optional[Sequence[float]] = None,
-                 aheads: Optional[Sequence[int]] = None) -> Optional[List[int]]:
+                 aheads: Optional[Sequence[int]] = None, start: Optional[List[int]] = None, lo: float = 0.0,
+                 precision: float = PRECISION) -> Optional[List[int]]:
     """The cut with the least ``tau`` such that stage ``k``'s measure is at most ``tau * capacities[k]``
-    (bisection on ``tau``; each cut found lowers the bracket to its own worst stage). None when
-    the memory limits (or the kept limits, see :func:`_cut`) refuse every cut."""
+    (bisection on ``tau``; each cut found lowers the bracket to its own worst stage, and each try
+    that finds none raises it to the least stage figure that stopped it, so the bracket closes on
+    figures stages really have). None when the memory limits (or the kept limits, see
+    :func:`_cut`) refuse every cut. ``start``: a cut known to meet the limits, to start the
+    bracket from; ``lo``: a known lower bound on ``tau``."""
     n, stages = len(profile.layers), len(capacities)
-    profile = _Compiled(profile)
-    # Every stage is part of the whole model, so the whole model's measure bounds every cut.
-    whole = _Window.over(profile, 0, n)
-    # (Raised by a hair: measure / capacity * capacity may round one ulp below measure.)
+    profile = _compiled(profile)
     aheads = aheads or [0] * stages
-    # (What a stage receives is at most every tensor a layer reads from another.)
-    figures = whole.now()[:5] + (sum({k: b for layer in profile.inputs for k, b, _ in layer}.values()),)
-    hi = max(measure(whole, figures, flights[k], aheads[k]) / capacities[k] for k in range(stages)) * (1 + 1e-9)
-    best = _cut(profile, [hi * c for c in capacities], flights, measure, memory_limits, swap, kept_limits, aheads)
+    best = start
     if best is None:
-        return None
+        # Every stage is part of the whole model, so the whole model's measure bounds every cut.
+        # (What a stage receives is at most every tensor a layer reads from another. Raised by a
+        # hair: measure / capacity * capacity may round one ulp below measure.)
+        whole = _Window.over(profile, 0, n)
+        figures = whole.now()[:5] + (sum({k: b for layer in profile.inputs for k, b, _ in layer}.values()),)
+        hi = max(measure(whole, figures, flights[k], aheads[k]) / capacities[k] for k in range(stages)) * (1 + 1e-9)
+        best = _cut(profile, [hi * c for c in capacities], flights, measure, memory_limits, swap, kept_limits, aheads)
+        if best is None:
+            return None
     hi = _worst(profile, best, capacities, flights, measure, aheads)
-    lo = 0.0
-    # Byte counts on equal devices are whole numbers: once the bracket is narrower than one byte,
-    # the cut found is optimal. The search stops earlier, at a relative PRECISION of the largest
-    # stage (a KiB on a GiB: exact below a MiB), or at PRECISION for fractions of mixed devices.
-    whole_bytes = integral and len(set(capacities)) == 1
-    while hi - lo > (max(1.0 / capacities[0], PRECISION * hi) if whole_bytes else PRECISION * hi):
+    # Both ends of the bracket are figures some stage has (``lo`` after the first try that finds
+    # no cut): when they meet, the cut found is optimal. The search stops earlier, at a relative
+    # ``precision`` of the largest stage (a KiB on a GiB: exact below a MiB).
+    while hi > lo and hi - lo > precision * hi:
         mid = (lo + hi) / 2
-        cuts = _cut(profile, [mid * c for c in capacities], flights, measure, memory_limits, swap, kept_limits, aheads)
+        blocked = _Blocked(capacities)
+        cuts = _cut(profile, [mid * c for c in capacities], flights, measure, memory_limits, swap, kept_limits, aheads,
+                    blocked)
         if cuts is None:
-            lo = mid
+            lo = max(mid, blocked.least)
         else:
             best, hi = cuts, _worst(profile, cuts, capacities, flights, measure, aheads)
     return best
@@ -810,6 +857,7 @@ def evaluate(profile: PipelineProfile, cuts: Sequence[int], *, microbatches: int
         >>> [(s.predicted_peak_bytes, s.host_bytes, s.swapped_bytes_per_microbatch) for s in p.stages]  # 800, 2400
         [(700, 100, 12), (700, 1700, 212)]
     """
+    profile = _compiled(profile)
     layers = profile.layers
     stages = len(cuts)
     specs = _devices(devices, stages)
@@ -874,8 +922,10 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         budget: Bytes (or text such as ``"12GiB"``) no stage may exceed, on top of its device.
         rule: ``"memory"`` (least largest stage peak, the default), ``"parameters"`` (DeepSpeed:
             balance weight bytes) or ``"uniform"`` (DeepSpeed: equal layer counts).
-        objective: With ``rule="memory"``: ``"memory"``, or ``"time"`` (least slowest stage
-            compute among the cuts where every stage fits its device and the budget).
+        objective: With ``rule="memory"``: ``"memory"`` (least largest stage peak, then, of the
+            cuts that reach it, the least slowest stage compute, to :data:`TIME_PRECISION`), or
+            ``"time"`` (least slowest stage compute among the cuts where every stage fits its
+            device and the budget).
         model: The model's name, for the summary.
         swap: Whether a stage that does not fit its device or the budget may swap activations to
             the host (just the bytes over; at least ``SWAP_RESIDENT`` layers' kept activations
@@ -907,7 +957,7 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         >>> from lms_tf.pipeline.profile import PipelineProfile
         >>> p = partition_layers(PipelineProfile.chain([100] * 8, [50] * 8), stages=4, microbatches=8)
         >>> [len(s.layers) for s in p.stages]   # 1F1B: the first stage holds 4 micro-batches
-        [1, 1, 2, 4]
+        [1, 2, 2, 3]
         >>> p = partition_layers(PipelineProfile.chain([100] * 8), stages=2, microbatches=8, schedule="gpipe",
         ...                      budget=900)   # 4 layers x 8 micro-batches: 3200 B; at least 2 layers' 200 B
         >>> [(s.predicted_peak_bytes, s.host_bytes) for s in p.stages], p.feasible
@@ -917,6 +967,7 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
                                    objective=objective, devices=devices, budget=budget, layers=len(profile.layers),
                                    swap=swap, host_budget=host_budget)
     specs = _devices(devices, stages)
+    profile = _compiled(profile)
     flights = [in_flight(schedule, k, stages, microbatches) for k in range(stages)]
     aheads = [received_ahead(schedule, k, stages, microbatches) for k in range(stages)]
     capacities = [float(s.memory_bytes) if s else 1.0 for s in specs]
@@ -938,7 +989,7 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
             return _least_limit(profile, [1.0] * stages, flights, _measure("parameters"))
         if objective == "time":
             limits = capacities if limited else None
-            cuts = _least_limit(profile, [1.0] * stages, flights, _measure("time"), limits, integral=False,
+            cuts = _least_limit(profile, [1.0] * stages, flights, _measure("time"), limits,
                                 swap=swapping, kept_limits=kept_limits if swapping else None, aheads=aheads)
             if cuts is not None:
                 return cuts
@@ -950,8 +1001,24 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
             # least peaks regardless (reported as needing more host memory)
             cuts = _least_limit(profile, capacities, flights, measure, kept_limits=kept_limits, aheads=aheads)
             if cuts is not None and _worst(profile, cuts, capacities, flights, measure, aheads) <= 1.0:
-                return cuts
-        return _least_limit(profile, capacities, flights, measure, aheads=aheads)
+                return then_fastest(cuts, measure, swapping, kept_limits)
+        return then_fastest(_least_limit(profile, capacities, flights, measure, aheads=aheads), measure, swapping)
+
+    def then_fastest(cuts: List[int], measure, swapping: bool, kept=None) -> List[int]:
+        """Of the cuts whose fullest stage is no fuller than ``cuts``', the one with the least
+        predicted step time: many cuts often share the least largest peak (it is one stage's), and
+        the others' stages can be balanced by time under it."""
+        fullest = _worst(profile, cuts, capacities, flights, measure, aheads)
+        # (Raised by a hair for the rounding of fullest * capacity; the exact check follows.)
+        limits = [fullest * c * (1 + 1e-12) for c in capacities]
+        # The slowest stage is no faster than the slowest layer, nor than an equal share of all.
+        seconds = profile.seconds
+        faster = _least_limit(profile, [1.0] * stages, flights, _measure("time"), limits,
+                              swap=swapping, kept_limits=kept, aheads=aheads, start=cuts,
+                              lo=max(max(seconds), sum(seconds) / stages), precision=TIME_PRECISION)
+        if faster is None or _worst(profile, faster, capacities, flights, measure, aheads) > fullest:
+            return cuts
+        return min((cuts, faster), key=lambda c: evaluate(profile, c, **kwargs).predicted_step_time_s)
 
     result = evaluate(profile, search(False), **kwargs)
     if swap and rule == "memory" and not result._fits_devices():
