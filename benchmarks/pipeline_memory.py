@@ -65,7 +65,8 @@ def run_once(model: str, schedule: str, stages: int, microbatches: int, serializ
     real = {0: result["task0_peak"]}
     for m in re.finditer(r"pipeline stage (\d+): allocator peak (\d+) bytes", done.stderr):
         real[int(m.group(1))] = int(m.group(2))
-    return {"predicted": result["predicted"], "simulated": result["simulated"], "real": [real[k] for k in range(stages)],
+    return {"predicted": result["predicted"], "simulated": result["simulated"],
+            "simulated_tensors": result["simulated_tensors"], "real": [real[k] for k in range(stages)],
             "layers": result["layers"], "losses": result["losses"]}
 
 
@@ -122,13 +123,14 @@ def main() -> None:
             logger.info("%s %s K=%d, %s order: real / simulated %s", model, schedule, stages, order, "; ".join(
                 ", ".join(f"{r / p:.3f}" for r, p in zip(run["real"], run["simulated"])) for run in runs))
         results.append(case)
-    rows = ["| model | schedule | K | stage | layers | per-layer model MiB | simulated MiB | serialized: real MiB | "
-            "real / model | real / simulated | TensorFlow's order: real MiB | real / model | real / simulated |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | schedule | K | stage | layers | per-layer model MiB | simulated: tensors MiB | simulated MiB | "
+            "serialized: real MiB | real / model | real / simulated | TensorFlow's order: real MiB | real / model | "
+            "real / simulated |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in results:
         first = case[ORDERS[0][0]][0]
         for k in range(case["stages"]):
             predicted, simulated, layers = first["predicted"][k], first["simulated"][k], first["layers"][k]
+            tensors = first["simulated_tensors"][k]
             cells = []
             for order, _ in ORDERS:
                 runs = case[order]
@@ -138,7 +140,8 @@ def main() -> None:
                           f"{min(real) / predicted:.3f}-{max(real) / predicted:.3f}",
                           f"{min(by_sim):.3f}-{max(by_sim):.3f}"]
             rows.append(f"| {case['model']} | {case['schedule']} | {case['stages']} | {k}{' (task 0)' if k == 0 else ''} | "
-                        f"{layers[0]}..{layers[-1]} | {predicted / 2**20:.1f} | {simulated / 2**20:.1f} | "
+                        f"{layers[0]}..{layers[-1]} | {predicted / 2**20:.1f} | {tensors / 2**20:.1f} | "
+                        f"{simulated / 2**20:.1f} | "
                         + " | ".join(cells) + " |")
     spans = {}
     for model in dict.fromkeys(case["model"] for case in results):
@@ -149,7 +152,10 @@ def main() -> None:
             "on 32x32 images, Adam, batch 64; 4 micro-batches, one process per stage on this 2-core CPU, "
             f"min-max of {RUNS} runs in each order. The per-layer model is the partition's figure "
             "(`predicted_peak_bytes`); simulated is `PipelineStep.predicted_peaks` on the built step (the "
-            "serialized one in that column). Serialized, every stage's real peak over its simulated: "
+            "serialized one in that column), replaying TensorFlow's CPU allocator (whole chunks, as "
+            "`TF_CPU_ALLOCATOR_USE_BFC=true` counts); simulated: tensors is the same replay summing tensor bytes "
+            "(`allocator=False`), what the per-layer model counts too. Serialized, every stage's real peak over its "
+            "simulated: "
             + ", ".join(f"{model} {span}" for model, span in spans.items()) + ".\n\n" + "\n".join(rows))
     OUT.mkdir(exist_ok=True)
     (OUT / "pipeline_memory.json").write_text(json.dumps(results, indent=1), encoding="utf-8")

@@ -184,6 +184,7 @@ def memory(workers, spec):
     stage0 = sum(nbytes for device, nbytes in resident.items() if same_device(device, devices[0]))
     print("RESULT " + json.dumps({"predicted": predicted, "recompute_stages": step.recompute_stages,
                                   "simulated": step.predicted_peaks(x, y),
+                                  "simulated_tensors": step.predicted_peaks(x, y, allocator=False),
                                   "layers": [list(s.layers) for s in partition.stages],
                                   "task0_peak": task0.peak_bytes + stage0, "task0_step_peak": task0.peak_bytes,
                                   "losses": losses}), flush=True)
