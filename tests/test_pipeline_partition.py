@@ -189,8 +189,9 @@ def test_time_objective_is_fastest_among_cuts_that_fit():
 
 
 def test_thousand_layers_are_cut_with_linear_sweeps(monkeypatch):
-    """The search's work on 1,000 layers: each try of the bisection is one sweep in which every
-    stage's window takes each layer at most once, and the bisection stops within 64 tries. (Its
+    """The search's work on 1,000 layers: each try of the bisection is at most three greedy passes
+    over the layers and one sweep in which every stage's window takes each layer at most once, and
+    the bisection stops within 64 tries. (Its
     time, under a second, is measured in benchmarks/partition.py, not here: a shared CI machine
     makes wall-clock bounds flaky.)"""
     from lms_tf.pipeline import partition as module
@@ -212,9 +213,9 @@ def test_thousand_layers_are_cut_with_linear_sweeps(monkeypatch):
         counts.update(push=0, cut=0)
         p = partition_layers(profile, stages=stages, microbatches=16)
         assert sum(len(s.layers) for s in p.stages) == 1000
-        # one sweep per stage per try, plus one pass over the layers judging each cut found
+        # three passes and one sweep per stage per try, plus one pass over the layers judging each cut found
         assert 0 < counts["cut"] <= 64, counts
-        assert counts["push"] <= (stages + 1) * 1000 * (counts["cut"] + 2), (stages, counts)
+        assert counts["push"] <= (stages + 4) * 1000 * (counts["cut"] + 2), (stages, counts)
 
 
 def test_output_has_the_documented_fields_and_prints():

@@ -121,6 +121,15 @@ class _Compiled:
         self.seconds = [layer.forward_s + layer.backward_s for layer in profile.layers]
         self.n_params, self.n_kept = len(param_ids), len(kept_ids)
         self.layers = profile.layers
+        self._mirrored: Optional[_Compiled] = None
+
+    def mirrored(self) -> "_Compiled":
+        """The layers in reverse order, receiving nothing: for packing from the last stage
+        (:func:`_cut`), where what a stage receives is not counted."""
+        if self._mirrored is None:
+            layers = tuple(dataclasses.replace(layer, inputs=()) for layer in reversed(self.layers))
+            self._mirrored = _Compiled(dataclasses.replace(self.profile, layers=layers))
+        return self._mirrored
 
 
 def _compiled(profile) -> _Compiled:
@@ -368,6 +377,66 @@ def _measure(rule: str, swap: bool = False):
     return lambda window, figures, flight, ahead: window.peak(flight, figures, ahead)
 
 
+def _fitting(limits: Sequence[float], flights: Sequence[int], measure, memory_limits: Optional[Sequence[float]],
+             swap: bool, kept_limits: Optional[Sequence[float]], blocked: Optional["_Blocked"]):
+    """The test :func:`_cut` applies to stage ``k`` with figures ``figures`` (see
+    :meth:`_Window.grown`) and ``ahead`` micro-batches' input received ahead: its measure within
+    ``limits[k]``, its peak within ``memory_limits[k]``, its peak keeping everything within
+    ``kept_limits[k]``. A stage stopped by its measure alone is noted in ``blocked``."""
+    def fits(window: _Window, figures, k: int, ahead: int) -> bool:
+        flight = flights[k]
+        measured = measure(window, figures, flight, ahead)
+        over = measured > limits[k]
+        if over and blocked is None:
+            return False
+        peak = window.least_peak if swap else window.peak
+        if (memory_limits is not None and peak(flight, figures, ahead) > memory_limits[k]) or (
+                kept_limits is not None and window.peak(flight, figures, ahead) > kept_limits[k]):
+            return False
+        if over:
+            blocked.note(k, measured)
+            return False
+        return True
+    return fits
+
+
+def _packed(profile: _Compiled, stages: int, fits, aheads: Sequence[int]) -> Optional[List[int]]:
+    """Greedy packing: each stage, from where the one before ended, takes layers while ``fits``
+    (with the micro-batches received ahead ``aheads``), leaving one layer for each later stage.
+    The stage ends, or None when the last stage cannot take the rest. One pass over the layers."""
+    n, lo, cuts = len(profile.layers), 0, []
+    for k in range(stages):
+        last_end = n - (stages - 1 - k)
+        window = _Window(profile, lo)
+        while window.hi < last_end and fits(window, window.grown(), k, aheads[k]):
+            window.push()
+        if window.hi == lo:
+            return None
+        cuts.append(window.hi)
+        lo = window.hi
+    return cuts if cuts[-1] == n else None
+
+
+def _packed_from_the_end(profile: _Compiled, stages: int, fits) -> Optional[List[int]]:
+    """:func:`_packed` from the last stage back (on the mirrored layers), with nothing received
+    ahead counted: the stage ends, or None."""
+    mirrored = _packed(profile.mirrored(), stages, lambda window, figures, r, ahead: fits(
+        window, figures, stages - 1 - r, 0), [0] * stages)
+    if mirrored is None:
+        return None
+    n = len(profile.layers)
+    return [n - mirrored[stages - 2 - k] for k in range(stages - 1)] + [n]
+
+
+def _looser_later(flights: Sequence[int], *limit_lists: Optional[Sequence[float]]) -> bool:
+    """Whether every stage's test is at least as loose as the stage before's, for any layers: no
+    more micro-batches in flight, and no lower limit (1F1B on equal devices, or on devices that
+    grow along the pipeline)."""
+    pairs = list(zip(range(len(flights) - 1), range(1, len(flights))))
+    return all(flights[a] >= flights[b] for a, b in pairs) and all(
+        limits is None or all(limits[a] <= limits[b] for a, b in pairs) for limits in limit_lists)
+
+
 def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
          memory_limits: Optional[Sequence[float]] = None, swap: bool = False,
          kept_limits: Optional[Sequence[float]] = None, aheads: Optional[Sequence[int]] = None,
@@ -378,16 +447,35 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
     that peak has over its device), or None. ``blocked`` notes each stage that could not take one
     more layer because of its measure alone (see :class:`_Blocked`).
 
-    Exact: the positions where stage ``k`` can end form a set computed from the set where stage
-    ``k - 1`` can end. From a start ``s``, a stage can end anywhere in ``(s, e(s)]`` (a stage that
-    fits still fits without its last layer). Mostly ``e`` does not decrease as ``s`` grows (nor
-    does a stage's peak without its first layer), so one sweep with a window sliding right finds
-    every ``e(s)``; only what a stage receives ahead (:func:`received_ahead`) can grow as its
-    first layer leaves, and then the window gives back layers at the right until it fits.
+    Exact. Greedy passes (one pass over the layers each) settle most limits first: packing that
+    reaches the end is a cut. A stage's figures do not grow as layers leave it, except what it
+    receives ahead (:func:`received_ahead`: without its first layer, that layer's output arrives
+    from outside). So when each stage's test is at least as loose as the one before's
+    (:func:`_looser_later`), packing from the last stage back with nothing received ahead counted
+    (a looser test) decides whether any cut exists under that test: each stage reaching back as
+    far as it can leaves the earlier, tighter stages the least, and a layer left to a stage fitted
+    a tighter one alone. When that fails there is no cut, and ``blocked`` holds figures at most the
+    real ones (every lower limit fails alike); when it succeeds and its stages pass the full test,
+    it is a cut. The rest is swept: the positions where stage ``k`` can end form a set computed
+    from the set where stage ``k - 1`` can end. From a start ``s``, a stage can end anywhere in ``(s, e(s)]`` (a stage that fits still
+    fits without its last layer). Mostly ``e`` does not decrease as ``s`` grows, so one sweep with
+    a window sliding right finds every ``e(s)``; where what the stage receives ahead grew as its
+    first layer left, the window gives back layers at the right until it fits.
     """
     n, stages = len(profile.layers), len(limits)
     profile = _compiled(profile)
     aheads = aheads or [0] * stages
+    fits = _fitting(limits, flights, measure, memory_limits, swap, kept_limits, blocked)
+    if _looser_later(flights, limits, memory_limits, kept_limits):
+        cuts = _packed_from_the_end(profile, stages, fits)
+        if cuts is None or not any(aheads):
+            return cuts
+        if all(fits(window, window.now(), k, aheads[k]) for k, window in enumerate(
+                _Window.over(profile, lo, hi) for lo, hi in zip([0] + cuts[:-1], cuts))):
+            return cuts
+    cuts = _packed(profile, stages, fits, aheads)
+    if cuts is not None:
+        return cuts
     starts = [0]
     came_from: List[Dict[int, int]] = []
     for k in range(stages):
@@ -395,22 +483,7 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
         ends: Dict[int, int] = {}
         window = _Window(profile, starts[0])
         covered = starts[0]
-        flight, ahead = flights[k], aheads[k]
-
-        def fits(window, figures) -> bool:
-            measured = measure(window, figures, flight, ahead)
-            over = measured > limits[k]
-            if over and blocked is None:
-                return False
-            peak = window.least_peak if swap else window.peak
-            if (memory_limits is not None and peak(flight, figures, ahead) > memory_limits[k]) or (
-                    kept_limits is not None and window.peak(flight, figures, ahead) > kept_limits[k]):
-                return False
-            if over:
-                blocked.note(k, measured)
-                return False
-            return True
-
+        ahead = aheads[k]
         for s in starts:
             if window.hi <= s:
                 window = _Window(profile, s)
@@ -418,10 +491,11 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
             while window.lo < s:
                 window.pop()
             # The window fitted; without its first layers only what it receives can have grown.
-            while ahead and window.received_bytes > received and window.hi > s and not fits(window, window.now()):
+            while ahead and window.received_bytes > received and window.hi > s and not fits(window, window.now(), k,
+                                                                                               ahead):
                 window.pop_right()
             while window.hi < last_end:
-                if not fits(window, window.grown()):
+                if not fits(window, window.grown(), k, ahead):
                     break
                 window.push()
             for end in range(max(covered, s) + 1, window.hi + 1):
@@ -796,6 +870,24 @@ def _worst(profile, cuts: Sequence[int], capacities: Sequence[float], flights: S
     return worst
 
 
+def _memory_floor(profile: _Compiled, capacities: Sequence[float], swap: bool) -> float:
+    """A lower bound on the fullest stage's ``peak / capacity`` of any cut (``least_peak`` with
+    ``swap``): every weight, and every kept tensor unless it may be swapped, is in at least one
+    stage, the largest working set in one, and the fullest stage is at least as full as all of
+    them together on all the devices. Lowered by a byte a stage, for the rounding of each
+    stage's weights to whole bytes.
+
+    Examples:
+        >>> from lms_tf.pipeline.profile import PipelineProfile
+        >>> chain = _compiled(PipelineProfile.chain([100, 200], [10, 20]))   # (2*30 + 300 - 2) / 2000
+        >>> round(_memory_floor(chain, [1000.0, 1000.0], swap=False), 6), round(_memory_floor(chain, [1000.0] * 2, swap=True), 6)
+        (0.179, 0.029)
+    """
+    whole = _Window.over(profile, 0, len(profile.layers))
+    held = whole.param_bytes * (2 + whole.slots) + (0 if swap else whole.kept_bytes) + whole.work
+    return max(0.0, (held - len(capacities)) / sum(capacities) * (1 - 1e-9))
+
+
 def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights: Sequence[int], measure,
                  memory_limits: Optional[Sequence[float]] = None,
                  swap: bool = False, kept_limits: Optional[Sequence[float]] = None,
@@ -812,9 +904,16 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
     aheads = aheads or [0] * stages
     best = start
     if best is None:
-        # Every stage is part of the whole model, so the whole model's measure bounds every cut.
-        # (What a stage receives is at most every tensor a layer reads from another. Raised by a
-        # hair: measure / capacity * capacity may round one ulp below measure.)
+        # The uniform cut's fullest stage bounds the least limit, and is usually within a factor of
+        # two of it (a sweep at that limit is cheap: its stages are short). Raised by a hair:
+        # measure / capacity * capacity may round one ulp below measure.
+        uniform = _worst(profile, _uniform_cuts(n, stages), capacities, flights, measure, aheads) * (1 + 1e-9)
+        best = _cut(profile, [uniform * c for c in capacities], flights, measure, memory_limits, swap, kept_limits,
+                    aheads)
+    if best is None:
+        # The uniform cut breaks the memory or kept limits: every stage is part of the whole model,
+        # so the whole model's measure bounds every cut. (What a stage receives is at most every
+        # tensor a layer reads from another.)
         whole = _Window.over(profile, 0, n)
         figures = whole.now()[:5] + (sum({k: b for layer in profile.inputs for k, b, _ in layer}.values()),)
         hi = max(measure(whole, figures, flights[k], aheads[k]) / capacities[k] for k in range(stages)) * (1 + 1e-9)
@@ -996,13 +1095,16 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
             # nothing fits: say how close the memory-balanced cut gets
         searched_for_host = swapping and measure is None and kept_limits is not None
         measure = measure or _measure("memory", swapping)
+        floor = _memory_floor(profile, capacities, swapping)
         if searched_for_host:
             # the cuts whose swapping stages fit the host, if one fits the devices too; else the
             # least peaks regardless (reported as needing more host memory)
-            cuts = _least_limit(profile, capacities, flights, measure, kept_limits=kept_limits, aheads=aheads)
+            cuts = _least_limit(profile, capacities, flights, measure, kept_limits=kept_limits, aheads=aheads,
+                                lo=floor)
             if cuts is not None and _worst(profile, cuts, capacities, flights, measure, aheads) <= 1.0:
                 return then_fastest(cuts, measure, swapping, kept_limits)
-        return then_fastest(_least_limit(profile, capacities, flights, measure, aheads=aheads), measure, swapping)
+        return then_fastest(_least_limit(profile, capacities, flights, measure, aheads=aheads, lo=floor), measure,
+                            swapping)
 
     def then_fastest(cuts: List[int], measure, swapping: bool, kept=None) -> List[int]:
         """Of the cuts whose fullest stage is no fuller than ``cuts``', the one with the least
