@@ -188,6 +188,67 @@ def test_time_objective_is_fastest_among_cuts_that_fit():
     assert tight.max_stage_peak_bytes <= balanced.max_stage_peak_bytes
 
 
+def test_packing_from_the_front_is_not_trusted_to_prove_there_is_no_cut():
+    """Four layers keeping 1, 1, 10 and 1 bytes, each receiving 1 byte; 1F1B, 3 stages, 3
+    micro-batches (in flight 3, 2, 1). At a limit of 12 B the first stage can take two layers
+    (6 B), but then the second must start at the 10 B layer, which it cannot hold (2 x 10 B),
+    even without what it receives ahead. The only cut is 1 | 1 | 2 (3, 2 + 1 and 11 + 1 B): found
+    by packing from the last stage back, the looser stage taking the large layer."""
+    from lms_tf.pipeline import partition as module
+    layers = [LayerProfile("l0", saved=(("a0", 1),))] + [
+        LayerProfile(f"l{i}", saved=((f"a{i}", kept),), inputs=((f"x{i}", 1, i - 1),))
+        for i, kept in ((1, 1), (2, 10), (3, 1))]
+    chain = module._compiled(PipelineProfile(tuple(layers)))
+    flights, aheads, memory = [3, 2, 1], [0, 1, 1], module._measure("memory")
+    relaxed = module._fitting([12] * 3, flights, memory, None, False, None, None)
+    assert module._packed(chain, 3, relaxed, [0, 0, 0]) is None
+    assert module._cut(chain, [12] * 3, flights, memory, aheads=aheads) == [1, 2, 4]
+    assert module._cut(chain, [11] * 3, flights, memory, aheads=aheads) is None
+    assert partition_layers(chain.profile, stages=3, microbatches=3).bounds == [(0, 1), (1, 2), (2, 4)]
+
+
+def test_greedy_packing_decides_each_try_as_the_full_sweep_does():
+    """The one-pass shortcuts of ``_cut`` against its sweep over every start, on layers with skip
+    connections (what a stage receives ahead can grow as it starts later), 1F1B and GPipe, equal
+    devices and devices growing or shrinking along the pipeline, at limits around the least: a cut
+    exists exactly when the sweep finds one, each cut returned meets the limits, and when none
+    exists no limit below the least figure noted as blocking has one either."""
+    from lms_tf.pipeline import partition as module
+    rng = random.Random(11)
+    decided = {"cut": 0, "none": 0, "growing": 0, "shrinking": 0}
+    for trial in range(500):
+        n = rng.randrange(2, 14)
+        stages = rng.randrange(1, min(n, 5) + 1)
+        micro, schedule = rng.randrange(1, 9), rng.choice(["1f1b", "gpipe"])
+        profile = module._compiled(rng.choice([random_profile, crossing_profile])(rng, n))
+        flights = [module.in_flight(schedule, k, stages, micro) for k in range(stages)]
+        aheads = [module.received_ahead(schedule, k, stages, micro) for k in range(stages)]
+        capacities = sorted(rng.uniform(0.5, 2.0) for _ in range(stages))
+        shape = rng.choice(["equal", "growing", "shrinking"])
+        capacities = {"equal": [1.0] * stages, "growing": capacities, "shrinking": capacities[::-1]}[shape]
+        measure = module._measure("memory", swap=rng.random() < 0.3)
+        least = module._least_limit(profile, capacities, flights, measure, aheads=aheads)
+        fullest = module._worst(profile, least, capacities, flights, measure, aheads)
+        for tau in (fullest * rng.uniform(0.6, 1.0), fullest, *(fullest * rng.uniform(1.0, 1.3) for _ in range(3))):
+            limits = [tau * c for c in capacities]
+            blocked = module._Blocked(capacities)
+            cuts = module._cut(profile, limits, flights, measure, aheads=aheads, blocked=blocked)
+            fits = module._fitting(limits, flights, measure, None, False, None, None)
+            swept = module._swept(profile, stages, fits, aheads)
+            assert (cuts is None) == (swept is None), (trial, tau / fullest, shape)
+            if cuts is None:
+                decided["none"] += 1
+                below = [blocked.least * (1 - 1e-12) * c for c in capacities]
+                assert module._swept(profile, stages, module._fitting(below, flights, measure, None, False, None, None),
+                                     aheads) is None, trial
+            else:
+                decided["cut"] += 1
+                if shape != "equal":
+                    decided[shape] += 1
+                assert cuts[-1] == n and module._worst(profile, cuts, capacities, flights, measure, aheads) <= tau
+    assert min(decided.values()) >= 20, decided
+
+
 def test_thousand_layers_are_cut_with_linear_sweeps(monkeypatch):
     """The search's work on 1,000 layers: each try of the bisection is at most three greedy passes
     over the layers and one sweep in which every stage's window takes each layer at most once, and

@@ -473,9 +473,12 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
         if all(fits(window, window.now(), k, aheads[k]) for k, window in enumerate(
                 _Window.over(profile, lo, hi) for lo, hi in zip([0] + cuts[:-1], cuts))):
             return cuts
-    cuts = _packed(profile, stages, fits, aheads)
-    if cuts is not None:
-        return cuts
+    return _packed(profile, stages, fits, aheads) or _swept(profile, stages, fits, aheads)
+
+
+def _swept(profile: _Compiled, stages: int, fits, aheads: Sequence[int]) -> Optional[List[int]]:
+    """:func:`_cut`'s sweep over every position each stage can start at: the stage ends, or None."""
+    n = len(profile.layers)
     starts = [0]
     came_from: List[Dict[int, int]] = []
     for k in range(stages):
