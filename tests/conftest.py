@@ -27,3 +27,22 @@ from tests.helpers import CPU_LMS  # noqa: E402
 def cpu_lms():
     """The device and host every rewriting test uses (a fresh dict per test)."""
     return dict(CPU_LMS)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def _log_resident_memory(request):
+    """With ``LMS_TF_TEST_RSS_LOG=path``, appends each test's process id, resident bytes after it
+    and name there. The suite runs the CPU on the BFC allocator, which keeps what it took until
+    its process ends: this is how to find the test that left a pytest worker large (a worker that
+    grows to half the machine's memory is what the kernel kills beside a test that starts a large
+    process of its own)."""
+    yield
+    log = os.environ.get("LMS_TF_TEST_RSS_LOG")
+    if log:
+        with open(log, "a") as out:
+            out.write(f"{os.getpid()} {_resident_bytes()} {request.node.nodeid}\n")
