@@ -2,6 +2,7 @@
 skips and branches cut and counted where they are read, optimal on a real profile, the CLI and the
 API's bad input."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -258,3 +259,38 @@ def test_each_layers_working_set_holds_its_kernels_scratch_as_the_simulator_coun
     assert len({by_name[k]["head"] for k in KERNEL_LIBRARIES}) == 1, by_name
     with pytest.raises(lms_tf.LMSOptionError, match="kernels= must be one of 'cudnn', 'eigen', 'onednn'.*got 'mkl'"):
         trace_profile(model, microbatch=16, cost=COST, kernels="mkl")
+
+
+def test_the_tensors_the_planner_may_not_move_are_pinned_and_stay_on_a_swapping_stage():
+    """A Transformer encoder's profile marks as pinned exactly the kept tensors lms-tf's planner
+    refuses to move (a constant factor Grappler regroups with a backward op, a value two identical
+    backward ops of a LayerNorm read, integer tensors TensorFlow keeps in host memory), and no
+    other: a swapping stage's least peak holds those for every micro-batch in flight, on top of
+    what any swapping stage keeps."""
+    from lms_tf.core.policy import Policies
+    from lms_tf.pipeline import stage_peak
+    from lms_tf.planner.candidates import collect_candidates
+    from lms_tf.tf.trace import trace_step_ir
+    from lms_tf.tf.workloads import synthetic_batch, train_step, transformer_encoder
+
+    model = transformer_encoder(seq_len=16, vocab=100, dim=32, heads=2, blocks=2)
+    profile = trace_profile(model, microbatch=2, cost=COST)
+    ir = trace_step_ir(train_step(model, keras.optimizers.SGD()), *synthetic_batch(model, 2))
+    refused = collect_candidates(ir, Policies(), device="/device:GPU:0").kept
+    saved = {t for layer in profile.layers for t, _ in layer.saved}
+    pinned = {t for layer in profile.layers for t in layer.pinned}
+    # the profile traces the same step again, so tensors are matched by name
+    assert pinned == {t for t in saved if t in refused} and pinned, (pinned, sorted(refused))
+    reasons = {refused[t].reason.split(" (")[0] for t in pinned}
+    assert {"constant factor Grappler regroups with a backward reader",
+            "read by two identical backward ops that Grappler merges into one"} <= reasons, reasons
+    assert sum(b for layer in profile.layers for t, b in layer.saved if t in pinned) < sum(
+        b for layer in profile.layers for _, b in layer.saved)
+    n = len(profile.layers)
+    unpinned = type(profile)(tuple(dataclasses.replace(layer, pinned=()) for layer in profile.layers),
+                             profile.slot_bytes_per_param_byte)
+    pinned_bytes = sum({t: b for layer in profile.layers for t, b in layer.saved if t in pinned}.values())
+    for flight in (1, 4):
+        assert stage_peak(profile, 0, n, flight, swap=True) == min(
+            stage_peak(profile, 0, n, flight),
+            stage_peak(unpinned, 0, n, flight, swap=True) + flight * pinned_bytes)

@@ -188,6 +188,47 @@ def test_time_objective_is_fastest_among_cuts_that_fit():
     assert tight.max_stage_peak_bytes <= balanced.max_stage_peak_bytes
 
 
+def test_a_swapping_stage_keeps_the_pinned_tensors_of_every_microbatch_by_hand():
+    """Chain of 100, 200 and 300 B kept, the 200 B tensor pinned (the planner may not move it)
+    and also kept by the last layer: with 3 micro-batches in flight the stage keeps 3 x 600 B;
+    swapping, 2 layers' largest (2 x 300) plus 3 x 200 pinned; the pinned tensor read by two
+    layers counts once, and the window's counts follow layers joining and leaving at either end."""
+    from lms_tf.pipeline import partition as module
+    chain = PipelineProfile.chain([100, 200, 300])
+    layers = list(chain.layers)
+    layers[1] = dataclasses.replace(layers[1], pinned=("layer1:in",))
+    layers[2] = dataclasses.replace(layers[2], saved=layers[2].saved + (("layer1:in", 200),), pinned=("layer1:in",))
+    profile = PipelineProfile(tuple(layers))
+    assert stage_peak(profile, 0, 3, 3) == 3 * 600
+    assert stage_peak(profile, 0, 3, 3, swap=True) == 2 * 500 + 3 * 200   # the last layer keeps 300 + 200
+    assert stage_peak(profile, 2, 3, 1, swap=True) == stage_peak(profile, 2, 3, 1) == 500
+    rng = random.Random(3)
+    for trial in range(200):
+        n = rng.randrange(2, 12)
+        base = crossing_profile(rng, n)
+        names = [t for layer in base.layers for t, _ in layer.saved]
+        chosen = set(rng.sample(names, rng.randrange(0, len(names) + 1)))
+        shared = [dataclasses.replace(layer, saved=layer.saved + ((names[0], base.layers[0].saved[0][1]),)
+                                      if i % 3 == 2 else layer.saved) for i, layer in enumerate(base.layers)]
+        profile = module._compiled(PipelineProfile(tuple(dataclasses.replace(
+            layer, pinned=tuple(t for t, _ in layer.saved if t in chosen)) for layer in shared)))
+        window = module._Window(profile, 0)
+        for _ in range(40):
+            move = rng.choice(["push", "push", "pop", "pop_right"])
+            if move == "push" and window.hi < n:
+                grown = window.grown()
+                window.push()
+                assert grown == window.now()
+            elif move == "pop" and window.lo < window.hi:
+                window.pop()
+            elif move == "pop_right" and window.lo < window.hi:
+                window.pop_right()
+            expected = module._Window.over(profile, window.lo, window.hi).now()
+            assert window.now()[:3] + window.now()[4:] == expected[:3] + expected[4:], (trial, window.lo, window.hi)
+            pinned = {t: b for layer in profile.layers[window.lo:window.hi] for t, b in layer.saved if t in chosen}
+            assert window.pinned_bytes == sum(pinned.values())
+
+
 def test_packing_from_the_front_is_not_trusted_to_prove_there_is_no_cut():
     """Four layers keeping 1, 1, 10 and 1 bytes, each receiving 1 byte; 1F1B, 3 stages, 3
     micro-batches (in flight 3, 2, 1). At a limit of 12 B the first stage can take two layers

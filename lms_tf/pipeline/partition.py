@@ -22,8 +22,9 @@ cut by their own measure, and every partition is then judged by the same memory 
 When no cut fits every stage on its device (or under the budget), a stage that does not fit swaps
 activations to the host, as lms-tf does on one device (``swap=True``, the default): at least
 ``weights * (2 + slots) + working set + SWAP_RESIDENT * the largest layer's kept activations``
-stay on the device (the layer whose backward pass runs, and the next one being copied in), and the
-stage swaps just the bytes over its limit. Those bytes are spread over the micro-batches it holds;
+stay on the device (the layer whose backward pass runs, and the next one being copied in), with
+the kept tensors lms-tf's planner may not move (``LayerProfile.pinned``) for every micro-batch in
+flight, and the stage swaps just the bytes over its limit. Those bytes are spread over the micro-batches it holds;
 each micro-batch's share goes out and comes back over the device's link, beside the compute, so
 the stage's time per micro-batch is at least that copy's. The cut is first searched without
 swapping; only if none fits is it searched again by the least peaks, and only the stages that do
@@ -103,8 +104,12 @@ class _Compiled:
         kept_ids: Dict[str, int] = {}
         self.params = [tuple((param_ids.setdefault(name, len(param_ids)), b) for name, b in layer.params)
                        for layer in profile.layers]
-        self.kept = [tuple((kept_ids.setdefault(name, len(kept_ids)), b) for name, b in layer.saved)
+        # (a tensor a layer lists twice is kept once)
+        self.kept = [tuple((kept_ids.setdefault(name, len(kept_ids)), b) for name, b in dict(layer.saved).items())
                      for layer in profile.layers]
+        pinned = {name for layer in profile.layers for name in layer.pinned}
+        self.pinned = [tuple((kept_ids[name], b) for name, b in dict(layer.saved).items() if name in pinned)
+                       for layer in profile.layers]
         self.work = [layer.work_bytes for layer in profile.layers]
         read_ids: Dict[str, int] = {}
         self.inputs = [tuple((read_ids.setdefault(name, len(read_ids)), b, producer) for name, b, producer in layer.inputs)
@@ -116,7 +121,7 @@ class _Compiled:
                 if 0 <= producer < len(made):
                     made[producer][k] = nbytes
         self.made = [tuple(m.items()) for m in made]   # per layer: the tensors it makes that a later layer reads
-        self.layer_kept = [sum(b for _, b in layer.saved) for layer in profile.layers]
+        self.layer_kept = [sum(dict(layer.saved).values()) for layer in profile.layers]
         self.work_max, self.kept_max = _RangeMax(self.work), _RangeMax(self.layer_kept)
         self.seconds = [layer.forward_s + layer.backward_s for layer in profile.layers]
         self.n_params, self.n_kept = len(param_ids), len(kept_ids)
@@ -194,6 +199,7 @@ class _Window:
         self.params = [0] * self.c.n_params
         self.kept = [0] * self.c.n_kept
         self.param_bytes = self.kept_bytes = 0
+        self.pinned_bytes = 0   # of the kept bytes, those the planner may not move (LayerProfile.pinned)
         self.reads = [0] * self.c.n_read   # layers of the stage reading each tensor
         self.received_bytes = 0   # of those, the tensors made before the stage
         self.work = self.largest = 0   # the largest working set, the largest layer's kept bytes
@@ -207,12 +213,13 @@ class _Window:
             window.push()
         return window
 
-    def now(self) -> Tuple[int, int, int, float, int, int]:
+    def now(self) -> Tuple[int, int, int, float, int, int, int]:
         """(weights, kept activations, working set, seconds, the largest layer's kept bytes, bytes
-        received per micro-batch) of the stage as it is."""
-        return (self.param_bytes, self.kept_bytes, self.work, self.seconds, self.largest, self.received_bytes)
+        received per micro-batch, kept bytes the planner may not move) of the stage as it is."""
+        return (self.param_bytes, self.kept_bytes, self.work, self.seconds, self.largest, self.received_bytes,
+                self.pinned_bytes)
 
-    def grown(self) -> Tuple[int, int, int, float, int, int]:
+    def grown(self) -> Tuple[int, int, int, float, int, int, int]:
         """:meth:`now` with layer ``hi`` added."""
         c, i = self.c, self.hi
         params, counts = self.param_bytes, self.params
@@ -223,13 +230,17 @@ class _Window:
         for k, nbytes in c.kept[i]:
             if not counts[k]:
                 kept += nbytes
+        pinned = self.pinned_bytes
+        for k, nbytes in c.pinned[i]:
+            if not counts[k]:
+                pinned += nbytes
         received, reads, lo = self.received_bytes, self.reads, self.lo
         for k, nbytes, producer in c.inputs[i]:
             if producer < lo and not reads[k]:
                 received += nbytes
         work, largest = c.work[i], c.layer_kept[i]
         return (params, kept, self.work if self.work > work else work, self.seconds + c.seconds[i],
-                self.largest if self.largest > largest else largest, received)
+                self.largest if self.largest > largest else largest, received, pinned)
 
     # push, pop and pop_right are plain loops over flat tuples: the search calls them millions of
     # times on 1,000 layers.
@@ -242,6 +253,9 @@ class _Window:
                 self.param_bytes += nbytes
             counts[k] += 1
         counts = self.kept
+        for k, nbytes in c.pinned[i]:   # (before the kept counts below: counted when first kept)
+            if not counts[k]:
+                self.pinned_bytes += nbytes
         for k, nbytes in c.kept[i]:
             if not counts[k]:
                 self.kept_bytes += nbytes
@@ -271,6 +285,9 @@ class _Window:
             counts[k] -= 1
             if not counts[k]:
                 self.kept_bytes -= nbytes
+        for k, nbytes in c.pinned[i]:   # (after the kept counts above: counted while still kept)
+            if not counts[k]:
+                self.pinned_bytes -= nbytes
         self.seconds -= c.seconds[i]
 
     def pop_right(self) -> None:
@@ -303,21 +320,21 @@ class _Window:
         if c.layer_kept[i] == self.largest:
             self.largest = c.kept_max(i + 1, self.hi)
 
-    def peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int, int]] = None,
+    def peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int, int, int]] = None,
              ahead: int = 0) -> int:
         """The stage's predicted peak with ``flight`` micro-batches in flight and the input of
         ``ahead`` more received (see :func:`received_ahead`); ``figures``: from :meth:`grown`
         instead of the stage as it is."""
-        params, kept, work, _, _, received = figures or self.now()
+        params, kept, work, _, _, received, _ = figures or self.now()
         return int(params * (2 + self.slots)) + flight * kept + ahead * received + work
 
-    def least_peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int, int]] = None,
+    def least_peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int, int, int]] = None,
                    ahead: int = 0) -> int:
         """The least peak the stage reaches by swapping activations (:data:`SWAP_RESIDENT` layers'
-        kept activations stay), or its peak when that is less."""
-        params, kept, work, _, largest, received = figures or self.now()
-        return (int(params * (2 + self.slots)) + min(flight * kept, SWAP_RESIDENT * largest) + ahead * received
-                + work)
+        kept activations stay, and every micro-batch's pinned ones), or its peak when that is less."""
+        params, kept, work, _, largest, received, pinned = figures or self.now()
+        return (int(params * (2 + self.slots)) + min(flight * kept, flight * pinned + SWAP_RESIDENT * largest)
+                + ahead * received + work)
 
 
 def stage_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, swap: bool = False, ahead: int = 0) -> int:
@@ -353,7 +370,7 @@ def recompute_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, wind
         (2100, 1200)
     """
     window = window or _Window.over(profile, lo, hi)
-    params, kept, work, _, _, _ = window.now()
+    params, kept, work, _, _, _, _ = window.now()
     received = _received(profile, lo, hi)
     saved = {t for layer in profile.layers[lo:hi] for t, _ in layer.saved}
     again = sum(b for t, b in received.items() if t in saved)
@@ -559,8 +576,7 @@ def _recompute_cut(profile: PipelineProfile, capacities: Sequence[float], flight
                     again += seen_received.get(name, 0)
             window.push()
             params = int(window.param_bytes * weight)
-            _, kept, work, _, largest, _ = window.now()
-            swapping = params + SWAP_RESIDENT * largest + work if swap else inf
+            _, kept, work, _, largest, _, pinned = window.now()
             growing = False
             for k in open_stages:
                 if end > n - (stages - 1 - k):   # leave one layer for each later stage
@@ -568,6 +584,7 @@ def _recompute_cut(profile: PipelineProfile, capacities: Sequence[float], flight
                 flight, ahead = flights[k], aheads[k]
                 # the lowest of keeping everything, swapping and recomputing (see recompute_peak);
                 # each holds the next micro-batch's input too when it arrives ahead
+                swapping = params + min(flight * kept, flight * pinned + SWAP_RESIDENT * largest) + work if swap else inf
                 lowest = min(params + flight * kept + work, params + flight * received + kept - again + work,
                              swapping) + ahead * received
                 fraction = lowest / capacities[k]
@@ -876,8 +893,8 @@ def _worst(profile, cuts: Sequence[int], capacities: Sequence[float], flights: S
 def _memory_floor(profile: _Compiled, capacities: Sequence[float], swap: bool) -> float:
     """A lower bound on the fullest stage's ``peak / capacity`` of any cut (``least_peak`` with
     ``swap``): every weight, and every kept tensor unless it may be swapped, is in at least one
-    stage, the largest working set in one, and the fullest stage is at least as full as all of
-    them together on all the devices. Lowered by a byte a stage, for the rounding of each
+    stage (with ``swap``, the kept tensors the planner may not move), the largest working set in
+    one, and the fullest stage is at least as full as all of them together on all the devices. Lowered by a byte a stage, for the rounding of each
     stage's weights to whole bytes.
 
     Examples:
@@ -887,7 +904,7 @@ def _memory_floor(profile: _Compiled, capacities: Sequence[float], swap: bool) -
         (0.179, 0.029)
     """
     whole = _Window.over(profile, 0, len(profile.layers))
-    held = whole.param_bytes * (2 + whole.slots) + (0 if swap else whole.kept_bytes) + whole.work
+    held = whole.param_bytes * (2 + whole.slots) + (whole.pinned_bytes if swap else whole.kept_bytes) + whole.work
     return max(0.0, (held - len(capacities)) / sum(capacities) * (1 - 1e-9))
 
 
@@ -918,7 +935,9 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
         # so the whole model's measure bounds every cut. (What a stage receives is at most every
         # tensor a layer reads from another.)
         whole = _Window.over(profile, 0, n)
-        figures = whole.now()[:5] + (sum({k: b for layer in profile.inputs for k, b, _ in layer}.values()),)
+        figures = list(whole.now())
+        figures[5] = sum({k: b for layer in profile.inputs for k, b, _ in layer}.values())
+        figures = tuple(figures)
         hi = max(measure(whole, figures, flights[k], aheads[k]) / capacities[k] for k in range(stages)) * (1 + 1e-9)
         best = _cut(profile, [hi * c for c in capacities], flights, measure, memory_limits, swap, kept_limits, aheads)
         if best is None:

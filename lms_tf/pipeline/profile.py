@@ -16,6 +16,10 @@ Per layer:
   does not keep, plus outputs; gradients flowing through its backward ops), plus the scratch
   its kernel takes from the allocator while it runs (a convolution's cuDNN workspace; on a CPU
   without oneDNN, Eigen's ~30 MiB im2col buffer of a filter gradient), as the simulator counts it.
+* ``pinned``: those of its ``saved`` tensors lms-tf's planner may not move off the device (the
+  step's own inputs, a constant factor Grappler folds into a backward op, a value two identical
+  backward ops read: see :func:`lms_tf.planner.candidates.collect_candidates`). A stage that swaps
+  keeps these for every micro-batch in flight.
 * ``inputs``: the forward tensors it reads from earlier layers, ``(tensor, bytes, producer
   layer index)``: what a pipeline cut before it sends forward (and its gradient back).
 * ``forward_s`` / ``backward_s``: predicted compute time per micro-batch; ``update_s``: the
@@ -39,7 +43,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.ir import GraphIR, Phase, layer_of
+from lms_tf.core.policy import Policies
 from lms_tf.cost.model import CostModel
+from lms_tf.planner.candidates import collect_candidates
 from lms_tf.simulate import kernel_scratch_bytes, resident_buffers
 
 #: Op types whose outputs are the variables themselves, not activations.
@@ -68,6 +74,7 @@ class LayerProfile:
     forward_s: float = 0.0
     backward_s: float = 0.0
     update_s: float = 0.0
+    pinned: Tuple[str, ...] = ()
 
     @property
     def param_bytes(self) -> int:
@@ -298,6 +305,9 @@ def profile_layers(ir: GraphIR, cost: CostModel, *, layer_scopes: Optional[Mappi
             shared += cost.op_time(ir, op)
         else:
             update_s[layer] += cost.op_time(ir, op)
+    # What the planner keeps on the device whatever the budget ("/device:GPU:0": ops traced
+    # without a device run on the accelerator).
+    unmovable = set(collect_candidates(ir, Policies(), device="/device:GPU:0").kept)
     weight_bytes = {name: sum(params[name].values()) for name in order}
     total_weights = sum(weight_bytes.values())
     layer_handles = {h for name in order for h in params[name]}
@@ -307,6 +317,7 @@ def profile_layers(ir: GraphIR, cost: CostModel, *, layer_scopes: Optional[Mappi
         work_bytes=work[name], inputs=tuple(sorted((t, b, i) for t, (b, i) in inputs[name].items())),
         forward_s=forward_s[name], backward_s=backward_s[name],
         update_s=update_s[name] + (shared * weight_bytes[name] / total_weights if total_weights else
-                                   shared / len(order)))
+                                   shared / len(order)),
+        pinned=tuple(sorted(t for t in saved[name] if t in unmovable)))
         for name in order)
     return PipelineProfile(layers, slots / total_weights if total_weights else 0.0, microbatch)
