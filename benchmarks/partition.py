@@ -69,7 +69,7 @@ def repeat_blocks(profile: PipelineProfile, blocks: int, block_prefix: str = "bl
             layer.name.replace(block_prefix, f"block{copy}_"), params=tuple((tag(n), b) for n, b in layer.params),
             saved=tuple((tag(n), b) for n, b in layer.saved), work_bytes=layer.work_bytes,
             inputs=tuple((tag(n), b, i + shift) for n, b, i in layer.inputs), forward_s=layer.forward_s,
-            backward_s=layer.backward_s, update_s=layer.update_s)
+            backward_s=layer.backward_s, update_s=layer.update_s, pinned=tuple(tag(n) for n in layer.pinned))
 
     for copy in range(blocks):
         out.extend(renamed(layer, copy, len(out) - first[0]) for layer in block)
