@@ -560,7 +560,9 @@ def _recompute_cut(profile: PipelineProfile, capacities: Sequence[float], flight
         if not open_stages:
             continue
         window = _Window(compiled, start)
-        received = again = 0
+        # what the stage receives and also keeps (counted once, see recompute_peak): the window
+        # counts neither alone
+        again = 0
         seen_received: Dict[str, int] = {}
         seen_kept: set = set()
         for end in range(start + 1, n + 1):
@@ -568,7 +570,6 @@ def _recompute_cut(profile: PipelineProfile, capacities: Sequence[float], flight
             for name, nbytes, producer in layer.inputs:
                 if producer < start and name not in seen_received:
                     seen_received[name] = nbytes
-                    received += nbytes
                     again += nbytes if name in seen_kept else 0
             for name, nbytes in layer.saved:
                 if name not in seen_kept:
@@ -576,7 +577,7 @@ def _recompute_cut(profile: PipelineProfile, capacities: Sequence[float], flight
                     again += seen_received.get(name, 0)
             window.push()
             params = int(window.param_bytes * weight)
-            _, kept, work, _, largest, _, pinned = window.now()
+            _, kept, work, _, largest, received, pinned = window.now()
             growing = False
             for k in open_stages:
                 if end > n - (stages - 1 - k):   # leave one layer for each later stage
