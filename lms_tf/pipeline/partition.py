@@ -24,11 +24,11 @@ activations to the host, as lms-tf does on one device (``swap=True``, the defaul
 ``weights * (2 + slots) + working set + SWAP_RESIDENT * the largest layer's kept activations``
 stay on the device (the layer whose backward pass runs, and the next one being copied in), with
 the kept tensors lms-tf's planner may not move (``LayerProfile.pinned``) for every micro-batch in
-flight, and the stage swaps just the bytes over its limit. Those bytes are spread over the micro-batches it holds;
-each micro-batch's share goes out and comes back over the device's link, beside the compute, so
-the stage's time per micro-batch is at least that copy's. The cut is first searched without
-swapping; only if none fits is it searched again by the least peaks, and only the stages that do
-not fit as they are swap.
+flight, and the stage swaps just the bytes over its limit. Those bytes are spread over the
+micro-batches it holds; each micro-batch's share goes out and comes back over the device's link,
+beside the compute, so the stage's time per micro-batch is at least that copy's. The cut is first
+searched without swapping; only if none fits is it searched again by the least peaks, and only the
+stages that do not fit as they are swap.
 
 The predicted step time (1F1B and GPipe alike) is ``(M + K - 1)`` times the slowest stage's time
 per micro-batch (forward, backward and receiving its inputs and sending their gradients back over
@@ -473,11 +473,12 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
     far as it can leaves the earlier, tighter stages the least, and a layer left to a stage fitted
     a tighter one alone. When that fails there is no cut, and ``blocked`` holds figures at most the
     real ones (every lower limit fails alike); when it succeeds and its stages pass the full test,
-    it is a cut. The rest is swept: the positions where stage ``k`` can end form a set computed
-    from the set where stage ``k - 1`` can end. From a start ``s``, a stage can end anywhere in ``(s, e(s)]`` (a stage that fits still
-    fits without its last layer). Mostly ``e`` does not decrease as ``s`` grows, so one sweep with
-    a window sliding right finds every ``e(s)``; where what the stage receives ahead grew as its
-    first layer left, the window gives back layers at the right until it fits.
+    it is a cut. The rest is swept (:func:`_swept`): the positions where stage ``k`` can end form
+    a set computed from the set where stage ``k - 1`` can end. From a start ``s``, a stage can end
+    anywhere in ``(s, e(s)]`` (a stage that fits still fits without its last layer). Mostly ``e``
+    does not decrease as ``s`` grows, so one sweep with a window sliding right finds every
+    ``e(s)``; where what the stage receives ahead grew as its first layer left, the window gives
+    back layers at the right until it fits.
     """
     n, stages = len(profile.layers), len(limits)
     profile = _compiled(profile)
@@ -585,7 +586,8 @@ def _recompute_cut(profile: PipelineProfile, capacities: Sequence[float], flight
                 flight, ahead = flights[k], aheads[k]
                 # the lowest of keeping everything, swapping and recomputing (see recompute_peak);
                 # each holds the next micro-batch's input too when it arrives ahead
-                swapping = params + min(flight * kept, flight * pinned + SWAP_RESIDENT * largest) + work if swap else inf
+                swapping = (params + min(flight * kept, flight * pinned + SWAP_RESIDENT * largest) + work
+                            if swap else inf)
                 lowest = min(params + flight * kept + work, params + flight * received + kept - again + work,
                              swapping) + ahead * received
                 fraction = lowest / capacities[k]
@@ -893,16 +895,16 @@ def _worst(profile, cuts: Sequence[int], capacities: Sequence[float], flights: S
 
 def _memory_floor(profile: _Compiled, capacities: Sequence[float], swap: bool) -> float:
     """A lower bound on the fullest stage's ``peak / capacity`` of any cut (``least_peak`` with
-    ``swap``): every weight, and every kept tensor unless it may be swapped, is in at least one
-    stage (with ``swap``, the kept tensors the planner may not move), the largest working set in
-    one, and the fullest stage is at least as full as all of them together on all the devices. Lowered by a byte a stage, for the rounding of each
-    stage's weights to whole bytes.
+    ``swap``). Every weight is in at least one stage, and so is every kept tensor (with ``swap``,
+    only those the planner may not move stay), the largest working set is in one, and the fullest
+    stage is at least as full as all of them together on all the devices. Lowered by a byte a
+    stage, for the rounding of each stage's weights to whole bytes.
 
     Examples:
         >>> from lms_tf.pipeline.profile import PipelineProfile
         >>> chain = _compiled(PipelineProfile.chain([100, 200], [10, 20]))   # (2*30 + 300 - 2) / 2000
-        >>> round(_memory_floor(chain, [1000.0, 1000.0], swap=False), 6), round(_memory_floor(chain, [1000.0] * 2, swap=True), 6)
-        (0.179, 0.029)
+        >>> [round(_memory_floor(chain, [1000.0, 1000.0], swap=swap), 6) for swap in (False, True)]
+        [0.179, 0.029]
     """
     whole = _Window.over(profile, 0, len(profile.layers))
     held = whole.param_bytes * (2 + whole.slots) + (whole.pinned_bytes if swap else whole.kept_bytes) + whole.work
