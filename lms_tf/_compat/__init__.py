@@ -33,7 +33,7 @@ from lms_tf._compat.graph import (
                                   set_string_attr,
                                   string_attr,
                                   traced_variables,
-                                  update_input,
+                                  set_device, update_input,
 )
 from lms_tf._compat.grappler import (
                                   GRAPPLER_RECOMPUTED_PREFIX,
@@ -71,5 +71,5 @@ __all__ = ["GRAPPLER_RECOMPUTED_PREFIX", "GRAPPLER_SWAP_OPS", "add_control_input
            "grappler_peak_memory", "infer_shapes_with_inputs", "is_function_graph", "keras_module",
            "layer_scope_aliases", "layer_scope_aliases_in", "move_variables", "nodes_in_call_order", "onednn_enabled",
            "op_is_stateful", "optimizer_entry_points", "place_with_inputs", "profile_allocations", "profile_executed_ops", "rekey_optimizer", "run_again_without_updates",
-           "set_bool_attr", "set_int_attr", "set_jit_compile", "set_string_attr", "string_attr", "update_input",
+           "set_bool_attr", "set_device", "set_int_attr", "set_jit_compile", "set_string_attr", "string_attr", "update_input",
            "using_legacy_keras"]

@@ -48,6 +48,20 @@ def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
     op._update_input(index, tensor)  # pylint: disable=protected-access
 
 
+def set_device(op: tf.Operation, device: str) -> None:
+    """Places ``op`` on ``device`` (in place, during tracing).
+
+    Examples:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     a = tf.constant(1.0, name="a")
+        >>> set_device(a.op, "/device:CPU:0"); a.op.device
+        '/device:CPU:0'
+    """
+    op._set_device(device)  # pylint: disable=protected-access
+
+
 @contextlib.contextmanager
 def automatic_control_dependencies():
     """Adds ``tf.function``'s automatic control edges between the stateful ops created in the

@@ -69,14 +69,20 @@ def host_update_hook(host: str, api: str, move_slots: bool = False) -> Callable:
         if built_before and move_slots:
             from lms_tf import _compat
 
-            graph = _compat.current_graph()
             for variable in optimizer.variables:
                 inner = getattr(variable, "_value", variable)  # the TensorFlow variable under a Keras 3 one
                 if "iteration" not in variable.name and "learning_rate" not in variable.name \
                         and variables_off_device([inner], host) and isinstance(inner, tf.Variable):
-                    _compat.move_variable_in_place(inner, host, graph if _compat.is_function_graph(graph) else None)
+                    current = _compat.current_graph()
+                    _compat.move_variable_in_place(inner, host, current if _compat.is_function_graph(current) else None)
+        from lms_tf import _compat
+
+        graph = _compat.current_graph()
+        before = len(graph.get_operations())
         with tf.device(host):
             result = update(grads, variables)
+        if _compat.is_function_graph(graph):
+            keep_regrouped_on_device(graph, graph.get_operations()[before:], grads)
         slots = [v for v in optimizer.variables if "iteration" not in v.name and "learning_rate" not in v.name]
         off_host = variables_off_device(slots, host)
         if off_host:
@@ -93,3 +99,65 @@ def host_update_hook(host: str, api: str, move_slots: bool = False) -> Callable:
                         host)
         return result
     return hook
+
+
+def keep_regrouped_on_device(graph, update_ops, grads) -> List[str]:
+    """Puts back on the gradients' device the update ops TensorFlow's Grappler regroups with the
+    ops that compute a gradient, and has them read the gradient itself (not the ``IdentityN``
+    the optimizer wraps the gradients in); returns their names.
+
+    On one device, Grappler's arithmetic optimizer regroups a chain of products across the end of
+    the gradient: a BatchNormalization scale's gradient ``(dy * rsqrt) * learning_rate`` runs as
+    ``(learning_rate * dy) * rsqrt``. Across two devices it cannot, so with the update on the host
+    the product was rounded differently from the plain step (a last-bit difference, found on a
+    CPU where the plain step's values hit it). Which ops it regroups is read off an offline run of
+    Grappler's default pipeline on the step as traced so far, all on one device: an update op
+    that reads a value of the gradient's computation other than the gradient, or whose value a
+    gradient op reads, is regrouped. Those ops hold a gradient-sized product, so the device holds
+    nothing more than the gradient it replaces.
+
+    Examples:
+        >>> keep_regrouped_on_device(tf.Graph(), [], [])
+        []
+    """
+    from lms_tf import _compat
+    from lms_tf.tf.rewrite.serialize import grappler_fetches
+
+    updates = {op.name: op for op in update_ops}
+    if not updates:
+        return []
+    sources = {t.op.name: t.op for t in grads if t is not None}
+    virtual = "/job:localhost/replica:0/task:0/device:CPU:0"
+    graph_def = graph.as_graph_def()
+    for node in graph_def.node:
+        node.device = virtual
+    optimized = {node.name: node for node in _compat.grappler_default_optimized(
+        graph_def, grappler_fetches(graph), (virtual, "CPU", 2**30)).node}
+    original = {op.name: {t.op.name for t in op.inputs} for op in graph.get_operations()}
+
+    def reads(name: str) -> set:
+        return {i.lstrip("^").split(":")[0] for i in optimized[name].input if not i.startswith("^")}
+
+    regrouped = set()
+    for name in updates:
+        if name in optimized and any(r not in updates and r not in original[name] for r in reads(name)):
+            regrouped.add(name)
+    for name in original:
+        if name not in updates and name in optimized:
+            regrouped |= {r for r in reads(name) - original[name] if r in updates}
+    # Variable reads stay with their variable (TensorFlow colocates them); what they read is copied.
+    moved = []
+    for name in sorted(regrouped):
+        op = updates[name]
+        if op.type in ("ReadVariableOp", "VarHandleOp") or any(t.dtype == tf.resource for t in op.inputs):
+            continue
+        for index, tensor in enumerate(op.inputs):
+            if tensor.op.type == "IdentityN" and tensor.op.name in updates:
+                _compat.update_input(op, index, tensor.op.inputs[tensor.value_index])
+        device = next((t.op.device for t in op.inputs if t.op.name in sources or t.op.name not in updates), "")
+        _compat.set_device(op, device)
+        moved.append(name)
+    if moved:
+        logger.debug("optimizer on the host: %d update ops Grappler regroups with a gradient stay on the device: %s",
+                     len(moved), moved[:5])
+    return moved
