@@ -29,6 +29,11 @@ logger = logging.getLogger("lms_tf")
 HOST_UPDATE_ORDER = 1
 
 
+def _slots(optimizer) -> list:
+    """The optimizer's per-weight state (its step counter and learning rate are not slots)."""
+    return [v for v in optimizer.variables if "iteration" not in v.name and "learning_rate" not in v.name]
+
+
 def variables_off_device(variables, device: str) -> List[str]:
     """Names of ``variables`` that are not placed on ``device`` (compared as DeviceSpecs).
 
@@ -82,8 +87,8 @@ def host_update_hook(host: str, api: str, move_slots: bool = False) -> Callable:
         with tf.device(host):
             result = update(grads, variables)
         if _compat.is_function_graph(graph):
-            keep_regrouped_on_device(graph, graph.get_operations()[before:], grads)
-        slots = [v for v in optimizer.variables if "iteration" not in v.name and "learning_rate" not in v.name]
+            keep_gradient_products_on_device(graph.get_operations()[before:], grads)
+        slots = _slots(optimizer)
         off_host = variables_off_device(slots, host)
         if off_host:
             why = ("it was built before this step was traced" if built_before
@@ -101,63 +106,47 @@ def host_update_hook(host: str, api: str, move_slots: bool = False) -> Callable:
     return hook
 
 
-def keep_regrouped_on_device(graph, update_ops, grads) -> List[str]:
-    """Puts back on the gradients' device the update ops TensorFlow's Grappler regroups with the
-    ops that compute a gradient, and has them read the gradient itself (not the ``IdentityN``
-    the optimizer wraps the gradients in); returns their names.
+def keep_gradient_products_on_device(update_ops, grads) -> List[str]:
+    """Puts back on the gradients' device the update ops that compute from the gradients alone
+    (and the optimizer's hyperparameters), not from a slot, and has them read each gradient
+    itself rather than the ``IdentityN`` the optimizer wraps the gradients in; returns their names.
 
-    On one device, Grappler's arithmetic optimizer regroups a chain of products across the end of
-    the gradient: a BatchNormalization scale's gradient ``(dy * rsqrt) * learning_rate`` runs as
-    ``(learning_rate * dy) * rsqrt``. Across two devices it cannot, so with the update on the host
-    the product was rounded differently from the plain step (a last-bit difference, found on a
-    CPU where the plain step's values hit it). Which ops it regroups is read off an offline run of
-    Grappler's default pipeline on the step as traced so far, all on one device: an update op
-    that reads a value of the gradient's computation other than the gradient, or whose value a
-    gradient op reads, is regrouped. Those ops hold a gradient-sized product, so the device holds
-    nothing more than the gradient it replaces.
+    On one device, TensorFlow's Grappler regroups chains of products across the end of a
+    gradient: a BatchNormalization scale's gradient times the learning rate,
+    ``(dy * rsqrt) * lr``, runs as ``(lr * dy) * rsqrt``. Across two devices it cannot, so with
+    those products on the host the step rounded differently from the plain one (a last-bit
+    difference, on a CPU whose values hit it). With the products on the device the device runs
+    what it runs in the plain step, and they hold no more than the gradient they replace: what
+    is sent to the host is the product instead of the gradient (Adam sends the gradient and its
+    square). Everything that reads a slot stays on the host.
 
     Examples:
-        >>> keep_regrouped_on_device(tf.Graph(), [], [])
+        >>> keep_gradient_products_on_device([], [])
         []
     """
     from lms_tf import _compat
-    from lms_tf.tf.rewrite.serialize import grappler_fetches
 
-    updates = {op.name: op for op in update_ops}
-    if not updates:
-        return []
-    sources = {t.op.name: t.op for t in grads if t is not None}
-    virtual = "/job:localhost/replica:0/task:0/device:CPU:0"
-    graph_def = graph.as_graph_def()
-    for node in graph_def.node:
-        node.device = virtual
-    optimized = {node.name: node for node in _compat.grappler_default_optimized(
-        graph_def, grappler_fetches(graph), (virtual, "CPU", 2**30)).node}
-    original = {op.name: {t.op.name for t in op.inputs} for op in graph.get_operations()}
-
-    def reads(name: str) -> set:
-        return {i.lstrip("^").split(":")[0] for i in optimized[name].input if not i.startswith("^")}
-
-    regrouped = set()
-    for name in updates:
-        if name in optimized and any(r not in updates and r not in original[name] for r in reads(name)):
-            regrouped.add(name)
-    for name in original:
-        if name not in updates and name in optimized:
-            regrouped |= {r for r in reads(name) - original[name] if r in updates}
-    # Variable reads stay with their variable (TensorFlow colocates them); what they read is copied.
-    moved = []
-    for name in sorted(regrouped):
-        op = updates[name]
-        if op.type in ("ReadVariableOp", "VarHandleOp") or any(t.dtype == tf.resource for t in op.inputs):
+    updates = {op.name for op in update_ops}
+    gradient_ops = {t.op.name for t in grads if t is not None}
+    derived_from_slot, from_gradient, moved = set(), set(), []
+    for op in update_ops:   # in creation order: an op's inputs come before it
+        sources = [t.op.inputs[t.value_index] if t.op.type == "IdentityN" and t.op.name in updates else t
+                   for t in op.inputs]
+        # A read of a variable that is not a scalar hyperparameter reads a slot (or a weight).
+        if (op.type == "ReadVariableOp" and op.outputs[0].shape.rank != 0) or any(
+                t.op.name in derived_from_slot for t in op.inputs):
+            derived_from_slot.add(op.name)
             continue
-        for index, tensor in enumerate(op.inputs):
-            if tensor.op.type == "IdentityN" and tensor.op.name in updates:
-                _compat.update_input(op, index, tensor.op.inputs[tensor.value_index])
-        device = next((t.op.device for t in op.inputs if t.op.name in sources or t.op.name not in updates), "")
-        _compat.set_device(op, device)
-        moved.append(name)
+        if op.type == "IdentityN" or any(t.dtype == tf.resource for t in op.inputs) or not any(
+                t.op.name in gradient_ops or t.op.name in from_gradient for t in sources):
+            continue
+        from_gradient.add(op.name)
+        for index, (tensor, source) in enumerate(zip(op.inputs, sources)):
+            if source is not tensor:
+                _compat.update_input(op, index, source)
+        _compat.set_device(op, next(t.op.device for t in sources if t.op.name in gradient_ops | from_gradient))
+        moved.append(op.name)
     if moved:
-        logger.debug("optimizer on the host: %d update ops Grappler regroups with a gradient stay on the device: %s",
+        logger.debug("optimizer on the host: %d update ops that read only gradients stay on the device: %s",
                      len(moved), moved[:5])
     return moved
