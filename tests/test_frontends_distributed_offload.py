@@ -201,12 +201,21 @@ def test_distributed_callback_refuses_eager_models():
 
 @pytest.mark.parametrize("lms_first", [True, False])
 def test_one_rank_distributed_fit_is_bit_identical_and_leaves_the_model_clean(lms_first):
-    """With one rank the average is the gradient itself: every number must be unchanged, and
-    after fit the model's own train_step is back (the next fit traces the plain step)."""
+    """With one rank the average is the gradient itself: lms-tf beside the averaging changes no
+    number of the same averaged fit without it, and after fit the model's own train_step is back
+    (the next fit traces the plain step). Against the plain fit (no allreduce) the numbers agree
+    to float32 rounding, not bit for bit: on one device Grappler regroups the update's product
+    with the learning rate into the gradient's own products (a BatchNormalization scale's
+    ``(dy * rsqrt) * lr`` runs as ``(lr * dy) * rsqrt``), and the allreduce between them, there
+    in any Horovod step, stops that. Over 12 steps of momentum SGD those last bits grow to a few
+    units in the last place of the weights (measured: 1.8e-7 on a weight of 0.03, 1.2e-7 on one
+    of 5e-7), so the plain fit is compared by its losses."""
     plain = fit_steps(zoo.resnet_style)
+    averaged = fit_steps(zoo.resnet_style, callbacks=[DistributedCallback(bucket_bytes=1)])
     callbacks = [lms_tf.LMSCallback(**CPU_LMS, min_swap_bytes=0), DistributedCallback(bucket_bytes=1)]
     distributed = fit_steps(zoo.resnet_style, callbacks=callbacks if lms_first else callbacks[::-1])
-    assert_same_numbers(plain, distributed)
+    assert_same_numbers(averaged, distributed)
+    np.testing.assert_allclose(plain[0], distributed[0], rtol=1e-6)
     model = distributed[2]
     assert "train_step" not in model.__dict__ and model.train_function is None
 
