@@ -133,10 +133,12 @@ def test_vgg16_with_adam_moves_a_few_weights_as_data_parallelism_does(tmp_path):
     gradient is near zero, a last-bit change moves the weight by up to the learning rate (1e-3)
     per step. Seen after 10 steps at 2 ranks, with this suite's kernels (oneDNN off): hybrid
     2.6e-4 and pure data parallelism 3.6e-4 from one process, each in 0.01% of the weights; with
-    oneDNN's kernels, hybrid 7.8e-3 in 0.8% and data parallelism within 1e-5. So the test asserts
-    what a wrong gradient would break: almost every weight within 1e-5 (a sharding error moves
-    every weight of a layer and those below it), the rest within Adam's 10 steps, and the losses
-    within 1e-5 relative."""
+    oneDNN's kernels, hybrid 7.8e-3 in 0.8% and data parallelism within 1e-5; on a CPU without
+    AVX2 (AMD EPYC, AVX and FMA only), pure data parallelism 3.2e-3 in 2.5% of the weights, the
+    kernels' vector width changing which sums round differently. So the test asserts what a wrong
+    gradient would break: at least 95% of the weights within 1e-5 (a sharding error moves every
+    weight of a layer and those below it), the rest within Adam's 10 steps, and the losses within
+    1e-5 relative."""
     ranks, facts, weights = _mode_job(2, tmp_path, "vgg16_adam")
     reference = weights(0, "adam_reference")
     total = sum(a.size for a in reference)
@@ -144,7 +146,7 @@ def test_vgg16_with_adam_moves_a_few_weights_as_data_parallelism_does(tmp_path):
         trained = weights(0, name)
         moved = sum(int((np.abs(a - b) > TOLERANCE).sum()) for a, b in zip(reference, trained))
         farthest = max(np.abs(a - b).max() for a, b in zip(reference, trained))
-        assert moved / total < 0.02 and farthest <= 10 * 1e-3, (name, moved / total, farthest)
+        assert moved / total < 0.05 and farthest <= 10 * 1e-3, (name, moved / total, farthest)
     np.testing.assert_allclose(facts[0]["adam_custom"]["losses"], facts[0]["adam_reference"]["losses"],
                                rtol=TOLERANCE, atol=0)
 
