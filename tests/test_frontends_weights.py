@@ -208,20 +208,26 @@ def test_executed_order_each_weight_arrives_after_its_trigger_and_before_its_rea
 @pytest.mark.timeout(240)
 def test_executed_order_each_weight_gradient_leaves_the_device_as_soon_as_it_is_complete():
     """TensorFlow's profiler: each weight gradient's copy to the host (the ``_Send`` named after
-    its producer), which the update on the host reads, starts after that gradient op ends and
-    before the next weight gradient is complete: gradients are not held until the backward pass
-    ends. (On logical CPUs the copy moves no bytes, but the executor orders it as on a GPU.)"""
+    its producer: the gradient, or its product with the learning rate, which stays on the device
+    as in the plain step), which the update on the host reads, starts after that gradient op ends
+    and before the next weight gradient is complete: gradients are not held until the backward
+    pass ends. (On logical CPUs the copy moves no bytes, but the executor orders it as on a GPU.)"""
     x, y = _mlp_data()
     fn = _mlp_on_host(swapin_ahead=1)
     fn(x, y)
     events = executed_ops(lambda: fn(x, y))
+    graph = fn.get_concrete_function(x, y).graph
     copies = []
     for send in (e for e in events if e.type == "_Send"):
-        producer_name = send.node.rsplit("/_", 1)[0]
-        if "gradient_tape/" not in producer_name:
+        sent = send.node.rsplit("/_", 1)[0]
+        op = next((o for o in graph.get_operations() if sent.endswith(o.name)), None)
+        # the gradient op itself, or the one the product sent reads
+        gradient = next((t.op.name for t in (op.inputs if op is not None else ()) if "gradient_tape/" in t.op.name),
+                        sent[sent.index("gradient_tape/"):] if "gradient_tape/" in sent else None)
+        if gradient is None:
             continue  # a weight fetch (host -> device), not a gradient
-        producer = find_executed(events, producer_name[producer_name.index("gradient_tape/"):])
-        assert producer is not None, f"no run of {producer_name} in the profile"
+        producer = find_executed(events, gradient)
+        assert producer is not None, f"no run of {gradient} in the profile"
         copies.append((producer, send))
     kernels = [(p, s) for p, s in copies if p.type == "MatMul"]
     assert len(kernels) == 7, [p.node for p, _ in copies]   # one per Dense kernel
