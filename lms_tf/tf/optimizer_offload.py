@@ -70,18 +70,16 @@ def host_update_hook(host: str, api: str, move_slots: bool = False) -> Callable:
         True
     """
     def hook(optimizer, grads, variables, update):
+        from lms_tf import _compat
+
         built_before = bool(getattr(optimizer, "built", False)) and bool(optimizer.variables)
         if built_before and move_slots:
-            from lms_tf import _compat
-
             for variable in optimizer.variables:
                 inner = getattr(variable, "_value", variable)  # the TensorFlow variable under a Keras 3 one
                 if "iteration" not in variable.name and "learning_rate" not in variable.name \
                         and variables_off_device([inner], host) and isinstance(inner, tf.Variable):
                     current = _compat.current_graph()
                     _compat.move_variable_in_place(inner, host, current if _compat.is_function_graph(current) else None)
-        from lms_tf import _compat
-
         graph = _compat.current_graph()
         before = len(graph.get_operations())
         with tf.device(host):
