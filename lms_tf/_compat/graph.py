@@ -22,7 +22,7 @@ def check_private_apis() -> None:
     Examples:
         >>> check_private_apis()
     """
-    missing = [name for name in ("_update_input", "_add_control_input", "_set_attr", "_get_attr_type")
+    missing = [name for name in ("_update_input", "_add_control_input", "_set_attr", "_get_attr_type", "_set_device")
                if not hasattr(tf.Operation, name)]
     from tensorflow.python.framework import func_graph  # noqa: F401 - import is the check
 
