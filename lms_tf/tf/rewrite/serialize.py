@@ -159,23 +159,6 @@ def serial_chain(graph: tf.Graph) -> List[tf.Operation]:
     return sorted(chained, key=lambda op: op.get_attr(SERIAL_ATTR))
 
 
-def grappler_fetches(graph: tf.Graph) -> List[str]:
-    """What an offline Grappler run of ``graph`` must keep: its sinks and its stateful ops (a
-    traced step's updates and its outputs).
-
-    Examples:
-        >>> g = tf.Graph()
-        >>> with g.as_default():
-        ...     a = tf.constant(1.0, name="a")
-        ...     b = tf.negative(a, name="b")
-        >>> grappler_fetches(g)
-        ['b']
-    """
-    ops = graph.get_operations()
-    sinks = [op.name for op in ops if not any(t.consumers() for t in op.outputs) and not op._control_outputs]
-    return sorted(set(sinks) | {op.name for op in ops if _compat.op_is_stateful(op.type)})
-
-
 def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int, *,
                            removed_only: bool = False, folded_shapes_unchanged: bool = False) -> FrozenSet[str]:
     """The ops of ``graph`` that TensorFlow's default Grappler pipeline fuses, folds or regroups
@@ -212,7 +195,10 @@ def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int, *,
     graph_def = graph.as_graph_def()
     for node in graph_def.node:
         node.device = virtual
-    optimized = _compat.grappler_default_optimized(graph_def, grappler_fetches(graph), (virtual, kind, memory_bytes))
+    ops = graph.get_operations()
+    sinks = [op.name for op in ops if not any(t.consumers() for t in op.outputs) and not op._control_outputs]
+    fetches = sorted(set(sinks) | {op.name for op in ops if _compat.op_is_stateful(op.type)})
+    optimized = _compat.grappler_default_optimized(graph_def, fetches, (virtual, kind, memory_bytes))
     if removed_only:
         kept = {node.name for node in optimized.node}
         return frozenset(node.name for node in graph_def.node if node.name not in kept)
