@@ -102,7 +102,7 @@ class LMSFunction:
                     f"variables through a Keras optimizer (optimizer.apply / apply_gradients), so there is no "
                     f"point between the gradients and the update to average them across ranks. Use a Keras "
                     f"optimizer, or drop horovod=True and call hvd.allreduce on the gradients yourself.")
-            self._after_trace(args, kwargs)
+            self._after_trace(args, kwargs, result)
             return result
 
         self._tf_function = tf.function(traced, **tf_function_kwargs)
@@ -143,7 +143,7 @@ class LMSFunction:
             self._broadcast_keepalive.extend(fresh)
 
     @tf.autograph.experimental.do_not_convert
-    def _after_trace(self, args, kwargs) -> None:
+    def _after_trace(self, args, kwargs, result) -> None:
         symbolic = tf.nest.flatten((args, kwargs))
         concrete = getattr(_call_shapes, "stack", [None])[-1]
         if concrete is not None:
@@ -166,7 +166,7 @@ class LMSFunction:
             return
         started = time.perf_counter()
         self.plans.append(rewrite_traced_step(self.options.rewrite_request(device), api=_API,
-                                              input_shapes=input_shapes, irs=self.plain_irs))
+                                              input_shapes=input_shapes, irs=self.plain_irs, outputs=result))
         self.pass_seconds.append(time.perf_counter() - started)
 
     @property

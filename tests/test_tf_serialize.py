@@ -104,6 +104,30 @@ def test_ops_grappler_fuses_stay_off_the_chain():
     assert [op.name for op in serial_chain(g)] == ["dy"]
 
 
+def test_grappler_runs_offline_on_the_step_as_the_runtime_runs_it():
+    """The runtime's arithmetic optimizer runs a gradient's ``(g * r) * lr`` as ``(lr * g) * r``
+    (another rounding) when it knows ``lr`` is a scalar, which it reads off the variable's
+    function argument, and ``g * r`` has one reader once what the step does not return is
+    pruned. The offline run must see both, or ``g * r`` is chained, the regrouping cannot happen,
+    and the numbers change (ResNet-style with SGD, on a CPU without AVX2: one last bit)."""
+    lr, v1, v2 = tf.Variable(0.1), tf.Variable(tf.ones(16)), tf.Variable(tf.ones(16))
+    found = {}
+
+    def step():
+        product = tf.multiply(tf.exp(v1), tf.sqrt(v2), name="product")
+        tf.identity(product, name="dead_end")  # as Keras keeps an unused identity of each gradient
+        out = tf.exp(tf.multiply(product, lr, name="scaled"), name="out")
+        graph = _compat.current_graph()
+        found["returned"] = grappler_rewritten_ops(graph, "/device:CPU:0", 2**28, outputs=[out])
+        found["every_sink"] = grappler_rewritten_ops(graph, "/device:CPU:0", 2**28)
+        return out
+
+    tf.function(step)()
+    assert {"product", "scaled", "dead_end"} <= found["returned"]
+    # Kept as a fetch, the dead end is a second reader: nothing is regrouped (fewer rewrites found).
+    assert not {"product", "scaled"} & found["every_sink"]
+
+
 def test_serialized_step_runs_grapplers_fused_kernels():
     """An 8-layer conv net through ``model.fit`` with Adam for 10 steps: serialized, it gives exactly
     the plain step's numbers. Chaining the fused ops (as before) left them unfused and moved the

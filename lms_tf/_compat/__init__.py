@@ -22,6 +22,7 @@ from lms_tf._compat.graph import (
                                   check_private_apis,
                                   clone_op,
                                   current_graph,
+                                  function_body_graph_def,
                                   function_def,
                                   infer_shapes_with_inputs,
                                   is_function_graph,
@@ -66,7 +67,7 @@ from lms_tf._compat.profiler import onednn_enabled, profile_allocations, profile
 
 __all__ = ["GRAPPLER_RECOMPUTED_PREFIX", "GRAPPLER_SWAP_OPS", "add_control_input", "automatic_control_dependencies",
            "call_node", "check_private_apis", "clone_op", "current_graph", "dataset_batch_size", "fit_batch_size",
-           "flat_model_inputs", "function_def", "nested_layers", "functional_graph", "get_jit_compile", "grappler_accumulated_sums",
+           "flat_model_inputs", "function_body_graph_def", "function_def", "nested_layers", "functional_graph", "get_jit_compile", "grappler_accumulated_sums",
            "grappler_default_optimized", "grappler_memory_optimized", "grappler_peak_live_tensors",
            "grappler_peak_memory", "infer_shapes_with_inputs", "is_function_graph", "keras_module",
            "layer_scope_aliases", "layer_scope_aliases_in", "move_variables", "nodes_in_call_order", "onednn_enabled",

@@ -276,6 +276,47 @@ def function_def(graph: tf.Graph, name: str):
     return None
 
 
+def function_body_graph_def(graph: tf.Graph):
+    """``graph``'s GraphDef as the runtime sees a function's body, as far as Grappler's shape
+    inference goes: each variable's placeholder is an ``_Arg`` carrying the variable's dtype and
+    shape (``_handle_dtypes``, ``_handle_shapes``).
+
+    Grappler reads a variable's shape off those attributes of the ``_Arg`` only: run offline on
+    the traced GraphDef, where a variable is a plain resource placeholder, it sees every
+    ``ReadVariableOp`` as of unknown shape, and skips rewrites the runtime makes. The arithmetic
+    optimizer regroups a gradient's product with a scalar learning rate only when it knows the
+    rate is a scalar; the remapper fuses a bias only when it knows the bias's length. (A data
+    placeholder stays one: offline, Grappler drops an ``_Arg``'s ``_output_shapes``, so there is
+    nothing to gain.)
+
+    Examples:
+        >>> import tensorflow as tf
+        >>> v = tf.Variable(tf.ones((3,)))
+        >>> g = tf.function(lambda x: x * v).get_concrete_function(tf.ones((3,))).graph
+        >>> [(n.op, n.attr["_handle_shapes"].list.shape[0].dim[0].size)
+        ...  for n in function_body_graph_def(g).node if n.op == "_Arg"]
+        [('_Arg', 3)]
+    """
+    from tensorflow.python.ops import handle_data_util
+
+    graph_def = graph.as_graph_def()
+    index = 0
+    for node in graph_def.node:
+        if node.op != "Placeholder" or node.attr["dtype"].type != tf.resource.as_datatype_enum:
+            continue
+        data = handle_data_util.get_resource_handle_data(graph.get_operation_by_name(node.name).outputs[0])
+        if data is None or not data.is_set or not data.shape_and_type:
+            continue  # unknown to the runtime too
+        node.op = "_Arg"
+        node.ClearField("attr")
+        node.attr["T"].type = tf.resource.as_datatype_enum
+        node.attr["index"].i = index
+        index += 1
+        node.attr["_handle_dtypes"].list.type.extend(entry.dtype for entry in data.shape_and_type)
+        node.attr["_handle_shapes"].list.shape.extend(entry.shape for entry in data.shape_and_type)
+    return graph_def
+
+
 def op_is_stateful(op_type: str) -> bool:
     """Whether TensorFlow registers ``op_type`` as stateful (True for a type it does not know).
 

@@ -143,7 +143,7 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
                 with hooks:
                     outputs = call_step_for_rewrite(options.serialize, step, data)
                 aliases = _compat.layer_scope_aliases(model, _compat.current_graph())
-                self.plans.append(rewrite_traced_step(request, api=_API, scope_aliases=aliases))
+                self.plans.append(rewrite_traced_step(request, api=_API, scope_aliases=aliases, outputs=outputs))
                 return outputs
             return train_step
 

@@ -210,7 +210,7 @@ def check_plan_matches(plan: Plan, ir: GraphIR, *, api: str) -> None:
 def rewrite_traced_step(request: RewriteRequest, *, api: str,
                         input_shapes: Optional[Mapping[str, Sequence[Optional[int]]]] = None,
                         scope_aliases: Optional[Mapping[str, str]] = None,
-                        irs: Optional[list] = None) -> Optional[Plan]:
+                        irs: Optional[list] = None, outputs=None) -> Optional[Plan]:
     """Plans (or checks the given plan) and applies it to the ``tf.function`` graph being traced now.
 
     Call it inside the traced body, after the gradients and the update were built. It plans once;
@@ -222,6 +222,9 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
         input_shapes: Concrete shapes of the function's input placeholders, by op name.
         scope_aliases: Keras layer name -> its name scope in this trace (for ``exclude``).
         irs: If given, the IR of the step before the rewrite is appended to it (to simulate the plan).
+        outputs: What the step returned (any nest; its tensors are what the function will return):
+            which ops Grappler will fuse or regroup, read off a run of it, depends on what the
+            runtime keeps.
 
     Returns:
         The plan applied, or None when the step's sizes depend on a dimension nothing resolved
@@ -240,6 +243,8 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
         lms_tf.LMSError: doc: the step runs eagerly...
     """
     graph = _traced_graph(api)
+    returned = None if outputs is None else [t for t in tf.nest.flatten(outputs)
+                                             if isinstance(t, tf.Tensor) and t.graph is graph]
     ir = build_ir(graph, input_shapes=input_shapes, batch_size=request.batch_size)
     on_host = frozenset(op.name for op in ir.ops if same_device(op.device, request.policies.host))
     if on_host:  # the update traced on the host (optimizer_on_host, weights="host"): host memory
@@ -249,7 +254,7 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
         # op of a fused or regrouped group) that extra reader would stop the rewrite and change
         # the numbers.
         ir = dataclasses.replace(ir, grappler_rewritten=grappler_rewritten_ops(
-            graph, request.device, _grappler_memory_bytes(request), removed_only=True))
+            graph, request.device, _grappler_memory_bytes(request), outputs=returned, removed_only=True))
     if irs is not None:
         irs.append(ir)
     if request.plan is not None:
@@ -267,7 +272,7 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
     report = apply_plan(graph, ir, plan)
     _log_once(f"{plan.one_line()} (inserted {report.inserted})")
     if request.serialize:
-        fused = grappler_rewritten_ops(graph, request.device, _grappler_memory_bytes(request))
+        fused = grappler_rewritten_ops(graph, request.device, _grappler_memory_bytes(request), outputs=returned)
         edges = impose_order(graph, simulated_ranks(graph, ir, plan, request.cost_model()), leave_free=fused)
         logger.info("serialized graph %s in the simulated order (%d control edges)", graph.name, edges)
     return plan

@@ -63,7 +63,7 @@ Examples:
 from __future__ import annotations
 
 import heapq
-from typing import Collection, Dict, FrozenSet, List, Mapping
+from typing import Collection, Dict, FrozenSet, List, Mapping, Optional, Sequence
 
 import tensorflow as tf
 
@@ -160,7 +160,8 @@ def serial_chain(graph: tf.Graph) -> List[tf.Operation]:
 
 
 def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int, *,
-                           removed_only: bool = False, folded_shapes_unchanged: bool = False) -> FrozenSet[str]:
+                           outputs: Optional[Sequence[tf.Tensor]] = None, removed_only: bool = False,
+                           folded_shapes_unchanged: bool = False) -> FrozenSet[str]:
     """The ops of ``graph`` that TensorFlow's default Grappler pipeline fuses, folds or regroups
     (with ``removed_only``, those it leaves out of its result: the inner ops of a fused or
     regrouped group, whose last op keeps its name).
@@ -174,6 +175,11 @@ def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int, *,
         graph: The step's graph (it may still be being traced).
         device: The step's device, e.g. ``"/device:GPU:0"``.
         memory_bytes: The memory the runtime tells Grappler the device has.
+        outputs: The tensors the step returns, when known. The runtime keeps those and the
+            stateful ops and prunes the rest (a gradient nothing reads, Keras's spare identities
+            of each gradient); an op such a dead end reads has one more reader offline than at
+            run time, which keeps Grappler from regrouping it. Without ``outputs``, every op
+            nothing reads is kept: fewer rewrites are found, never a rewrite that does not happen.
         removed_only: Only the ops left out of the result.
         folded_shapes_unchanged: An op whose shape input (a convolution gradient's sizes, a
             ``ShapeN``) Grappler only replaced by the constant it knows is not counted: it runs
@@ -192,12 +198,16 @@ def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int, *,
     """
     kind = tf.DeviceSpec.from_string(device).device_type or "CPU"
     virtual = f"/job:localhost/replica:0/task:0/device:{kind}:0"
-    graph_def = graph.as_graph_def()
+    # Variables as the runtime's function arguments, with their shapes: Grappler rewrites by them.
+    graph_def = _compat.function_body_graph_def(graph)
     for node in graph_def.node:
         node.device = virtual
     ops = graph.get_operations()
-    sinks = [op.name for op in ops if not any(t.consumers() for t in op.outputs) and not op._control_outputs]
-    fetches = sorted(set(sinks) | {op.name for op in ops if _compat.op_is_stateful(op.type)})
+    if outputs is not None:
+        kept = {tensor.op.name for tensor in outputs}
+    else:
+        kept = {op.name for op in ops if not any(t.consumers() for t in op.outputs) and not op._control_outputs}
+    fetches = sorted(kept | {op.name for op in ops if _compat.op_is_stateful(op.type)})
     optimized = _compat.grappler_default_optimized(graph_def, fetches, (virtual, kind, memory_bytes))
     if removed_only:
         kept = {node.name for node in optimized.node}
