@@ -286,8 +286,8 @@ def function_body_graph_def(graph: tf.Graph):
     ``ReadVariableOp`` as of unknown shape, and skips rewrites the runtime makes. The arithmetic
     optimizer regroups a gradient's product with a scalar learning rate only when it knows the
     rate is a scalar; the remapper fuses a bias only when it knows the bias's length. (A data
-    placeholder stays one: offline, Grappler drops an ``_Arg``'s ``_output_shapes``, so there is
-    nothing to gain.)
+    placeholder stays one: as an ``_Arg`` with ``_output_shapes`` its shape stayed unknown to the
+    offline run all the same, on TensorFlow 2.21.)
 
     Examples:
         >>> import tensorflow as tf
