@@ -62,7 +62,7 @@ def _pins(name: str) -> dict:
 
 def test_setup_py_allows_exactly_the_tested_pairs_and_this_suite_runs_on_one():
     """setup.py's ranges run from the oldest tested pair to the newest (scripts/test.sh runs the
-    suite on both), and the TensorFlow / Keras this suite runs on are one of those pairs."""
+    suite on the newest, the tests of the TensorFlow side and front-ends on both), and the TensorFlow / Keras this suite runs on are one of those pairs."""
     import importlib.metadata
 
     import keras
