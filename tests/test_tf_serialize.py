@@ -235,8 +235,9 @@ def test_tensorflow_runs_the_ops_in_the_simulated_order(recompute):
     chain = serial_chain(graph)
     # Structure: every chained op waits for the one before it, and the chain is the simulated order
     # (the convolutions Grappler fuses with their bias and activation, and what follows a bias
-    # gradient, run off the chain).
-    assert len(chain) > 30
+    # gradient, run off the chain). With recompute, 28 ops: 30 while the offline Grappler run kept
+    # every dead end, but what it folds once they are pruned, as the runtime does, stays off too.
+    assert len(chain) >= 25
     assert all(before in after.control_inputs for before, after in zip(chain, chain[1:]))
     chained = [simulator_name(graph, op.name) for op in chain]
     assert chained == sorted(chained, key=position.__getitem__)
