@@ -204,10 +204,10 @@ def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int, *,
         node.device = virtual
     ops = graph.get_operations()
     if outputs is not None:
-        kept = {tensor.op.name for tensor in outputs}
-    else:
-        kept = {op.name for op in ops if not any(t.consumers() for t in op.outputs) and not op._control_outputs}
-    fetches = sorted(kept | {op.name for op in ops if _compat.op_is_stateful(op.type)})
+        returned = {tensor.op.name for tensor in outputs}
+    else:  # every dead end may be returned
+        returned = {op.name for op in ops if not any(t.consumers() for t in op.outputs) and not op._control_outputs}
+    fetches = sorted(returned | {op.name for op in ops if _compat.op_is_stateful(op.type)})
     optimized = _compat.grappler_default_optimized(graph_def, fetches, (virtual, kind, memory_bytes))
     if removed_only:
         kept = {node.name for node in optimized.node}
