@@ -104,7 +104,7 @@ def test_ops_grappler_fuses_stay_off_the_chain():
     assert [op.name for op in serial_chain(g)] == ["dy"]
 
 
-def test_grappler_runs_offline_on_the_step_as_the_runtime_runs_it():
+def test_grappler_runs_offline_on_the_step_as_the_runtime_runs_it(monkeypatch):
     """The runtime's arithmetic optimizer runs a gradient's ``(g * r) * lr`` as ``(lr * g) * r``
     (another rounding) when it knows ``lr`` is a scalar, which it reads off the variable's
     function argument, and ``g * r`` has one reader once what the step does not return is
@@ -120,12 +120,17 @@ def test_grappler_runs_offline_on_the_step_as_the_runtime_runs_it():
         graph = _compat.current_graph()
         found["returned"] = grappler_rewritten_ops(graph, "/device:CPU:0", 2**28, outputs=[out])
         found["every_sink"] = grappler_rewritten_ops(graph, "/device:CPU:0", 2**28)
+        with monkeypatch.context() as patch:  # variables as plain resource placeholders, of unknown shape
+            patch.setattr(_compat, "function_body_graph_def", lambda graph: graph.as_graph_def())
+            found["shapeless"] = grappler_rewritten_ops(graph, "/device:CPU:0", 2**28, outputs=[out])
         return out
 
     tf.function(step)()
     assert {"product", "scaled", "dead_end"} <= found["returned"]
     # Kept as a fetch, the dead end is a second reader: nothing is regrouped (fewer rewrites found).
     assert not {"product", "scaled"} & found["every_sink"]
+    # Without the learning rate's shape, nothing is regrouped either.
+    assert not {"product", "scaled"} & found["shapeless"]
 
 
 def test_serialized_step_runs_grapplers_fused_kernels():
