@@ -69,7 +69,12 @@ def test_grappler_swap_copies_are_judged_in_host_memory():
     node's device. The baseline judge places Grappler's swap ops on the host, so the swapped
     tensors leave the GPU until the gated swap-in brings them back. This is also how lms-tf's
     own swap-ins are judged. (Grappler's swap pass is not deterministic: which tensors it swaps
-    moves from run to run, so one optimized graph is judged both ways.)"""
+    moves from run to run, so one optimized graph is judged both ways.)
+
+    Whether the swaps beat the plain step is not asserted: it moves with the number of swaps
+    Grappler happens to make. On this toy, 25 runs judged on the host read 0.5x to 1.0x of the
+    plain peak (14 to 9 swaps), and a CI run with 8 swaps read 1.10x. The planner benchmark
+    reports that spread over several runs (``grappler_baselines``)."""
     from lms_tf import _compat
     from lms_tf.tf.diagnostics import _VIRTUAL_CPU, _VIRTUAL_GPU, grappler_baseline_report, with_variable_shapes
 
@@ -84,17 +89,18 @@ def test_grappler_swap_copies_are_judged_in_host_memory():
         graph_def, fetches, devices, "SWAPPING_HEURISTICS", optimizer_devices=[(_VIRTUAL_GPU, "GPU", plain // 4), devices[1]])
     op_types = {node.name: node.op for node in optimized.node}
     assert sum(op == "_CopyFromGpuToHost" for op in op_types.values()) >= 4
-    assert peaks[_VIRTUAL_GPU] < plain  # the swaps pay off, judged where the copies live
     # Left on the GPU, the swap-out copies are counted there, and the "swapped" step reads higher
     # than the plain one.
     on_gpu, live = _compat.grappler_peak_live_tensors(optimized, fetches, devices)[_VIRTUAL_GPU]
-    assert any(op_types.get(node) == "_CopyFromGpuToHost" for node, _, _ in live)
-    assert on_gpu > plain
+    copies_at_peak = [nbytes for node, _, nbytes in live if op_types.get(node) == "_CopyFromGpuToHost"]
+    assert copies_at_peak and on_gpu > plain
+    # Judged where the copies live, they leave the GPU's peak: at least one of them comes off it.
+    assert peaks[_VIRTUAL_GPU] <= on_gpu - min(copies_at_peak)
 
     report = grappler_baseline_report(concrete, "SWAPPING_HEURISTICS", target_bytes=plain // 4, variable_shapes=True)
     assert report.swapped and report.recomputed == ()
     assert all(name.rpartition("/")[2].startswith(("Relu", "ReluGrad", "Conv2D")) for name in report.swapped)
-    assert report.peak_bytes < plain
+    assert 0 < report.peak_bytes < on_gpu  # every run's copies are judged on the host
 
 
 def test_grappler_recompute_clones_are_reported():
