@@ -26,6 +26,7 @@ Examples:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import logging
@@ -582,6 +583,7 @@ class PipelineStep:
         received = {ir.tensors[t].producer for op in ir.ops if op.name in mine for t in op.inputs}
         stage_ir = _sent_when_made(dataclasses.replace(ir, host_placed=frozenset(
             op.name for op in ir.ops if op.name not in mine and op.name not in received)), mine)
+        created = _sends_overlap_next_op(stage_ir, created, mine)
         cpu = _on_cpu(device)
 
         def peak(plan: Optional[Plan] = None, allocator: bool = True) -> int:
@@ -860,6 +862,9 @@ def _stage_of(op, ir, device_of: Dict[str, str], devices: Sequence[str]) -> int:
     return 0 if by_readers is None else by_readers
 
 
+_SEND_PREFIX = "lms_tf_stage_send/"
+
+
 def _sent_when_made(ir, mine) -> "GraphIR":
     """``ir`` with every tensor of the stage (ops ``mine``) that another stage reads handed to a
     send op of its own, ranked right after the tensor's producer, and the other stages' readers
@@ -877,7 +882,7 @@ def _sent_when_made(ir, mine) -> "GraphIR":
             away = tuple(c for c in info.consumers if c not in mine)
             if not away:
                 continue
-            send = f"lms_tf_stage_send/{t.replace(':', '_')}"
+            send = f"{_SEND_PREFIX}{t.replace(':', '_')}"
             sent = f"{send}:0"
             ops.append(dataclasses.replace(op, name=send, type="_Send", inputs=(t,), control_inputs=(), outputs=(sent,),
                                            stateful=False, inner_kernels=0))
@@ -891,6 +896,27 @@ def _sent_when_made(ir, mine) -> "GraphIR":
     ops = [dataclasses.replace(o, index=i, inputs=tuple(renamed.get(o.name, {}).get(t, t) for t in o.inputs))
            for i, o in enumerate(ops)]
     return dataclasses.replace(ir, ops=tuple(ops), tensors=tensors, host_placed=ir.host_placed | sends)
+
+
+def _sends_overlap_next_op(stage_ir, ranks: Dict[str, float], mine) -> Dict[str, float]:
+    """``ranks`` with each send of :func:`_sent_when_made` ranked right after the sending stage's
+    next op (its first op ranked after the sent tensor's producer), so the stage holds the sent
+    tensor while that op runs. TensorFlow's gRPC worker writes a large tensor to the other process
+    from the sender's own buffer and releases it when the write is done, which the stage's next op
+    overlaps: a stage process measured holding its last sent input gradient through the filter
+    gradient that follows it, at that op's peak (``docs/pipeline.md``)."""
+    own = sorted(ranks[name] for name in mine if name in ranks)
+    ranked = dict(ranks)
+    for op in stage_ir.ops:
+        if op.type != "_Send" or not op.name.startswith(_SEND_PREFIX):
+            continue
+        made = ranks.get(stage_ir.tensors[op.inputs[0]].producer)
+        if made is None:
+            continue
+        after = bisect.bisect_right(own, made)
+        if after < len(own):
+            ranked[op.name] = own[after] + 1e-6
+    return ranked
 
 
 def _schedule_ranks(graph, running_sums: Sequence[str]) -> Dict[str, float]:
