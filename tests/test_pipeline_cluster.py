@@ -98,6 +98,19 @@ def test_a_stage_that_does_not_answer_is_named_within_the_timeout():
     assert time.monotonic() - started < 10
 
 
+def test_a_memory_trace_that_cannot_be_written_is_refused_before_the_server_starts(tmp_path):
+    from lms_tf.tf.pipeline_cluster import serve_stage
+
+    workers = ["localhost:1", "localhost:2"]
+    with pytest.raises(LMSOptionError, match="--memory-trace .* needs --until-stdin-closes"):
+        serve_stage(workers, 1, memory_trace=str(tmp_path))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(LMSOptionError, match="cannot create that directory.*give a directory this process can write"):
+        serve_stage(workers, 1, until_stdin_closes=True, memory_trace=str(blocker / "traces"))
+    assert not (blocker.parent / "traces").exists()
+
+
 def test_bad_cluster_addresses_are_refused():
     with pytest.raises(LMSOptionError, match="not host:port"):
         check_workers("localhost")
@@ -273,13 +286,13 @@ exec bash -c "$1"
     assert gone_within(launched_pids(done.stderr.splitlines()).values(), 30)
 
 
-def memory_run(spec):
+def memory_run(spec, launch_flags=()):
     """One training under ``lms-tf launch`` in the worker's ``--memory`` mode: its result, with each
     stage's real peak (task 0's own figure, the stage servers' logged ones)."""
     stages = int(spec.split(",")[2])
-    done = subprocess.run([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", str(stages), "--", sys.executable,
-                           WORKER, "-", "--memory", spec], cwd=ROOT, env=dict(ENV, TF_CPU_ALLOCATOR_USE_BFC="true"),
-                          capture_output=True, text=True, timeout=280)
+    done = subprocess.run([sys.executable, "-m", "lms_tf.cli", "launch", "--stages", str(stages), *launch_flags, "--",
+                           sys.executable, WORKER, "-", "--memory", spec], cwd=ROOT,
+                          env=dict(ENV, TF_CPU_ALLOCATOR_USE_BFC="true"), capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     result = result_of(done.stdout)
     real = {0: result["task0_peak"]}
@@ -310,6 +323,35 @@ def test_each_stage_process_peaks_near_its_predicted_memory():
     by_model = [median[k] / result["predicted"][k] for k in range(3)]
     assert all(0.9 <= r <= 1.1 for r in by_simulator), (by_simulator, [real for _, real in runs], result)
     assert all(0.95 <= r <= 1.2 for r in by_model), (by_model, [real for _, real in runs], result)
+
+
+@pytest.mark.timeout(600)
+def test_a_stage_process_holds_what_it_sends_through_its_next_op(tmp_path):
+    """Behaviour of the replay's send rule (test_pipeline_execution has its numbers): the held-out
+    wide CNN cut in three (1F1B, 4 micro-batches, serialized) under ``lms-tf launch
+    --memory-trace``. Each stage server's allocator, traced under TensorFlow's profiler over its
+    life, peaks where its own statistics say (the trace sees every request). At the middle stage's
+    peak, its filter gradient's scratch is live beside the input gradient of the same micro-batch,
+    which the stage sent to stage 0 just before: TensorFlow's gRPC worker still holds it. The
+    simulator, which holds a sent tensor through the stage's next op, predicts that stage within
+    the issue's 10% (measured 1.00-1.03; 1.08 when a send freed its tensor at once)."""
+    import json
+
+    from lms_tf.tf.diagnostics import AllocationEvent, live_at_allocator_peak
+
+    result, real = memory_run("wide_cnn,1f1b,3,4,serialize", ["--memory-trace", str(tmp_path)])
+    assert result["layers"][1] == ["conv_2"], result["layers"]
+    for k in (1, 2):
+        events = [AllocationEvent(**e) for e in json.loads((tmp_path / f"stage{k}.json").read_text())]
+        peak, live = live_at_allocator_peak(events)
+        assert peak == real[k], (k, peak, real)
+        if k == 1:
+            scratch = [e for e in live if e.region_type == "temp" and e.op.endswith("Conv2DBackpropFilter")]
+            assert len(scratch) == 1, [(e.op, e.region_type, e.chunk_bytes) for e in live]
+            microbatch = scratch[0].op.split("/")[1]  # gradient_tape/microbatch<m>/conv_2_1/...
+            sent = [e for e in live if e.op == f"gradient_tape/{microbatch}/conv_2_1/convolution/Conv2DBackpropInput"]
+            assert sent and sent[0].shape == "[16,32,32,64]", [(e.op, e.chunk_bytes) for e in live]
+    assert 0.9 <= real[1] / result["simulated"][1] <= 1.1, (real, result["simulated"])
 
 
 @pytest.mark.timeout(900)

@@ -151,6 +151,23 @@ def add_logical_cpus_argument(parser: argparse.ArgumentParser) -> None:
                              "on CPU:0 can swap to host='/CPU:1' on a machine without GPUs (default: 1)")
 
 
+def add_memory_trace_argument(parser: argparse.ArgumentParser) -> None:
+    """``--memory-trace DIR``: each pipeline stage server records its allocator's requests over
+    its life and writes them to ``DIR/stage<k>.json`` when it stops (``lms-tf launch`` and
+    ``lms-tf stage-server``).
+
+    Examples:
+        >>> p = argparse.ArgumentParser(); add_memory_trace_argument(p)
+        >>> p.parse_args([]).memory_trace, p.parse_args(["--memory-trace", "traces"]).memory_trace
+        (None, 'traces')
+    """
+    parser.add_argument("--memory-trace", metavar="DIR",
+                        help="record every request to each stage server's allocator over its life (TensorFlow's "
+                             "profiler; on a CPU set TF_CPU_ALLOCATOR_USE_BFC=true), write them to DIR/stage<k>.json "
+                             "when it stops and log the largest buffers live at its peak; a path on each stage's "
+                             "own host")
+
+
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
     """``--device``: the device preset planned for (and the virtual GPU's memory).
 

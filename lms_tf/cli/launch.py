@@ -61,6 +61,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "over ssh (passwordless, lms-tf installed at the same path)")
     launch.add_argument("--ssh-port", type=cli_args.positive_int, help="ssh port of the other hosts")
     cli_args.add_logical_cpus_argument(launch)
+    cli_args.add_memory_trace_argument(launch)
     launch.add_argument("--stop-timeout", type=float, default=10.0,
                         help="seconds a process has to stop (its input closed, or SIGTERM) before SIGKILL")
     launch.add_argument("training_command", nargs=argparse.REMAINDER,
@@ -115,7 +116,7 @@ def _stop(processes: Sequence[subprocess.Popen], timeout: float) -> None:
 
 
 def stage_command(workers: Sequence[str], index: int, *, remote: bool, ssh_port: Optional[int] = None,
-                  logical_cpus: int = 1) -> List[str]:
+                  logical_cpus: int = 1, memory_trace: Optional[str] = None) -> List[str]:
     """The command that starts stage ``index``: here, or over ssh on its host, in this directory
     with this Python; it stops when its standard input closes (the launcher, or the connection).
 
@@ -125,6 +126,8 @@ def stage_command(workers: Sequence[str], index: int, *, remote: bool, ssh_port:
     """
     serve = [sys.executable, "-m", "lms_tf.cli", "stage-server", "--workers", ",".join(workers), "--index",
              str(index), "--until-stdin-closes", "--logical-cpus", str(logical_cpus)]
+    if memory_trace is not None:
+        serve += ["--memory-trace", memory_trace]
     if not remote:
         return serve
     host = workers[index].rpartition(":")[0]
@@ -135,7 +138,7 @@ def stage_command(workers: Sequence[str], index: int, *, remote: bool, ssh_port:
 
 def launch(command: Sequence[str], stages: int, *, host: str = "localhost", hosts: Optional[Sequence[str]] = None,
            ssh_port: Optional[int] = None, stop_timeout: float = 10.0, poll_seconds: float = 0.2,
-           logical_cpus: int = 1) -> int:
+           logical_cpus: int = 1, memory_trace: Optional[str] = None) -> int:
     """Runs ``command`` as task 0 of a ``stages``-stage pipeline with its stage servers; returns its exit code.
 
     Args:
@@ -148,6 +151,10 @@ def launch(command: Sequence[str], stages: int, *, host: str = "localhost", host
         poll_seconds: How often the processes are checked.
         logical_cpus: CPU devices each stage process has; the training command reads it from
             ``LMS_TF_LOGICAL_CPUS`` (``connect_stages()`` does).
+        memory_trace: A directory each stage server writes its allocator trace to
+            (``stage<k>.json``, see ``lms-tf stage-server --memory-trace``); task 0, the
+            training command, is not traced (wrap its step in
+            :func:`lms_tf.tf.diagnostics.allocation_trace`).
 
     Returns:
         The training command's exit code, or :data:`STAGE_DIED` if a stage process ended first.
@@ -182,7 +189,7 @@ def launch(command: Sequence[str], stages: int, *, host: str = "localhost", host
             # Each stage reads a pipe from the launcher and stops when it closes, however the
             # launcher ends (killed included) and wherever the stage runs.
             servers.append(subprocess.Popen(stage_command(workers, k, remote=hosts is not None, ssh_port=ssh_port,
-                                                          logical_cpus=logical_cpus),
+                                                          logical_cpus=logical_cpus, memory_trace=memory_trace),
                                             env=env, stdin=subprocess.PIPE))
             logger.info("lms-tf launch: stage %d (pid %d) serving at %s", k, servers[-1].pid, workers[k])
         trainer = subprocess.Popen(list(command), env=env, preexec_fn=_stops_with_this_process)
@@ -225,4 +232,5 @@ def run(args) -> int:
     if command[:1] == ["--"]:
         command = command[1:]
     return launch(command, args.stages, host=args.host, hosts=args.hosts, ssh_port=args.ssh_port,
-                  stop_timeout=args.stop_timeout, logical_cpus=args.logical_cpus)
+                  stop_timeout=args.stop_timeout, logical_cpus=args.logical_cpus,
+                  memory_trace=getattr(args, "memory_trace", None))

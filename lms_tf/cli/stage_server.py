@@ -32,6 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--until-stdin-closes", action="store_true",
                         help="stop when standard input closes (lms-tf launch uses it, also over ssh)")
     cli_args.add_logical_cpus_argument(server)
+    cli_args.add_memory_trace_argument(server)
     return server
 
 
@@ -46,5 +47,6 @@ def run(args) -> int:
     """
     from lms_tf.tf.pipeline_cluster import serve_stage
 
-    serve_stage(args.workers, args.index, until_stdin_closes=args.until_stdin_closes, logical_cpus=args.logical_cpus)
+    serve_stage(args.workers, args.index, until_stdin_closes=args.until_stdin_closes, logical_cpus=args.logical_cpus,
+                memory_trace=getattr(args, "memory_trace", None))
     return 0

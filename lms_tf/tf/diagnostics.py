@@ -26,7 +26,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -398,6 +398,41 @@ def allocation_trace(run_step: Callable[[], object]) -> List[AllocationEvent]:
         True
     """
     return [AllocationEvent(*event) for event in _compat.profile_allocations(run_step)]
+
+
+def live_at_allocator_peak(events: Sequence[AllocationEvent]) -> Tuple[int, List[AllocationEvent]]:
+    """The allocator's peak over a trace and the buffers live at it.
+
+    Counts whole chunks (what the allocator's own peak counts), from the trace's start: a
+    buffer allocated before the trace began is not seen, and its free is ignored.
+
+    Args:
+        events: An :func:`allocation_trace`, in time order.
+
+    Returns:
+        ``(peak chunk bytes, the allocations live at the peak, in the order they were made)``.
+
+    Examples:
+        >>> events = [AllocationEvent("alloc", "a", "output", 1000, 1024, 1, "[250]"),
+        ...           AllocationEvent("alloc", "b", "temp", 2000, 2048, 2, "[500]"),
+        ...           AllocationEvent("free", "", "", 2000, 2048, 2, ""),
+        ...           AllocationEvent("alloc", "c", "output", 500, 512, 3, "[125]")]
+        >>> peak, live = live_at_allocator_peak(events)
+        >>> peak, [e.op for e in live]
+        (3072, ['a', 'b'])
+    """
+    live: Dict[int, AllocationEvent] = {}
+    in_use = peak = 0
+    at_peak: List[AllocationEvent] = []
+    for event in events:
+        if event.kind == "alloc":
+            live[event.address] = event
+            in_use += event.chunk_bytes
+            if in_use > peak:
+                peak, at_peak = in_use, list(live.values())
+        elif event.address in live:
+            in_use -= live.pop(event.address).chunk_bytes
+    return peak, at_peak
 
 
 def cpu_kernel_library() -> str:

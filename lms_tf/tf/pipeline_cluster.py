@@ -20,7 +20,7 @@ import os
 import socket
 import sys
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from lms_tf.core.errors import LMSError, LMSOptionError
 
@@ -100,8 +100,50 @@ def check_logical_cpus(count) -> int:
     return number
 
 
+def _trace_path(directory: str, index: int, until_stdin_closes: bool) -> str:
+    """Where stage ``index`` writes its allocator trace, checked before the server starts.
+
+    Examples:
+        >>> _trace_path("/tmp", 1, until_stdin_closes=False)
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSOptionError: stage-server --memory-trace /tmp needs --until-stdin-closes: the trace is written when the stage stops, and without it the stage serves until it is killed.
+    """
+    if not until_stdin_closes:
+        raise LMSOptionError(f"stage-server --memory-trace {directory} needs --until-stdin-closes: the trace is "
+                             f"written when the stage stops, and without it the stage serves until it is killed.")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as err:
+        raise LMSOptionError(f"stage-server --memory-trace {directory}: cannot create that directory ({err}); "
+                             f"give a directory this process can write.") from None
+    if not os.access(directory, os.W_OK):
+        raise LMSOptionError(f"stage-server --memory-trace {directory}: the directory is not writable; give one "
+                             f"this process can write.")
+    return os.path.join(directory, f"stage{index}.json")
+
+
+def _write_memory_trace(serve: Callable[[], None], path: str, index: int) -> None:
+    """Runs ``serve`` under TensorFlow's profiler, then writes the allocator's events to ``path``
+    and logs the largest buffers live at the traced peak."""
+    import dataclasses
+    import json
+
+    from lms_tf.tf.diagnostics import allocation_trace, live_at_allocator_peak
+
+    events = allocation_trace(serve)
+    with open(path, "w") as out:
+        json.dump([dataclasses.asdict(e) for e in events], out)
+    peak, live = live_at_allocator_peak(events)
+    largest = sorted(live, key=lambda e: -e.chunk_bytes)[:8]
+    logger.info("pipeline stage %d: memory trace of %d allocator events in %s; traced peak %d bytes, largest "
+                "live: %s", index, len(events), path, peak,
+                "; ".join(f"{e.op or '(received or untraced)'} {e.region_type} {e.shape} {e.chunk_bytes}"
+                          for e in largest))
+
+
 def serve_stage(workers: Sequence[str], index: int, *, until_stdin_closes: bool = False,
-                logical_cpus: int = 1) -> None:
+                logical_cpus: int = 1, memory_trace: Optional[str] = None) -> None:
     """Runs the server of stage ``index`` (``index >= 1``; task 0 is the process that runs the
     step) until the process is stopped, or with ``until_stdin_closes`` until its standard input
     closes: how ``lms-tf launch`` ties a stage to itself, also over ssh (the remote command's
@@ -114,10 +156,16 @@ def serve_stage(workers: Sequence[str], index: int, *, until_stdin_closes: bool 
         logical_cpus: CPU devices the server has (``CPU:0`` to ``CPU:<n-1>``, one allocator
             between them): with 2, a stage on ``CPU:0`` can swap to ``CPU:1`` on a machine
             without GPUs, which checks the rewrite across processes (no bytes move).
+        memory_trace: A directory: the server records every request to its allocator under
+            TensorFlow's profiler over its life, writes them to ``stage<index>.json`` there
+            when it stops (one :class:`~lms_tf.tf.diagnostics.AllocationEvent` per entry), and
+            logs the largest buffers live at its peak. Needs ``until_stdin_closes`` (the stage
+            must stop for the trace to be written) and, on a CPU, ``TF_CPU_ALLOCATOR_USE_BFC=true``
+            (without it the CPU allocator records nothing).
 
     Raises:
-        LMSOptionError: Bad addresses, an index that is not one of the other tasks, or a bad
-            ``logical_cpus``.
+        LMSOptionError: Bad addresses, an index that is not one of the other tasks, a bad
+            ``logical_cpus``, or a ``memory_trace`` that cannot be written or has no end.
 
     Examples:
         >>> serve_stage(["localhost:2222", "localhost:2223"], 0)
@@ -133,6 +181,8 @@ def serve_stage(workers: Sequence[str], index: int, *, until_stdin_closes: bool 
         raise LMSOptionError(f"stage-server --index must be 1-{len(workers) - 1} (task 0 is the process that builds "
                              f"and runs the step, and serves itself); got {index}.")
     logical_cpus = check_logical_cpus(logical_cpus)
+    if memory_trace is not None:
+        memory_trace = _trace_path(memory_trace, index, until_stdin_closes)
     import tensorflow as tf
 
     # A server builds its devices from its own configuration, not from this process's logical
@@ -150,8 +200,14 @@ def serve_stage(workers: Sequence[str], index: int, *, until_stdin_closes: bool 
         tf.config.experimental.reset_memory_stats(device)
     except ValueError:
         pass
-    while sys.stdin.buffer.read1(4096):
-        pass
+    def serve_until_stdin_closes():
+        while sys.stdin.buffer.read1(4096):
+            pass
+
+    if memory_trace is None:
+        serve_until_stdin_closes()
+    else:
+        _write_memory_trace(serve_until_stdin_closes, memory_trace, index)
     try:  # the stage's own allocator (on a CPU, TensorFlow keeps statistics with TF_CPU_ALLOCATOR_USE_BFC=true)
         memory = tf.config.experimental.get_memory_info(device)
         logger.info("pipeline stage %d: allocator peak %d bytes, %d in use", index, memory["peak"], memory["current"])
