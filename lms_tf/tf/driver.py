@@ -539,7 +539,7 @@ def simulated_ranks(graph: tf.Graph, ir: GraphIR, plan: Plan, cost: CostModel) -
 
 
 def serialize_stages(devices: Sequence[str], rank: Mapping[str, float], *, leave_free: Collection[str] = (),
-                     api: str) -> int:
+                     api: str, outputs: Optional[Sequence[tf.Tensor]] = None) -> int:
     """Chains each pipeline stage's ops on its own device, one at a time, in ``rank`` order (the
     schedule's), for the ``tf.function`` graph being traced now.
 
@@ -558,6 +558,8 @@ def serialize_stages(devices: Sequence[str], rank: Mapping[str, float], *, leave
         leave_free: Ops left out of the chain (they run when ready): see :class:`PipelineStep`
             for which and why.
         api: Front-end name for messages.
+        outputs: The tensors the step returns, for the offline Grappler run that finds the ops
+            left free (see :func:`~lms_tf.tf.rewrite.serialize.grappler_rewritten_ops`).
 
     Returns:
         The number of control edges added.
@@ -573,7 +575,7 @@ def serialize_stages(devices: Sequence[str], rank: Mapping[str, float], *, leave
     """
     graph = _traced_graph(api)
     ops = graph.get_operations()
-    free = grappler_rewritten_ops(graph, devices[0], CPU_GRAPPLER_MEMORY_BYTES,
+    free = grappler_rewritten_ops(graph, devices[0], CPU_GRAPPLER_MEMORY_BYTES, outputs=outputs,
                                   folded_shapes_unchanged=True) | frozenset(leave_free)
     edges = 0
     for device in devices:

@@ -832,6 +832,9 @@ class PipelineStep:
         # would round differently). Its readers read its inputs instead.
         bypass_identity_n(graph)
         mean = tf.add_n([losses[m] for m in range(self.microbatches)]) / self.microbatches
+        # What the step returns: the runtime keeps it and the stateful ops and prunes every other
+        # dead end, so the offline Grappler runs that find the ops it rewrites are given it.
+        self._returned = [mean]
         if self.swap_stages:
             self.plans = rewrite_traced_stages(
                 [RewriteRequest(Policies(host=self.hosts[k], min_swap_bytes=self._min_swap_bytes),
@@ -843,7 +846,8 @@ class PipelineStep:
             # The update is left free: a control edge on its first product would stop the fold
             # above (the numbers would change). It runs after every task anyway.
             serialize_stages(self.devices, _schedule_ranks(graph, self._running_sums),
-                             leave_free=[op.name for op in graph.get_operations()[update_starts:]], api="PipelineStep")
+                             leave_free=[op.name for op in graph.get_operations()[update_starts:]], api="PipelineStep",
+                             outputs=self._returned)
         return mean
 
 
