@@ -134,6 +134,11 @@ def _write_memory_trace(serve: Callable[[], None], path: str, index: int) -> Non
     events = allocation_trace(serve)
     with open(path, "w") as out:
         json.dump([dataclasses.asdict(e) for e in events], out)
+    if not events:
+        logger.warning("pipeline stage %d: the memory trace in %s is empty: TensorFlow's allocator recorded no "
+                       "request. On a CPU it records them only with TF_CPU_ALLOCATOR_USE_BFC=true set before the "
+                       "stage starts.", index, path)
+        return
     peak, live = live_at_allocator_peak(events)
     largest = sorted(live, key=lambda e: -e.chunk_bytes)[:8]
     logger.info("pipeline stage %d: memory trace of %d allocator events in %s; traced peak %d bytes, largest "
@@ -200,6 +205,7 @@ def serve_stage(workers: Sequence[str], index: int, *, until_stdin_closes: bool 
         tf.config.experimental.reset_memory_stats(device)
     except ValueError:
         pass
+
     def serve_until_stdin_closes():
         while sys.stdin.buffer.read1(4096):
             pass
