@@ -223,7 +223,7 @@ def run(args) -> int:
 
     Examples:
         >>> run(argparse.Namespace(training_command=["--"], stages=2, host="localhost", hosts=None, ssh_port=None,
-        ...                        stop_timeout=1.0, logical_cpus=1))
+        ...                        stop_timeout=1.0, logical_cpus=1, memory_trace=None))
         Traceback (most recent call last):
         ...
         lms_tf.LMSOptionError: lms-tf launch needs the training command after --, e.g. lms-tf launch --stages 2 -- python train.py
@@ -233,4 +233,4 @@ def run(args) -> int:
         command = command[1:]
     return launch(command, args.stages, host=args.host, hosts=args.hosts, ssh_port=args.ssh_port,
                   stop_timeout=args.stop_timeout, logical_cpus=args.logical_cpus,
-                  memory_trace=getattr(args, "memory_trace", None))
+                  memory_trace=args.memory_trace)

@@ -40,7 +40,8 @@ def run(args) -> int:
     """Serves the stage until the process is stopped.
 
     Examples:
-        >>> run(argparse.Namespace(workers="localhost:2222", index=1, until_stdin_closes=False, logical_cpus=1))
+        >>> run(argparse.Namespace(workers="localhost:2222", index=1, until_stdin_closes=False, logical_cpus=1,
+        ...                        memory_trace=None))
         Traceback (most recent call last):
         ...
         lms_tf.LMSOptionError: stage-server serves stage 1 and up of a pipeline of two or more; --workers names one (localhost:2222), the training script's own.
@@ -48,5 +49,5 @@ def run(args) -> int:
     from lms_tf.tf.pipeline_cluster import serve_stage
 
     serve_stage(args.workers, args.index, until_stdin_closes=args.until_stdin_closes, logical_cpus=args.logical_cpus,
-                memory_trace=getattr(args, "memory_trace", None))
+                memory_trace=args.memory_trace)
     return 0

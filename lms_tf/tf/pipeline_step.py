@@ -866,9 +866,6 @@ def _stage_of(op, ir, device_of: Dict[str, str], devices: Sequence[str]) -> int:
     return 0 if by_readers is None else by_readers
 
 
-_SEND_PREFIX = "lms_tf_stage_send/"
-
-
 def _sent_when_made(ir, mine) -> "GraphIR":
     """``ir`` with every tensor of the stage (ops ``mine``) that another stage reads handed to a
     send op of its own, ranked right after the tensor's producer, and the other stages' readers
@@ -886,7 +883,7 @@ def _sent_when_made(ir, mine) -> "GraphIR":
             away = tuple(c for c in info.consumers if c not in mine)
             if not away:
                 continue
-            send = f"{_SEND_PREFIX}{t.replace(':', '_')}"
+            send = f"lms_tf_stage_send/{t.replace(':', '_')}"
             sent = f"{send}:0"
             ops.append(dataclasses.replace(op, name=send, type="_Send", inputs=(t,), control_inputs=(), outputs=(sent,),
                                            stateful=False, inner_kernels=0))
@@ -912,7 +909,7 @@ def _sends_overlap_next_op(stage_ir, ranks: Dict[str, float], mine) -> Dict[str,
     own = sorted(ranks[name] for name in mine if name in ranks)
     ranked = dict(ranks)
     for op in stage_ir.ops:
-        if op.type != "_Send" or not op.name.startswith(_SEND_PREFIX):
+        if op.type != "_Send":  # a traced step has none of its own: TensorFlow adds them when it partitions
             continue
         made = ranks.get(stage_ir.tensors[op.inputs[0]].producer)
         if made is None:
