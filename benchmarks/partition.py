@@ -267,8 +267,8 @@ def main() -> None:
         "planner on the same traced step, swapping only (the least budget it fits, from the error a 1 KiB budget "
         "raises, plus the resident variables):", "", *swap_rows, "",
         "The search on 1,000 layers (bisection on the limit, an exact sweep per try; with recompute allowed, when "
-        "no cut fits as it is, dynamic programming over stage and last layer), and the profiling runs each "
-        "approach needs:", "", *scale_rows])
+        "no cut fits as it is, the same bisection with each stage at its lowest of keeping, swapping and "
+        "recomputing), and the profiling runs each approach needs:", "", *scale_rows])
     OUT.mkdir(exist_ok=True)
     (OUT / "partition.md").write_text(text + "\n", encoding="utf-8")
     (OUT / "partition.json").write_text(json.dumps(results, indent=1), encoding="utf-8")

@@ -203,6 +203,7 @@ def test_a_swapping_stage_keeps_the_pinned_tensors_of_every_microbatch_by_hand()
     assert stage_peak(profile, 0, 3, 3, swap=True) == 2 * 500 + 3 * 200   # the last layer keeps 300 + 200
     assert stage_peak(profile, 2, 3, 1, swap=True) == stage_peak(profile, 2, 3, 1) == 500
     rng = random.Random(3)
+    received_and_kept = 0
     for trial in range(200):
         n = rng.randrange(2, 12)
         base = crossing_profile(rng, n)
@@ -227,6 +228,18 @@ def test_a_swapping_stage_keeps_the_pinned_tensors_of_every_microbatch_by_hand()
             assert window.now()[:3] + window.now()[4:] == expected[:3] + expected[4:], (trial, window.lo, window.hi)
             pinned = {t: b for layer in profile.layers[window.lo:window.hi] for t, b in layer.saved if t in chosen}
             assert window.pinned_bytes == sum(pinned.values())
+            # what the stage receives and also keeps (a recomputing stage holds it once), counted
+            # afresh from the stage's layers: the search's running figure against recompute_peak's sets
+            stage = profile.layers[window.lo:window.hi]
+            received = {t: b for layer in stage for t, b, producer in layer.inputs if producer < window.lo}
+            kept = {t for layer in stage for t, _ in layer.saved}
+            again = sum(b for t, b in received.items() if t in kept)
+            assert window.again_bytes == again, (trial, window.lo, window.hi)
+            for flight, ahead in ((1, 0), (3, 1)):
+                assert window.recompute_peak(flight, ahead=ahead) == recompute_peak(
+                    profile.profile, window.lo, window.hi, flight, ahead=ahead)
+            received_and_kept += again > 0
+    assert received_and_kept >= 500, received_and_kept   # the random skips exercise it
 
 
 def test_packing_from_the_front_is_not_trusted_to_prove_there_is_no_cut():
@@ -583,8 +596,8 @@ def test_allowing_recompute_never_makes_a_partition_worse():
 
 
 def test_the_recompute_search_is_exact_against_every_cut():
-    """With recompute allowed, what a stage receives can shrink as it starts earlier, so the
-    threshold sweep does not apply; the dynamic programme must still find the least full fullest
+    """With recompute allowed, what a stage receives can grow as it starts later, so the sweep
+    checks every start (``receiving``); the bisection must still find the least full fullest
     stage (each at the lowest of keeping, swapping and recomputing), equal to trying every cut on
     models whose skip connections cross cuts, and partition_layers must fit whenever a cut does."""
     rng = random.Random(3)

@@ -115,6 +115,18 @@ class _Compiled:
         self.inputs = [tuple((read_ids.setdefault(name, len(read_ids)), b, producer) for name, b, producer in layer.inputs)
                        for layer in profile.layers]
         self.n_read = len(read_ids)
+        # per read tensor: its producer, and its number among the kept tensors (-1: kept by no
+        # layer); per kept tensor, its number among the read ones. A recomputing stage counts a
+        # tensor it both receives and keeps once (recompute_peak).
+        self.read_producer = [0] * self.n_read
+        for layer_inputs in self.inputs:
+            for k, _, producer in layer_inputs:
+                self.read_producer[k] = producer
+        self.read_kept = [kept_ids.get(name, -1) for name in read_ids]
+        self.kept_read = [-1] * len(kept_ids)
+        for k, kept_id in enumerate(self.read_kept):
+            if kept_id >= 0:
+                self.kept_read[kept_id] = k
         made: List[Dict[int, int]] = [{} for _ in profile.layers]
         for layer_inputs in self.inputs:
             for k, nbytes, producer in layer_inputs:
@@ -190,7 +202,12 @@ class _Window:
     time and what it receives, updated as layers join or leave at either end (shared weights,
     shared kept tensors and received tensors counted once by reference counts; the largest
     working set kept as layers join, and taken again from a range maximum when the layer holding
-    it leaves). :meth:`grown` tells what the stage would be with layer ``hi`` added."""
+    it leaves). :meth:`grown` tells what the stage would be with layer ``hi`` added.
+
+    Figures (:meth:`now`, :meth:`grown`) are a tuple: weights, kept activations, working set,
+    seconds, the largest layer's kept bytes, bytes received per micro-batch, kept bytes the
+    planner may not move, and kept bytes that are also received (what a recomputing stage holds
+    once, :func:`recompute_peak`)."""
 
     def __init__(self, profile, at: int = 0):
         self.c = _compiled(profile)
@@ -202,6 +219,7 @@ class _Window:
         self.pinned_bytes = 0   # of the kept bytes, those the planner may not move (LayerProfile.pinned)
         self.reads = [0] * self.c.n_read   # layers of the stage reading each tensor
         self.received_bytes = 0   # of those, the tensors made before the stage
+        self.again_bytes = 0   # of the received bytes, those a layer of the stage also keeps
         self.work = self.largest = 0   # the largest working set, the largest layer's kept bytes
         self.seconds = 0.0
 
@@ -213,34 +231,43 @@ class _Window:
             window.push()
         return window
 
-    def now(self) -> Tuple[int, int, int, float, int, int, int]:
-        """(weights, kept activations, working set, seconds, the largest layer's kept bytes, bytes
-        received per micro-batch, kept bytes the planner may not move) of the stage as it is."""
+    def now(self) -> Tuple[int, int, int, float, int, int, int, int]:
+        """The stage's figures as it is (see the class docstring)."""
         return (self.param_bytes, self.kept_bytes, self.work, self.seconds, self.largest, self.received_bytes,
-                self.pinned_bytes)
+                self.pinned_bytes, self.again_bytes)
 
-    def grown(self) -> Tuple[int, int, int, float, int, int, int]:
+    def _received(self, read: int) -> bool:
+        """Whether the stage receives read tensor ``read`` (a layer of it reads it, made before it)."""
+        return self.reads[read] > 0 and self.c.read_producer[read] < self.lo
+
+    def grown(self) -> Tuple[int, int, int, float, int, int, int, int]:
         """:meth:`now` with layer ``hi`` added."""
         c, i = self.c, self.hi
         params, counts = self.param_bytes, self.params
         for k, nbytes in c.params[i]:   # (loops, not sum(): this is the search's innermost call)
             if not counts[k]:
                 params += nbytes
-        kept, counts = self.kept_bytes, self.kept
+        kept, again, counts, kept_read = self.kept_bytes, self.again_bytes, self.kept, c.kept_read
         for k, nbytes in c.kept[i]:
             if not counts[k]:
                 kept += nbytes
+                if kept_read[k] >= 0 and self._received(kept_read[k]):
+                    again += nbytes
         pinned = self.pinned_bytes
         for k, nbytes in c.pinned[i]:
             if not counts[k]:
                 pinned += nbytes
-        received, reads, lo = self.received_bytes, self.reads, self.lo
+        received, reads, lo, read_kept = self.received_bytes, self.reads, self.lo, c.read_kept
         for k, nbytes, producer in c.inputs[i]:
             if producer < lo and not reads[k]:
                 received += nbytes
+                kept_id = read_kept[k]
+                # kept already, or by the layer joining (counted here, not above: not received yet there)
+                if kept_id >= 0 and (counts[kept_id] or any(kept_id == j for j, _ in c.kept[i])):
+                    again += nbytes
         work, largest = c.work[i], c.layer_kept[i]
         return (params, kept, self.work if self.work > work else work, self.seconds + c.seconds[i],
-                self.largest if self.largest > largest else largest, received, pinned)
+                self.largest if self.largest > largest else largest, received, pinned, again)
 
     # push, pop and pop_right are plain loops over flat tuples: the search calls them millions of
     # times on 1,000 layers.
@@ -256,14 +283,19 @@ class _Window:
         for k, nbytes in c.pinned[i]:   # (before the kept counts below: counted when first kept)
             if not counts[k]:
                 self.pinned_bytes += nbytes
+        kept_read = c.kept_read
         for k, nbytes in c.kept[i]:
             if not counts[k]:
                 self.kept_bytes += nbytes
+                if kept_read[k] >= 0 and self._received(kept_read[k]):
+                    self.again_bytes += nbytes
             counts[k] += 1
-        reads, lo = self.reads, self.lo
+        reads, lo, read_kept = self.reads, self.lo, c.read_kept
         for k, nbytes, producer in c.inputs[i]:
             if not reads[k] and producer < lo:
                 self.received_bytes += nbytes
+                if read_kept[k] >= 0 and counts[read_kept[k]]:
+                    self.again_bytes += nbytes
             reads[k] += 1
         if c.work[i] > self.work:
             self.work = c.work[i]
@@ -280,11 +312,13 @@ class _Window:
             counts[k] -= 1
             if not counts[k]:
                 self.param_bytes -= nbytes
-        counts = self.kept
+        counts, kept_read = self.kept, c.kept_read
         for k, nbytes in c.kept[i]:
             counts[k] -= 1
             if not counts[k]:
                 self.kept_bytes -= nbytes
+                if kept_read[k] >= 0 and self._received(kept_read[k]):   # (reads not yet taken off)
+                    self.again_bytes -= nbytes
         for k, nbytes in c.pinned[i]:   # (after the kept counts above: counted while still kept)
             if not counts[k]:
                 self.pinned_bytes -= nbytes
@@ -294,47 +328,68 @@ class _Window:
         """Layer ``hi - 1`` leaves at the right."""
         c = self.c
         self.hi -= 1
-        i, reads, lo = self.hi, self.reads, self.lo
+        i, lo = self.hi, self.lo
         self._remove(i)
+        self._unread(i)
+        self.work, self.largest = c.work_max(lo, i), c.kept_max(lo, i)
+
+    def _unread(self, i: int) -> None:
+        """Layer ``i``'s reads out of the counts, after :meth:`_remove` (before ``lo`` moves)."""
+        c, reads, lo, counts = self.c, self.reads, self.lo, self.kept
         for k, nbytes, producer in c.inputs[i]:
             reads[k] -= 1
             if not reads[k] and producer < lo:
                 self.received_bytes -= nbytes
-        self.work, self.largest = c.work_max(lo, i), c.kept_max(lo, i)
+                if c.read_kept[k] >= 0 and counts[c.read_kept[k]]:
+                    self.again_bytes -= nbytes
 
     def pop(self) -> None:
         """Layer ``lo`` leaves at the left: what it made for the stage now arrives from outside."""
         c = self.c
         i, reads = self.lo, self.reads
         self._remove(i)
-        for k, nbytes, producer in c.inputs[i]:
-            reads[k] -= 1
-            if not reads[k] and producer < i:
-                self.received_bytes -= nbytes
+        self._unread(i)
+        counts = self.kept
         for k, nbytes in c.made[i]:
             if reads[k]:
                 self.received_bytes += nbytes
+                if c.read_kept[k] >= 0 and counts[c.read_kept[k]]:
+                    self.again_bytes += nbytes
         self.lo = i + 1
         if c.work[i] == self.work:
             self.work = c.work_max(i + 1, self.hi)
         if c.layer_kept[i] == self.largest:
             self.largest = c.kept_max(i + 1, self.hi)
 
-    def peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int, int, int]] = None,
+    def peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int, int, int, int]] = None,
              ahead: int = 0) -> int:
         """The stage's predicted peak with ``flight`` micro-batches in flight and the input of
         ``ahead`` more received (see :func:`received_ahead`); ``figures``: from :meth:`grown`
         instead of the stage as it is."""
-        params, kept, work, _, _, received, _ = figures or self.now()
+        params, kept, work, _, _, received, _, _ = figures or self.now()
         return int(params * (2 + self.slots)) + flight * kept + ahead * received + work
 
-    def least_peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int, int, int]] = None,
+    def least_peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int, int, int, int]] = None,
                    ahead: int = 0) -> int:
         """The least peak the stage reaches by swapping activations (:data:`SWAP_RESIDENT` layers'
         kept activations stay, and every micro-batch's pinned ones), or its peak when that is less."""
-        params, kept, work, _, largest, received, pinned = figures or self.now()
+        params, kept, work, _, largest, received, pinned, _ = figures or self.now()
         return (int(params * (2 + self.slots)) + min(flight * kept, flight * pinned + SWAP_RESIDENT * largest)
                 + ahead * received + work)
+
+    def recompute_peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int, int, int, int]] = None,
+                       ahead: int = 0) -> int:
+        """The stage's peak when it keeps only what it receives and runs its forward pass again
+        (see :func:`recompute_peak`)."""
+        params, kept, work, _, _, received, _, again = figures or self.now()
+        return int(params * (2 + self.slots)) + (flight + ahead) * received + kept - again + work
+
+    def lowest_peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int, int, int, int]] = None,
+                    ahead: int = 0, swap: bool = False) -> int:
+        """The lowest of the stage's peak keeping everything, recomputing and (with ``swap``) swapping."""
+        figures = figures or self.now()
+        lowest = min(self.peak(flight, figures, ahead), self.recompute_peak(flight, figures, ahead))
+        return min(lowest, self.least_peak(flight, figures, ahead)) if swap else lowest
 
 
 def stage_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, swap: bool = False, ahead: int = 0) -> int:
@@ -370,7 +425,7 @@ def recompute_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, wind
         (2100, 1200)
     """
     window = window or _Window.over(profile, lo, hi)
-    params, kept, work, _, _, _, _ = window.now()
+    params, kept, work = window.now()[:3]
     received = _received(profile, lo, hi)
     saved = {t for layer in profile.layers[lo:hi] for t, _ in layer.saved}
     again = sum(b for t, b in received.items() if t in saved)
@@ -383,12 +438,16 @@ def _received(profile: PipelineProfile, lo: int, hi: int) -> Dict[str, int]:
     return {t: b for layer in profile.layers[lo:hi] for t, b, producer in layer.inputs if producer < lo}
 
 
-def _measure(rule: str, swap: bool = False):
-    """What a rule balances, from a stage's figures (see :meth:`_Window.now`) and its flight."""
+def _measure(rule: str, swap: bool = False, recompute: bool = False):
+    """What a rule balances, from a stage's figures (see :meth:`_Window.now`) and its flight;
+    with ``recompute``, the memory rule takes each stage at the lowest way it has
+    (:meth:`_Window.lowest_peak`)."""
     if rule == "parameters":
         return lambda window, figures, flight, ahead: figures[0]
     if rule == "time":
         return lambda window, figures, flight, ahead: figures[3]
+    if recompute:
+        return lambda window, figures, flight, ahead: window.lowest_peak(flight, figures, ahead, swap)
     if swap:
         return lambda window, figures, flight, ahead: window.least_peak(flight, figures, ahead)
     return lambda window, figures, flight, ahead: window.peak(flight, figures, ahead)
@@ -457,7 +516,7 @@ def _looser_later(flights: Sequence[int], *limit_lists: Optional[Sequence[float]
 def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
          memory_limits: Optional[Sequence[float]] = None, swap: bool = False,
          kept_limits: Optional[Sequence[float]] = None, aheads: Optional[Sequence[int]] = None,
-         blocked: Optional["_Blocked"] = None) -> Optional[List[int]]:
+         blocked: Optional["_Blocked"] = None, receiving: bool = False) -> Optional[List[int]]:
     """Stage ends (exclusive) cutting the layers into ``len(limits)`` non-empty stages with stage
     ``k``'s measure at most ``limits[k]`` (and its peak at most ``memory_limits[k]``, and its peak
     keeping everything at most ``kept_limits[k]``: what a swapping stage puts on the host is what
@@ -479,12 +538,18 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
     does not decrease as ``s`` grows, so one sweep with a window sliding right finds every
     ``e(s)``; where what the stage receives ahead grew as its first layer left, the window gives
     back layers at the right until it fits.
+
+    With ``receiving`` (a measure that counts what a stage receives for every micro-batch in
+    flight: a recomputing stage, :meth:`_Window.lowest_peak`) the packing from the end does not
+    apply: it counts nothing received. The sweep still does: a window that no longer fits once its
+    first layer left (it receives that layer's outputs) cannot take a layer more, and every end
+    up to its own was reached from an earlier start already.
     """
     n, stages = len(profile.layers), len(limits)
     profile = _compiled(profile)
     aheads = aheads or [0] * stages
     fits = _fitting(limits, flights, measure, memory_limits, swap, kept_limits, blocked)
-    if _looser_later(flights, limits, memory_limits, kept_limits):
+    if not receiving and _looser_later(flights, limits, memory_limits, kept_limits):
         cuts = _packed_from_the_end(profile, stages, fits)
         if cuts is None or not any(aheads):
             return cuts
@@ -536,75 +601,32 @@ def _swept(profile: _Compiled, stages: int, fits, aheads: Sequence[int]) -> Opti
 
 
 def _recompute_cut(profile: PipelineProfile, capacities: Sequence[float], flights: Sequence[int], swap: bool,
-                   bound: float, aheads: Optional[Sequence[int]] = None) -> Tuple[float, Optional[List[int]]]:
+                   bound: float, aheads: Optional[Sequence[int]] = None,
+                   start: Optional[List[int]] = None) -> Tuple[float, Optional[List[int]]]:
     """The cut into ``len(capacities)`` stages whose fullest stage, each at the lowest of keeping,
     swapping (with ``swap``) and recomputing, is least full: (that fraction, stage ends), or
-    ``(bound, None)`` when no cut is below ``bound``.
+    ``(bound, None)`` when no cut is below ``bound``. ``start``: a cut to start the bisection's
+    bracket from (its fullest stage at most ``bound``).
 
-    Exact, by dynamic programming over (stage, end): a recomputing stage's peak counts what it
-    receives, which can shrink as the stage starts later, so the threshold sweep of :func:`_cut`
-    does not apply. From each start the stage is grown one layer at a time; every way's peak only
-    grows with the stage's end, so growing stops once even the lowest way of every stage is
-    above ``bound`` (a cut known to reach it bounds the search).
+    The bisection of :func:`_least_limit` with each stage measured at its lowest way
+    (:meth:`_Window.lowest_peak`), to the same :data:`PRECISION`. Every way's peak only grows
+    as the stage takes one more layer at its end, which is all the sweep of :func:`_cut` needs to
+    find a cut under a limit whenever one exists; what a recomputing stage receives can grow as it
+    starts later, which rules out only the packing from the last stage back (``receiving``). A
+    sweep is one pass over the layers per stage, where a dynamic programme over (stage, start,
+    end) grows every stage from every start.
     """
     compiled = _compiled(profile)
-    n, stages = len(compiled.layers), len(capacities)
+    stages = len(capacities)
     aheads = aheads or [0] * stages
-    inf = float("inf")
-    # best[k][e]: the least fullest fraction of stages 0..k with stage k ending at e; came[k][e]: its start
-    best = [[inf] * (n + 1) for _ in range(stages)]
-    came = [[-1] * (n + 1) for _ in range(stages)]
-    weight = 2 + compiled.slots
-    for start in range(n):
-        before = [0.0 if start == 0 else inf] + [best[k - 1][start] for k in range(1, stages)]
-        open_stages = [k for k in range(stages) if before[k] <= bound and k <= start]
-        if not open_stages:
-            continue
-        window = _Window(compiled, start)
-        # what the stage receives and also keeps (counted once, see recompute_peak): the window
-        # counts neither alone
-        again = 0
-        seen_received: Dict[str, int] = {}
-        seen_kept: set = set()
-        for end in range(start + 1, n + 1):
-            layer = compiled.layers[end - 1]
-            for name, nbytes, producer in layer.inputs:
-                if producer < start and name not in seen_received:
-                    seen_received[name] = nbytes
-                    again += nbytes if name in seen_kept else 0
-            for name, nbytes in layer.saved:
-                if name not in seen_kept:
-                    seen_kept.add(name)
-                    again += seen_received.get(name, 0)
-            window.push()
-            params = int(window.param_bytes * weight)
-            _, kept, work, _, largest, received, pinned = window.now()
-            growing = False
-            for k in open_stages:
-                if end > n - (stages - 1 - k):   # leave one layer for each later stage
-                    continue
-                flight, ahead = flights[k], aheads[k]
-                # the lowest of keeping everything, swapping and recomputing (see recompute_peak);
-                # each holds the next micro-batch's input too when it arrives ahead
-                swapping = (params + min(flight * kept, flight * pinned + SWAP_RESIDENT * largest) + work
-                            if swap else inf)
-                lowest = min(params + flight * kept + work, params + flight * received + kept - again + work,
-                             swapping) + ahead * received
-                fraction = lowest / capacities[k]
-                if fraction <= bound:
-                    growing = True
-                worst = before[k] if before[k] > fraction else fraction
-                if worst < best[k][end]:
-                    best[k][end], came[k][end] = worst, start
-            if not growing:
-                break
-    if best[-1][n] > bound:
-        return bound, None
-    cuts, end = [], n
-    for k in range(stages - 1, -1, -1):
-        cuts.append(end)
-        end = came[k][end]
-    return best[-1][n], cuts[::-1]
+    measure = _measure("memory", swap, recompute=True)
+    # Every way holds at least a stage's weights, its kept tensors the planner may not move
+    # (a recomputing stage holds one micro-batch's kept tensors) and its working set: the
+    # swapping floor bounds them all.
+    cuts = _least_limit(compiled, capacities, flights, measure, aheads=aheads, start=start,
+                        lo=_memory_floor(compiled, capacities, True), receiving=True)
+    found = _worst(compiled, cuts, capacities, flights, measure, aheads) if cuts else float("inf")
+    return (found, cuts) if found <= bound else (bound, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -915,7 +937,7 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
                  memory_limits: Optional[Sequence[float]] = None,
                  swap: bool = False, kept_limits: Optional[Sequence[float]] = None,
                  aheads: Optional[Sequence[int]] = None, start: Optional[List[int]] = None, lo: float = 0.0,
-                 precision: float = PRECISION) -> Optional[List[int]]:
+                 precision: float = PRECISION, receiving: bool = False) -> Optional[List[int]]:
     """The cut with the least ``tau`` such that stage ``k``'s measure is at most ``tau * capacities[k]``
     (bisection on ``tau``; each cut found lowers the bracket to its own worst stage, and each try
     that finds none raises it to the least stage figure that stopped it, so the bracket closes on
@@ -932,7 +954,7 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
         # measure / capacity * capacity may round one ulp below measure.
         uniform = _worst(profile, _uniform_cuts(n, stages), capacities, flights, measure, aheads) * (1 + 1e-9)
         best = _cut(profile, [uniform * c for c in capacities], flights, measure, memory_limits, swap, kept_limits,
-                    aheads)
+                    aheads, receiving=receiving)
     if best is None:
         # The uniform cut breaks the memory or kept limits: every stage is part of the whole model,
         # so the whole model's measure bounds every cut. (What a stage receives is at most every
@@ -942,7 +964,8 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
         figures[5] = sum({k: b for layer in profile.inputs for k, b, _ in layer}.values())
         figures = tuple(figures)
         hi = max(measure(whole, figures, flights[k], aheads[k]) / capacities[k] for k in range(stages)) * (1 + 1e-9)
-        best = _cut(profile, [hi * c for c in capacities], flights, measure, memory_limits, swap, kept_limits, aheads)
+        best = _cut(profile, [hi * c for c in capacities], flights, measure, memory_limits, swap, kept_limits, aheads,
+                    receiving=receiving)
         if best is None:
             return None
     hi = _worst(profile, best, capacities, flights, measure, aheads)
@@ -953,7 +976,7 @@ def _least_limit(profile: PipelineProfile, capacities: Sequence[float], flights:
         mid = (lo + hi) / 2
         blocked = _Blocked(capacities)
         cuts = _cut(profile, [mid * c for c in capacities], flights, measure, memory_limits, swap, kept_limits, aheads,
-                    blocked)
+                    blocked, receiving)
         if cuts is None:
             lo = max(mid, blocked.least)
         else:
@@ -1159,7 +1182,8 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         bound = max(min(stage_peak(profile, lo, hi, flights[k], swap, aheads[k]),
                         recompute_peak(profile, lo, hi, flights[k], ahead=aheads[k]))
                     / capacities[k] for k, (lo, hi) in enumerate(result.bounds))
-        _, cuts = _recompute_cut(profile, capacities, flights, swap, bound, aheads)
+        _, cuts = _recompute_cut(profile, capacities, flights, swap, bound, aheads,
+                                 start=[hi for _, hi in result.bounds])
         if cuts is not None:
             tried = evaluate(profile, cuts, **kwargs)
             result = min((result, tried), key=lambda p: (not p._fits_devices(), _fullest(p), p.predicted_step_time_s))
