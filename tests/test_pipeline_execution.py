@@ -920,6 +920,38 @@ def test_a_serialized_stage_leaves_out_what_the_step_never_reads(monkeypatch):
                         lambda *args, outputs=None, **kwargs: rewritten(*args, **kwargs))
     assert chained_input_gradients() == MICROBATCHES
 
+
+def test_a_stage_held_to_a_budget_never_gates_on_what_the_step_never_reads(monkeypatch):
+    """Structure: a stage held to a budget is planned on an IR whose ops Grappler rewrites or
+    prunes are marked (``grappler_rewritten``), and the planner gates no copy on them. The
+    offline run behind it is given what the step returns, so the first convolution's input
+    gradient (a dead end the runtime prunes; a gate reading it would keep it alive) is among
+    them; without the step's outputs it is not."""
+    from lms_tf.tf import pipeline_step
+
+    def marked_dead_ends():
+        model, (x, y) = MODELS["sequential_cnn"]()
+        seen = []
+        fit_replay = PipelineStep._fit_replay
+
+        def recording(self, k, ir, stage_ir, *args):
+            seen.append(stage_ir.grappler_rewritten)
+            return fit_replay(self, k, ir, stage_ir, *args)
+
+        with monkeypatch.context() as patched:
+            patched.setattr(PipelineStep, "_fit_replay", recording)
+            step = budgeted("gpipe", [1, None], swap=[0])(model)
+            with pytest.raises(lms_tf.InfeasibleBudgetError, match="stage 0 does not fit 1 B"):
+                step(tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH]))
+        (rewritten,) = seen
+        return sum(name.endswith("conv0_1/convolution/Conv2DBackpropInput") for name in rewritten)
+
+    assert marked_dead_ends() == MICROBATCHES
+    offline = pipeline_step.grappler_rewritten_ops
+    monkeypatch.setattr(pipeline_step, "grappler_rewritten_ops",
+                        lambda *args, outputs=None, **kwargs: offline(*args, **kwargs))
+    assert marked_dead_ends() == 0
+
 def budgeted(schedule, budget, swap=True, recompute=False, min_swap_bytes=0):
     return lambda model: PipelineStep(model, contiguous(model, 2), microbatches=MICROBATCHES, schedule=schedule,
                                       devices=DEVICES[:2], swap=swap, host="/CPU:2", min_swap_bytes=min_swap_bytes,

@@ -615,10 +615,12 @@ class PipelineStep:
         cost = CostModel(self._presets[k])
         # A swap-in's gate reads its trigger: on an op Grappler folds into another (an inner op of
         # a fused or regrouped group, such as a GELU's gradient) that extra reader would stop the
-        # rewrite, and the numbers would change. The planner gates on other ops.
+        # rewrite, and the numbers would change. The planner gates on other ops. Given what the
+        # step returns, the offline run prunes the dead ends the runtime prunes: a gate reading
+        # one would keep alive a kernel the runtime otherwise never runs.
         cpu = _on_cpu(device)
         stage_ir = dataclasses.replace(stage_ir, grappler_rewritten=grappler_rewritten_ops(
-            graph, device, CPU_GRAPPLER_MEMORY_BYTES if cpu else cost.device.memory_bytes))
+            graph, device, CPU_GRAPPLER_MEMORY_BYTES if cpu else cost.device.memory_bytes, outputs=self._returned))
         plain = replay()
         unplanned = dataclasses.replace(rule, decisions=tuple(
             d if d.decision is Decision.KEEP else d.kept("kept: the stage fits its budget without swapping it")
