@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+import itertools
 import random
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -203,16 +204,26 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
         elif key in on_host_alive:
             host_in_use -= on_host_alive.pop(key)
 
-    ready: List[collections.deque] = [collections.deque() for _ in STREAMS]
-    initial = sorted((i for i, n in enumerate(pending) if n == 0), key=lambda i: ops[i].order)
-    for i in initial:
-        ready[ops[i].stream].append(i)
+    # Each stream's ready ops, first in first out; with a ranking, by rank and then as they became
+    # ready (a heap of (rank, arrival, op): what a stable sort of the queue by rank gives, without
+    # sorting a long queue again each time an op ranked before its tail becomes ready).
+    ready: List = [collections.deque() for _ in STREAMS] if priority is None else [[] for _ in STREAMS]
+    arrivals = itertools.count()
+
+    def make_ready(i: int) -> None:
+        if priority is None:
+            ready[ops[i].stream].append(i)
+        else:
+            heapq.heappush(ready[ops[i].stream], (ops[i].order, next(arrivals), i))
+
+    for i in sorted((i for i, n in enumerate(pending) if n == 0), key=lambda i: ops[i].order):
+        make_ready(i)
     busy = [False] * len(STREAMS)
     events: List[Tuple[float, int, int]] = []
 
     def start(stream: int, at: float) -> None:
         nonlocal peak, peak_op, alive_at_peak, compute_time, host_compute_time, peak_time, host_in_use, host_peak
-        i = ready[stream].popleft()
+        i = ready[stream].popleft() if priority is None else heapq.heappop(ready[stream])[2]
         op = ops[i]
         busy[stream] = True
         for key, nbytes in op.writes:
@@ -284,13 +295,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
         for s in successors[i]:
             pending[s] -= 1
             if pending[s] == 0:
-                if priority is None:
-                    ready[ops[s].stream].append(s)
-                else:  # keep the ready queue sorted by the given rank
-                    queue = ready[ops[s].stream]
-                    queue.append(s)
-                    if len(queue) > 1 and ops[queue[-2]].order > ops[s].order:
-                        ready[ops[s].stream] = collections.deque(sorted(queue, key=lambda j: ops[j].order))
+                make_ready(s)
 
     while True:
         for stream in STREAMS:
