@@ -129,15 +129,6 @@ def render(results: list) -> str:
     """The table of :func:`main`'s results."""
     import re
 
-    OUT.mkdir(exist_ok=True)
-    (OUT / "pipeline_budget.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
-    publish("pipeline_budget", render(results), page="partition")
-
-
-def render(results: list) -> str:
-    """The table of :func:`main`'s results."""
-    import re
-
     lines = [f"Two GPipe stages, {MICROBATCHES} micro-batches, planned for `{PRESET}`; peaks are lms-tf's replay "
              "of each built stage (weights and slots included). Time is the budget planner's predicted stage "
              "time over the plain stage's (copies timed against the link; 1.00 where nothing is exposed). A "

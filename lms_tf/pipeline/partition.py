@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from lms_tf.core.errors import LMSOptionError, host_budget_error, infeasible
 from lms_tf.core.policy import describe, format_bytes, machine_memory_bytes, parse_bytes, parse_host_budget
@@ -545,7 +545,7 @@ def _cut(profile, limits: Sequence[float], flights: Sequence[int], measure,
     first layer left (it receives that layer's outputs) cannot take a layer more, and every end
     up to its own was reached from an earlier start already.
     """
-    n, stages = len(profile.layers), len(limits)
+    stages = len(limits)
     profile = _compiled(profile)
     aheads = aheads or [0] * stages
     fits = _fitting(limits, flights, measure, memory_limits, swap, kept_limits, blocked)
