@@ -887,6 +887,11 @@ def test_a_stage_holds_what_it_sends_while_its_next_op_runs(monkeypatch):
     assert [h - f for h, f in zip(held, freed_at_once)] == [0, gradient, 0], (held, freed_at_once)
 
 
+def without_outputs(grappler_rewritten_ops):
+    """``grappler_rewritten_ops`` as it was before it was given the step's outputs: every dead end kept."""
+    return lambda *args, outputs=None, **kwargs: grappler_rewritten_ops(*args, **kwargs)
+
+
 @pytest.mark.timeout(300)
 def test_a_serialized_stage_leaves_out_what_the_step_never_reads(monkeypatch):
     """Structure: the gradient of the model's input (the first convolution's
@@ -915,9 +920,7 @@ def test_a_serialized_stage_leaves_out_what_the_step_never_reads(monkeypatch):
         return sum(op.name in waited_on for op in dead)
 
     assert chained_input_gradients() == 0
-    rewritten = driver.grappler_rewritten_ops
-    monkeypatch.setattr(driver, "grappler_rewritten_ops",
-                        lambda *args, outputs=None, **kwargs: rewritten(*args, **kwargs))
+    monkeypatch.setattr(driver, "grappler_rewritten_ops", without_outputs(driver.grappler_rewritten_ops))
     assert chained_input_gradients() == MICROBATCHES
 
 
@@ -947,10 +950,9 @@ def test_a_stage_held_to_a_budget_never_gates_on_what_the_step_never_reads(monke
         return sum(name.endswith("conv0_1/convolution/Conv2DBackpropInput") for name in rewritten)
 
     assert marked_dead_ends() == MICROBATCHES
-    offline = pipeline_step.grappler_rewritten_ops
-    monkeypatch.setattr(pipeline_step, "grappler_rewritten_ops",
-                        lambda *args, outputs=None, **kwargs: offline(*args, **kwargs))
+    monkeypatch.setattr(pipeline_step, "grappler_rewritten_ops", without_outputs(pipeline_step.grappler_rewritten_ops))
     assert marked_dead_ends() == 0
+
 
 def budgeted(schedule, budget, swap=True, recompute=False, min_swap_bytes=0):
     return lambda model: PipelineStep(model, contiguous(model, 2), microbatches=MICROBATCHES, schedule=schedule,

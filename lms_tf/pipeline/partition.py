@@ -380,7 +380,7 @@ class _Window:
     def recompute_peak(self, flight: int, figures: Optional[Tuple[int, int, int, float, int, int, int, int]] = None,
                        ahead: int = 0) -> int:
         """The stage's peak when it keeps only what it receives and runs its forward pass again
-        (see :func:`recompute_peak`)."""
+        (see :func:`recompute_peak`): a tensor it both receives and keeps counted once."""
         params, kept, work, _, _, received, _, again = figures or self.now()
         return int(params * (2 + self.slots)) + (flight + ahead) * received + kept - again + work
 
@@ -424,12 +424,7 @@ def recompute_peak(profile: PipelineProfile, lo: int, hi: int, flight: int, wind
         >>> stage_peak(chain, 1, 3, 4), recompute_peak(chain, 1, 3, 4)   # 2*50 + 4*500; 2*50 + 4*200 + 300
         (2100, 1200)
     """
-    window = window or _Window.over(profile, lo, hi)
-    params, kept, work = window.now()[:3]
-    received = _received(profile, lo, hi)
-    saved = {t for layer in profile.layers[lo:hi] for t, _ in layer.saved}
-    again = sum(b for t, b in received.items() if t in saved)
-    return int(params * (2 + window.slots)) + (flight + ahead) * sum(received.values()) + kept - again + work
+    return (window or _Window.over(profile, lo, hi)).recompute_peak(flight, ahead=ahead)
 
 
 def _received(profile: PipelineProfile, lo: int, hi: int) -> Dict[str, int]:
@@ -1179,11 +1174,9 @@ def partition_layers(profile: PipelineProfile, *, stages: int, microbatches: int
         # Stages that recompute: searched exactly for the least full fullest stage (each at the
         # lowest way it has), bounded by the cut already found; the faster way is then chosen
         # per stage, and of the two cuts the one fitting (then less full, then faster) is kept.
-        bound = max(min(stage_peak(profile, lo, hi, flights[k], swap, aheads[k]),
-                        recompute_peak(profile, lo, hi, flights[k], ahead=aheads[k]))
-                    / capacities[k] for k, (lo, hi) in enumerate(result.bounds))
-        _, cuts = _recompute_cut(profile, capacities, flights, swap, bound, aheads,
-                                 start=[hi for _, hi in result.bounds])
+        found = [hi for _, hi in result.bounds]
+        bound = _worst(profile, found, capacities, flights, _measure("memory", swap, recompute=True), aheads)
+        _, cuts = _recompute_cut(profile, capacities, flights, swap, bound, aheads, start=found)
         if cuts is not None:
             tried = evaluate(profile, cuts, **kwargs)
             result = min((result, tried), key=lambda p: (not p._fits_devices(), _fullest(p), p.predicted_step_time_s))
