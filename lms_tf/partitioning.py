@@ -16,6 +16,7 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence, Union
 
 from lms_tf.core.errors import LMSOptionError
@@ -32,7 +33,8 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
               devices: Union[None, str, DeviceSpec, Sequence[Union[str, DeviceSpec]]] = None,
               budget: Union[None, int, str] = None, rule: str = "memory", objective: str = "memory",
               optimizer=None, input_shape: Optional[Sequence[int]] = None, swap: bool = True,
-              host_budget: Union[None, int, str] = None, recompute: bool = False) -> Partition:
+              host_budget: Union[None, int, str] = None, recompute: bool = False,
+              calibrate: bool = False) -> Partition:
     """Cuts ``model`` into ``stages`` pipeline stages balanced by predicted peak memory (mCAP).
 
     Args:
@@ -60,12 +62,20 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
             forward pass again in each backward task (GPipe's re-materialization); where both
             fit a stage, the one with less time is taken. ``PipelineStep(partition,
             recompute=True)`` runs those stages so.
+        calibrate: Whether to read this process's real allocator (mCAP's calibration): the model
+            trains twice as one stage, with one and with two micro-batches in flight (a copy of
+            it: ``model`` is not changed), and every stage is counted with the real fixed part and
+            bytes per micro-batch those two peaks give (:mod:`lms_tf.pipeline.calibration`). The
+            device read is this process's first GPU, else its CPU (set
+            ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts); so with ``devices=``
+            presets it needs a GPU here. Sequential and Functional models only.
 
     Returns:
         The :class:`~lms_tf.pipeline.Partition`: print it, or ``to_json()`` it.
 
     Raises:
         LMSOptionError: A bad argument (checked before the model is traced), or more stages than layers.
+        LMSError: ``calibrate`` and the allocator keeps no statistics (checked before tracing).
         InfeasibleBudgetError: ``budget`` was given and no cut meets it (the message names the least it can be).
 
     Examples:
@@ -83,12 +93,20 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
     if batch_size % microbatches:
         raise LMSOptionError(f"batch_size={batch_size} does not split into {microbatches} equal micro-batches; pass a "
                              f"batch_size divisible by microbatches (e.g. {batch_size // microbatches * microbatches or microbatches}).")
-    from lms_tf.tf.pipeline import local_kernel_library, trace_profile
+    if not isinstance(calibrate, bool):
+        raise LMSOptionError(f"calibrate must be True or False; received {describe(calibrate)}.")
+    from lms_tf.tf.pipeline import calibrated_profile, check_calibration, local_kernel_library, trace_profile
 
+    calibration_device = check_calibration(model, devices) if calibrate else None
     first = devices if isinstance(devices, (str, DeviceSpec)) else (devices[0] if devices else DEFAULT_DEVICE)
     spec = first if isinstance(first, DeviceSpec) else get_device_spec(first)
     profile = trace_profile(model, microbatch=batch_size // microbatches, cost=CostModel(spec), optimizer=optimizer,
                             input_shape=input_shape, kernels="cudnn" if devices else local_kernel_library())
-    return partition_layers(profile, stages=stages, microbatches=microbatches, schedule=schedule, devices=devices,
-                            budget=budget, rule=rule, objective=objective, model=model.name, swap=swap,
-                            host_budget=host_budget, recompute=recompute)
+    calibration = None
+    if calibrate:
+        profile, calibration = calibrated_profile(model, profile, microbatch=batch_size // microbatches,
+                                                  device=calibration_device, optimizer=optimizer)
+    result = partition_layers(profile, stages=stages, microbatches=microbatches, schedule=schedule, devices=devices,
+                              budget=budget, rule=rule, objective=objective, model=model.name, swap=swap,
+                              host_budget=host_budget, recompute=recompute)
+    return dataclasses.replace(result, calibration=calibration) if calibration else result

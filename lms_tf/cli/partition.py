@@ -18,6 +18,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 from typing import List
@@ -72,6 +73,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     part.add_argument("--recompute", action="store_true",
                       help="a stage that does not fit may keep only what it receives and run its forward pass again "
                            "in each backward task (where swapping also fits it, the faster of the two)")
+    part.add_argument("--calibrate", action="store_true",
+                      help="read this machine's GPU allocator with one and two micro-batches in flight (mCAP's "
+                           "calibration: two real steps) and count every stage with those figures; needs the GPU "
+                           "--device names")
     part.add_argument("--compare", action="store_true", help="also print the three rules side by side")
     part.add_argument("--plot", default=None, help="write per-stage memory against each device to this PNG file")
     part.add_argument("--json", action="store_true", help="print one JSON object")
@@ -184,7 +189,7 @@ def run(args) -> int:
     from lms_tf.core.errors import HostBudgetError, InfeasibleBudgetError
     from lms_tf.cost import CostModel, get_device_spec
     from lms_tf.pipeline import check_arguments, partition_layers
-    from lms_tf.tf.pipeline import trace_profile
+    from lms_tf.tf.pipeline import calibrated_profile, check_calibration, trace_profile
     from lms_tf.tf.workloads import build_model
 
     devices = args.device[0] if len(args.device) == 1 else args.device
@@ -195,6 +200,7 @@ def run(args) -> int:
         raise SystemExit(f"lms-tf partition: error: --batch {args.batch} does not split into {args.microbatches} "
                          f"equal micro-batches; use a --batch divisible by --microbatches")
     model = build_model(args.model, image_size=args.input_shape, classes=args.classes)
+    calibration_device = check_calibration(model, devices) if args.calibrate else None
     optimizer = None
     if args.optimizer == "adam":
         from lms_tf._compat import keras_module
@@ -202,11 +208,17 @@ def run(args) -> int:
         optimizer = keras_module().optimizers.Adam()
     profile = trace_profile(model, microbatch=args.batch // args.microbatches,
                             cost=CostModel(get_device_spec(args.device[0])), optimizer=optimizer)
+    calibration = None
+    if args.calibrate:
+        profile, calibration = calibrated_profile(model, profile, microbatch=args.batch // args.microbatches,
+                                                  device=calibration_device, optimizer=optimizer)
     common = dict(stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, devices=devices,
                   objective=args.objective, model=args.model, swap=not args.no_swap, host_budget=args.host_budget,
                   recompute=args.recompute)
     try:
         chosen = partition_layers(profile, budget=args.budget, rule=args.rule, **common)
+        if calibration is not None:
+            chosen = dataclasses.replace(chosen, calibration=calibration)
     except InfeasibleBudgetError as err:
         if args.json:
             print(json.dumps({"model": args.model, "feasible": False, "budget_bytes": err.budget_bytes,

@@ -697,6 +697,8 @@ class Partition:
 
     A printable, saveable value: ``print(p)`` or ``p.summary()`` for a table, :meth:`to_dict` /
     :meth:`to_json` for the fields the CLI's ``--json`` prints.
+    ``calibration``, from ``lms_tf.partition(calibrate=True)``, is the real allocator's figures
+    every stage was counted with (:class:`~lms_tf.pipeline.calibration.Calibration`).
 
     Examples:
         >>> from lms_tf.pipeline.profile import PipelineProfile
@@ -717,6 +719,7 @@ class Partition:
     swap: bool = True
     host_budget_bytes: Optional[int] = None
     recompute: bool = False
+    calibration: Optional[Any] = None   # a lms_tf.pipeline.calibration.Calibration (that module imports this one)
 
     @property
     def bounds(self) -> List[Tuple[int, int]]:
@@ -772,7 +775,8 @@ class Partition:
                 "ideal_peak_bytes": self.ideal_peak_bytes, "max_stage_peak_bytes": self.max_stage_peak_bytes,
                 "predicted_step_time_s": self.predicted_step_time_s, "budget_bytes": self.budget_bytes,
                 "swap": self.swap, "recompute": self.recompute, "host_bytes": sum(s.host_bytes for s in self.stages),
-                "host_budget_bytes": self.host_budget_bytes, "feasible": self.feasible}
+                "host_budget_bytes": self.host_budget_bytes, "feasible": self.feasible,
+                "calibration": self.calibration.to_dict() if self.calibration is not None else None}
 
     def to_json(self, **kwargs) -> str:
         """:meth:`to_dict` as JSON text.
@@ -812,7 +816,8 @@ class Partition:
                 f"{self.schedule}, {self.microbatches} micro-batches, rule {self.rule}, objective {self.objective}: "
                 f"{verdict}\nlargest stage {format_bytes(self.max_stage_peak_bytes)}, {ratio:.2f}x the ideal "
                 f"{format_bytes(self.ideal_peak_bytes)} (one copy of the whole step / {len(self.stages)}); "
-                f"predicted step {self.predicted_step_time_s:.4g} s")
+                f"predicted step {self.predicted_step_time_s:.4g} s"
+                + (f"\n{self.calibration.describe()}" if self.calibration is not None else ""))
         dev = max([len("device")] + [len(s.device or "-") for s in self.stages]) + 2
         swapping = any(s.host_bytes for s in self.stages)
         recomputing = any(s.recompute for s in self.stages)

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.cost.model import CostModel
+from lms_tf.pipeline.calibration import CALIBRATION_IN_FLIGHT, Calibration
 from lms_tf.pipeline.profile import PipelineProfile, profile_layers
 from lms_tf.simulate import check_kernel_library
 from lms_tf.tf.trace import trace_step_ir
@@ -93,3 +94,127 @@ def local_kernel_library() -> str:
     from lms_tf.tf.diagnostics import cpu_kernel_library
 
     return "cudnn" if tf.config.list_logical_devices("GPU") else cpu_kernel_library()
+
+
+def check_calibration(model, devices=None) -> str:
+    """Checks, before any slow work, that :func:`measure_calibration` can run here; returns the device
+    it reads.
+
+    Raises:
+        LMSOptionError: ``model`` is subclassed (the calibration trains it as a pipeline stage), or
+            ``devices`` names presets while this process has no GPU (a CPU's allocator says nothing
+            about them).
+        LMSError: The device's allocator keeps no statistics (on the CPU:
+            ``TF_CPU_ALLOCATOR_USE_BFC=true`` was not set before TensorFlow started).
+
+    Examples:
+        >>> import keras
+        >>> check_calibration(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])) in ("CPU:0", "GPU:0")
+        True
+    """
+    from lms_tf.tf.memory import default_device, measure_peak_memory
+
+    if _compat.functional_graph(model) is None:
+        raise LMSOptionError(f"calibrate=True trains {getattr(model, 'name', 'the model')!r} as one pipeline stage, "
+                             f"which needs a Sequential or Functional model; received a subclassed "
+                             f"{type(model).__name__}. Partition it without calibrate.")
+    device = default_device()
+    if devices is not None and device.startswith("CPU"):
+        raise LMSOptionError(f"calibrate=True reads this process's allocator, and this process has no GPU, so it "
+                             f"cannot calibrate for devices={devices!r}; calibrate on a machine with that GPU, or "
+                             f"drop devices= to partition for this machine's CPU.")
+    with measure_peak_memory(device):  # the library's error, saying how to turn statistics on
+        pass
+    return device
+
+
+def measure_calibration(model, profile: PipelineProfile, *, microbatch: int, device: Optional[str] = None,
+                        optimizer=None) -> Calibration:
+    """Reads the real allocator peak of ``model`` trained as one GPipe stage with one and with two
+    micro-batches in flight (mCAP's calibration, :mod:`lms_tf.pipeline.calibration`).
+
+    Each run trains a copy of the model (:func:`~lms_tf.tf.pipeline_step.place_stages`, with a
+    new optimizer of the same configuration) on zeros, its ops serialized in the schedule's
+    order, so the peak follows the order the per-layer model counts; ``model`` and ``optimizer``
+    are not changed. Each run's first two steps warm up (tracing, the optimizer's slots); the
+    third is measured, and the copy's weights and slots, resident before it, are added.
+
+    Args:
+        model: A built Sequential or Functional Keras model.
+        profile: Its per-layer profile at ``microbatch`` samples (:func:`trace_profile`).
+        microbatch: Samples per micro-batch.
+        device: Whose allocator is read; default: the first GPU, else ``"CPU:0"`` (whose
+            statistics need ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts).
+        optimizer: For a model that is not compiled, the optimizer whose slots are counted
+            (default SGD); a copy is trained.
+
+    Returns:
+        The :class:`~lms_tf.pipeline.calibration.Calibration`.
+
+    Raises:
+        LMSError: The device's allocator keeps no statistics, or the two runs do not differ.
+
+    Examples:
+        >>> measure_calibration.__name__
+        'measure_calibration'
+    """
+    import tensorflow as tf
+
+    from lms_tf.core.ir import same_device
+    from lms_tf.pipeline.partition import partition_layers
+    from lms_tf.tf.memory import default_device, measure_peak_memory
+    from lms_tf.tf.pipeline_step import PipelineStep, place_stages
+    from lms_tf.tf.variables import variable_bytes_by_device
+    from lms_tf.tf.workloads import step_specs
+
+    device = device or default_device()
+    compiled = getattr(model, "optimizer", None) is not None and getattr(model, "loss", None) is not None
+    measured = []
+    for flight in CALIBRATION_IN_FLIGHT:
+        started = time.perf_counter()
+        # Two micro-batches each time, so gradients are accumulated in both runs as in any pipeline;
+        # 1F1B runs one micro-batch's backward pass before the next forward (one in flight), GPipe
+        # both forwards first (two).
+        whole = partition_layers(profile, stages=1, microbatches=2, schedule="1f1b" if flight == 1 else "gpipe")
+        placed = place_stages(model, whole, [device])
+        own = None if compiled else (optimizer.__class__.from_config(optimizer.get_config()) if optimizer is not None
+                                     else None)
+        step = PipelineStep(placed, whole, devices=[device], serialize=True, optimizer=own)
+        x_spec, y_spec = step_specs(placed, microbatch * 2,
+                                    sparse=not compiled or "sparse" in str(model.loss).lower())
+        x = [tf.zeros(s.shape, s.dtype) for s in x_spec] if isinstance(x_spec, list) else tf.zeros(x_spec.shape, x_spec.dtype)
+        y = tf.zeros(y_spec.shape, y_spec.dtype)
+        with tf.device(device):
+            for _ in range(2):
+                step(x, y).numpy()
+            with measure_peak_memory(device, settle_seconds=0.3) as memory:
+                step(x, y).numpy()
+        resident = variable_bytes_by_device(list(placed.weights) + list(step.optimizer.variables))
+        measured.append(memory.peak_bytes + sum(b for where, b in resident.items() if same_device(where, device)))
+        logger.info("calibration: %s as one stage, %d micro-batch(es) in flight: real peak %.1f MiB on %s (%.1f s)",
+                    model.name, flight, measured[-1] / 2**20, device, time.perf_counter() - started)
+    return Calibration.from_profile(profile, tuple(measured), device=device)
+
+
+def calibrated_profile(model, profile: PipelineProfile, *, microbatch: int, device: str,
+                       optimizer=None) -> "tuple[PipelineProfile, Calibration]":
+    """:func:`measure_calibration`, then ``profile`` counted with its figures (logged; a warning when
+    the two runs resolve only the fixed part). What ``lms_tf.partition(calibrate=True)`` and
+    ``lms-tf partition --calibrate`` do after tracing.
+
+    Examples:
+        >>> calibrated_profile.__name__
+        'calibrated_profile'
+    """
+    from lms_tf.core.policy import format_bytes
+    from lms_tf.pipeline.calibration import RESOLVABLE_SHARE
+
+    calibration = measure_calibration(model, profile, microbatch=microbatch, device=device, optimizer=optimizer)
+    if calibration.resolves_activations:
+        logger.info("%s", calibration.describe())
+    else:
+        logger.warning("calibrate: one micro-batch's activations (%s by the per-layer model) are under %d%% of the "
+                       "peak, less than the allocator's chunks move it, so only the fixed part was calibrated (%s)",
+                       format_bytes(calibration.predicted[1] - calibration.predicted[0]),
+                       round(100 * RESOLVABLE_SHARE), calibration.describe())
+    return calibration.apply(profile), calibration
