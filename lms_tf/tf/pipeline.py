@@ -128,35 +128,37 @@ def check_calibration(model, devices=None) -> str:
     return device
 
 
-def measure_calibration(model, profile: PipelineProfile, *, microbatch: int, device: Optional[str] = None,
-                        optimizer=None) -> Calibration:
-    """Reads the real allocator peak of ``model`` trained as one GPipe stage with one and with two
-    micro-batches in flight (mCAP's calibration, :mod:`lms_tf.pipeline.calibration`).
+def whole_model_peak(model, profile: PipelineProfile, *, microbatch: int, microbatches: int,
+                     schedule: str = "gpipe", device: Optional[str] = None, optimizer=None) -> int:
+    """The real allocator peak of ``model`` trained as one pipeline stage, weights and slots included.
 
-    Each run trains a copy of the model (:func:`~lms_tf.tf.pipeline_step.place_stages`, with a
-    new optimizer of the same configuration) on zeros, its ops serialized in the schedule's
-    order, so the peak follows the order the per-layer model counts; ``model`` and ``optimizer``
-    are not changed. Each run's first two steps warm up (tracing, the optimizer's slots); the
-    third is measured, and the copy's weights and slots, resident before it, are added.
+    Trains a copy of the model (:func:`~lms_tf.tf.pipeline_step.place_stages`, with a new
+    optimizer of the same configuration) on zeros, its ops serialized in the schedule's order, so
+    the peak follows the order the per-layer model counts; ``model`` and ``optimizer`` are not
+    changed. Two steps warm up (tracing, the optimizer's slots); the third is measured, and the
+    copy's weights and slots, resident before it, are added. With GPipe all ``microbatches`` are
+    in flight at once; with 1F1B, one.
 
     Args:
         model: A built Sequential or Functional Keras model.
         profile: Its per-layer profile at ``microbatch`` samples (:func:`trace_profile`).
         microbatch: Samples per micro-batch.
+        microbatches: Micro-batches per step.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
         device: Whose allocator is read; default: the first GPU, else ``"CPU:0"`` (whose
             statistics need ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts).
         optimizer: For a model that is not compiled, the optimizer whose slots are counted
             (default SGD); a copy is trained.
 
     Returns:
-        The :class:`~lms_tf.pipeline.calibration.Calibration`.
+        Bytes.
 
     Raises:
-        LMSError: The device's allocator keeps no statistics, or the two runs do not differ.
+        LMSError: The device's allocator keeps no statistics.
 
     Examples:
-        >>> measure_calibration.__name__
-        'measure_calibration'
+        >>> whole_model_peak.__name__
+        'whole_model_peak'
     """
     import tensorflow as tf
 
@@ -169,28 +171,58 @@ def measure_calibration(model, profile: PipelineProfile, *, microbatch: int, dev
 
     device = device or default_device()
     compiled = getattr(model, "optimizer", None) is not None and getattr(model, "loss", None) is not None
+    whole = partition_layers(profile, stages=1, microbatches=microbatches, schedule=schedule)
+    placed = place_stages(model, whole, [device])
+    own = None if compiled or optimizer is None else optimizer.__class__.from_config(optimizer.get_config())
+    step = PipelineStep(placed, whole, devices=[device], serialize=True, optimizer=own)
+    x_spec, y_spec = step_specs(placed, microbatch * microbatches,
+                                sparse=not compiled or "sparse" in str(model.loss).lower())
+    x = [tf.zeros(s.shape, s.dtype) for s in x_spec] if isinstance(x_spec, list) else tf.zeros(x_spec.shape, x_spec.dtype)
+    y = tf.zeros(y_spec.shape, y_spec.dtype)
+    with tf.device(device):
+        for _ in range(2):
+            step(x, y).numpy()
+        with measure_peak_memory(device, settle_seconds=0.3) as memory:
+            step(x, y).numpy()
+    resident = variable_bytes_by_device(list(placed.weights) + list(step.optimizer.variables))
+    return memory.peak_bytes + sum(b for where, b in resident.items() if same_device(where, device))
+
+
+def measure_calibration(model, profile: PipelineProfile, *, microbatch: int, device: Optional[str] = None,
+                        optimizer=None) -> Calibration:
+    """Reads the real allocator peak of ``model`` trained as one stage with one and with two
+    micro-batches in flight (mCAP's calibration, :mod:`lms_tf.pipeline.calibration`), by
+    :func:`whole_model_peak`: two micro-batches a step both times, so gradients are accumulated as
+    in any pipeline, 1F1B for one in flight (each backward pass before the next forward) and GPipe
+    for two. ``model`` and ``optimizer`` are not changed.
+
+    Args:
+        model: A built Sequential or Functional Keras model.
+        profile: Its per-layer profile at ``microbatch`` samples (:func:`trace_profile`).
+        microbatch: Samples per micro-batch.
+        device: Whose allocator is read (see :func:`whole_model_peak`).
+        optimizer: For a model that is not compiled, the optimizer whose slots are counted.
+
+    Returns:
+        The :class:`~lms_tf.pipeline.calibration.Calibration`.
+
+    Raises:
+        LMSError: The device's allocator keeps no statistics, or the two runs do not differ where
+            the model says they should.
+
+    Examples:
+        >>> measure_calibration.__name__
+        'measure_calibration'
+    """
+    from lms_tf.tf.memory import default_device
+
+    device = device or default_device()
     measured = []
     for flight in CALIBRATION_IN_FLIGHT:
         started = time.perf_counter()
-        # Two micro-batches each time, so gradients are accumulated in both runs as in any pipeline;
-        # 1F1B runs one micro-batch's backward pass before the next forward (one in flight), GPipe
-        # both forwards first (two).
-        whole = partition_layers(profile, stages=1, microbatches=2, schedule="1f1b" if flight == 1 else "gpipe")
-        placed = place_stages(model, whole, [device])
-        own = None if compiled else (optimizer.__class__.from_config(optimizer.get_config()) if optimizer is not None
-                                     else None)
-        step = PipelineStep(placed, whole, devices=[device], serialize=True, optimizer=own)
-        x_spec, y_spec = step_specs(placed, microbatch * 2,
-                                    sparse=not compiled or "sparse" in str(model.loss).lower())
-        x = [tf.zeros(s.shape, s.dtype) for s in x_spec] if isinstance(x_spec, list) else tf.zeros(x_spec.shape, x_spec.dtype)
-        y = tf.zeros(y_spec.shape, y_spec.dtype)
-        with tf.device(device):
-            for _ in range(2):
-                step(x, y).numpy()
-            with measure_peak_memory(device, settle_seconds=0.3) as memory:
-                step(x, y).numpy()
-        resident = variable_bytes_by_device(list(placed.weights) + list(step.optimizer.variables))
-        measured.append(memory.peak_bytes + sum(b for where, b in resident.items() if same_device(where, device)))
+        measured.append(whole_model_peak(model, profile, microbatch=microbatch, microbatches=2,
+                                         schedule="1f1b" if flight == 1 else "gpipe", device=device,
+                                         optimizer=optimizer))
         logger.info("calibration: %s as one stage, %d micro-batch(es) in flight: real peak %.1f MiB on %s (%.1f s)",
                     model.name, flight, measured[-1] / 2**20, device, time.perf_counter() - started)
     return Calibration.from_profile(profile, tuple(measured), device=device)
