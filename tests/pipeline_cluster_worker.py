@@ -5,12 +5,14 @@ pipelines across them, beside single-device gradient accumulation in this proces
     lms-tf launch --stages K -- python tests/pipeline_cluster_worker.py - name,schedule,stages ...
 
 Prints one ``RESULT <json>`` line: per case, whether the losses and every weight are identical,
-and the devices the stages' kernels ran on.
+and the devices the stages' kernels ran on. ``--memory`` and ``--calibration`` are the
+measurements of ``benchmarks/pipeline_memory.py`` (see :func:`memory` and :func:`calibration`).
 """
 
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
@@ -190,7 +192,52 @@ def memory(workers, spec):
                                   "losses": losses}), flush=True)
 
 
+def calibration(spec):
+    """``name;schedule,stages,microbatches;...``: mCAP's calibration of ``name`` (``wide_mlp``,
+    ``wide_cnn`` or a ``lms_tf.tf.workloads`` model) on this process's allocator, then, as held-out
+    checks, the whole model's real peak with 3, 4 and 6 micro-batches in flight; and for each
+    case, the partition's cut with each stage counted by the per-layer model and by the calibrated
+    one. Prints one RESULT line."""
+    from lms_tf.cost import CostModel, get_device_spec
+    from lms_tf.partitioning import DEFAULT_DEVICE
+    from lms_tf.pipeline import evaluate, partition_layers, stage_peak
+    from lms_tf.tf.pipeline import local_kernel_library, measure_calibration, trace_profile, whole_model_peak
+    from lms_tf.tf.workloads import build_model
+
+    name, *cases = spec.split(";")
+    if name in WIDE:
+        model, (_, y) = WIDE[name]()
+        microbatch = len(y) // 4
+    else:
+        model_name, size, microbatch = name.split(":")
+        model, microbatch = build_model(model_name, image_size=int(size), classes=10), int(microbatch)
+    profile = trace_profile(model, microbatch=microbatch, cost=CostModel(get_device_spec(DEFAULT_DEVICE)),
+                            kernels=local_kernel_library())
+    started = time.monotonic()
+    calibrated = measure_calibration(model, profile, microbatch=microbatch)
+    seconds = time.monotonic() - started
+    n = len(profile.layers)
+    held_out = [{"in_flight": flight, "real": whole_model_peak(model, profile, microbatch=microbatch, microbatches=flight),
+                 "model": stage_peak(profile, 0, n, flight), "calibrated": calibrated.extrapolate(flight)}
+                for flight in (3, 4, 6)]
+    stages = []
+    for case in cases:
+        schedule, count, microbatches = case.split(",")
+        cut = partition_layers(profile, stages=int(count), microbatches=int(microbatches), schedule=schedule)
+        again = evaluate(calibrated.apply(profile), [hi for _, hi in cut.bounds], microbatches=int(microbatches),
+                         schedule=schedule)
+        stages.append({"case": case, "layers": [list(s.layers) for s in cut.stages],
+                       "model": [s.predicted_peak_bytes for s in cut.stages],
+                       "calibrated": [s.predicted_peak_bytes for s in again.stages]})
+    print("RESULT " + json.dumps({"name": model.name, "layers": n, "microbatch": microbatch,
+                                  "calibration": calibrated.to_dict(), "seconds": seconds, "held_out": held_out,
+                                  "stages": stages}), flush=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--calibration":
+        calibration(sys.argv[2])
+        sys.exit(0)
     if sys.argv[2] == "--memory":
         memory(sys.argv[1], sys.argv[3])
         sys.exit(0)
