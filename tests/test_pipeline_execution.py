@@ -217,6 +217,29 @@ def test_placed_stages_hold_their_own_weights_and_slots_and_train_the_same():
 
 
 @pytest.mark.timeout(300)
+def test_placed_stages_of_a_model_with_operator_sums_train_the_same():
+    """place_stages on a model whose residual sums are Keras operations (``x + h``), which have no
+    weights to place: they are cloned as they are and run in their stage."""
+    reference, (x, y) = operator_residual()
+    original, _ = operator_residual()
+    stages = contiguous(original, 3)
+    layer_names = {layer.name for layer in original.layers}   # (operations are not layers)
+    assert any(name not in layer_names for names in stages for name in names)
+    placed = place_stages(original, stages, DEVICES)
+    for k, names in enumerate(stages):
+        for name in names:
+            if name in layer_names:
+                assert all(v.value.device.endswith(f"CPU:{k}") for v in placed.get_layer(name).weights), (name, k)
+    plain_step = accumulation_step(reference, MICROBATCHES)
+    pipe_step = PipelineStep(placed, stages, microbatches=MICROBATCHES, devices=DEVICES)
+    batches = [(x[i * zoo.BATCH:(i + 1) * zoo.BATCH], y[i * zoo.BATCH:(i + 1) * zoo.BATCH]) for i in range(3)]
+    plain = [float(plain_step(bx, by)) for bx, by in batches]
+    piped = [float(pipe_step(bx, by)) for bx, by in batches]
+    assert plain == piped and len(set(plain)) > 1, (plain, piped)
+    assert_same_state(reference, placed)
+
+
+@pytest.mark.timeout(300)
 def test_the_memory_balanced_partition_trains_as_a_pipeline():
     made = {}
 

@@ -225,7 +225,8 @@ def place_stages(model, stages, devices: Sequence[str]):
 
     def clone(layer):
         copy = layer.__class__.from_config(layer.get_config())
-        if layer.name in device_of:
+        # (``x + h`` on Keras tensors makes an operation, not a layer: it holds no weights to place)
+        if layer.name in device_of and isinstance(layer, keras.layers.Layer):
             with tf.device(device_of[layer.name]):
                 copy.build_from_config(layer.get_build_config())
             copy.set_weights(layer.get_weights())
