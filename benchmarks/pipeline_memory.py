@@ -172,21 +172,31 @@ def _median(case: dict, label: str, k: int) -> float:
 
 def main() -> None:
     results = []
+    calibrated = {}
+    for model in dict.fromkeys(case[0] for case in CASES):
+        found = calibrate(model, [(schedule, stages, microbatches) for name, schedule, stages, microbatches in CASES
+                                  if name == model])
+        calibrated.update({(model,) + tuple(c["case"].split(",")): c for c in found["stages"]})
     for model, schedule, stages, microbatches in CASES:
         case = {"model": model, "schedule": schedule, "stages": stages, "microbatches": microbatches}
+        case["calibrated"] = calibrated[(model, schedule, str(stages), str(microbatches))]
         for order, serialize in ORDERS:
             case[order] = runs = [run_once(model, schedule, stages, microbatches, serialize) for _ in range(RUNS)]
             logger.info("%s %s K=%d, %s order: real / simulated %s", model, schedule, stages, order, "; ".join(
                 ", ".join(f"{r / p:.3f}" for r, p in zip(run["real"], run["simulated"])) for run in runs))
         results.append(case)
-    rows = ["| model | schedule | K | stage | layers | per-layer model MiB | simulated: tensors MiB | simulated MiB | "
-            "serialized: real MiB | real / model | real / simulated | TensorFlow's order: real MiB | real / model | "
-            "real / simulated |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | schedule | K | stage | layers | per-layer model MiB | calibrated MiB | simulated: tensors MiB | "
+            "simulated MiB | serialized: real MiB | real / model | real / calibrated | real / simulated | "
+            "TensorFlow's order: real MiB | real / model | real / calibrated | real / simulated |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in results:
         first = case[ORDERS[0][0]][0]
         for k in range(case["stages"]):
             predicted, simulated, layers = first["predicted"][k], first["simulated"][k], first["layers"][k]
             tensors = first["simulated_tensors"][k]
+            # the calibrating process cut the same layers by the same profile
+            assert case["calibrated"]["layers"] == first["layers"], (case["calibrated"]["layers"], first["layers"])
+            calibrated_k = case["calibrated"]["calibrated"][k]
             cells = []
             for order, _ in ORDERS:
                 runs = case[order]
@@ -194,9 +204,11 @@ def main() -> None:
                 by_sim = [run["real"][k] / run["simulated"][k] for run in runs]
                 cells += [f"{min(real) / 2**20:.1f}-{max(real) / 2**20:.1f}",
                           f"{min(real) / predicted:.3f}-{max(real) / predicted:.3f}",
+                          f"{min(real) / calibrated_k:.3f}-{max(real) / calibrated_k:.3f}",
                           f"{min(by_sim):.3f}-{max(by_sim):.3f}"]
             rows.append(f"| {case['model']} | {case['schedule']} | {case['stages']} | {k}{' (task 0)' if k == 0 else ''} | "
-                        f"{layers[0]}..{layers[-1]} | {predicted / 2**20:.1f} | {tensors / 2**20:.1f} | "
+                        f"{layers[0]}..{layers[-1]} | {predicted / 2**20:.1f} | {calibrated_k / 2**20:.1f} | "
+                        f"{tensors / 2**20:.1f} | "
                         f"{simulated / 2**20:.1f} | "
                         + " | ".join(cells) + " |")
     spans = {}
@@ -210,7 +222,9 @@ def main() -> None:
             "(`predicted_peak_bytes`); simulated is `PipelineStep.predicted_peaks` on the built step (the "
             "serialized one in that column), replaying TensorFlow's CPU allocator (whole chunks, as "
             "`TF_CPU_ALLOCATOR_USE_BFC=true` counts); simulated: tensors is the same replay summing tensor bytes "
-            "(`allocator=False`), what the per-layer model counts too. Serialized, every stage's real peak over its "
+            "(`allocator=False`), what the per-layer model counts too; calibrated is the per-layer model after "
+            "mCAP's calibration (`calibrate=True`: two real runs of the whole model as one stage, in its own "
+            "process, before the stages run). Serialized, every stage's real peak over its "
             "simulated: "
             + ", ".join(f"{model} {span}" for model, span in spans.items()) + ".\n\n" + "\n".join(rows))
     OUT.mkdir(exist_ok=True)
