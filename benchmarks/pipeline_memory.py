@@ -18,7 +18,7 @@ replay of the built step and over the partition's per-layer figure (``recompute_
 ``--calibration`` measures mCAP's calibration (``lms_tf.partition(calibrate=True)``): for each
 model in its own process, the two real runs it reads (the whole model as one stage, one and two
 micro-batches in flight), then three held-out real runs (3, 4 and 6 in flight) against the
-per-layer model (no run) and the linear extrapolation the calibration makes. The main run also
+per-layer model (no run), mCAP's line through the two runs, and the calibrated model. The main run also
 calibrates each model first, in its own process, and sets each stage's calibrated figure beside
 its real peak.
 
@@ -79,29 +79,39 @@ def calibrate(model: str, cases=()) -> dict:
 def calibration_main() -> None:
     """Each model's calibration and its held-out runs, one process per model."""
     results = [calibrate(model) for model in CALIBRATION_MODELS]
-    rows = ["| model | layers | micro-batch | calibration: real at 1 / 2 in flight (MiB) | activations x | fixed part "
-            "(MiB) | calibration runs (s) | in flight | real MiB | per-layer model / real | calibrated / real |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | layers | micro-batch | real at 1 / 2 in flight (MiB) | mCAP's slope / model's | activations x | "
+            "+ per stage (MiB) | calibration runs (s) | in flight | real MiB | per-layer model / real | mCAP's line / "
+            "real | calibrated / real |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for result in results:
         c = result["calibration"]
         one, two = (b / 2**20 for b in c["measured_peak_bytes"])
-        head = (f"{result['name']} | {result['layers']} | {result['microbatch']} | {one:.1f} / {two:.1f} | "
-                f"{c['activation_scale']:.2f} | {c['fixed_offset_bytes'] / 2**20:+.1f} | {result['seconds']:.0f}")
+        slope = f"{c['mcap_scale']:.2f}" if c["resolves_activations"] else "unresolved"
+        head = [result["name"], str(result["layers"]), str(result["microbatch"]), f"{one:.1f} / {two:.1f}", slope,
+                f"{c['activation_scale']:.2f}", f"{c['fixed_offset_bytes'] / 2**20:.1f}", f"{result['seconds']:.0f}"]
         for i, run in enumerate(result["held_out"]):
-            first = head if i == 0 else " | ".join([""] * 7).strip()
-            rows.append(f"| {first} | {run['in_flight']} | {run['real'] / 2**20:.1f} | "
-                        f"{run['model'] / run['real']:.3f} | {run['calibrated'] / run['real']:.3f} |")
-        logger.info("%s: per-layer model / real %s; calibrated / real %s", result["name"],
-                    ", ".join(f"{r['model'] / r['real']:.3f}" for r in result["held_out"]),
-                    ", ".join(f"{r['calibrated'] / r['real']:.3f}" for r in result["held_out"]))
+            cells = (head if i == 0 else [""] * len(head)) + [
+                str(run["in_flight"]), f"{run['real'] / 2**20:.1f}", f"{run['model'] / run['real']:.3f}",
+                f"{run['mcap'] / run['real']:.3f}", f"{run['calibrated'] / run['real']:.3f}"]
+            rows.append("| " + " | ".join(cells) + " |")
+        logger.info("%s: over real, per-layer model %s; mCAP's line %s; calibrated %s", result["name"],
+                    *(", ".join(f"{r[key] / r['real']:.3f}" for r in result["held_out"])
+                      for key in ("model", "mcap", "calibrated")))
+    ratios = {key: [r[key] / r["real"] for result in results for r in result["held_out"]]
+              for key in ("model", "mcap", "calibrated")}
+    spans = "; ".join(f"{label} {min(ratios[key]):.2f}-{max(ratios[key]):.2f}"
+                      for key, label in (("model", "per-layer model"), ("mcap", "mCAP's line"),
+                                         ("calibrated", "calibrated")))
     text = ("Each model in its own process on this CPU's allocator (`TF_CPU_ALLOCATOR_USE_BFC=true`, Eigen kernels), "
             "trained as one serialized stage on zeros, weights and slots included. The calibration reads two real "
             "runs (one micro-batch in flight: 1F1B, two: GPipe, two micro-batches a step both times); the held-out "
-            "rows are three more real runs (GPipe, that many micro-batches) it was not read from. Per-layer model: "
-            "the partition's figure with no run; calibrated: the linear extrapolation from the two runs (activations "
-            "scaled, the fixed part offset; where one micro-batch's activations are under 5% of the peak, the fixed "
-            "part only). `wide_mlp` and `wide_cnn` are the stage benchmark's models; MobileNetV2 (64², BatchNorm, "
-            "depthwise convolutions) and a Transformer encoder (sequence 128) are held out.\n\n" + "\n".join(rows))
+            "rows are three more real runs (GPipe, that many micro-batches) none of the figures was read from. "
+            "Per-layer model: the partition's figure with no run. mCAP's line: the line through the two runs "
+            "alone. Calibrated: `calibrate=True`, the per-layer model raised to cover both runs (activations scaled "
+            "where the runs' slope is above the model's, then the least bytes per stage that cover both; where one "
+            "micro-batch's activations are under 5% of the peak the slope is unresolved and only bytes are added). "
+            "`wide_mlp` and `wide_cnn` are the stage benchmark's models; MobileNetV2 (64², BatchNorm, depthwise "
+            f"convolutions) and a Transformer encoder (sequence 128) are held out. Over all held-out runs: {spans}."
+            "\n\n" + "\n".join(rows))
     OUT.mkdir(exist_ok=True)
     (OUT / "pipeline_memory_calibration.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     publish("pipeline_calibration", text, page="partition")

@@ -218,7 +218,8 @@ def calibration(spec):
     seconds = time.monotonic() - started
     n = len(profile.layers)
     held_out = [{"in_flight": flight, "real": whole_model_peak(model, profile, microbatch=microbatch, microbatches=flight),
-                 "model": stage_peak(profile, 0, n, flight), "calibrated": calibrated.extrapolate(flight)}
+                 "model": stage_peak(profile, 0, n, flight), "calibrated": calibrated.extrapolate(flight),
+                 "mcap": calibrated.mcap_extrapolate(flight)}
                 for flight in (3, 4, 6)]
     stages = []
     for case in cases:

@@ -1,10 +1,10 @@
 """mCAP's calibration of the partition's memory model on the real allocator (``calibrate=True``).
 
-The core (no TensorFlow): a calibrated profile counts every stage with the real fixed part and
-bytes per micro-batch, weights untouched. On this CPU's allocator (``TF_CPU_ALLOCATOR_USE_BFC=true``,
-set by conftest): the two real runs, the model and its optimizer left as they were, the linear
-extrapolation checked against a third real run it was not read from, and bad input refused
-before the model is traced.
+The core (no TensorFlow): a calibrated profile raises every stage just enough for the whole model to
+cover both real runs, lowers none, and leaves weights alone. On this CPU's allocator
+(``TF_CPU_ALLOCATOR_USE_BFC=true``, set by conftest): the two real runs, the model and its optimizer
+left as they were, the calibrated figure checked against a third real run it was not read from,
+and bad input refused before the model is traced.
 """
 
 import os
@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import lms_tf
-from lms_tf.core.errors import LMSError, LMSOptionError
+from lms_tf.core.errors import LMSOptionError
 from lms_tf.pipeline import PipelineProfile, partition_layers, stage_peak
 from lms_tf.pipeline.calibration import Calibration
 from lms_tf.pipeline.partition import _Window
@@ -34,36 +34,38 @@ def _by_hand(profile, calibration, lo, hi, flight):
     params, _, work, _, _, _, _, _ = window.now()
     kept = {name: nbytes for layer in profile.layers[lo:hi] for name, nbytes in layer.saved}
     scaled = sum(round(nbytes * calibration.activation_scale) for nbytes in kept.values())
-    worked = max(max(0, layer.work_bytes + calibration.fixed_offset_bytes) for layer in profile.layers[lo:hi])
-    return int(params * (2 + profile.slot_bytes_per_param_byte)) + flight * scaled + worked
+    return int(params * (2 + profile.slot_bytes_per_param_byte)) + flight * scaled + work + calibration.fixed_offset_bytes
 
 
-def test_a_calibrated_profile_counts_every_stage_with_the_real_figures():
+def test_a_calibrated_profile_raises_every_stage_to_cover_both_real_runs_and_lowers_none():
     rng = random.Random(3)
-    exact = 0
+    raised = lowered_slope = 0
     for trial in range(300):
         profile = random_profile(rng, rng.randrange(2, 12))
         n = len(profile.layers)
         one, two = (stage_peak(profile, 0, n, f) for f in (1, 2))
         real_one = int(one * rng.uniform(0.8, 1.3))
-        real_two = real_one + int((two - one) * rng.uniform(0.6, 1.6))
+        real_two = real_one + int((two - one) * rng.uniform(0.4, 1.6))
         calibration = Calibration.from_profile(profile, (real_one, real_two))
         calibrated = calibration.apply(profile)
         assert [layer.params for layer in calibrated.layers] == [layer.params for layer in profile.layers]
-        # a working set does not go below zero: an offset larger than every layer's leaves the
-        # stage counted above the real figure (the safe side), never below
-        clipped = calibration.fixed_offset_bytes + max(layer.work_bytes for layer in profile.layers) < 0
+        # rounding each tensor's scaled bytes: at most one byte per kept tensor per micro-batch
+        slack = 2 * sum(len(layer.saved) for layer in profile.layers)
+        whole = [stage_peak(calibrated, 0, n, flight) for flight in (1, 2)]
+        assert whole[0] >= real_one - slack and whole[1] >= real_two - slack, trial
+        # ... and no more than covering them takes: one of the two is met, or the model was above both
+        met = min(whole[0] - real_one, whole[1] - real_two)
+        assert met <= slack or calibration.fixed_offset_bytes == 0, (trial, met)
         for flight in (1, 2, 5):
-            # rounding each tensor's scaled bytes: at most one byte per kept tensor per micro-batch
-            slack = flight * sum(len(layer.saved) for layer in profile.layers)
-            difference = stage_peak(calibrated, 0, n, flight) - calibration.extrapolate(flight)
-            assert -slack <= difference and (clipped or difference <= slack), (trial, difference)
-            exact += not clipped
+            assert abs(stage_peak(calibrated, 0, n, flight) - calibration.extrapolate(flight)) <= slack * flight, trial
         lo = rng.randrange(n)
         hi = rng.randrange(lo + 1, n + 1)
         flight = rng.randrange(1, 5)
         assert stage_peak(calibrated, lo, hi, flight) == _by_hand(profile, calibration, lo, hi, flight), trial
-    assert exact > 300   # most trials reproduce the real figures to the rounding
+        assert stage_peak(calibrated, lo, hi, flight) >= stage_peak(profile, lo, hi, flight), trial
+        raised += calibration.fixed_offset_bytes > 0
+        lowered_slope += calibration.mcap_scale < 1 and calibration.resolves_activations
+    assert raised > 100 and lowered_slope > 50   # both ways occur
 
 
 def test_the_cut_moves_with_the_calibration():
@@ -78,17 +80,23 @@ def test_the_cut_moves_with_the_calibration():
     assert partition_layers(doubled.apply(profile), stages=2, microbatches=4).bounds == [(0, 5), (5, 8)]
 
 
+def test_mcaps_line_is_kept_beside_the_calibration_and_a_shallow_slope_lowers_nothing():
+    """Two runs 0.4x the model's bytes a micro-batch apart (the held-out MobileNetV2's reading): mCAP's
+    line falls below the model at four in flight; the calibration keeps the model's activations and
+    covers the first run."""
+    profile = PipelineProfile.chain([100] * 4, [50] * 4)   # 400 + n * 400
+    calibration = Calibration.from_profile(profile, (900, 1060))
+    assert calibration.mcap_scale == pytest.approx(0.4) and calibration.activation_scale == 1.0
+    assert calibration.mcap_extrapolate(4) == 900 + 3 * 160
+    assert calibration.fixed_offset_bytes == 100 and calibration.extrapolate(4) == 400 + 100 + 1600
+
+
 def test_weights_too_heavy_to_resolve_calibrate_the_fixed_part_only():
     profile = PipelineProfile.chain([10] * 4, [1000] * 4)   # 8000 of weights, 40 a micro-batch
     calibration = Calibration.from_profile(profile, (8300, 8250))
     assert not calibration.resolves_activations
-    assert calibration.activation_scale == 1.0
-    assert calibration.fixed_offset_bytes == round((8300 - 8040 + 8250 - 8080) / 2)
-
-
-def test_two_runs_that_do_not_grow_where_the_model_says_they_should_are_refused():
-    with pytest.raises(LMSError, match="not above the one with one"):
-        Calibration((500, 480), (300, 600))
+    assert calibration.mcap_scale == calibration.activation_scale == 1.0
+    assert calibration.fixed_offset_bytes == 8300 - 8040
 
 
 def _conv_model(name="calibrated_cnn"):
@@ -119,7 +127,7 @@ def test_calibrate_reads_the_real_allocator_leaves_the_model_alone_and_extrapola
     # the partition's stages are counted with the calibrated profile
     assert partition.to_dict()["calibration"]["measured_peak_bytes"] == list(calibration.measured)
     assert "calibrated on CPU:0" in str(partition)
-    # mCAP's linear extrapolation against a run it was not read from: four micro-batches in flight.
+    # the calibrated figure against a run it was not read from: four micro-batches in flight.
     # Within 10% (the issue's per-stage target): the allocator's chunks move a peak by a few MiB
     # from run to run, a few percent of this one.
     from lms_tf.cost import CostModel, get_device_spec
@@ -128,7 +136,9 @@ def test_calibrate_reads_the_real_allocator_leaves_the_model_alone_and_extrapola
     profile = trace_profile(model, microbatch=microbatch, cost=CostModel(get_device_spec("v100-16gb-pcie3")),
                             kernels=local_kernel_library())
     real = whole_model_peak(model, profile, microbatch=microbatch, microbatches=4)
-    assert abs(calibration.extrapolate(4) - real) / real < 0.10, (calibration.extrapolate(4), real)
+    model_figure = stage_peak(profile, 0, len(profile.layers), 4)
+    assert calibration.extrapolate(4) >= model_figure
+    assert abs(calibration.extrapolate(4) - real) / real < 0.10, (calibration.extrapolate(4), real, model_figure)
 
 
 def test_calibrate_refuses_what_it_cannot_measure_before_tracing(monkeypatch):

@@ -207,8 +207,7 @@ def measure_calibration(model, profile: PipelineProfile, *, microbatch: int, dev
         The :class:`~lms_tf.pipeline.calibration.Calibration`.
 
     Raises:
-        LMSError: The device's allocator keeps no statistics, or the two runs do not differ where
-            the model says they should.
+        LMSError: The device's allocator keeps no statistics.
 
     Examples:
         >>> measure_calibration.__name__
@@ -230,8 +229,8 @@ def measure_calibration(model, profile: PipelineProfile, *, microbatch: int, dev
 
 def calibrated_profile(model, profile: PipelineProfile, *, microbatch: int, device: str,
                        optimizer=None) -> "tuple[PipelineProfile, Calibration]":
-    """:func:`measure_calibration`, then ``profile`` counted with its figures (logged; a warning when
-    the two runs resolve only the fixed part). What ``lms_tf.partition(calibrate=True)`` and
+    """:func:`measure_calibration`, then ``profile`` counted with its figures (logged, with a warning
+    when the two runs resolve only the fixed part). What ``lms_tf.partition(calibrate=True)`` and
     ``lms-tf partition --calibrate`` do after tracing.
 
     Examples:
@@ -242,11 +241,13 @@ def calibrated_profile(model, profile: PipelineProfile, *, microbatch: int, devi
     from lms_tf.pipeline.calibration import RESOLVABLE_SHARE
 
     calibration = measure_calibration(model, profile, microbatch=microbatch, device=device, optimizer=optimizer)
-    if calibration.resolves_activations:
-        logger.info("%s", calibration.describe())
-    else:
+    logger.info("%s", calibration.describe())
+    if not calibration.resolves_activations:
         logger.warning("calibrate: one micro-batch's activations (%s by the per-layer model) are under %d%% of the "
-                       "peak, less than the allocator's chunks move it, so only the fixed part was calibrated (%s)",
-                       format_bytes(calibration.predicted[1] - calibration.predicted[0]),
-                       round(100 * RESOLVABLE_SHARE), calibration.describe())
+                       "peak, less than the allocator's chunks move it, so the two runs calibrate the fixed part only",
+                       format_bytes(calibration.predicted[1] - calibration.predicted[0]), round(100 * RESOLVABLE_SHARE))
+    elif calibration.mcap_scale < 1:
+        logger.info("calibrate: the two runs differ by %.2fx the activations the per-layer model counts per "
+                    "micro-batch; activations are kept at the model's (a calibration raises figures, never lowers "
+                    "them: the line through two runs can lie below larger runs)", calibration.mcap_scale)
     return calibration.apply(profile), calibration
