@@ -66,7 +66,8 @@ def test_every_benchmark_has_its_block_in_a_committed_page():
         calls += re.findall(r'publish\("(\w+)", [^)]*page="(\w+)"\)', open(script, encoding="utf-8").read())
     assert {block for block, _ in calls} == {"core_swap", "recompute", "planner", "allocator_validation",
                                              "allocator_held_out", "data_parallel", "cost_model", "partition",
-                                             "pipeline_memory", "pipeline_recompute", "max_batch", "weights", "hybrid"}
+                                             "pipeline_memory", "pipeline_recompute", "pipeline_calibration", "max_batch",
+                                             "weights", "hybrid"}
     for block, page in calls:
         text = open(os.path.join(ROOT, "docs", "benchmarks", f"{page}.md"), encoding="utf-8").read()
         begin, end = text.find(f"<!-- benchmark:{block} begin -->"), text.find(f"<!-- benchmark:{block} end -->")
