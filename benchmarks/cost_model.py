@@ -19,7 +19,6 @@ For each model (small inputs, batch 8, plain ``tf.function`` training step, Grap
     .venv/bin/python benchmarks/cost_model.py   # table into docs/benchmarks/cost_model.md
 """
 
-import collections
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ from publish import OUT, publish  # noqa: E402 - benchmarks/publish.py, beside t
 
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
 from lms_tf.simulate import simulate  # noqa: E402
-from lms_tf.tf.diagnostics import executed_ops  # noqa: E402
+from lms_tf.tf.diagnostics import measured_op_seconds  # noqa: E402
 from lms_tf.tf.trace import build_ir  # noqa: E402
 from lms_tf.tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
 
@@ -58,25 +57,8 @@ def measure(name, size):
         started = time.perf_counter()
         step(x, y).numpy()
         times.append(time.perf_counter() - started)
-    names = {op.name for op in ir.ops}
-    per_op = collections.defaultdict(list)
-    for _ in range(PROFILED):
-        for event in executed_ops(lambda: step(x, y).numpy()):
-            node = _ir_name(event.node, names)
-            if node is not None:
-                per_op[node].append((event.end_ps - event.start_ps) / 1e12)
-    op_seconds = {node: statistics.median(samples) for node, samples in per_op.items()}
+    op_seconds = measured_op_seconds(lambda: step(x, y).numpy(), (op.name for op in ir.ops), steps=PROFILED)
     return {"name": f"{name} {size}", "ir": ir, "step_s": statistics.median(times), "op_seconds": op_seconds}
-
-
-def _ir_name(node, names):
-    """The traced op an executed node is (the profiler may prefix an inlined function's scope)."""
-    parts = node.split("/")
-    for start in range(len(parts)):
-        candidate = "/".join(parts[start:])
-        if candidate in names:
-            return candidate
-    return None
 
 
 def main():

@@ -62,13 +62,14 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
             forward pass again in each backward task (GPipe's re-materialization); where both
             fit a stage, the one with less time is taken. ``PipelineStep(partition,
             recompute=True)`` runs those stages so.
-        calibrate: Whether to read this process's real allocator (mCAP's calibration): the model
-            trains twice as one stage, with one and with two micro-batches in flight (a copy of
-            it: ``model`` is not changed), and every stage is counted with the real fixed part and
-            bytes per micro-batch those two peaks give (:mod:`lms_tf.pipeline.calibration`). The
-            device read is this process's first GPU, else its CPU (set
-            ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts); so with ``devices=``
-            presets it needs a GPU here. Sequential and Functional models only.
+        calibrate: Whether to calibrate the profile on this process's device (mCAP's two runs):
+            a copy of the model (``model`` is not changed) runs a step under TensorFlow's profiler,
+            and every op's time is scaled per op class by the measured kernels; then it trains
+            twice as one stage, with one and with two micro-batches in flight, and every stage is
+            raised to cover what the allocator really held (never lowered:
+            :mod:`lms_tf.pipeline.calibration`). The device is this process's first GPU, else its
+            CPU (set ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts); so with
+            ``devices=`` presets it needs a GPU here. Sequential and Functional models only.
 
     Returns:
         The :class:`~lms_tf.pipeline.Partition`: print it, or ``to_json()`` it.
@@ -95,17 +96,18 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
                              f"batch_size divisible by microbatches (e.g. {batch_size // microbatches * microbatches or microbatches}).")
     if not isinstance(calibrate, bool):
         raise LMSOptionError(f"calibrate must be True or False; received {describe(calibrate)}.")
-    from lms_tf.tf.pipeline import calibrated_profile, check_calibration, local_kernel_library, trace_profile
+    from lms_tf.tf.pipeline import calibrated_profile, check_calibration, local_kernel_library, trace_step
 
     calibration_device = check_calibration(model, devices) if calibrate else None
     first = devices if isinstance(devices, (str, DeviceSpec)) else (devices[0] if devices else DEFAULT_DEVICE)
-    spec = first if isinstance(first, DeviceSpec) else get_device_spec(first)
-    profile = trace_profile(model, microbatch=batch_size // microbatches, cost=CostModel(spec), optimizer=optimizer,
-                            input_shape=input_shape, kernels="cudnn" if devices else local_kernel_library())
+    cost = CostModel(first if isinstance(first, DeviceSpec) else get_device_spec(first))
+    traced = trace_step(model, microbatch=batch_size // microbatches, optimizer=optimizer, input_shape=input_shape,
+                        kernels="cudnn" if devices else local_kernel_library())
     calibration = None
     if calibrate:
-        profile, calibration = calibrated_profile(model, profile, microbatch=batch_size // microbatches,
-                                                  device=calibration_device, optimizer=optimizer)
+        profile, calibration = calibrated_profile(model, traced, cost, device=calibration_device, optimizer=optimizer)
+    else:
+        profile = traced.profile(cost)
     result = partition_layers(profile, stages=stages, microbatches=microbatches, schedule=schedule, devices=devices,
                               budget=budget, rule=rule, objective=objective, model=model.name, swap=swap,
                               host_budget=host_budget, recompute=recompute)

@@ -126,6 +126,7 @@ def test_calibrate_reads_the_real_allocator_leaves_the_model_alone_and_extrapola
     assert int(model.optimizer.iterations.numpy()) == 0
     # the partition's stages are counted with the calibrated profile
     assert partition.to_dict()["calibration"]["measured_peak_bytes"] == list(calibration.measured)
+    assert dict(calibration.op_time_scale).get("conv", 0) > 1   # this CPU's kernels, not a V100's
     assert "calibrated on CPU:0" in str(partition)
     # the calibrated figure against a run it was not read from: four micro-batches in flight.
     # Within 10% (the issue's per-stage target): the allocator's chunks move a peak by a few MiB
@@ -145,7 +146,7 @@ def test_calibrate_refuses_what_it_cannot_measure_before_tracing(monkeypatch):
     traced = []
     import lms_tf.tf.pipeline as tf_pipeline
 
-    monkeypatch.setattr(tf_pipeline, "trace_profile", lambda *a, **k: traced.append(1))
+    monkeypatch.setattr(tf_pipeline, "trace_step", lambda *a, **k: traced.append(1))
 
     class Subclassed(keras.Model):
         def __init__(self):
@@ -187,3 +188,40 @@ def test_the_cli_calibrates_only_for_the_gpu_it_partitions_for(capsys):
     code = main(["partition", "--model", "unet", "--batch", "8", "--stages", "2", "--microbatches", "2", "--calibrate"])
     assert code != 0
     assert "no GPU" in capsys.readouterr().err
+
+
+def test_calibrated_op_times_follow_this_machines_step_time():
+    """The cost model's presets describe GPUs; scaled per op class by this CPU's measured kernels (a
+    copy's step, profiled), the profile's step time follows this CPU's wall-clock step. Within 2x:
+    about half the step's ops are matched by name (Grappler fuses and renames), and TensorFlow's
+    executor runs two ops at once on two cores, which the per-layer sum does not model."""
+    import time
+
+    from lms_tf.cost import CostModel, get_device_spec
+    from lms_tf.tf.pipeline import calibrated_cost, local_kernel_library, trace_step
+    from lms_tf.tf.workloads import train_step
+
+    model = _conv_model("timed_cnn")
+    weights = [w.copy() for w in model.get_weights()]
+    traced = trace_step(model, microbatch=16, kernels=local_kernel_library())
+    preset = CostModel(get_device_spec("v100-16gb-pcie3"))
+    scaled = calibrated_cost(model, traced.profile(preset), preset, microbatch=16)
+    assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
+    assert {"conv", "elementwise"} <= set(scaled.scale)
+
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    step = tf.function(train_step(copy))
+    x, y = tf.zeros((16, 32, 32, 3)), tf.zeros((16,), "int32")
+    for _ in range(3):
+        step(x, y).numpy()
+    started = time.perf_counter()
+    for _ in range(10):
+        step(x, y).numpy()
+    wall = (time.perf_counter() - started) / 10
+
+    def step_seconds(profile):
+        return sum(layer.forward_s + layer.backward_s + layer.update_s for layer in profile.layers)
+
+    assert 0.5 < step_seconds(traced.profile(scaled)) / wall < 2.0, (step_seconds(traced.profile(scaled)), wall)
+    assert step_seconds(traced.profile(preset)) / wall < 0.2   # a V100's times: this CPU is far slower

@@ -185,6 +185,23 @@ def test_the_partition_of_a_model_with_two_inputs_trains_as_a_pipeline():
     assert_two_inputs_train_the_same(reference, pipelined_model, pipe_step, x, y)
 
 
+def assert_placed_and_trained_as_one_device(reference, original, placed, stages, x, y):
+    """Each stage's layers of ``placed`` hold their weights on the stage's device (operations, which
+    are not layers, hold none), and the placed pipeline trains as ``reference`` does on one device."""
+    layer_names = {layer.name for layer in original.layers}
+    for k, names in enumerate(stages):
+        for name in names:
+            if name in layer_names:
+                assert all(v.value.device.endswith(f"CPU:{k}") for v in placed.get_layer(name).weights), (name, k)
+    plain_step = accumulation_step(reference, MICROBATCHES)
+    pipe_step = PipelineStep(placed, stages, microbatches=MICROBATCHES, devices=DEVICES)
+    batches = [(x[i * zoo.BATCH:(i + 1) * zoo.BATCH], y[i * zoo.BATCH:(i + 1) * zoo.BATCH]) for i in range(3)]
+    plain = [float(plain_step(bx, by)) for bx, by in batches]
+    piped = [float(pipe_step(bx, by)) for bx, by in batches]
+    assert plain == piped and len(set(plain)) > 1, (plain, piped)
+    assert_same_state(reference, placed)
+
+
 @pytest.mark.timeout(300)
 def test_placed_stages_hold_their_own_weights_and_slots_and_train_the_same():
     """place_stages: each stage's weights and Adam's slots live on the stage's device, the user's
@@ -199,16 +216,7 @@ def test_placed_stages_hold_their_own_weights_and_slots_and_train_the_same():
     stages = contiguous(original, 3)
     placed = place_stages(original, stages, DEVICES)
     assert placed is not original and all(v.value.device.endswith("CPU:0") for v in original.weights)
-    for k, names in enumerate(stages):
-        for name in names:
-            assert all(v.value.device.endswith(f"CPU:{k}") for v in placed.get_layer(name).weights), (name, k)
-    plain_step = accumulation_step(reference, MICROBATCHES)
-    pipe_step = PipelineStep(placed, stages, microbatches=MICROBATCHES, devices=DEVICES)
-    batches = [(x[i * zoo.BATCH:(i + 1) * zoo.BATCH], y[i * zoo.BATCH:(i + 1) * zoo.BATCH]) for i in range(3)]
-    plain = [float(plain_step(bx, by)) for bx, by in batches]
-    piped = [float(pipe_step(bx, by)) for bx, by in batches]
-    assert plain == piped and len(set(plain)) > 1, (plain, piped)
-    assert_same_state(reference, placed)
+    assert_placed_and_trained_as_one_device(reference, original, placed, stages, x, y)
     optimizer = placed.optimizer  # Adam's two slots of each weight, in the weights' order
     pairs = list(zip(placed.trainable_variables, optimizer._momentums, optimizer._velocities))
     assert len(pairs) == len(placed.trainable_variables) > 0
@@ -225,18 +233,7 @@ def test_placed_stages_of_a_model_with_operator_sums_train_the_same():
     stages = contiguous(original, 3)
     layer_names = {layer.name for layer in original.layers}   # (operations are not layers)
     assert any(name not in layer_names for names in stages for name in names)
-    placed = place_stages(original, stages, DEVICES)
-    for k, names in enumerate(stages):
-        for name in names:
-            if name in layer_names:
-                assert all(v.value.device.endswith(f"CPU:{k}") for v in placed.get_layer(name).weights), (name, k)
-    plain_step = accumulation_step(reference, MICROBATCHES)
-    pipe_step = PipelineStep(placed, stages, microbatches=MICROBATCHES, devices=DEVICES)
-    batches = [(x[i * zoo.BATCH:(i + 1) * zoo.BATCH], y[i * zoo.BATCH:(i + 1) * zoo.BATCH]) for i in range(3)]
-    plain = [float(plain_step(bx, by)) for bx, by in batches]
-    piped = [float(pipe_step(bx, by)) for bx, by in batches]
-    assert plain == piped and len(set(plain)) > 1, (plain, piped)
-    assert_same_state(reference, placed)
+    assert_placed_and_trained_as_one_device(reference, original, place_stages(original, stages, DEVICES), stages, x, y)
 
 
 @pytest.mark.timeout(300)

@@ -74,9 +74,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       help="a stage that does not fit may keep only what it receives and run its forward pass again "
                            "in each backward task (where swapping also fits it, the faster of the two)")
     part.add_argument("--calibrate", action="store_true",
-                      help="read this machine's GPU allocator with one and two micro-batches in flight (mCAP's "
-                           "calibration: two real steps) and count every stage with those figures; needs the GPU "
-                           "--device names")
+                      help="calibrate on this machine's GPU: op times from a profiled step, memory from two real "
+                           "steps with one and two micro-batches in flight (mCAP's), raising every stage to cover "
+                           "them; needs the GPU --device names")
     part.add_argument("--compare", action="store_true", help="also print the three rules side by side")
     part.add_argument("--plot", default=None, help="write per-stage memory against each device to this PNG file")
     part.add_argument("--json", action="store_true", help="print one JSON object")
@@ -189,7 +189,7 @@ def run(args) -> int:
     from lms_tf.core.errors import HostBudgetError, InfeasibleBudgetError
     from lms_tf.cost import CostModel, get_device_spec
     from lms_tf.pipeline import check_arguments, partition_layers
-    from lms_tf.tf.pipeline import calibrated_profile, check_calibration, trace_profile
+    from lms_tf.tf.pipeline import calibrated_profile, check_calibration, trace_step
     from lms_tf.tf.workloads import build_model
 
     devices = args.device[0] if len(args.device) == 1 else args.device
@@ -206,12 +206,13 @@ def run(args) -> int:
         from lms_tf._compat import keras_module
 
         optimizer = keras_module().optimizers.Adam()
-    profile = trace_profile(model, microbatch=args.batch // args.microbatches,
-                            cost=CostModel(get_device_spec(args.device[0])), optimizer=optimizer)
+    traced = trace_step(model, microbatch=args.batch // args.microbatches, optimizer=optimizer)
+    cost = CostModel(get_device_spec(args.device[0]))
     calibration = None
     if args.calibrate:
-        profile, calibration = calibrated_profile(model, profile, microbatch=args.batch // args.microbatches,
-                                                  device=calibration_device, optimizer=optimizer)
+        profile, calibration = calibrated_profile(model, traced, cost, device=calibration_device, optimizer=optimizer)
+    else:
+        profile = traced.profile(cost)
     common = dict(stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, devices=devices,
                   objective=args.objective, model=args.model, swap=not args.no_swap, host_budget=args.host_budget,
                   recompute=args.recompute)

@@ -61,6 +61,8 @@ class Calibration:
         measured: The real peaks (bytes, weights and slots included) with 1 and 2 micro-batches in flight.
         predicted: The per-layer model's peaks of the same stage.
         device: The device whose allocator was read (``"CPU:0"``, ``"GPU:0"``).
+        op_time_scale: Per op class, measured kernel time over the cost model's on that device
+            (:meth:`lms_tf.cost.CostModel.calibrate`), which the profile's op times were taken with.
 
     Examples:
         >>> c = Calibration(measured=(300, 550), predicted=(240, 440), device="CPU:0")
@@ -73,6 +75,7 @@ class Calibration:
     measured: Tuple[int, int]
     predicted: Tuple[int, int]
     device: str = "CPU:0"
+    op_time_scale: Tuple[Tuple[str, float], ...] = ()
 
     @classmethod
     def from_profile(cls, profile: PipelineProfile, measured: Tuple[int, int], device: str = "CPU:0") -> "Calibration":
@@ -198,7 +201,7 @@ class Calibration:
         return {"device": self.device, "measured_peak_bytes": list(self.measured),
                 "predicted_peak_bytes": list(self.predicted), "mcap_scale": self.mcap_scale,
                 "activation_scale": self.activation_scale, "fixed_offset_bytes": self.fixed_offset_bytes,
-                "resolves_activations": self.resolves_activations}
+                "resolves_activations": self.resolves_activations, "op_time_scale": dict(self.op_time_scale)}
 
     def describe(self) -> str:
         """One line for a partition's summary.
@@ -207,7 +210,9 @@ class Calibration:
             >>> print(Calibration((300 * 2**20, 500 * 2**20), (200 * 2**20, 400 * 2**20)).describe())
             calibrated on CPU:0: real 300.0 MiB / 500.0 MiB at 1 / 2 micro-batches (per-layer model 200.0 MiB / 400.0 MiB): activations x1.00, +100.0 MiB per stage
         """
+        times = (f"; op times x{min(f for _, f in self.op_time_scale):.3g}-{max(f for _, f in self.op_time_scale):.3g} "
+                 f"by class" if self.op_time_scale else "")
         return (f"calibrated on {self.device}: real {format_bytes(self.measured[0])} / {format_bytes(self.measured[1])} "
                 f"at 1 / 2 micro-batches (per-layer model {format_bytes(self.predicted[0])} / "
                 f"{format_bytes(self.predicted[1])}): activations x{self.activation_scale:.2f}, "
-                f"+{format_bytes(self.fixed_offset_bytes)} per stage")
+                f"+{format_bytes(self.fixed_offset_bytes)} per stage{times}")

@@ -16,12 +16,14 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from lms_tf import _compat
 from lms_tf.core.errors import LMSOptionError
+from lms_tf.core.ir import GraphIR
 from lms_tf.cost.model import CostModel
 from lms_tf.pipeline.calibration import CALIBRATION_IN_FLIGHT, Calibration
 from lms_tf.pipeline.profile import PipelineProfile, profile_layers
@@ -31,9 +33,41 @@ from lms_tf.tf.trace import trace_step_ir
 logger = logging.getLogger("lms_tf")
 
 
-def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None,
-                  input_shape: Optional[Sequence[int]] = None, kernels: str = "cudnn") -> PipelineProfile:
-    """Traces ``model``'s training step at ``microbatch`` samples and profiles its layers.
+@dataclasses.dataclass(frozen=True)
+class TracedStep:
+    """A model's training step traced at one micro-batch, ready to be profiled with any cost model
+    (so calibrating op times needs no second trace).
+
+    Attributes:
+        ir: The step's IR.
+        layer_scopes: Each top-level layer's name scope in the trace.
+        microbatch: Samples the step was traced at.
+        kernels: The kernel library whose scratch the layers' working sets include.
+
+    Examples:
+        >>> TracedStep.profile.__name__
+        'profile'
+    """
+
+    ir: GraphIR
+    layer_scopes: Dict[str, str]
+    microbatch: int
+    kernels: str
+
+    def profile(self, cost: CostModel) -> PipelineProfile:
+        """The per-layer profile with op times from ``cost``.
+
+        Examples:
+            >>> TracedStep.profile.__doc__.split(".")[0]
+            'The per-layer profile with op times from ``cost``'
+        """
+        return profile_layers(self.ir, cost, layer_scopes=self.layer_scopes, microbatch=self.microbatch,
+                              kernels=self.kernels)
+
+
+def trace_step(model, *, microbatch: int, optimizer=None, input_shape: Optional[Sequence[int]] = None,
+               kernels: str = "cudnn") -> TracedStep:
+    """Traces ``model``'s training step at ``microbatch`` samples (never runs it).
 
     The step is the model's own ``train_step`` when it is compiled with a loss (what
     ``model.fit`` runs), else a plain step with sparse categorical cross-entropy (as ``lms-tf
@@ -42,21 +76,20 @@ def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None,
     Args:
         model: A built Keras model (Sequential, Functional with one input or several, or subclassed).
         microbatch: Samples per micro-batch.
-        cost: The cost model of the device planned for.
         optimizer: The optimizer of the uncompiled step (its slots count as memory per weight).
         input_shape: One sample's shape, for a subclassed model that has no ``Input``.
         kernels: The kernel library whose scratch the layers' working sets include
             (:func:`local_kernel_library` names this process's).
 
     Returns:
-        The :class:`~lms_tf.pipeline.profile.PipelineProfile`.
+        The :class:`TracedStep`.
 
     Raises:
         LMSOptionError: The model's input shape is unknown.
 
     Examples:
-        >>> trace_profile.__name__
-        'trace_profile'
+        >>> trace_step.__name__
+        'trace_step'
     """
     from lms_tf.tf.workloads import fit_step, step_specs, train_step
 
@@ -77,8 +110,34 @@ def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None,
                 time.perf_counter() - started)
     aliases = _compat.layer_scope_aliases_in(model, (op.name for op in ir.ops))
     top = {layer.name for layer in model.layers}
-    return profile_layers(ir, cost, layer_scopes={k: v for k, v in aliases.items() if k in top}, microbatch=microbatch,
-                          kernels=kernels)
+    return TracedStep(ir, {k: v for k, v in aliases.items() if k in top}, microbatch, kernels)
+
+
+def trace_profile(model, *, microbatch: int, cost: CostModel, optimizer=None,
+                  input_shape: Optional[Sequence[int]] = None, kernels: str = "cudnn") -> PipelineProfile:
+    """Traces ``model``'s training step at ``microbatch`` samples and profiles its layers
+    (:func:`trace_step`, then :meth:`TracedStep.profile`).
+
+    Args:
+        model: A built Keras model (see :func:`trace_step`).
+        microbatch: Samples per micro-batch.
+        cost: The cost model of the device planned for (op times).
+        optimizer: The optimizer of an uncompiled step.
+        input_shape: One sample's shape, for a subclassed model that has no ``Input``.
+        kernels: The kernel library whose scratch the working sets include.
+
+    Returns:
+        The :class:`~lms_tf.pipeline.profile.PipelineProfile`.
+
+    Raises:
+        LMSOptionError: The model's input shape is unknown.
+
+    Examples:
+        >>> trace_profile.__name__
+        'trace_profile'
+    """
+    return trace_step(model, microbatch=microbatch, optimizer=optimizer, input_shape=input_shape,
+                      kernels=kernels).profile(cost)
 
 
 def local_kernel_library() -> str:
@@ -128,6 +187,70 @@ def check_calibration(model, devices=None) -> str:
     return device
 
 
+def _trained_copy(model, whole, device: str, optimizer, batch: int):
+    """A copy of ``model`` on ``device`` to train instead of it (``place_stages``), the optimizer to
+    train it with (a new one of ``optimizer``'s configuration for an uncompiled model; None: the
+    copy's own, or SGD), and a batch of zeros of ``batch`` samples."""
+    import tensorflow as tf
+
+    from lms_tf.tf.pipeline_step import place_stages
+    from lms_tf.tf.workloads import step_specs
+
+    compiled = getattr(model, "optimizer", None) is not None and getattr(model, "loss", None) is not None
+    placed = place_stages(model, whole, [device])
+    own = None if compiled or optimizer is None else optimizer.__class__.from_config(optimizer.get_config())
+    x_spec, y_spec = step_specs(placed, batch, sparse=not compiled or "sparse" in str(model.loss).lower())
+    x = [tf.zeros(s.shape, s.dtype) for s in x_spec] if isinstance(x_spec, list) else tf.zeros(x_spec.shape, x_spec.dtype)
+    return placed, own, (x, tf.zeros(y_spec.shape, y_spec.dtype))
+
+
+def calibrated_cost(model, profile: PipelineProfile, cost: CostModel, *, microbatch: int,
+                    device: Optional[str] = None, optimizer=None, steps: int = 3) -> CostModel:
+    """``cost`` scaled per op class by measured kernel times (:meth:`~lms_tf.cost.CostModel.calibrate`):
+    a copy of ``model`` runs a plain training step at one micro-batch on ``device`` under
+    TensorFlow's profiler, ``steps`` times after two warm-ups; ``model`` is not changed.
+
+    Args:
+        model: A built Sequential or Functional Keras model.
+        profile: Its per-layer profile (which layers to copy).
+        cost: The cost model to scale.
+        microbatch: Samples per micro-batch.
+        device: Where the copy runs; default: the first GPU, else ``"CPU:0"``.
+        optimizer: For a model that is not compiled, the optimizer of its step (a copy runs).
+        steps: Steps profiled (each op's median is taken).
+
+    Returns:
+        The scaled :class:`~lms_tf.cost.CostModel`.
+
+    Examples:
+        >>> calibrated_cost.__name__
+        'calibrated_cost'
+    """
+    import tensorflow as tf
+
+    from lms_tf.pipeline.partition import partition_layers
+    from lms_tf.tf.diagnostics import measured_op_seconds
+    from lms_tf.tf.memory import default_device
+    from lms_tf.tf.trace import build_ir
+    from lms_tf.tf.workloads import train_step
+
+    device = device or default_device()
+    started = time.perf_counter()
+    placed, own, (x, y) = _trained_copy(model, partition_layers(profile, stages=1, microbatches=1), device,
+                                        optimizer, microbatch)
+    with tf.device(device):
+        step = tf.function(train_step(placed, own or getattr(placed, "optimizer", None)))
+        ir = build_ir(step.get_concrete_function(x, y).graph)
+        for _ in range(2):
+            step(x, y).numpy()
+        seconds = measured_op_seconds(lambda: step(x, y).numpy(), (op.name for op in ir.ops), steps=steps)
+    scaled = cost.calibrate(ir, seconds)
+    logger.info("calibration: %s's op times measured on %s (%d of %d ops matched, %.1f s): per op class, measured "
+                "over predicted %s", model.name, device, len(seconds), len(ir.ops), time.perf_counter() - started,
+                ", ".join(f"{kind} x{factor:.3g}" for kind, factor in sorted(scaled.scale.items())))
+    return scaled
+
+
 def whole_model_peak(model, profile: PipelineProfile, *, microbatch: int, microbatches: int,
                      schedule: str = "gpipe", device: Optional[str] = None, optimizer=None) -> int:
     """The real allocator peak of ``model`` trained as one pipeline stage, weights and slots included.
@@ -165,20 +288,13 @@ def whole_model_peak(model, profile: PipelineProfile, *, microbatch: int, microb
     from lms_tf.core.ir import same_device
     from lms_tf.pipeline.partition import partition_layers
     from lms_tf.tf.memory import default_device, measure_peak_memory
-    from lms_tf.tf.pipeline_step import PipelineStep, place_stages
+    from lms_tf.tf.pipeline_step import PipelineStep
     from lms_tf.tf.variables import variable_bytes_by_device
-    from lms_tf.tf.workloads import step_specs
 
     device = device or default_device()
-    compiled = getattr(model, "optimizer", None) is not None and getattr(model, "loss", None) is not None
     whole = partition_layers(profile, stages=1, microbatches=microbatches, schedule=schedule)
-    placed = place_stages(model, whole, [device])
-    own = None if compiled or optimizer is None else optimizer.__class__.from_config(optimizer.get_config())
+    placed, own, (x, y) = _trained_copy(model, whole, device, optimizer, microbatch * microbatches)
     step = PipelineStep(placed, whole, devices=[device], serialize=True, optimizer=own)
-    x_spec, y_spec = step_specs(placed, microbatch * microbatches,
-                                sparse=not compiled or "sparse" in str(model.loss).lower())
-    x = [tf.zeros(s.shape, s.dtype) for s in x_spec] if isinstance(x_spec, list) else tf.zeros(x_spec.shape, x_spec.dtype)
-    y = tf.zeros(y_spec.shape, y_spec.dtype)
     with tf.device(device):
         for _ in range(2):
             step(x, y).numpy()
@@ -227,11 +343,22 @@ def measure_calibration(model, profile: PipelineProfile, *, microbatch: int, dev
     return Calibration.from_profile(profile, tuple(measured), device=device)
 
 
-def calibrated_profile(model, profile: PipelineProfile, *, microbatch: int, device: str,
+def calibrated_profile(model, traced: TracedStep, cost: CostModel, *, device: str,
                        optimizer=None) -> "tuple[PipelineProfile, Calibration]":
-    """:func:`measure_calibration`, then ``profile`` counted with its figures (logged, with a warning
-    when the two runs resolve only the fixed part). What ``lms_tf.partition(calibrate=True)`` and
-    ``lms-tf partition --calibrate`` do after tracing.
+    """The profile of ``traced`` calibrated on this process's device: op times by measured kernel
+    times (:func:`calibrated_cost`), memory by two real runs (:func:`measure_calibration`), both
+    logged, with a warning when the runs resolve only bytes. What ``lms_tf.partition(calibrate=True)``
+    and ``lms-tf partition --calibrate`` do after tracing.
+
+    Args:
+        model: The traced model (Sequential or Functional).
+        traced: Its :class:`TracedStep`.
+        cost: The cost model of the device planned for.
+        device: This process's device whose allocator and kernels are read.
+        optimizer: For a model that is not compiled, the optimizer of its step.
+
+    Returns:
+        The calibrated profile and the :class:`~lms_tf.pipeline.calibration.Calibration`.
 
     Examples:
         >>> calibrated_profile.__name__
@@ -240,7 +367,12 @@ def calibrated_profile(model, profile: PipelineProfile, *, microbatch: int, devi
     from lms_tf.core.policy import format_bytes
     from lms_tf.pipeline.calibration import RESOLVABLE_SHARE
 
-    calibration = measure_calibration(model, profile, microbatch=microbatch, device=device, optimizer=optimizer)
+    scaled = calibrated_cost(model, traced.profile(cost), cost, microbatch=traced.microbatch, device=device,
+                             optimizer=optimizer)
+    profile = traced.profile(scaled)
+    calibration = dataclasses.replace(
+        measure_calibration(model, profile, microbatch=traced.microbatch, device=device, optimizer=optimizer),
+        op_time_scale=tuple(sorted(scaled.scale.items())))
     logger.info("%s", calibration.describe())
     if not calibration.resolves_activations:
         logger.warning("calibrate: one micro-batch's activations (%s by the per-layer model) are under %d%% of the "
