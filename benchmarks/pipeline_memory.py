@@ -40,6 +40,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.publish import OUT, publish  # noqa: E402
+from lms_tf.partitioning import DEFAULT_DEVICE  # noqa: E402
 
 logger = logging.getLogger("lms_tf.benchmarks")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,6 +83,12 @@ def calibration_main() -> None:
     rows = ["| model | layers | micro-batch | real at 1 / 2 in flight (MiB) | mCAP's slope / model's | activations x | "
             "+ per stage (MiB) | calibration runs (s) | in flight | real MiB | per-layer model / real | mCAP's line / "
             "real | calibrated / real |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    times = ["| model | measured step, one micro-batch (ms) | preset's op times / measured | calibrated op times / measured |",
+             "|---|---|---|---|"]
+    for result in results:
+        t = result["step_times"]
+        times.append(f"| {result['name']} | {1000 * t['wall_s']:.1f} | {t['preset_s'] / t['wall_s']:.3f} | "
+                     f"{t['calibrated_s'] / t['wall_s']:.3f} |")
     for result in results:
         c = result["calibration"]
         one, two = (b / 2**20 for b in c["measured_peak_bytes"])
@@ -111,7 +118,11 @@ def calibration_main() -> None:
             "micro-batch's activations are under 5% of the peak the slope is unresolved and only bytes are added). "
             "`wide_mlp` and `wide_cnn` are the stage benchmark's models; MobileNetV2 (64², BatchNorm, depthwise "
             f"convolutions) and a Transformer encoder (sequence 128) are held out. Over all held-out runs: {spans}."
-            "\n\n" + "\n".join(rows))
+            "\n\n" + "\n".join(rows)
+            + "\n\nOp times: the profile's step time (every layer's forward, backward and update) with the preset's "
+            f"op times (`{DEFAULT_DEVICE}`) and with op times calibrated per op class on this CPU (`calibrated_cost`, "
+            "a copy's step profiled), against the wall clock of a copy's plain step (median of 10), each model in "
+            "the same process as its memory rows.\n\n" + "\n".join(times))
     OUT.mkdir(exist_ok=True)
     (OUT / "pipeline_memory_calibration.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     publish("pipeline_calibration", text, page="partition")

@@ -192,6 +192,41 @@ def memory(workers, spec):
                                   "losses": losses}), flush=True)
 
 
+def step_times(model, profile, microbatch):
+    """One micro-batch's plain step: the profile's step time with the preset's op times and with op
+    times calibrated on this CPU (``calibrated_cost``), and the wall clock of a copy's step (median
+    of 10 after 3 warm-ups)."""
+    import statistics
+
+    import keras
+    import tensorflow as tf
+
+    from lms_tf.cost import CostModel, get_device_spec
+    from lms_tf.partitioning import DEFAULT_DEVICE
+    from lms_tf.tf.pipeline import calibrated_cost, local_kernel_library, trace_step
+    from lms_tf.tf.workloads import step_specs, train_step
+
+    preset = CostModel(get_device_spec(DEFAULT_DEVICE))
+    traced = trace_step(model, microbatch=microbatch, kernels=local_kernel_library())
+    scaled = calibrated_cost(model, profile, preset, microbatch=microbatch)
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    step = tf.function(train_step(copy))
+    x_spec, y_spec = step_specs(copy, microbatch)
+    x, y = tf.zeros(x_spec.shape, x_spec.dtype), tf.zeros(y_spec.shape, y_spec.dtype)
+    walls = []
+    for i in range(13):
+        started = time.perf_counter()
+        step(x, y).numpy()
+        walls.append(time.perf_counter() - started)
+
+    def seconds(p):
+        return sum(layer.forward_s + layer.backward_s + layer.update_s for layer in p.layers)
+
+    return {"preset_s": seconds(traced.profile(preset)), "calibrated_s": seconds(traced.profile(scaled)),
+            "wall_s": statistics.median(walls[3:])}
+
+
 def calibration(spec):
     """``name;schedule,stages,microbatches;...``: mCAP's calibration of ``name`` (``wide_mlp``,
     ``wide_cnn`` or a ``lms_tf.tf.workloads`` model) on this process's allocator, then, as held-out
@@ -216,6 +251,7 @@ def calibration(spec):
     started = time.monotonic()
     calibrated = measure_calibration(model, profile, microbatch=microbatch)
     seconds = time.monotonic() - started
+    times = step_times(model, profile, microbatch)
     n = len(profile.layers)
     held_out = [{"in_flight": flight, "real": whole_model_peak(model, profile, microbatch=microbatch, microbatches=flight),
                  "model": stage_peak(profile, 0, n, flight), "calibrated": calibrated.extrapolate(flight),
@@ -232,6 +268,7 @@ def calibration(spec):
                        "calibrated": [s.predicted_peak_bytes for s in again.stages]})
     print("RESULT " + json.dumps({"name": model.name, "layers": n, "microbatch": microbatch,
                                   "calibration": calibrated.to_dict(), "seconds": seconds, "held_out": held_out,
+                                  "step_times": times,
                                   "stages": stages}), flush=True)
 
 
