@@ -159,6 +159,10 @@ def check_calibration(model, devices=None) -> str:
     """Checks, before any slow work, that :func:`measure_calibration` can run here; returns the device
     it reads.
 
+    Args:
+        model: The model to calibrate.
+        devices: The presets the partition is for (None: this machine's own device).
+
     Raises:
         LMSOptionError: ``model`` is subclassed (the calibration trains it as a pipeline stage), or
             ``devices`` names presets while this process has no GPU (a CPU's allocator says nothing
@@ -187,10 +191,11 @@ def check_calibration(model, devices=None) -> str:
     return device
 
 
-def _trained_copy(model, whole, device: str, optimizer, batch: int):
+def _trained_copy(model, whole, device: str, optimizer, batch: int, sparse: Optional[bool] = None):
     """A copy of ``model`` on ``device`` to train instead of it (``place_stages``), the optimizer to
     train it with (a new one of ``optimizer``'s configuration for an uncompiled model; None: the
-    copy's own, or SGD), and a batch of zeros of ``batch`` samples."""
+    copy's own, or SGD), and a batch of zeros of ``batch`` samples (class ids as labels when
+    ``sparse``; None: as the model's loss takes them)."""
     import tensorflow as tf
 
     from lms_tf.tf.pipeline_step import place_stages
@@ -199,7 +204,9 @@ def _trained_copy(model, whole, device: str, optimizer, batch: int):
     compiled = getattr(model, "optimizer", None) is not None and getattr(model, "loss", None) is not None
     placed = place_stages(model, whole, [device])
     own = None if compiled or optimizer is None else optimizer.__class__.from_config(optimizer.get_config())
-    x_spec, y_spec = step_specs(placed, batch, sparse=not compiled or "sparse" in str(model.loss).lower())
+    if sparse is None:
+        sparse = not compiled or "sparse" in str(model.loss).lower()
+    x_spec, y_spec = step_specs(placed, batch, sparse=sparse)
     x = [tf.zeros(s.shape, s.dtype) for s in x_spec] if isinstance(x_spec, list) else tf.zeros(x_spec.shape, x_spec.dtype)
     return placed, own, (x, tf.zeros(y_spec.shape, y_spec.dtype))
 
@@ -236,8 +243,10 @@ def calibrated_cost(model, profile: PipelineProfile, cost: CostModel, *, microba
 
     device = device or default_device()
     started = time.perf_counter()
+    # (the plain step's loss is sparse categorical cross-entropy, whatever the model was compiled with:
+    # the op classes, not the loss's few ops, are what is measured)
     placed, own, (x, y) = _trained_copy(model, partition_layers(profile, stages=1, microbatches=1), device,
-                                        optimizer, microbatch)
+                                        optimizer, microbatch, sparse=True)
     with tf.device(device):
         step = tf.function(train_step(placed, own or getattr(placed, "optimizer", None)))
         ir = build_ir(step.get_concrete_function(x, y).graph)
