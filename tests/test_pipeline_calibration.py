@@ -225,3 +225,21 @@ def test_calibrated_op_times_follow_this_machines_step_time():
 
     assert 0.5 < step_seconds(traced.profile(scaled)) / wall < 2.0, (step_seconds(traced.profile(scaled)), wall)
     assert step_seconds(traced.profile(preset)) / wall < 0.2   # a V100's times: this CPU is far slower
+
+
+def test_a_weight_heavy_model_compiled_with_one_hot_labels_calibrates_bytes_only_and_says_so(caplog):
+    """Categorical (one-hot) labels: the memory runs train on one-hot zeros, the op-time step on
+    class ids. Its activations are under 5% of the peak, so the warning says only bytes were
+    calibrated; the partition still comes back, counted with them."""
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((256,))] + [keras.layers.Dense(512, name=f"d{i}") for i in range(4)]
+                             + [keras.layers.Dense(8, activation="softmax", name="head")], name="heavy")
+    model.compile(optimizer=keras.optimizers.Adam(), loss=keras.losses.CategoricalCrossentropy())
+    with caplog.at_level("INFO", logger="lms_tf"):
+        partition = lms_tf.partition(model, stages=2, microbatches=2, batch_size=8, calibrate=True)
+    assert not partition.calibration.resolves_activations
+    assert partition.calibration.activation_scale == 1.0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "calibrate the fixed part only" in warnings[0], warnings
+    assert partition.max_stage_peak_bytes >= lms_tf.partition(model, stages=2, microbatches=2,
+                                                               batch_size=8).max_stage_peak_bytes
