@@ -183,7 +183,7 @@ def run(args) -> int:
         >>> from lms_tf.cli import build_parser
         >>> run(build_parser().parse_args(["partition", "--model", "unet", "--input-shape", "32x32", "--batch", "8",
         ...                                "--stages", "2", "--microbatches", "4", "--json"]))  # doctest: +ELLIPSIS
-        {"model": "unet", ..., "feasible": true}
+        {"model": "unet", ..., "feasible": true, "calibration": null}
         0
     """
     from lms_tf.core.errors import HostBudgetError, InfeasibleBudgetError
