@@ -11,6 +11,7 @@ Examples:
     ([1, 2, 3], [3, 2, 1])
 """
 
+from lms_tf.pipeline.calibration import Calibration
 from lms_tf.pipeline.partition import (
     OBJECTIVES,
     RULES,
@@ -29,6 +30,6 @@ from lms_tf.pipeline.partition import (
 from lms_tf.pipeline.profile import LayerProfile, PipelineProfile, layer_keys, profile_layers
 from lms_tf.pipeline.schedule import Task, max_in_flight, run_order, stage_tasks
 
-__all__ = ["OBJECTIVES", "RULES", "SCHEDULES", "LayerProfile", "Partition", "PipelineProfile", "Stage", "check_arguments", "evaluate",
+__all__ = ["OBJECTIVES", "RULES", "SCHEDULES", "Calibration", "LayerProfile", "Partition", "PipelineProfile", "Stage", "check_arguments", "evaluate",
            "exhaustive_partition", "in_flight", "layer_keys", "max_in_flight", "partition_layers", "profile_layers",
            "received_ahead", "recompute_peak", "run_order", "stage_peak", "stage_tasks", "Task"]
