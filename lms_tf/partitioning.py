@@ -96,18 +96,15 @@ def partition(model, *, stages: int, microbatches: int, batch_size: int, schedul
                              f"batch_size divisible by microbatches (e.g. {batch_size // microbatches * microbatches or microbatches}).")
     if not isinstance(calibrate, bool):
         raise LMSOptionError(f"calibrate must be True or False; received {describe(calibrate)}.")
-    from lms_tf.tf.pipeline import calibrated_profile, check_calibration, local_kernel_library, trace_step
+    from lms_tf.tf.pipeline import check_calibration, local_kernel_library, profile_for_partition, trace_step
 
     calibration_device = check_calibration(model, devices) if calibrate else None
     first = devices if isinstance(devices, (str, DeviceSpec)) else (devices[0] if devices else DEFAULT_DEVICE)
     cost = CostModel(first if isinstance(first, DeviceSpec) else get_device_spec(first))
     traced = trace_step(model, microbatch=batch_size // microbatches, optimizer=optimizer, input_shape=input_shape,
                         kernels="cudnn" if devices else local_kernel_library())
-    calibration = None
-    if calibrate:
-        profile, calibration = calibrated_profile(model, traced, cost, device=calibration_device, optimizer=optimizer)
-    else:
-        profile = traced.profile(cost)
+    profile, calibration = profile_for_partition(model, traced, cost, calibrate_on=calibration_device,
+                                                 optimizer=optimizer)
     result = partition_layers(profile, stages=stages, microbatches=microbatches, schedule=schedule, devices=devices,
                               budget=budget, rule=rule, objective=objective, model=model.name, swap=swap,
                               host_budget=host_budget, recompute=recompute)

@@ -189,7 +189,7 @@ def run(args) -> int:
     from lms_tf.core.errors import HostBudgetError, InfeasibleBudgetError
     from lms_tf.cost import CostModel, get_device_spec
     from lms_tf.pipeline import check_arguments, partition_layers
-    from lms_tf.tf.pipeline import calibrated_profile, check_calibration, trace_step
+    from lms_tf.tf.pipeline import check_calibration, profile_for_partition, trace_step
     from lms_tf.tf.workloads import build_model
 
     devices = args.device[0] if len(args.device) == 1 else args.device
@@ -208,11 +208,8 @@ def run(args) -> int:
         optimizer = keras_module().optimizers.Adam()
     traced = trace_step(model, microbatch=args.batch // args.microbatches, optimizer=optimizer)
     cost = CostModel(get_device_spec(args.device[0]))
-    calibration = None
-    if args.calibrate:
-        profile, calibration = calibrated_profile(model, traced, cost, device=calibration_device, optimizer=optimizer)
-    else:
-        profile = traced.profile(cost)
+    profile, calibration = profile_for_partition(model, traced, cost, calibrate_on=calibration_device,
+                                                 optimizer=optimizer)
     common = dict(stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, devices=devices,
                   objective=args.objective, model=args.model, swap=not args.no_swap, host_budget=args.host_budget,
                   recompute=args.recompute)

@@ -392,3 +392,18 @@ def calibrated_profile(model, traced: TracedStep, cost: CostModel, *, device: st
                     "micro-batch; activations are kept at the model's (a calibration raises figures, never lowers "
                     "them: the line through two runs can lie below larger runs)", calibration.mcap_scale)
     return calibration.apply(profile), calibration
+
+
+def profile_for_partition(model, traced: TracedStep, cost: CostModel, *, calibrate_on: Optional[str] = None,
+                          optimizer=None) -> "tuple[PipelineProfile, Optional[Calibration]]":
+    """The profile a partition is cut by: ``traced`` with ``cost``'s op times, or with
+    ``calibrate_on`` (a device, from :func:`check_calibration`) calibrated there
+    (:func:`calibrated_profile`). What both ``lms_tf.partition`` and ``lms-tf partition`` call.
+
+    Examples:
+        >>> profile_for_partition.__name__
+        'profile_for_partition'
+    """
+    if calibrate_on is None:
+        return traced.profile(cost), None
+    return calibrated_profile(model, traced, cost, device=calibrate_on, optimizer=optimizer)
