@@ -160,3 +160,75 @@ def test_keras_creates_a_kernel_through_two_temporaries_of_its_size():
         ("alloc", f"{kernel}#initializer_draw", kernel_bytes), ("alloc", f"{kernel}#initializer_scaled", kernel_bytes),
         ("alloc", kernel, kernel_bytes), ("free", f"{kernel}#initializer_scaled", 0),
         ("free", f"{kernel}#initializer_draw", 0), ("alloc", bias, 4000), ("alloc", "x:0", 8 * 500 * 4)]
+
+
+def _swish_step():
+    """A swish (``tf.nn.silu``) between two 2 MiB tensors, trained. Its gradient function (a
+    ``custom_gradient``) also computes the gradient of its constant ``beta`` (a ``Square`` of the
+    input, ...), which no one asks for, and multiplies the input by ``beta = 1.0``."""
+    w = tf.Variable(tf.ones((1024,)), name="w")
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.nn.silu(tf.multiply(x, w, name="scaled")))
+        w.assign_sub(0.01 * tape.gradient(loss, w))
+        return loss
+
+    return step
+
+
+def _big_allocations_by_type(step, graph):
+    """How many 1 MiB-or-larger buffers each op type allocated in one real run."""
+    step(X)
+    counts = {}
+    for event in allocation_trace(lambda: step(X).numpy()):
+        if event.kind == "alloc" and event.requested_bytes >= MiB and event.op:
+            op_type = graph.get_operation_by_name(event.op).type
+            counts[op_type] = counts.get(op_type, 0) + 1
+    return counts
+
+
+def test_ops_tensorflow_prunes_allocate_nothing_and_are_not_in_the_ir():
+    """TensorFlow runs only what the step's outputs and its stateful ops need. The unused
+    ``beta`` gradient of a swish (a ``Square`` of its input, and what reads it) never runs: the IR
+    leaves it out, so the simulator does not hold its 2 MiB from the forward pass to the backward."""
+    step = _swish_step()
+    graph = step.get_concrete_function(X).graph
+    squares = [op.name for op in graph.get_operations() if op.type == "Square"]
+    assert squares  # traced: the beta gradient squares the swish's input
+    ir = build_ir(graph)
+    assert not set(squares) & {op.name for op in ir.ops}
+    # Still there: the swish's real gradient (sigmoid recomputed behind the incoming gradient).
+    assert any(op.type == "Sigmoid" and op.phase.value == "backward" for op in ir.ops)
+    real = _big_allocations_by_type(step, graph)
+    assert "Square" not in real
+    log = simulate(ir, None, cost=V100, log_allocations=True).allocations
+    simulated = sum(1 for event in log if event[0] == "alloc" and event[2] >= MiB)
+    assert simulated == sum(real.values())
+    # Counting the pruned ops (what the IR held before) allocates more than TensorFlow did.
+    unpruned = build_ir(graph, outputs=[t for op in graph.get_operations() for t in op.outputs
+                                        if not t.consumers() and t.dtype != tf.resource])
+    log = simulate(unpruned, None, cost=V100, log_allocations=True).allocations
+    assert sum(1 for event in log if event[0] == "alloc" and event[2] >= MiB) > simulated
+
+
+def test_a_multiplication_by_one_is_a_buffer_of_its_input():
+    """Grappler's constant folding removes ``x * 1`` (the swish gradient's ``beta * x``): its
+    readers read ``x``. The IR marks the op as passing its input through, the simulator allocates
+    nothing for it, and TensorFlow's allocator served nothing to a multiplication by one."""
+    step = _swish_step()
+    graph = step.get_concrete_function(X).graph
+    ir = build_ir(graph)
+    by_one = [op for op in ir.ops if op.passes_through is not None]
+    assert by_one and all(op.type == "Mul" for op in by_one)
+    for op in by_one:
+        constant = graph.get_tensor_by_name(op.inputs[1 - op.passes_through])
+        assert tf.get_static_value(constant) == 1.0
+    step(X)
+    served = {event.op for event in allocation_trace(lambda: step(X).numpy()) if event.kind == "alloc"}
+    assert not served & {op.name for op in by_one}
+    log = simulate(ir, None, cost=V100, log_allocations=True).allocations
+    assert not {event[1] for event in log if event[0] == "alloc"} & {f"{op.name}:0" for op in by_one}
+    # The other multiplications are real kernels, and are not passed through.
+    assert any(op.type == "Mul" and op.passes_through is None and op.name in served for op in ir.ops)

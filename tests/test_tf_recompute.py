@@ -23,6 +23,14 @@ SWAP_AND_RECOMPUTE = dict(CPU_LMS, swapout_threshold=4, min_swap_bytes=1024, rec
 RTOL = 0.0
 
 
+#: Zoo models where "cheap" finds nothing to recompute: each cheap op's output (a ReLU, a dropout
+#: mask, the loss's log-softmax) is an articulation tensor (a checkpoint) or is read by the very
+#: first ops of the backward pass, before any backward op that could gate a clone has run. (The
+#: plans once recomputed the loss's tensors behind gradient ops TensorFlow prunes: gated by an op
+#: that never runs otherwise, and saving nothing.)
+CHEAP_FINDS_NOTHING = {"dropout_mlp", "sequential_cnn", "text_embedding"}
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("policy", ["sqrt", "cheap"])
 @pytest.mark.parametrize("name", sorted(zoo.FIT_ZOO))
@@ -31,7 +39,11 @@ def test_recompute_only_fit_equals_plain(name, policy):
     plain = fit_steps(builder)
     callback = lms_tf.LMSCallback(recompute=policy, **RECOMPUTE_ONLY)
     rewritten = fit_steps(builder, callbacks=[callback])
-    assert callback.plan.recomputed and not callback.plan.swapped, lms_tf.explain(callback)
+    assert not callback.plan.swapped, lms_tf.explain(callback)
+    if policy == "cheap" and name in CHEAP_FINDS_NOTHING:
+        assert not callback.plan.recomputed, lms_tf.explain(callback)
+    else:
+        assert callback.plan.recomputed, lms_tf.explain(callback)
     assert_same_numbers(plain, rewritten, rtol=RTOL)
 
 

@@ -200,6 +200,22 @@ def is_function_graph(graph: tf.Graph) -> bool:
     return isinstance(graph, func_graph.FuncGraph)
 
 
+def is_dead_end(op: tf.Operation) -> bool:
+    """Whether nothing reads ``op``: no consumer of an output and no control edge out of it.
+    (``tf.Operation`` exposes its outgoing control edges only privately.)
+
+    Examples:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     a = tf.constant(1.0, name="a")
+        ...     b = tf.negative(a, name="b")
+        >>> is_dead_end(a.op), is_dead_end(b.op)
+        (False, True)
+    """
+    return not any(t.consumers() for t in op.outputs) and not op._control_outputs
+
+
 def current_graph() -> tf.Graph:
     """The graph ops are being added to: the FuncGraph while a ``tf.function`` traces.
 

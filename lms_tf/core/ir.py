@@ -20,6 +20,7 @@ from fractions import Fraction
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from lms_tf.core.errors import LMSOptionError
+from lms_tf.core.op_kinds import ALIAS_TYPES
 
 _GRADIENT_SCOPE = re.compile(r"^(gradient_tape|gradients)(_\d+)?$")
 
@@ -87,6 +88,8 @@ class OpInfo:
             functions read variables: it may be recomputed while nothing writes those variables.
         inner_kernels: Kernels a loop runs per call (its body's times its trip count; 0 when
             unknown or not a loop): each costs a launch, which dominates a small recurrent step.
+        passes_through: For arithmetic TensorFlow's graph optimizer removes (``x * 1``,
+            ``x + 0``: its readers then read ``x``), the position of the input passed on; else None.
 
     Examples:
         >>> OpInfo("a", "Relu", 0, Phase.FORWARD, "", (), (), ("a:0",)).type
@@ -104,6 +107,21 @@ class OpInfo:
     stateful: bool = False
     reads_state_only: bool = False
     inner_kernels: int = 0
+    passes_through: Optional[int] = None
+
+    @property
+    def is_alias(self) -> bool:
+        """Whether the op's outputs are buffers of its inputs, so it runs no kernel the memory sees:
+        an alias type (:data:`~lms_tf.core.op_kinds.ALIAS_TYPES`: ``Identity``, ``Reshape``, ...)
+        or arithmetic the graph optimizer removes (:attr:`passes_through`).
+
+        Examples:
+            >>> OpInfo("r", "Reshape", 0, Phase.FORWARD, "", ("x:0",), (), ("r:0",)).is_alias
+            True
+            >>> OpInfo("m", "Mul", 0, Phase.FORWARD, "", ("one:0", "x:0"), (), ("m:0",), passes_through=1).is_alias
+            True
+        """
+        return self.type in ALIAS_TYPES or self.passes_through is not None
 
 
 def layer_of(op_name: str) -> str:

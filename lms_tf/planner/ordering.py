@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Set, Tuple
 
 from lms_tf.core.ir import GraphIR, Phase, layer_of
-from lms_tf.core.op_kinds import ALIAS_TYPES
 from lms_tf.core.plan import Ordering
 from lms_tf.simulate import Simulation
 
@@ -118,7 +117,7 @@ class BranchOrdering:
         # The branch starts where a gradient enters it: ops reading a backward tensor made outside
         # it. (Its shape and constant ops may run early; holding them back would keep the forward
         # tensors they read alive.)
-        waiters = sorted((n for n in in_then if ir.op(n).type not in ALIAS_TYPES and any(
+        waiters = sorted((n for n in in_then if not ir.op(n).is_alias and any(
             ir.tensors[t].producer in paths and ir.tensors[t].producer not in in_then for t in ir.op(n).inputs)),
             key=lambda n: ir.op(n).index)
         if not waiters or not exits or self._reaches(waiters, set(exits)):

@@ -16,7 +16,6 @@ from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.ir import GraphIR, OpInfo, Phase
 from lms_tf.core.op_kinds import (
-    ALIAS_TYPES,
     COMMUTATIVE_TYPES,
     FORWARDING_TYPES,
     MAXPOOL_GRAD_TYPES,
@@ -196,7 +195,7 @@ class Lowered:
                 continue
             seen.add(name)
             dep = ir.op(name)
-            if dep.type in ALIAS_TYPES:
+            if dep.is_alias:
                 stack.extend(ir.tensors[t].producer for t in dep.inputs)
                 stack.extend(dep.control_inputs)
             else:
@@ -211,9 +210,12 @@ def _alias_chain(ir: GraphIR, consumer: str, tensor: str) -> Iterator[Tuple[str,
     while True:
         yield consumer, tensor
         producer = ir.op(ir.tensors[tensor].producer)
-        if producer.type not in ALIAS_TYPES or not producer.inputs:
+        if not producer.is_alias or not producer.inputs:
             return
-        position = producer.outputs.index(tensor) if producer.type == "IdentityN" else 0
+        if producer.passes_through is not None:  # x * 1: its readers read x
+            position = producer.passes_through
+        else:
+            position = producer.outputs.index(tensor) if producer.type == "IdentityN" else 0
         consumer, tensor = producer.name, producer.inputs[min(position, len(producer.inputs) - 1)]
 
 
@@ -225,7 +227,7 @@ def _readers_through_alias(ir: GraphIR) -> Dict[str, frozenset]:
     if cached is None:
         readers: Dict[str, set] = collections.defaultdict(set)
         for op in ir.ops:
-            if op.type in ALIAS_TYPES:
+            if op.is_alias:
                 continue
             for t in op.inputs:
                 for reader, _ in _alias_chain(ir, op.name, t):
@@ -259,10 +261,10 @@ def _plain_template(ir: GraphIR) -> Dict[str, _PlainOp]:
     cached = ir.__dict__.get("_plain_template")
     if cached is None:
         b = Lowered(ir, None)
-        writer = {t: op.name for op in ir.ops if op.type not in ALIAS_TYPES for t in op.outputs}
+        writer = {t: op.name for op in ir.ops if not op.is_alias for t in op.outputs}
         cached = {}
         for op in ir.ops:
-            if op.type in ALIAS_TYPES:
+            if op.is_alias:
                 continue
             sources = tuple(b.source(op.name, t) for t in op.inputs)
             producer_deps = tuple(b.producer_deps(op))
@@ -428,7 +430,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
     b.accumulated_sums = accumulated_sums
     pooled = _pooled_for_gradient(b) if kernels == "onednn" else frozenset()
     op_time = (lambda op: op_times[op.name]) if op_times is not None else (lambda op: cost.op_time(ir, op))  # noqa
-    ir_names = {op.name for op in ir.ops if op.type not in ALIAS_TYPES}
+    ir_names = {op.name for op in ir.ops if not op.is_alias}
     decisions = {d.tensor: d for d in plan.decisions} if plan is not None else {}
     swapped = {t for t, d in decisions.items() if d.decision is Decision.SWAP}
     # Re-pointing decided by the plan: backward consumers read swap-ins and clones.

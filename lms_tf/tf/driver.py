@@ -245,7 +245,7 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
     graph = _traced_graph(api)
     returned = None if outputs is None else [t for t in tf.nest.flatten(outputs)
                                              if isinstance(t, tf.Tensor) and t.graph is graph]
-    ir = build_ir(graph, input_shapes=input_shapes, batch_size=request.batch_size)
+    ir = build_ir(graph, input_shapes=input_shapes, batch_size=request.batch_size, outputs=returned)
     on_host = frozenset(op.name for op in ir.ops if same_device(op.device, request.policies.host))
     if on_host:  # the update traced on the host (optimizer_on_host, weights="host"): host memory
         ir = dataclasses.replace(ir, host_placed=on_host)

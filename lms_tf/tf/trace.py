@@ -132,6 +132,79 @@ def _classify(order: Sequence[tf.Operation], created: Mapping[str, int],
     return {n: phase.get(n, Phase.FORWARD) for n in names}
 
 
+def _pruned_by_the_runtime(graph: tf.Graph, order: Sequence[tf.Operation],
+                           outputs: Optional[Sequence[tf.Tensor]]) -> FrozenSet[str]:
+    """Ops of a ``tf.function``'s graph that TensorFlow never runs: neither the function's outputs nor
+    any stateful op (a variable write, a read, a random op, a loop) depends on them, through data
+    or control edges. TensorFlow's function runtime prunes them before the first run
+    (``PruneFunctionBody`` keeps what the outputs, the control outputs and the stateful ops need).
+
+    They are not rare in a training step: a custom gradient computes every input's gradient, and
+    the ones nobody asked for are dropped. ``tf.nn.silu``'s gradient squares its input for the
+    gradient of its constant ``beta``: two activation-sized tensors per swish that, counted,
+    made EfficientNetB0's simulated peak 1.46x the real one.
+
+    Where the outputs are not known (a graph that is not a function's, or a trace still going on
+    without ``outputs``), every op nothing reads might be fetched: those are kept too.
+    """
+    if outputs is None and _compat.is_function_graph(graph) and graph.outputs:
+        outputs = graph.outputs
+    if outputs is not None:
+        needed = {t.op.name for t in outputs if isinstance(t, tf.Tensor) and t.graph is graph}
+    else:
+        needed = {op.name for op in order if _compat.is_dead_end(op)}
+    if _compat.is_function_graph(graph):
+        needed |= {op.name for op in graph.control_outputs}
+    needed |= {op.name for op in order if op.op_def.is_stateful and op.name not in needed}
+    for op in reversed(order):  # consumers come after their producers in ``order``
+        if op.name in needed:
+            needed.update(t.op.name for t in op.inputs)
+            needed.update(c.name for c in op.control_inputs)
+    inputs = _function_inputs(graph)  # the signature's own: an unused argument is still passed
+    return frozenset(op.name for op in order if op.name not in needed and op.name not in inputs)
+
+
+#: Arithmetic Grappler's constant folding removes when one operand is a constant of ones or zeros
+#: (``SimplifyArithmeticOperations``): op types -> (the constant's value, whether it may stand first).
+_IDENTITY_ARITHMETIC = {
+    **{t: (1.0, True) for t in ("Mul", "MulNoNan")},  # 1 * x, x * 1
+    **{t: (1.0, False) for t in ("Div", "RealDiv", "DivNoNan", "TruncateDiv")},  # x / 1
+    **{t: (0.0, True) for t in ("Add", "AddV2")},  # 0 + x, x + 0
+    "BiasAdd": (0.0, False),
+    "Sub": (0.0, False),  # x - 0 (0 - x becomes a negation)
+}
+
+
+def _passed_through(op: tf.Operation) -> Optional[int]:
+    """The input ``op`` passes on unchanged when Grappler removes it as ``x * 1`` or ``x + 0``;
+    None for any other op.
+
+    Grappler's constant folding replaces such an op by its other operand when that operand already
+    has the output's shape (an unknown batch dimension is the same symbol in both), and the
+    readers then read that operand's buffer: the op allocates nothing. ``tf.nn.silu``'s gradient multiplies its input by ``beta = 1.0``: held from the
+    forward pass to the backward, that product was counted as one more activation per swish.
+    """
+    rule = _IDENTITY_ARITHMETIC.get(op.type)
+    if rule is None or len(op.inputs) != 2 or op.outputs[0].shape.rank is None:
+        return None
+    value, either_side = rule
+    for position in ((0, 1) if either_side else (1,)):
+        constant, other = op.inputs[position], op.inputs[1 - position]
+        if (constant.op.type == "Const" and other.shape.as_list() == op.outputs[0].shape.as_list()
+                and _all_equal(constant.op, value)):
+            return 1 - position
+    return None
+
+
+def _all_equal(const: tf.Operation, value: float) -> bool:
+    """Whether every element of a ``Const`` op's value is ``value``."""
+    try:
+        array = tf.make_ndarray(const.get_attr("value"))
+    except (TypeError, ValueError):  # a string or variant constant
+        return False
+    return array.dtype.kind in "fiuc" and array.size > 0 and bool((array == value).all())
+
+
 def _static_shape(shape: tf.TensorShape) -> Optional[Tuple[Optional[int], ...]]:
     if shape.rank is None:
         return None
@@ -157,7 +230,7 @@ def _function_inputs(graph: tf.Graph) -> FrozenSet[str]:
 
 @tf.autograph.experimental.do_not_convert  # also called from inside traced steps (tests, tools)
 def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Optional[int]]]] = None,
-             batch_size: Optional[int] = None) -> GraphIR:
+             batch_size: Optional[int] = None, outputs: Optional[Sequence[tf.Tensor]] = None) -> GraphIR:
     """Builds the IR of a traced graph.
 
     Unknown dimensions are resolved by running TensorFlow's shape inference again with
@@ -170,6 +243,10 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
         graph: A ``tf.Graph`` or the ``FuncGraph`` of a ``tf.function``.
         input_shapes: Concrete shapes of input placeholders, by op name (or tensor name).
         batch_size: Size to give unknown leading dimensions of the inputs and iterator outputs.
+        outputs: The tensors the step returns, when its trace is still going on (a finished
+            function's graph knows them). Ops that neither these nor a stateful op need are left
+            out, as TensorFlow prunes them before running the step. Without them, and in a
+            graph that is not a function's, every op nothing reads is taken to be needed.
 
     Returns:
         The GraphIR.
@@ -186,6 +263,7 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
     """
     tf_ops = graph.get_operations()
     order = _execution_order(tf_ops)
+    pruned = _pruned_by_the_runtime(graph, order, outputs)
     inputs = _function_inputs(graph)
     sources = frozenset(
         {n for n in inputs if graph.get_operation_by_name(n).outputs[0].dtype not in (tf.resource, tf.variant)}
@@ -221,6 +299,8 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
         inferred = _compat.infer_shapes_with_inputs(
             graph, {n: tf.TensorShape(d) for n, d in resolution.items()})
 
+    # The step as TensorFlow runs it: without the ops its function runtime prunes.
+    order = [op for op in order if op.name not in pruned]
     consumers: Dict[str, List[str]] = {}
     for op in order:
         for t in op.inputs:
@@ -250,7 +330,8 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
             outputs=tuple(t.name for t in op.outputs), stateful=bool(op.op_def.is_stateful),
             reads_state_only=(op.type in _FUNCTIONAL_TYPES and _functions_read_state_only(graph, op)
                               and _variables_unwritten_before_gradient(op, after_gradient)),
-            inner_kernels=_loop_kernels(op) if op.type in WHILE_OP_TYPES else 0))
+            inner_kernels=_loop_kernels(op) if op.type in WHILE_OP_TYPES else 0,
+            passes_through=_passed_through(op)))
     return GraphIR(ops=tuple(ops), tensors=tensors, function_inputs=inputs, resolved_dims=resolution,
                    data_dependent=data_dependent)
 
@@ -413,13 +494,15 @@ def trace_step_ir(step: Callable, *args, wrap: Optional[Callable[[Callable], Cal
     captured: Dict[str, GraphIR] = {}
 
     @tf.autograph.experimental.do_not_convert
-    def capture() -> None:
-        captured["ir"] = build_ir(_compat.current_graph(), batch_size=batch_size)
+    def capture(outputs) -> None:
+        graph = _compat.current_graph()
+        returned = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor) and t.graph is graph]
+        captured["ir"] = build_ir(graph, batch_size=batch_size, outputs=returned)
 
     @functools.wraps(step)  # as lms_tf.function's wrapper: the inputs are named after step's parameters
     def capturing(*args):
         outputs = step(*args)
-        capture()
+        capture(outputs)
         return outputs
 
     tf.function(wrap(capturing) if wrap else capturing).get_concrete_function(*args)

@@ -206,7 +206,7 @@ def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int, *,
     if outputs is not None:
         returned = {tensor.op.name for tensor in outputs}
     else:  # every dead end may be returned
-        returned = {op.name for op in ops if not any(t.consumers() for t in op.outputs) and not op._control_outputs}
+        returned = {op.name for op in ops if _compat.is_dead_end(op)}
     fetches = sorted(returned | {op.name for op in ops if _compat.op_is_stateful(op.type)})
     optimized = _compat.grappler_default_optimized(graph_def, fetches, (virtual, kind, memory_bytes))
     if removed_only:
