@@ -232,3 +232,62 @@ def test_a_multiplication_by_one_is_a_buffer_of_its_input():
     assert not {event[1] for event in log if event[0] == "alloc"} & {f"{op.name}:0" for op in by_one}
     # The other multiplications are real kernels, and are not passed through.
     assert any(op.type == "Mul" and op.passes_through is None and op.name in served for op in ir.ops)
+
+
+def _grouped_conv_step(channels: int = 256):
+    """A Keras grouped (depthwise) convolution, trained: Keras 3 compiles it with XLA on
+    TensorFlow, so the step calls two XLA-compiled functions (the convolution and its gradient)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8, 8, channels)),
+                              keras.layers.Conv2D(channels, 7, padding="same", groups=channels),
+                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(4)])
+    optimizer = keras.optimizers.SGD(0.01)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True)))
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    return step, tf.random.stateless_normal((4, 8, 8, channels), seed=(3, 4))
+
+
+def test_xla_compiled_calls_take_the_temporaries_xla_planned():
+    """XLA plans a compiled call's temporaries itself and takes them from TensorFlow's allocator
+    as one block (unnamed in the trace). On the CPU it computes a grouped convolution's filter
+    gradient through a dense filter: 2 * 7 * 7 * C * C float32 bytes for C channels. The IR reads
+    that figure from XLA's buffer plan, TensorFlow's allocator served exactly that block, and the
+    simulator holds it while the call runs (on a GPU, where XLA plans otherwise, not)."""
+    import dataclasses
+
+    channels = 256
+    step, x = _grouped_conv_step(channels)
+    ir = build_ir(step.get_concrete_function(x).graph)
+    assert ir.compiled_for == "CPU"
+    dense_filter_gradient = 2 * 7 * 7 * channels * channels * 4
+    assert sorted(ir.compiled_scratch.values())[-1] == dense_filter_gradient  # 24.5 MiB
+    step(x)
+    blocks = [e.requested_bytes for e in allocation_trace(lambda: step(x).numpy()) if e.kind == "alloc" and not e.op]
+    assert dense_filter_gradient in blocks
+    sim = simulate(ir, None, cost=V100, kernels="onednn")
+    without = simulate(dataclasses.replace(ir, compiled_scratch={}), None, cost=V100, kernels="onednn")
+    assert sim.peak_bytes >= without.peak_bytes + dense_filter_gradient - 2 * MiB  # the block dominates the peak
+    assert simulate(ir, None, cost=V100, kernels="cudnn").peak_bytes < sim.peak_bytes  # planned for the CPU only
+
+
+def test_a_compiled_call_xla_cannot_size_is_named_in_a_warning():
+    from lms_tf import _compat
+    from lms_tf.core.errors import LMSWarning
+
+    step, x = _grouped_conv_step(8)
+    graph = step.get_concrete_function(x).graph
+    call = next(op for op in graph.get_operations() if _compat.must_compile(op))
+    with pytest.raises(ValueError, match="no concrete shape"):
+        _compat.compiled_temp_bytes(graph, call, [None] * len(call.inputs), "CPU")
+    unsized = step.get_concrete_function(tf.TensorSpec((None, 8, 8, 8))).graph
+    with pytest.warns(LMSWarning, match="XLA could not be asked"):
+        ir = build_ir(unsized)
+    assert ir.compiled_for == "CPU" and len(ir.compiled_scratch) < sum(map(_compat.must_compile, unsized.get_operations()))

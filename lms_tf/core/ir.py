@@ -165,6 +165,11 @@ class GraphIR:
         host_placed: Ops the step places on the host device itself (the optimizer update under
             ``optimizer_on_host`` or ``weights="host"``): their outputs are host memory, not the
             device's (set by the TensorFlow side; empty when nothing is).
+        compiled_scratch: Calls of functions XLA compiles (op name -> bytes of the temporaries
+            XLA's own buffer plan takes from TensorFlow's allocator while the call runs), as
+            compiled for devices of type :attr:`compiled_for`.
+        compiled_for: ``"CPU"`` or ``"GPU"``: the device type ``compiled_scratch`` holds for
+            (XLA's plan differs between them); empty when the step calls nothing compiled.
 
     Examples:
         >>> ir = GraphIR(ops=(), tensors={}, function_inputs=frozenset(), resolved_dims={})
@@ -179,6 +184,8 @@ class GraphIR:
     data_dependent: FrozenSet[str] = frozenset()
     grappler_rewritten: FrozenSet[str] = frozenset()
     host_placed: FrozenSet[str] = frozenset()
+    compiled_scratch: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    compiled_for: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "_by_name", {op.name: op for op in self.ops})

@@ -340,7 +340,21 @@ def kernel_scratch_bytes(ir: GraphIR, op: OpInfo, kernels: str = "cudnn") -> int
         [4194304, 28311552, 0]
     """
     check_kernel_library(kernels)
-    return _eigen_workspace(ir, op) if kernels == "eigen" else _workspace(ir, op, kernels)
+    return (_eigen_workspace(ir, op) if kernels == "eigen" else _workspace(ir, op, kernels)) + _compiled_scratch(
+        ir, op.name, kernels)
+
+
+#: The device type each kernel library runs on.
+_LIBRARY_DEVICE = {"cudnn": "GPU", "eigen": "CPU", "onednn": "CPU"}
+
+
+def _compiled_scratch(ir: GraphIR, name: str, kernels: str) -> int:
+    """XLA's temporaries for the compiled call ``name`` (:attr:`GraphIR.compiled_scratch`), when they
+    were planned for the device type ``kernels`` runs on; 0 otherwise (the TensorFlow side warns
+    when it could not ask XLA)."""
+    if not ir.compiled_scratch or _LIBRARY_DEVICE[kernels] != ir.compiled_for:
+        return 0
+    return ir.compiled_scratch.get(name, 0)
 
 
 #: The working set TensorFlow's CPU ``Conv2DBackpropFilter`` kernel (without oneDNN) sizes its
@@ -571,8 +585,9 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                       updates=cached.updates, order=op.index,
                       # an op placed off the device (on the host, on another pipeline stage) takes its
                       # scratch there
-                      workspace=(0 if not with_workspace or name in ir.host_placed
-                                 else _eigen_workspace(ir, op) if kernels == "eigen" else cached.workspace))
+                      workspace=(0 if name in ir.host_placed else _compiled_scratch(ir, name, kernels) + (
+                          0 if not with_workspace else _eigen_workspace(ir, op) if kernels == "eigen"
+                          else cached.workspace)))
         if name in host_update:  # runs on the host: nothing on the device, host time
             event.reads, event.writes, event.updates, event.workspace = [], [], None, 0
             event.stream, event.duration = HOST_COMPUTE_STREAM, cost.host_op_time(ir, op)

@@ -35,7 +35,7 @@ from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence,
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.core.errors import GraphAnalysisError
+from lms_tf.core.errors import GraphAnalysisError, warn_once
 from lms_tf.core.ir import GraphIR, OpInfo, Phase, TensorInfo, is_gradient_scoped
 from lms_tf.core.op_kinds import (
     DATA_SOURCE_OP_TYPES,
@@ -332,8 +332,41 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
                               and _variables_unwritten_before_gradient(op, after_gradient)),
             inner_kernels=_loop_kernels(op) if op.type in WHILE_OP_TYPES else 0,
             passes_through=_passed_through(op)))
+    compiled_for, compiled_scratch = _compiled_scratch(graph, order, tensors)
     return GraphIR(ops=tuple(ops), tensors=tensors, function_inputs=inputs, resolved_dims=resolution,
-                   data_dependent=data_dependent)
+                   data_dependent=data_dependent, compiled_scratch=compiled_scratch, compiled_for=compiled_for)
+
+
+#: XLA's temporaries per (function, input shapes, device type): a step is traced, and its IR built,
+#: more than once (max-batch sizes several batches; each trace of a step names its functions anew).
+_COMPILED_SCRATCH: Dict[Tuple[str, Tuple, str], int] = {}
+
+
+def _compiled_scratch(graph: tf.Graph, order: Sequence[tf.Operation],
+                      tensors: Mapping[str, TensorInfo]) -> Tuple[str, Dict[str, int]]:
+    """The device type the step's XLA-compiled calls are planned for (a GPU when one is visible,
+    as the runtime places them) and each call's temporaries, from XLA's own buffer plan
+    (:func:`lms_tf._compat.compiled_temp_bytes`). A call XLA cannot be asked about is left out
+    with a warning that names it: the simulator then counts its inputs and outputs only."""
+    calls = [op for op in order if _compat.must_compile(op)]
+    if not calls:
+        return "", {}
+    device_type = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+    scratch: Dict[str, int] = {}
+    for op in calls:
+        shapes = tuple(tensors[t.name].shape for t in op.inputs)
+        key = (op.get_attr("f").name, shapes, device_type)
+        if key not in _COMPILED_SCRATCH:
+            try:
+                _COMPILED_SCRATCH[key] = _compat.compiled_temp_bytes(graph, op, shapes, device_type)
+            except (ValueError, tf.errors.OpError) as err:
+                warn_once(f"compiled-scratch:{key[0]}",
+                          f"lms-tf: the memory XLA takes while {op.name} runs (a function compiled with "
+                          f"jit_compile=True inside the step) is not counted: XLA could not be asked for its "
+                          f"buffer plan ({err}). This step's predicted peaks can be low by that much.")
+                continue
+        scratch[op.name] = _COMPILED_SCRATCH[key]
+    return device_type, scratch
 
 
 _FUNCTIONAL_TYPES = WHILE_OP_TYPES | {"If", "StatelessIf"}
