@@ -26,3 +26,23 @@ def test_a_size_that_is_not_a_polynomial_of_the_width_is_refused():
     give sizes that are wrong at every other width."""
     irs = trace_decoder_widths((64, 128, 192, 256), **SHAPE)
     assert ScaledIR.fit(irs) is None
+
+
+def test_sized_irs_refuse_xla_temporaries_that_change_with_the_size():
+    """XLA's temporaries of a compiled call (``GraphIR.compiled_scratch``) are not tensor sizes: a
+    sized IR keeps the first sample's, so it is built only when every sample has the same."""
+    import dataclasses
+
+    from lms_tf.core import make_ir
+    from lms_tf.core.ir import BatchSizedIR, ScaledIR
+
+    def ir(n, scratch):
+        plain = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (n, 4))]),
+                         dict(name="call", type="PartitionedCall", inputs=["x:0"], outputs=[("call:0", (n, 4))])])
+        return dataclasses.replace(plain, compiled_scratch={"call": scratch}, compiled_for="CPU")
+
+    same = BatchSizedIR.fit({2: ir(2, 100), 3: ir(3, 100), 5: ir(5, 100)})
+    assert same is not None and same.at(64).compiled_scratch == {"call": 100}
+    assert BatchSizedIR.fit({2: ir(2, 100), 3: ir(3, 150), 5: ir(5, 250)}) is None
+    assert ScaledIR.fit({1: ir(1, 7), 2: ir(2, 7), 3: ir(3, 7), 4: ir(4, 7)}) is not None
+    assert ScaledIR.fit({1: ir(1, 7), 2: ir(2, 8), 3: ir(3, 9), 4: ir(4, 10)}) is None

@@ -346,6 +346,12 @@ def same_device(a: str, b: str) -> bool:
 Linear = Tuple[int, int]
 
 
+def _same_compiled_scratch(irs) -> bool:
+    """Whether XLA's temporaries (:attr:`GraphIR.compiled_scratch`) are the same in every IR: the
+    sized IRs keep the first one's."""
+    return len({(ir.compiled_for, tuple(sorted(ir.compiled_scratch.items()))) for ir in irs}) <= 1
+
+
 def _linear(at_a: Optional[int], at_b: Optional[int], a: int, b: int) -> Optional[Linear]:
     """The integer line through ``(a, at_a)`` and ``(b, at_b)``, or None (unknown, or not a line
     with integer coefficients)."""
@@ -395,6 +401,8 @@ class BatchSizedIR:
         (a, ir_a), (b, ir_b) = sorted(samples.items())[:2]
         if [op.name for op in ir_a.ops] != [op.name for op in ir_b.ops] or ir_a.tensors.keys() != ir_b.tensors.keys():
             return None
+        if not _same_compiled_scratch(samples.values()):
+            return None  # XLA's temporaries change with the batch: no line is assumed for them
         shapes: Dict[str, Optional[Tuple[Optional[Linear], ...]]] = {}
         nbytes: Dict[str, Optional[Linear]] = {}
         for name, ta in ir_a.tensors.items():
@@ -508,6 +516,8 @@ class ScaledIR:
         for _, ir in ordered[1:]:
             if [op.name for op in ir.ops] != [op.name for op in first.ops] or ir.tensors.keys() != first.tensors.keys():
                 return None
+        if not _same_compiled_scratch(samples.values()):
+            return None  # XLA's temporaries change with the scale: no polynomial is assumed for them
         dims_at, bytes_at = ordered[:dims_degree + 1], ordered[:bytes_degree + 1]
         shapes, nbytes = {}, {}
         for name, info in first.tensors.items():

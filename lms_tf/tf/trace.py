@@ -181,8 +181,9 @@ def _passed_through(op: tf.Operation) -> Optional[int]:
 
     Grappler's constant folding replaces such an op by its other operand when that operand already
     has the output's shape (an unknown batch dimension is the same symbol in both), and the
-    readers then read that operand's buffer: the op allocates nothing. ``tf.nn.silu``'s gradient multiplies its input by ``beta = 1.0``: held from the
-    forward pass to the backward, that product was counted as one more activation per swish.
+    readers then read that operand's buffer: the op allocates nothing. ``tf.nn.silu``'s gradient
+    multiplies its input by ``beta = 1.0``: held from the forward pass to the backward, that
+    product was counted as one more activation per swish.
     """
     rule = _IDENTITY_ARITHMETIC.get(op.type)
     if rule is None or len(op.inputs) != 2 or op.outputs[0].shape.rank is None:
