@@ -227,7 +227,9 @@ def test_planned_peak_fits_and_the_plan_is_printable(preset):
     assert plan.predictions.planned_peak_bytes <= plan.predictions.planned_allocator_peak_bytes <= plan.budget_bytes
     assert plan.swapped or plan.recomputed
     assert simulate(ir, plan, cost=CostModel(get_device_spec(preset))).peak_bytes == plan.predictions.planned_peak_bytes
-    assert plan.predictions.overhead >= 1.0
+    # A plan whose copies all hide behind compute (the GH200's link) takes the plain step's time: the
+    # same op times, summed in another order of events, can differ in the last bit.
+    assert plan.predictions.overhead >= 1.0 - 1e-12
     text = plan.summary()
     assert "budget" in text and "decision" in text
     data = json.loads(plan.to_json())
