@@ -441,16 +441,19 @@ FIT_FAMILIES = ["sequential_cnn", "resnet_style", "shared_multi_input_residual",
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", FIT_FAMILIES)
 def test_callback_budget_through_fit(name, cpu_lms):
-    """``LMSCallback(budget="80%")`` in ``model.fit``: the plan fits its budget in the simulator,
+    """``LMSCallback(budget="80%")`` (90% for the inception net) in ``model.fit``: the plan fits its budget in the simulator,
     moves something, and the fit trains to the plain fit's numbers (Sequential CNN, two inputs
     through shared layers with a skip, residual blocks, parallel branches). The zoo's text, LSTM and
     subclassed models are too small for 80%: TensorFlow's allocator rounds their tensors to chunks that
     alone exceed it (the planner says so with the smallest feasible budget)."""
     plain = fit_steps(zoo.FIT_ZOO[name])
-    callback = lms_tf.LMSCallback(budget="80%", device_spec="v100-16gb-pcie3", **cpu_lms)
+    # The inception net's floor is 0.89 of its plain peak: its concatenation and pool outputs stay,
+    # in whole allocator chunks (the planner's error names them at 80%).
+    fraction = 0.9 if name == "inception_style" else 0.8
+    callback = lms_tf.LMSCallback(budget=f"{fraction:.0%}", device_spec="v100-16gb-pcie3", **cpu_lms)
     planned = fit_steps(zoo.FIT_ZOO[name], callbacks=[callback])
     plan = callback.plan
-    assert plan.budget_bytes == int(0.8 * plan.predictions.baseline_peak_bytes)
+    assert plan.budget_bytes == int(fraction * plan.predictions.baseline_peak_bytes)
     assert plan.predictions.feasible and plan.predictions.planned_allocator_peak_bytes <= plan.budget_bytes
     assert plan.swapped or plan.recomputed
     assert_same_numbers(plain, planned)

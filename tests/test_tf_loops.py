@@ -219,5 +219,8 @@ def test_the_simulator_shows_the_saving_of_swapping_loop_values():
     plain = simulate(fn.plain_irs[-1], None, cost=cost)
     swapped = simulate(fn.plain_irs[-1], fn.plan, cost=cost)
     # On a GPU the swapped lists leave the device between the two loops (a CPU run moves no bytes).
-    assert swapped.peak_bytes < 0.7 * plain.peak_bytes, (plain.peak_bytes, swapped.peak_bytes)
+    # Every swapped list is live at the plain peak; the swapped step's peak (now while they come
+    # back) is lower by at least 30% of their bytes.
+    assert swapped.peak_bytes <= plain.peak_bytes - 0.3 * sum(d.nbytes for d in loops), (plain.peak_bytes,
+                                                                                       swapped.peak_bytes)
     assert swapped.swap_out_bytes >= sum(d.nbytes for d in loops)
