@@ -333,7 +333,7 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
                               and _variables_unwritten_before_gradient(op, after_gradient)),
             inner_kernels=_loop_kernels(op) if op.type in WHILE_OP_TYPES else 0,
             passes_through=_passed_through(op)))
-    compiled_for, compiled_scratch = _compiled_scratch(graph, order, tensors)
+    compiled_for, compiled_scratch = _ask_xla_for_temporaries(graph, order, tensors)
     return GraphIR(ops=tuple(ops), tensors=tensors, function_inputs=inputs, resolved_dims=resolution,
                    data_dependent=data_dependent, compiled_scratch=compiled_scratch, compiled_for=compiled_for)
 
@@ -343,8 +343,8 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
 _COMPILED_SCRATCH: Dict[Tuple[str, Tuple, str], int] = {}
 
 
-def _compiled_scratch(graph: tf.Graph, order: Sequence[tf.Operation],
-                      tensors: Mapping[str, TensorInfo]) -> Tuple[str, Dict[str, int]]:
+def _ask_xla_for_temporaries(graph: tf.Graph, order: Sequence[tf.Operation],
+                             tensors: Mapping[str, TensorInfo]) -> Tuple[str, Dict[str, int]]:
     """The device type the step's XLA-compiled calls are planned for (a GPU when one is visible,
     as the runtime places them) and each call's temporaries, from XLA's own buffer plan
     (:func:`lms_tf._compat.compiled_temp_bytes`). A call XLA cannot be asked about is left out
