@@ -295,15 +295,23 @@ def function_def(graph: tf.Graph, name: str):
 def function_body_graph_def(graph: tf.Graph):
     """``graph``'s GraphDef as the runtime sees a function's body, as far as Grappler's shape
     inference goes: each variable's placeholder is an ``_Arg`` carrying the variable's dtype and
-    shape (``_handle_dtypes``, ``_handle_shapes``).
+    shape (``_handle_dtypes``, ``_handle_shapes``), and each data placeholder of known shape a
+    ``PlaceholderWithDefault`` of that shape.
 
     Grappler reads a variable's shape off those attributes of the ``_Arg`` only: run offline on
     the traced GraphDef, where a variable is a plain resource placeholder, it sees every
     ``ReadVariableOp`` as of unknown shape, and skips rewrites the runtime makes. The arithmetic
     optimizer regroups a gradient's product with a scalar learning rate only when it knows the
-    rate is a scalar; the remapper fuses a bias only when it knows the bias's length. (A data
-    placeholder stays one: as an ``_Arg`` with ``_output_shapes`` its shape stayed unknown to the
-    offline run all the same, on TensorFlow 2.21.)
+    rate is a scalar; the remapper fuses a bias only when it knows the bias's length.
+
+    A data input is not fed at run time: it is a function argument of known shape. Offline,
+    Grappler's item builder takes every ``Placeholder`` for a feed, and its shape inference gives a
+    feed no shape at all (a feed may have any), as it did an ``_Arg`` with ``_output_shapes``
+    (TensorFlow 2.21). Every activation was then of unknown rank offline, and the arithmetic
+    optimizer's regrouping of an addition tree (``AddOpsRewrite``, which needs the shapes: a
+    LayerNorm's ``x * scale + offset`` parts) was missing from the offline result while the
+    runtime made it. A ``PlaceholderWithDefault`` is not a feed and has its ``shape``; its default
+    (a ``Fill`` of zeros) is never evaluated as a value of the step.
 
     Examples:
         >>> import tensorflow as tf
@@ -312,13 +320,19 @@ def function_body_graph_def(graph: tf.Graph):
         >>> [(n.op, n.attr["_handle_shapes"].list.shape[0].dim[0].size)
         ...  for n in function_body_graph_def(g).node if n.op == "_Arg"]
         [('_Arg', 3)]
+        >>> [(n.name, n.op) for n in function_body_graph_def(g).node if n.name == "x"]
+        [('x', 'PlaceholderWithDefault')]
     """
     from tensorflow.python.ops import handle_data_util
 
     graph_def = graph.as_graph_def()
     index = 0
+    defaults = []
     for node in graph_def.node:
-        if node.op != "Placeholder" or node.attr["dtype"].type != tf.resource.as_datatype_enum:
+        if node.op != "Placeholder":
+            continue
+        if node.attr["dtype"].type != tf.resource.as_datatype_enum:
+            defaults += _shaped_default(node)
             continue
         data = handle_data_util.get_resource_handle_data(graph.get_operation_by_name(node.name).outputs[0])
         if data is None or not data.is_set or not data.shape_and_type:
@@ -330,7 +344,29 @@ def function_body_graph_def(graph: tf.Graph):
         index += 1
         node.attr["_handle_dtypes"].list.type.extend(entry.dtype for entry in data.shape_and_type)
         node.attr["_handle_shapes"].list.shape.extend(entry.shape for entry in data.shape_and_type)
+    graph_def.node.extend(defaults)
     return graph_def
+
+
+def _shaped_default(node) -> list:
+    """Turns data placeholder ``node`` into a ``PlaceholderWithDefault`` of its shape, and returns
+    the nodes of its default (zeros), or leaves it a ``Placeholder`` when a dimension is unknown."""
+    shape, dtype = tf.TensorShape(node.attr["shape"].shape), tf.as_dtype(node.attr["dtype"].type)
+    if not shape.is_fully_defined() or not dtype.is_numpy_compatible:
+        return []
+    zero_value = b"" if dtype == tf.string else dtype.as_numpy_dtype(0)
+    dims = tf.compat.v1.NodeDef(name=f"{node.name}/lms_default_shape", op="Const")
+    dims.attr["dtype"].type = tf.int64.as_datatype_enum
+    dims.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(shape.as_list(), tf.int64))
+    zero = tf.compat.v1.NodeDef(name=f"{node.name}/lms_default_zero", op="Const")
+    zero.attr["dtype"].type = dtype.as_datatype_enum
+    zero.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(zero_value, dtype))
+    fill = tf.compat.v1.NodeDef(name=f"{node.name}/lms_default", op="Fill", input=[dims.name, zero.name])
+    fill.attr["T"].type = dtype.as_datatype_enum
+    fill.attr["index_type"].type = tf.int64.as_datatype_enum
+    node.op = "PlaceholderWithDefault"
+    node.input.append(fill.name)
+    return [dims, zero, fill]
 
 
 def op_is_stateful(op_type: str) -> bool:
