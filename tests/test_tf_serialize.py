@@ -370,3 +370,33 @@ def test_grappler_sizes_tensors_that_follow_from_a_weight_shape_when_given_varia
     assert virtual_gpu_peak(concrete) < output / 10
     shaped = virtual_gpu_peak(concrete, variable_shapes=True)
     assert 2 * output <= shaped <= 2 * output + 4 * 64 * 64 * 8 * 4 + 8 * 256 * 4 + 4096
+
+
+@pytest.mark.parametrize("batch", [4, None], ids=["known-batch", "unknown-batch"])
+def test_grappler_runs_offline_with_the_step_inputs_shapes(monkeypatch, batch):
+    """The runtime's arithmetic optimizer regroups an addition tree (``AddOpsRewrite``: a
+    LayerNorm's ``x * scale + offset`` parts) only when it knows the shapes, which the runtime
+    reads off the step's arguments. Offline, a data ``Placeholder`` is a feed, of no shape to
+    Grappler: the regrouping was not found, ``serialize`` chained the tree, and a serialized
+    recompute step of the Transformer encoder moved its losses in the 7th digit. With an unknown
+    batch the runtime's argument still has its rank, and so does the offline input."""
+    scale, offset = tf.Variable(tf.ones(8)), tf.Variable(tf.zeros(8))
+    found = {}
+
+    @tf.function(input_signature=[tf.TensorSpec((batch, 8), tf.float32)])
+    def step(x):
+        total = tf.add(tf.multiply(x, scale, name="scaled"), offset, name="add_1")
+        total = tf.add(total, tf.multiply(x, x, name="square"), name="add_2")
+        out = tf.exp(total, name="out")
+        graph = _compat.current_graph()
+        found["shaped"] = grappler_rewritten_ops(graph, "/device:CPU:0", 2**28, outputs=[out])
+        with monkeypatch.context() as patch:  # the data input left a Placeholder, i.e. a feed
+            patch.setattr(_compat.graph, "_shaped_default", lambda node: [])
+            found["fed"] = grappler_rewritten_ops(graph, "/device:CPU:0", 2**28, outputs=[out])
+        return out
+
+    step.get_concrete_function()
+    # The tree's inner addition is absorbed into the regrouped sum (its root keeps its name, and
+    # changes either way: Grappler turns x * x into Square, which the root reads).
+    assert {"add_1", "add_2"} <= found["shaped"], sorted(found["shaped"])
+    assert "add_1" not in found["fed"], sorted(found["fed"])

@@ -350,14 +350,16 @@ def function_body_graph_def(graph: tf.Graph):
 
 def _shaped_default(node) -> list:
     """Turns data placeholder ``node`` into a ``PlaceholderWithDefault`` of its shape, and returns
-    the nodes of its default (zeros), or leaves it a ``Placeholder`` when a dimension is unknown."""
+    the nodes of its default (zeros), or leaves it a ``Placeholder`` when its rank is unknown (as
+    the runtime's argument's is). The op's output has the ``shape`` attribute, unknown dimensions
+    included (as the runtime's argument has), whatever the default's: there they are 1."""
     shape, dtype = tf.TensorShape(node.attr["shape"].shape), tf.as_dtype(node.attr["dtype"].type)
-    if not shape.is_fully_defined() or not dtype.is_numpy_compatible:
+    if shape.rank is None or not dtype.is_numpy_compatible:
         return []
     zero_value = b"" if dtype == tf.string else dtype.as_numpy_dtype(0)
     dims = tf.compat.v1.NodeDef(name=f"{node.name}/lms_default_shape", op="Const")
     dims.attr["dtype"].type = tf.int64.as_datatype_enum
-    dims.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(shape.as_list(), tf.int64))
+    dims.attr["value"].tensor.CopyFrom(tf.make_tensor_proto([1 if size is None else size for size in shape.as_list()], tf.int64))
     zero = tf.compat.v1.NodeDef(name=f"{node.name}/lms_default_zero", op="Const")
     zero.attr["dtype"].type = dtype.as_datatype_enum
     zero.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(zero_value, dtype))
