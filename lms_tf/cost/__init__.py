@@ -7,7 +7,7 @@ Examples:
 """
 
 from lms_tf.cost.devices import PRESETS, DeviceSpec, detect_device_spec, get_device_spec
-from lms_tf.cost.model import CostModel, OpCost, op_class, op_cost, step_compute_time
+from lms_tf.cost.model import AveragingCost, CostModel, OpCost, op_class, op_cost, step_compute_time
 
-__all__ = ["CostModel", "DeviceSpec", "OpCost", "PRESETS", "detect_device_spec", "get_device_spec", "op_class",
+__all__ = ["AveragingCost", "CostModel", "DeviceSpec", "OpCost", "PRESETS", "detect_device_spec", "get_device_spec", "op_class",
            "op_cost", "step_compute_time"]

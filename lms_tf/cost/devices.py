@@ -15,6 +15,10 @@ per direction. Sources:
   HBM3e 4.8 TB/s, 141 GB). PCIe Gen5 x16 as above.
 * GH200: NVIDIA GH200 Grace Hopper datasheet (H100 SXM-class GPU: 67 TFLOP/s FP32, 494 TF32,
   989 FP16/BF16 dense; 96 GB HBM3 at 4 TB/s); NVLink-C2C 900 GB/s total, 450 GB/s each way.
+* Between two devices of a machine (what a gradient allreduce on the devices uses): the AC922's
+  GPUs are linked by NVLink 2.0 as their CPU is (75 GB/s each way); H200 NVL cards by an NVLink
+  bridge and GH200s by NVLink (900 GB/s total, 450 each way). The PCIe cards (V100, A100, H100)
+  reach each other over PCIe, the link their copies to the host use, at its bandwidth.
 
 ``memory_bytes`` is the capacity the driver reports (``nvidia-smi``'s total), rounded down to a
 MiB; TensorFlow can allocate almost all of it. TensorFlow runs float32 matmuls and convolutions
@@ -57,6 +61,11 @@ class DeviceSpec:
         host_memory_bytes: Memory of the host the device is in (None: unknown).
         host_memory_bytes_per_s: The host's achieved memory bandwidth, which times the
             optimizer update when it runs on the host (None: that update takes no time).
+        peer_bytes_per_s: Bandwidth between two such devices in one machine, each way, as a
+            collective (NCCL's ring) uses it: NVLink where the devices have it, else PCIe
+            (None: unknown).
+        peer_over_host_link: Whether that traffic crosses the link to the host, which the
+            swap and weight copies use (PCIe cards without a bridge: yes).
 
     Examples:
         >>> DeviceSpec("toy", 2**30, {"float32": 1e12}, {"float32": 1e12}, 1e11, 1e10, 1e10).flops("float32")
@@ -74,6 +83,8 @@ class DeviceSpec:
     source: str = ""
     host_memory_bytes: Optional[int] = None
     host_memory_bytes_per_s: Optional[float] = None
+    peer_bytes_per_s: Optional[float] = None
+    peer_over_host_link: bool = True
 
     def flops(self, dtype: str, matmul: bool = True) -> float:
         """Peak FLOP/s for ``dtype`` (float32 figures for dtypes the table does not list).
@@ -95,25 +106,29 @@ class DeviceSpec:
         return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in dataclasses.asdict(self).items()}
 
 
-def _spec(name, memory_mib, fp32, tf32, fp16, vector_fp32, bandwidth_gb, link_gb, host_gb, host_gb_per_s, source):
+def _spec(name, memory_mib, fp32, tf32, fp16, vector_fp32, bandwidth_gb, link_gb, host_gb, host_gb_per_s, source,
+          peer_gb=None):
+    # peer_gb: an NVLink between the devices, each way; without one they talk over the host link.
     matmul = {"float32": tf32 * TERA, "float16": fp16 * TERA, "bfloat16": fp16 * TERA,
               "float64": fp32 / 2 * TERA}
     vector = {"float32": vector_fp32 * TERA, "float16": 2 * vector_fp32 * TERA, "bfloat16": 2 * vector_fp32 * TERA}
     return DeviceSpec(name, memory_mib * MiB, matmul, vector, bandwidth_gb * GB, link_gb * GB, link_gb * GB,
-                      source=source, host_memory_bytes=host_gb * GB, host_memory_bytes_per_s=host_gb_per_s * GB)
+                      source=source, host_memory_bytes=host_gb * GB, host_memory_bytes_per_s=host_gb_per_s * GB,
+                      peer_bytes_per_s=(peer_gb or link_gb) * GB, peer_over_host_link=peer_gb is None)
 
 
 #: Named device presets (see the module docstring for sources).
 PRESETS: Dict[str, DeviceSpec] = {s.name: s for s in (
     _spec("v100-16gb-pcie3", 16160, 14.0, 14.0, 112.0, 14.0, 900, 12.0, 384, 150, "V100 PCIe datasheet; PCIe Gen3 x16 achieved"),
     _spec("v100-32gb-nvlink2", 32510, 15.7, 15.7, 125.0, 15.7, 900, 75.0, 512, 270,
-          "V100 SXM2 datasheet; NVLink 2.0 CPU-GPU on POWER9 (AC922), 3 bricks x 25 GB/s"),
+          "V100 SXM2 datasheet; NVLink 2.0 CPU-GPU on POWER9 (AC922), 3 bricks x 25 GB/s", peer_gb=75.0),
     _spec("a100-40gb-pcie4", 40536, 19.5, 156.0, 312.0, 19.5, 1555, 25.0, 1000, 300, "A100 PCIe datasheet; PCIe Gen4 x16 achieved"),
     _spec("a100-80gb-pcie4", 81920, 19.5, 156.0, 312.0, 19.5, 1935, 25.0, 1000, 300, "A100 80GB PCIe datasheet; PCIe Gen4 x16"),
     _spec("h100-80gb-pcie5", 81559, 51.0, 378.0, 756.0, 51.0, 2000, 50.0, 2000, 450, "H100 PCIe datasheet; PCIe Gen5 x16 achieved"),
-    _spec("h200-141gb-pcie5", 143771, 60.0, 418.0, 835.0, 60.0, 4800, 50.0, 2000, 450, "H200 NVL datasheet; PCIe Gen5 x16"),
+    _spec("h200-141gb-pcie5", 143771, 60.0, 418.0, 835.0, 60.0, 4800, 50.0, 2000, 450,
+          "H200 NVL datasheet; PCIe Gen5 x16; NVLink bridge 900 GB/s", peer_gb=450.0),
     _spec("gh200-96gb-c2c", 97871, 67.0, 494.0, 989.0, 67.0, 4000, 450.0, 480, 450,
-          "GH200 datasheet (H100 SXM-class GPU); NVLink-C2C 450 GB/s each way"),
+          "GH200 datasheet (H100 SXM-class GPU); NVLink-C2C 450 GB/s each way; NVLink 900 GB/s", peer_gb=450.0),
 )}
 
 

@@ -129,6 +129,30 @@ def op_cost(ir: GraphIR, op: OpInfo) -> OpCost:
 
 
 @dataclasses.dataclass(frozen=True)
+class AveragingCost:
+    """Seconds a gradient average costs on the devices and on the host (:meth:`CostModel.gradient_averaging`).
+
+    Args:
+        device_s: On the devices, before the gradients move to the host.
+        host_s: On the host, after they moved (None: the device spec gives no host bandwidth).
+
+    Examples:
+        >>> AveragingCost(device_s=0.2, host_s=0.1).cheaper
+        'host'
+        >>> AveragingCost(device_s=0.2, host_s=None).cheaper
+        'device'
+    """
+
+    device_s: float
+    host_s: Optional[float]
+
+    @property
+    def cheaper(self) -> str:
+        """``"host"`` when averaging there costs less, else ``"device"`` (ties and unknowns stay on the device)."""
+        return "host" if self.host_s is not None and self.host_s < self.device_s else "device"
+
+
+@dataclasses.dataclass(frozen=True)
 class CostModel:
     """Roofline op times and link transfer times on one device.
 
@@ -194,6 +218,43 @@ class CostModel:
         tensors = ir.tensors
         nbytes = sum(tensors[t].nbytes or 0 for t in (*op.inputs, *op.outputs) if t in tensors)
         return nbytes / bandwidth
+
+    def gradient_averaging(self, nbytes: int, ranks: int) -> "AveragingCost":
+        """What averaging ``nbytes`` of gradients across ``ranks`` devices of one machine costs on
+        the devices (before the gradients move to the host, where the update runs) and on the
+        host (after they moved). The move itself is the same either way and is not counted.
+
+        A ring allreduce sends and receives ``2 (ranks - 1) / ranks`` of the bytes on each rank.
+        On the devices that runs at :attr:`DeviceSpec.peer_bytes_per_s`; when that traffic crosses
+        the host link (PCIe cards), it also holds up, for as long, the swap and weight copies that
+        link carries, which is counted once more. On the host, each rank reduces its share in host
+        memory (two reads and a write per byte), and the ranks share the host's memory bandwidth.
+
+        Args:
+            nbytes: Bytes of the gradients averaged.
+            ranks: Ranks on the machine, each with its own device.
+
+        Returns:
+            An :class:`AveragingCost` (``host_s`` is None when the spec gives no host bandwidth).
+
+        Examples:
+            >>> from lms_tf.cost.devices import get_device_spec
+            >>> pcie = CostModel(get_device_spec("v100-16gb-pcie3")).gradient_averaging(10**9, 2)
+            >>> round(pcie.device_s, 3), round(pcie.host_s, 3), pcie.cheaper
+            (0.167, 0.04, 'host')
+            >>> CostModel(get_device_spec("v100-32gb-nvlink2")).gradient_averaging(10**9, 2).cheaper
+            'device'
+        """
+        spec = self.device
+        ring = 2 * (ranks - 1) / ranks * nbytes
+        peer = spec.peer_bytes_per_s or min(spec.host_to_device_bytes_per_s, spec.device_to_host_bytes_per_s)
+        device_s = ring / peer
+        if spec.peer_over_host_link:
+            device_s += ring / min(spec.host_to_device_bytes_per_s, spec.device_to_host_bytes_per_s)
+        host_s = None
+        if spec.host_memory_bytes_per_s:
+            host_s = 3 * ring * ranks / spec.host_memory_bytes_per_s
+        return AveragingCost(device_s=device_s, host_s=host_s)
 
     def transfer_time(self, nbytes: int, direction: str) -> float:
         """Seconds to copy ``nbytes`` over the host link (``"device_to_host"`` or ``"host_to_device"``).
