@@ -34,7 +34,7 @@ from lms_tf.tf.driver import (
     rewrite_traced_step,
 )
 from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
-from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
+from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, UpdatePlacement, host_update_hook, update_placement
 
 _call_shapes = threading.local()
 _API = "lms_tf.function"
@@ -125,6 +125,8 @@ class LMSFunction:
             stack.enter_context(intercept_optimizer_updates(
                 host_update_hook(self.options.host, api=_API, move_slots=self.options.weights == "auto"),
                 order=HOST_UPDATE_ORDER))
+            stack.enter_context(update_placement(
+                UpdatePlacement(self.options.host, self.options.average_on, self.options.device_spec)))
         return stack
 
     def _broadcast_new_variables(self, args, kwargs) -> None:

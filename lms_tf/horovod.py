@@ -27,6 +27,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Callable, Dict, List, Optional, Sequence
@@ -37,6 +38,7 @@ import tensorflow as tf
 from lms_tf import _compat
 from lms_tf.core.errors import LMSError
 from lms_tf.core.policy import DEFAULT_BUCKET_BYTES
+from lms_tf.tf.optimizer_offload import current_update_placement
 
 logger = logging.getLogger("lms_tf")
 
@@ -200,7 +202,8 @@ def is_sharded(variable) -> bool:
 
 
 def allreduce_gradients(grads: Sequence, *, bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES,
-                        name: str = "lms_tf_allreduce", variables: Optional[Sequence] = None) -> List:
+                        name: str = "lms_tf_allreduce", variables: Optional[Sequence] = None,
+                        on: Optional[str] = None) -> List:
     """Averages gradients across Horovod ranks, one ``grouped_allreduce`` per bucket.
 
     Args:
@@ -210,6 +213,9 @@ def allreduce_gradients(grads: Sequence, *, bucket_bytes: Optional[int] = DEFAUL
         name: Prefix of the allreduce op names (identical on every rank).
         variables: The variables of ``grads``, in the same order: the gradients of sharded ones
             (:func:`mark_sharded`) are left as they are.
+        on: The device to average on (the host, when the update runs there and averaging after
+            the move costs less); each gradient is first copied there (``{name}_move_{i}``) as
+            soon as it is complete. None: where the gradients are.
 
     Returns:
         The averaged gradients, in the order given (None stays None).
@@ -226,15 +232,21 @@ def allreduce_gradients(grads: Sequence, *, bucket_bytes: Optional[int] = DEFAUL
         grads = [None if is_sharded(v) else g for g, v in zip(grads, variables)]
     order = backward_order(grads)
     dense = [i for i in order if grads[i] is not None and not isinstance(grads[i], tf.IndexedSlices)]
-    for i in order:
-        if isinstance(grads[i], tf.IndexedSlices):
-            # Sparse gradients (embeddings) are averaged by allgather inside hvd.allreduce.
-            averaged[i] = hvd.allreduce(grads[i], op=hvd.Average, name=f"{name}_sparse_{i}")
-    sizes = [_nbytes(g) if g is not None and not isinstance(g, tf.IndexedSlices) else 0 for g in grads]
-    for number, bucket in enumerate(bucket_by_bytes(dense, sizes, bucket_bytes)):
-        reduced = hvd.grouped_allreduce([grads[i] for i in bucket], op=hvd.Average, name=f"{name}_{number}")
-        for i, tensor in zip(bucket, reduced):
-            averaged[i] = tensor
+    with tf.device(on) if on is not None else contextlib.nullcontext():
+        if on is not None:
+            # The move first, one copy a gradient as soon as it exists (each bucket's allreduce
+            # then waits on the host, not the device); the update would copy them anyway.
+            grads = [g if g is None or isinstance(g, tf.IndexedSlices) else tf.identity(g, name=f"{name}_move_{i}")
+                     for i, g in enumerate(grads)]
+        for i in order:
+            if isinstance(grads[i], tf.IndexedSlices):
+                # Sparse gradients (embeddings) are averaged by allgather inside hvd.allreduce.
+                averaged[i] = hvd.allreduce(grads[i], op=hvd.Average, name=f"{name}_sparse_{i}")
+        sizes = [_nbytes(g) if g is not None and not isinstance(g, tf.IndexedSlices) else 0 for g in grads]
+        for number, bucket in enumerate(bucket_by_bytes(dense, sizes, bucket_bytes)):
+            reduced = hvd.grouped_allreduce([grads[i] for i in bucket], op=hvd.Average, name=f"{name}_{number}")
+            for i, tensor in zip(bucket, reduced):
+                averaged[i] = tensor
     return averaged
 
 
@@ -255,10 +267,17 @@ def gradient_allreduce_hook(bucket_bytes: Optional[int], counter: Optional[List[
     def hook(optimizer, grads, variables, update):
         if counter is not None:
             counter[0] += 1
+        # With the update on the host (an lms-tf front-end's placement), average before or after
+        # the move, whichever the cost model says costs less.
+        placement = current_update_placement()
+        on = None
+        if placement is not None:
+            dense = [g for g in grads if g is not None and not isinstance(g, tf.IndexedSlices)]
+            on = placement.averaging_device(sum(_nbytes(g) for g in dense), horovod_tensorflow().size())
         # Horovod matches tensors across ranks by op name, so the name must not depend on
         # anything rank-local (an optimizer's auto-name counts the optimizers this process
         # made). A second update in the same trace gets a graph-uniquified name, in trace order.
-        return update(allreduce_gradients(grads, bucket_bytes=bucket_bytes, variables=variables), variables)
+        return update(allreduce_gradients(grads, bucket_bytes=bucket_bytes, variables=variables, on=on), variables)
     return hook
 
 

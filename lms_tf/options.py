@@ -29,6 +29,9 @@ from lms_tf.core.policy import (
     parse_weights,
 )
 
+#: Where ``average_on`` may put the gradient average (see :class:`LMSOptions`).
+AVERAGE_PLACES = ("auto", "device", "host")
+
 _UNSET = object()  # bucket_bytes not given: its default, and no complaint without horovod=True
 
 _DEVICE_TYPES = ("CPU", "GPU", "TPU")
@@ -110,6 +113,13 @@ class LMSOptions:
             layer, its gradient ops) and freed after, and the optimizer update runs on the host
             (``optimizer_on_host`` is implied). The variables are moved to ``host`` before the
             first traced step.
+        average_on: With Horovod and the update on the host (``optimizer_on_host`` or weights on
+            the host): where the gradients are averaged across ranks. ``"device"``: before they
+            move to the host; ``"host"``: after they moved; ``"auto"`` (default): where the cost
+            model of ``device_spec`` says it costs less (:meth:`lms_tf.cost.CostModel.gradient_averaging`:
+            on PCIe cards the devices' allreduce crosses the link the copies use; NVLink does not).
+            Without a device spec to compare (no GPU and no ``device_spec``) ``"auto"`` averages
+            on the device, and says so in the log.
         host_budget: Host memory this process's planned step may hold at once (bytes or
             ``"64GiB"``): weights and optimizer slots on the host, swapped tensors, gradients
             copied out. A plan that needs more raises :class:`lms_tf.HostBudgetError` naming both
@@ -167,11 +177,12 @@ class LMSOptions:
     plan: Optional[Plan] = None
     weights: str = "device"
     host_budget: Optional[int] = None
+    average_on: str = "auto"
 
     def __init__(self, *, device=None, host="/CPU:0", swapout_threshold=32, swapin_ahead=8,
                  swapin_groupby=4, min_swap_bytes=64 * 1024, exclude=(), batch_size=None, swap=True,
                  recompute=None, optimizer_on_host=False, horovod=False, bucket_bytes=_UNSET, budget=None, device_spec=None,
-                 serialize=False, plan=None, weights="device", host_budget=None):
+                 serialize=False, plan=None, weights="device", host_budget=None, average_on="auto"):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass init
         set_("device", None if device is None else _check_device("device", device))
         set_("host", _check_device("host", host))
@@ -226,6 +237,15 @@ class LMSOptions:
             raise LMSOptionError("weights='auto' lets the budget planner choose which variables live on the host, "
                                  "so it needs a budget; received budget=None. Pass budget= (bytes, '25%' or 'auto'), "
                                  "or weights='host' to put every variable on the host.")
+        if average_on not in AVERAGE_PLACES:
+            raise LMSOptionError(f"average_on must be one of {', '.join(map(repr, AVERAGE_PLACES))}; received "
+                                 f"{describe(average_on)}.")
+        if average_on == "host" and not optimizer_on_host and self.weights == "device":
+            raise LMSOptionError(
+                "average_on='host' averages the gradients after they move to the host, and they move there only "
+                "when the optimizer update runs there; received optimizer_on_host=False and weights='device'. "
+                "Pass optimizer_on_host=True or weights='host' with it, or leave average_on='auto'.")
+        set_("average_on", average_on)
         if not swap and not self.recompute and not optimizer_on_host and not horovod and not serialize \
                 and self.plan is None and self.weights == "device":
             raise LMSOptionError(

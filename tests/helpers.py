@@ -119,8 +119,9 @@ def graph_probe(facts: dict):
 
 def count_ops(graph) -> dict:
     ops = graph.get_operations()
-    return dict(allreduce_ops=sum(op.type.startswith("HorovodGroupedAllreduce") for op in ops),
-                lms_ops=sum(_compat.string_attr(op, "_lms") is not None for op in ops))
+    allreduces = [op for op in ops if op.type.startswith("HorovodGroupedAllreduce")]
+    return dict(allreduce_ops=len(allreduces), lms_ops=sum(_compat.string_attr(op, "_lms") is not None for op in ops),
+                allreduce_devices=sorted({op.device for op in allreduces}))
 
 
 def first_consumers(op) -> list:

@@ -103,8 +103,8 @@ def fit_scenario(name: str, lms_first: bool, results: dict, weights: dict, lms_o
     x, y = global_data(LOCAL_BATCH * SIZE * STEPS)
     model = compile_(conv_model(seed=100 + RANK))
     initial = [w.numpy() for w in model.weights]  # on rank 0: what DistributedCallback broadcasts
-    lms = lms_tf.LMSCallback(**CPU_LMS, recompute="cheap", optimizer_on_host=(name == "fit_dist_first"),
-                             **(lms_options or {}))
+    lms = lms_tf.LMSCallback(**{**CPU_LMS, "recompute": "cheap", "optimizer_on_host": name == "fit_dist_first",
+                                **(lms_options or {})})
     dist = DistributedCallback(bucket_bytes=1024)
     facts: dict = {}
     add_step_hook(model, graph_probe(facts))
@@ -150,8 +150,7 @@ def custom_loop_scenario(results: dict, weights: dict, key: str = "custom", lms_
     weights[f"{key}/dist"] = [w.numpy() for w in model.weights]
     graph = step.get_concrete_function(xs[:LOCAL_BATCH], ys[:LOCAL_BATCH]).graph
     results[key] = dict(losses=losses, plan_swapped=len(step.plan.swapped), offloaded=len(step.plan.offloaded_weights),
-                             allreduce_ops=sum(op.type.startswith("HorovodGroupedAllreduce")
-                                               for op in graph.get_operations()))
+                             **count_ops(graph))
     if RANK == 0:
         reference = conv_model(seed=200)
         reference.set_weights(initial)
@@ -316,13 +315,18 @@ def main() -> None:
     results: dict = {"rank": RANK, "size": SIZE}
     weights: dict = {}
     wanted = set(os.environ.get("LMS_TF_SCENARIOS", "fit_lms_first,fit_dist_first,custom,custom_buckets,pipelined,"
-                                "one_bucket,pipelined_lms,fit_weights_host,custom_weights_host").split(","))
+                                "one_bucket,pipelined_lms,fit_weights_host,custom_weights_host,fit_average_host,"
+                                "custom_average_host").split(","))
     for name, run in [("fit_lms_first", lambda: fit_scenario("fit_lms_first", True, results, weights)),
                       ("fit_dist_first", lambda: fit_scenario("fit_dist_first", False, results, weights)),
                       ("fit_weights_host", lambda: fit_scenario("fit_weights_host", True, results, weights,
                                                                 {"weights": "host"})),
                       ("custom_weights_host", lambda: custom_loop_scenario(results, weights, "custom_weights_host",
                                                                            {"weights": "host"})),
+                      ("fit_average_host", lambda: fit_scenario("fit_average_host", False, results, weights,
+                                                                {"optimizer_on_host": True, "average_on": "host"})),
+                      ("custom_average_host", lambda: custom_loop_scenario(
+                          results, weights, "custom_average_host", {"optimizer_on_host": True, "average_on": "host"})),
                       ("custom", lambda: custom_loop_scenario(results, weights)),
                       ("custom_buckets", lambda: custom_loop_scenario(results, weights, "custom_buckets",
                                                                       {"bucket_bytes": 1024})),

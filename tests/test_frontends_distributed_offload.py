@@ -260,3 +260,76 @@ def test_no_warning_when_everything_is_in_order():
         warnings.simplefilter("error", LMSWarning)
         fit_steps(zoo.sequential_cnn, callbacks=[lms_tf.LMSCallback(**CPU_LMS, swap=False, optimizer_on_host=True),
                                                  DistributedCallback()])
+
+
+# --- Horovod with the update on the host: average before or after the move ----------------------
+
+def _placed(device: str) -> str:
+    """An op's device in full; an op traced without one runs on the step's (the placer's default)."""
+    if not device:
+        return DEVICE
+    spec = tf.DeviceSpec.from_string(device)
+    return f"/job:localhost/replica:0/task:0/device:{spec.device_type}:{spec.device_index}"
+
+
+def _allreduce_placement(step) -> list:
+    """For each gradient allreduce of ``step``'s graph: its device, and for each of its inputs the
+    type and device of the op that makes it and of that op's first input."""
+    model, (x, y) = zoo.resnet_style()
+    graph = step.get_concrete_function(tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH])).graph
+    return [(_placed(op.device), [(t.op.type, _placed(t.op.device), _placed(t.op.inputs[0].op.device))
+                                  for t in op.inputs])
+            for op in graph.get_operations() if op.type.startswith("HorovodGroupedAllreduce")]
+
+
+@pytest.mark.parametrize("average_on, device_spec, where", [
+    ("device", None, DEVICE),
+    ("host", None, HOST),
+    # The cost model's choice: on PCIe cards the devices' allreduce crosses the link the copies
+    # use (v100-16gb-pcie3: averaging on the host is cheaper); NVLink does not (v100-32gb-nvlink2).
+    ("auto", "v100-16gb-pcie3", HOST),
+    ("auto", "v100-32gb-nvlink2", DEVICE),
+    # No GPU and no device spec: nothing to compare, the average stays where the gradients are.
+    ("auto", None, DEVICE),
+])
+def test_gradients_are_averaged_where_the_cost_model_says(average_on, device_spec, where, monkeypatch):
+    """With the update on the host, each bucket's allreduce runs on the device (before the move)
+    or on the host (after it: each gradient is first copied there as soon as it is complete), as
+    asked or as the cost model decides; the numbers are those of averaging on the device.
+
+    One rank has nothing to average (both places cost nothing), so the cost model is asked as
+    for a job of 4 ranks: the hook sees ``size() == 4``, while the allreduces run on the one."""
+    import lms_tf.horovod as lms_horovod
+
+    real = lms_horovod.horovod_tensorflow()
+
+    class FourRanks:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def size(self):
+            return 4
+
+    monkeypatch.setattr(lms_horovod, "horovod_tensorflow", FourRanks)
+    options = dict(**CPU_LMS, swap=False, optimizer_on_host=True, horovod=True, bucket_bytes=1)
+    on_device = custom_loop(zoo.resnet_style, lms_function(**options, average_on="device"))
+    got = custom_loop(zoo.resnet_style, lms_function(**options, average_on=average_on, device_spec=device_spec))
+    assert_same_numbers(on_device, got)
+    placement = _allreduce_placement(got[2])
+    assert len(placement) > 5  # one allreduce a bucket, one bucket a gradient
+    for device, inputs in placement:
+        assert device == where, placement
+        for op_type, op_device, source_device in inputs:
+            if where == HOST:  # a copy on the host of a gradient made on the device
+                assert (op_type, op_device, source_device) == ("Identity", HOST, DEVICE), inputs
+            else:
+                assert op_device == DEVICE, inputs
+
+
+def test_average_on_is_checked_before_tracing():
+    with pytest.raises(LMSOptionError, match="average_on must be one of 'auto', 'device', 'host'; received 'gpu'"):
+        lms_tf.function(lambda x: x, **CPU_LMS, horovod=True, average_on="gpu")
+    with pytest.raises(LMSOptionError, match="average_on='host' averages the gradients after they move to the host"):
+        lms_tf.function(lambda x: x, **CPU_LMS, horovod=True, average_on="host")
+    with pytest.raises(LMSOptionError, match="average_on='host'"):
+        lms_tf.LMSCallback(**CPU_LMS, average_on="host")

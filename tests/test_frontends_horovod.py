@@ -55,7 +55,8 @@ def job(tmp_path_factory):
     return ranks
 
 
-SCENARIOS = ["fit_lms_first", "fit_dist_first", "custom", "custom_buckets", "fit_weights_host", "custom_weights_host"]
+SCENARIOS = ["fit_lms_first", "fit_dist_first", "custom", "custom_buckets", "fit_weights_host", "custom_weights_host",
+             "fit_average_host", "custom_average_host"]
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
@@ -76,6 +77,19 @@ def test_ranks_end_equal_to_one_process_on_the_global_batch(job, scenario):
     assert all(rank[scenario]["plan_swapped"] > 0 for rank in job)
     if scenario.endswith("weights_host"):  # every kernel and bias of the conv model fetched from the host
         assert all(rank[scenario]["offloaded"] >= 8 for rank in job)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+@pytest.mark.parametrize("scenario, where", [("fit_dist_first", "CPU:0"), ("custom", "CPU:0"),
+                                             ("fit_average_host", "CPU:1"), ("custom_average_host", "CPU:1")])
+def test_gradients_are_averaged_before_or_after_the_move_to_the_host(job, scenario, where):
+    """With the update on the host, average_on='host' runs every bucket's allreduce on the host
+    (through DistributedCallback in fit, placed by LMSCallback, and in a custom loop), and the
+    default leaves it on the device here (no GPU, no device spec to compare costs); the ranks end
+    equal either way (test above)."""
+    for rank in job:
+        devices = rank[scenario]["allreduce_devices"]
+        assert devices and all(device.endswith(where) for device in devices), devices
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)

@@ -29,7 +29,7 @@ from lms_tf.tf.driver import (
     rewrite_traced_step,
 )
 from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
-from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, host_update_hook
+from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, UpdatePlacement, host_update_hook, update_placement
 from lms_tf.tf.variables import place_weights, variables_created_on
 
 logger = logging.getLogger("lms_tf")
@@ -138,6 +138,9 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
                 hooks = contextlib.ExitStack()
                 if host_hook is not None:
                     hooks.enter_context(intercept_optimizer_updates(host_hook, order=HOST_UPDATE_ORDER))
+                    # Read by DistributedCallback's averaging, whichever callback comes first.
+                    hooks.enter_context(update_placement(
+                        UpdatePlacement(options.host, options.average_on, options.device_spec)))
                 if options.weights == "host":  # what the first trace creates (lazy layers, metrics) too
                     hooks.enter_context(variables_created_on(options.host))
                 with hooks:

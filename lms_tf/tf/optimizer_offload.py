@@ -15,18 +15,115 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
-from typing import Callable, List
+from typing import Any, Callable, Iterator, List, Optional
 
 import tensorflow as tf
 
 from lms_tf.core.errors import warn_once
+from lms_tf.cost import CostModel, detect_device_spec, get_device_spec
 from lms_tf.tf.variables import variable_bytes_by_device, variable_device
 
 logger = logging.getLogger("lms_tf")
 
 # Nested under a gradient-averaging hook (order 0): average on the device, update on the host.
 HOST_UPDATE_ORDER = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdatePlacement:
+    """Where a traced step's optimizer update runs (``host``) and where a Horovod average of its
+    gradients goes (``average_on``: ``"device"``, ``"host"`` or ``"auto"``, decided by the cost
+    model of ``device_spec``: a preset name, a :class:`~lms_tf.cost.DeviceSpec`, or None /
+    ``"auto"`` for the visible GPU's preset).
+
+    Examples:
+        >>> placement = UpdatePlacement("/CPU:0", "auto", "v100-16gb-pcie3")
+        >>> placement.averaging_device(2**30, ranks=4)
+        '/CPU:0'
+        >>> UpdatePlacement("/CPU:0", "device").averaging_device(2**30, ranks=4) is None
+        True
+    """
+
+    host: str
+    average_on: str = "auto"
+    device_spec: Any = None
+
+    def cost_model(self) -> Optional[CostModel]:
+        """The cost model ``"auto"`` decides by: ``device_spec``'s, else the visible GPU's; None
+        without either (a CPU-only machine, where the device and the host are both host memory).
+
+        Examples:
+            >>> UpdatePlacement("/CPU:0", device_spec="gh200-96gb-c2c").cost_model().device.name
+            'gh200-96gb-c2c'
+        """
+        if self.device_spec not in (None, "auto"):
+            return CostModel(get_device_spec(self.device_spec))
+        if not tf.config.list_physical_devices("GPU"):
+            return None
+        return CostModel(detect_device_spec())
+
+    def averaging_device(self, nbytes: int, ranks: int) -> Optional[str]:
+        """The device to average ``nbytes`` of gradients across ``ranks`` on: ``host``, or None for
+        where the gradients are (the device). ``"auto"`` asks the cost model, and logs its answer."""
+        if self.average_on != "auto":
+            return self.host if self.average_on == "host" else None
+        model = self.cost_model()
+        if model is None:
+            _log_averaging(f"lms-tf: averaging gradients on the device, before they move to the host "
+                           f"({self.host}) for the update: no GPU and no device_spec to compare the costs")
+            return None
+        cost = model.gradient_averaging(nbytes, ranks)
+        where = self.host if cost.cheaper == "host" else None
+        host_s = "unknown" if cost.host_s is None else f"{cost.host_s * 1e3:.2f} ms"
+        _log_averaging(f"lms-tf: averaging {nbytes / 2**20:.1f} MiB of gradients across {ranks} ranks on the "
+                       f"{cost.cheaper}{'' if where is None else f' ({where})'}: {model.device.name} predicts "
+                       f"{cost.device_s * 1e3:.2f} ms on the devices, {host_s} on the host")
+        return where
+
+
+_logged_averaging = set()
+
+
+def _log_averaging(message: str) -> None:
+    """Logs a decision once: Keras traces a step twice, and each trace decides the same."""
+    if message not in _logged_averaging:
+        _logged_averaging.add(message)
+        logger.info("%s", message)
+
+
+_PLACEMENTS: List[UpdatePlacement] = []
+
+
+@contextlib.contextmanager
+def update_placement(placement: UpdatePlacement) -> Iterator[UpdatePlacement]:
+    """Makes ``placement`` the one :func:`current_update_placement` returns while the step is traced.
+
+    Examples:
+        >>> with update_placement(UpdatePlacement("/CPU:0", "host")):
+        ...     current_update_placement().average_on
+        'host'
+        >>> current_update_placement() is None
+        True
+    """
+    _PLACEMENTS.append(placement)
+    try:
+        yield placement
+    finally:
+        _PLACEMENTS.pop()
+
+
+def current_update_placement() -> Optional[UpdatePlacement]:
+    """The placement of the update being traced (the innermost :func:`update_placement`), or None
+    when the update stays on the device.
+
+    Examples:
+        >>> current_update_placement() is None
+        True
+    """
+    return _PLACEMENTS[-1] if _PLACEMENTS else None
 
 
 def _slots(optimizer) -> list:
