@@ -88,7 +88,8 @@ def test_gradients_are_averaged_before_or_after_the_move_to_the_host(job, scenar
     default leaves it on the device here (no GPU, no device spec to compare costs); the ranks end
     equal either way (test above)."""
     for rank in job:
-        devices = rank[scenario]["allreduce_devices"]
+        # An op traced without a device runs on the step's (the placer's default, CPU:0 here).
+        devices = [device or "/device:CPU:0" for device in rank[scenario]["allreduce_devices"]]
         assert devices and all(device.endswith(where) for device in devices), devices
 
 

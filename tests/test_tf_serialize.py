@@ -400,3 +400,21 @@ def test_grappler_runs_offline_with_the_step_inputs_shapes(monkeypatch, batch):
     # changes either way: Grappler turns x * x into Square, which the root reads).
     assert {"add_1", "add_2"} <= found["shaped"], sorted(found["shaped"])
     assert "add_1" not in found["fed"], sorted(found["fed"])
+
+
+def test_grappler_offline_does_not_make_up_an_unknown_batch():
+    """With the batch unknown, the offline run must not fold the step's shapes to a size: the
+    runtime cannot (a default input of batch 1 once let Grappler fold every ``Shape`` and
+    convolution-gradient size to it, leaving those ops off the serialization chain)."""
+    found = {}
+
+    @tf.function(input_signature=[tf.TensorSpec((None, 8), tf.float32)])
+    def step(x):
+        size = tf.shape(x, name="batch_shape")
+        total = tf.reduce_sum(x, 1, keepdims=True, name="total")
+        out = tf.exp(tf.broadcast_to(total, size, name="spread"), name="out")
+        found["rewritten"] = grappler_rewritten_ops(_compat.current_graph(), "/device:CPU:0", 2**28, outputs=[out])
+        return out
+
+    step.get_concrete_function()
+    assert not {"batch_shape", "spread"} & found["rewritten"], sorted(found["rewritten"])

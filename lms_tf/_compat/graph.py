@@ -351,15 +351,21 @@ def function_body_graph_def(graph: tf.Graph):
 def _shaped_default(node) -> list:
     """Turns data placeholder ``node`` into a ``PlaceholderWithDefault`` of its shape, and returns
     the nodes of its default (zeros), or leaves it a ``Placeholder`` when its rank is unknown (as
-    the runtime's argument's is). The op's output has the ``shape`` attribute, unknown dimensions
-    included (as the runtime's argument has), whatever the default's: there they are 1."""
+    the runtime's argument's is). With a dimension unknown (a batch of any size) the default's
+    sizes are themselves a placeholder: a default of a made-up size would let Grappler fold the
+    step's shapes to that size, which the runtime cannot."""
     shape, dtype = tf.TensorShape(node.attr["shape"].shape), tf.as_dtype(node.attr["dtype"].type)
     if shape.rank is None or not dtype.is_numpy_compatible:
         return []
     zero_value = b"" if dtype == tf.string else dtype.as_numpy_dtype(0)
-    dims = tf.compat.v1.NodeDef(name=f"{node.name}/lms_default_shape", op="Const")
-    dims.attr["dtype"].type = tf.int64.as_datatype_enum
-    dims.attr["value"].tensor.CopyFrom(tf.make_tensor_proto([1 if size is None else size for size in shape.as_list()], tf.int64))
+    if shape.is_fully_defined():
+        dims = tf.compat.v1.NodeDef(name=f"{node.name}/lms_default_shape", op="Const")
+        dims.attr["dtype"].type = tf.int64.as_datatype_enum
+        dims.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(shape.as_list(), tf.int64))
+    else:
+        dims = tf.compat.v1.NodeDef(name=f"{node.name}/lms_default_shape", op="Placeholder")
+        dims.attr["dtype"].type = tf.int64.as_datatype_enum
+        dims.attr["shape"].shape.CopyFrom(tf.TensorShape([shape.rank]).as_proto())
     zero = tf.compat.v1.NodeDef(name=f"{node.name}/lms_default_zero", op="Const")
     zero.attr["dtype"].type = dtype.as_datatype_enum
     zero.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(zero_value, dtype))

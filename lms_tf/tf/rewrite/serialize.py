@@ -209,10 +209,12 @@ def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int, *,
         returned = {op.name for op in ops if _compat.is_dead_end(op)}
     fetches = sorted(returned | {op.name for op in ops if _compat.op_is_stateful(op.type)})
     optimized = _compat.grappler_default_optimized(graph_def, fetches, (virtual, kind, memory_bytes))
+    in_graph = {op.name for op in ops}  # not the defaults function_body_graph_def gives the inputs
     if removed_only:
         kept = {node.name for node in optimized.node}
-        return frozenset(node.name for node in graph_def.node if node.name not in kept)
-    return frozenset(_changed_nodes(graph_def, optimized, folded_shapes_unchanged))
+        return frozenset(node.name for node in graph_def.node if node.name not in kept and node.name in in_graph)
+    return frozenset(name for name in _changed_nodes(graph_def, optimized, folded_shapes_unchanged)
+                     if name in in_graph)
 
 
 _PASS_THROUGH = frozenset({"Identity", "Snapshot", "StopGradient"})
