@@ -295,8 +295,8 @@ def function_def(graph: tf.Graph, name: str):
 def function_body_graph_def(graph: tf.Graph):
     """``graph``'s GraphDef as the runtime sees a function's body, as far as Grappler's shape
     inference goes: each variable's placeholder is an ``_Arg`` carrying the variable's dtype and
-    shape (``_handle_dtypes``, ``_handle_shapes``), and each data placeholder of known shape a
-    ``PlaceholderWithDefault`` of that shape.
+    shape (``_handle_dtypes``, ``_handle_shapes``), and each data placeholder of known rank a
+    ``PlaceholderWithDefault`` of its shape.
 
     Grappler reads a variable's shape off those attributes of the ``_Arg`` only: run offline on
     the traced GraphDef, where a variable is a plain resource placeholder, it sees every
