@@ -67,7 +67,14 @@ class UpdatePlacement:
 
     def averaging_device(self, nbytes: int, ranks: int) -> Optional[str]:
         """The device to average ``nbytes`` of gradients across ``ranks`` on: ``host``, or None for
-        where the gradients are (the device). ``"auto"`` asks the cost model, and logs its answer."""
+        where the gradients are (the device). ``"auto"`` asks the cost model, and logs its answer.
+
+        Examples:
+            >>> UpdatePlacement("/CPU:0", "auto", "gh200-96gb-c2c").averaging_device(2**30, ranks=4) is None
+            True
+            >>> UpdatePlacement("/CPU:0", "host").averaging_device(2**30, ranks=4)
+            '/CPU:0'
+        """
         if self.average_on != "auto":
             return self.host if self.average_on == "host" else None
         model = self.cost_model()
