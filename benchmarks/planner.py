@@ -273,7 +273,10 @@ def max_batch_row():
     seconds = time.perf_counter() - started
     log.info("  tracing, rewriting and judging the plan at batch %d on Grappler's virtual V100", lms)
     spec = get_device_spec("v100-16gb-pcie3")
-    fn = lms_tf.function(train_step(model), device="/CPU:0", host="/CPU:1", budget="auto", device_spec=spec)
+    # The plan is for a V100 server: its host memory, not this machine's, bounds what the plan may
+    # hold there (at this batch the swapped activations are about 50 GiB).
+    fn = lms_tf.function(train_step(model), device="/CPU:0", host="/CPU:1", budget="auto", device_spec=spec,
+                         host_budget=spec.host_memory_bytes)
     concrete = fn.get_concrete_function(tf.TensorSpec((lms, 224, 224, 3)), tf.TensorSpec((lms,), tf.int32))
     # Told twice the memory, so that an overflow is measured rather than refused; judged against 16 GB below.
     report = virtual_gpu_peak_report(concrete, gpu_memory_bytes=2 * spec.memory_bytes, variable_shapes=True)
