@@ -23,6 +23,7 @@ plus the largest ResNet-50 224x224 batch without and with lms-tf on v100-16gb-pc
 to plan the ResNet-152 step, and a memory-timeline PNG.
 
     .venv/bin/python benchmarks/planner.py      # tables into docs/benchmarks/planner.md, docs/planner_timeline.png
+    .venv/bin/python benchmarks/planner.py --rows-from-last-run   # the zoo rows as the last run measured them
 """
 
 import dataclasses
@@ -471,11 +472,21 @@ def table(rows, batch_row, r152):
 def main():
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("lms_tf").setLevel(logging.WARNING)
-    only = sys.argv[1:]
-    rows = []
-    for name, size, batch in ZOO:
-        if not only or name in only:
-            rows.extend(model_rows(name, size, batch))
+    only = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
+    unknown = [arg for arg in sys.argv[1:] if arg.startswith("--") and arg != "--rows-from-last-run"]
+    if unknown:
+        sys.exit(f"planner.py: unknown option {unknown[0]}; the only one is --rows-from-last-run")
+    saved = OUT / "planner_rows.json"
+    if "--rows-from-last-run" in sys.argv:
+        # The zoo rows of an earlier run of this code (about 35 minutes), kept when a later part failed.
+        rows = json.loads(saved.read_text())
+    else:
+        rows = []
+        for name, size, batch in ZOO:
+            if not only or name in only:
+                rows.extend(model_rows(name, size, batch))
+        OUT.mkdir(exist_ok=True)
+        saved.write_text(json.dumps(rows, indent=1))
     batch_row = max_batch_row()
     r152 = resnet152_planning_seconds()
     text = table(rows, batch_row, r152)
