@@ -620,8 +620,11 @@ class PipelineStep:
         # step returns, the offline run prunes the dead ends the runtime prunes: a gate reading
         # one would keep alive a kernel the runtime otherwise never runs.
         cpu = _on_cpu(device)
+        # An op whose shape input Grappler only folded to its constant (the offline run knows the
+        # stage's input shapes) runs the same kernel on the same values: a gate may read it.
         stage_ir = dataclasses.replace(stage_ir, grappler_rewritten=grappler_rewritten_ops(
-            graph, device, CPU_GRAPPLER_MEMORY_BYTES if cpu else cost.device.memory_bytes, outputs=self._returned))
+            graph, device, CPU_GRAPPLER_MEMORY_BYTES if cpu else cost.device.memory_bytes, outputs=self._returned,
+            folded_shapes_unchanged=True))
         plain = replay()
         unplanned = dataclasses.replace(rule, decisions=tuple(
             d if d.decision is Decision.KEEP else d.kept("kept: the stage fits its budget without swapping it")
