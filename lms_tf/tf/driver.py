@@ -272,7 +272,10 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
     report = apply_plan(graph, ir, plan)
     _log_once(f"{plan.one_line()} (inserted {report.inserted})")
     if request.serialize:
-        fused = grappler_rewritten_ops(graph, request.device, _grappler_memory_bytes(request), outputs=returned)
+        # Only ops whose kernel Grappler changes stay off the chain: one whose shape input it just
+        # folded to a constant (it knows the step's input shapes) runs as it would, and is chained.
+        fused = grappler_rewritten_ops(graph, request.device, _grappler_memory_bytes(request), outputs=returned,
+                                       folded_shapes_unchanged=True)
         edges = impose_order(graph, simulated_ranks(graph, ir, plan, request.cost_model()), leave_free=fused)
         logger.info("serialized graph %s in the simulated order (%d control edges)", graph.name, edges)
     return plan
