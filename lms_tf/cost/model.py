@@ -247,10 +247,10 @@ class CostModel:
         """
         spec = self.device
         ring = 2 * (ranks - 1) / ranks * nbytes
-        peer = spec.peer_bytes_per_s or min(spec.host_to_device_bytes_per_s, spec.device_to_host_bytes_per_s)
-        device_s = ring / peer
+        link = min(spec.host_to_device_bytes_per_s, spec.device_to_host_bytes_per_s)
+        device_s = ring / (spec.peer_bytes_per_s or link)
         if spec.peer_over_host_link:
-            device_s += ring / min(spec.host_to_device_bytes_per_s, spec.device_to_host_bytes_per_s)
+            device_s += ring / link
         host_s = None
         if spec.host_memory_bytes_per_s:
             host_s = 3 * ring * ranks / spec.host_memory_bytes_per_s
