@@ -119,9 +119,11 @@ def test_calibrate_reads_the_real_allocator_leaves_the_model_alone_and_extrapola
     assert calibration is not None and calibration.device == "CPU:0" and calibration.resolves_activations
     assert sum("calibration: calibrated_cnn as one stage" in r.getMessage() for r in caplog.records
                if r.name == "lms_tf") == 2
-    # (both runs are real: the second holds one more micro-batch of activations, at least three of
-    # the four convolutions' 2 MiB outputs)
-    assert calibration.measured[1] - calibration.measured[0] > 3 * microbatch * 32 * 32 * 32 * 4
+    # (both runs are real: the second holds one more micro-batch of activations, more than two of
+    # the four convolutions' 2 MiB outputs. Not all four: the chain leaves the update and the ops
+    # Grappler rewrites free, so when they run moves the peak. The difference read 7.9-11.8 MiB
+    # over ten processes here and 5.6 MiB once in CI's suite.)
+    assert calibration.measured[1] - calibration.measured[0] > 2 * microbatch * 32 * 32 * 32 * 4
     # the user's model and optimizer did not train
     assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
     assert int(model.optimizer.iterations.numpy()) == 0
