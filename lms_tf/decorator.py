@@ -34,7 +34,7 @@ from lms_tf.tf.driver import (
     rewrite_traced_step,
 )
 from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
-from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, UpdatePlacement, host_update_hook, update_placement
+from lms_tf.tf.optimizer_offload import update_on_host
 
 _call_shapes = threading.local()
 _API = "lms_tf.function"
@@ -122,11 +122,9 @@ class LMSFunction:
             stack.enter_context(variables_created_on(self.options.host))  # slots, lazily built layers
         on_host = self.options.optimizer_on_host or self.options.weights != "device"
         if on_host and managed:
-            stack.enter_context(intercept_optimizer_updates(
-                host_update_hook(self.options.host, api=_API, move_slots=self.options.weights == "auto"),
-                order=HOST_UPDATE_ORDER))
-            stack.enter_context(update_placement(
-                UpdatePlacement(self.options.host, self.options.average_on, self.options.device_spec)))
+            stack.enter_context(update_on_host(
+                self.options.host, api=_API, move_slots=self.options.weights == "auto",
+                average_on=self.options.average_on, device_spec=self.options.device_spec))
         return stack
 
     def _broadcast_new_variables(self, args, kwargs) -> None:

@@ -28,8 +28,7 @@ from lms_tf.tf.driver import (
     resolve_device,
     rewrite_traced_step,
 )
-from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
-from lms_tf.tf.optimizer_offload import HOST_UPDATE_ORDER, UpdatePlacement, host_update_hook, update_placement
+from lms_tf.tf.optimizer_offload import update_on_host
 from lms_tf.tf.variables import place_weights, variables_created_on
 
 logger = logging.getLogger("lms_tf")
@@ -131,16 +130,14 @@ class LMSCallback(_compat.keras_module().callbacks.Callback):
                 with variables_created_on(options.host):
                     optimizer.build(model.trainable_variables)
         on_host = options.optimizer_on_host or options.weights != "device"
-        host_hook = host_update_hook(options.host, api=_API, move_slots=options.weights == "auto") if on_host else None
 
         def lms_hook(step):
             def train_step(data):
                 hooks = contextlib.ExitStack()
-                if host_hook is not None:
-                    hooks.enter_context(intercept_optimizer_updates(host_hook, order=HOST_UPDATE_ORDER))
-                    # Read by DistributedCallback's averaging, whichever callback comes first.
-                    hooks.enter_context(update_placement(
-                        UpdatePlacement(options.host, options.average_on, options.device_spec)))
+                if on_host:  # DistributedCallback's averaging reads where, whichever callback comes first
+                    hooks.enter_context(update_on_host(
+                        options.host, api=_API, move_slots=options.weights == "auto",
+                        average_on=options.average_on, device_spec=options.device_spec))
                 if options.weights == "host":  # what the first trace creates (lazy layers, metrics) too
                     hooks.enter_context(variables_created_on(options.host))
                 with hooks:

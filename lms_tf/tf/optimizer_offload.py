@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from lms_tf.core.errors import warn_once
 from lms_tf.cost import CostModel, detect_device_spec, get_device_spec
+from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
 from lms_tf.tf.variables import variable_bytes_by_device, variable_device
 
 logger = logging.getLogger("lms_tf")
@@ -206,6 +207,35 @@ def host_update_hook(host: str, api: str, move_slots: bool = False) -> Callable:
                         host)
         return result
     return hook
+
+
+@contextlib.contextmanager
+def update_on_host(host: str, *, api: str, move_slots: bool = False, average_on: str = "auto",
+                   device_spec: Any = None) -> Iterator[UpdatePlacement]:
+    """While a step is traced: its optimizer update runs on ``host`` (:func:`host_update_hook`),
+    and a Horovod average of its gradients, traced around it, reads where to go from the
+    :class:`UpdatePlacement` this makes current. What both front-ends enter for an update on
+    the host.
+
+    Args:
+        host: The host device, e.g. ``"/CPU:0"``.
+        api: The front-end's name, for warnings.
+        move_slots: As for :func:`host_update_hook`.
+        average_on: ``"device"``, ``"host"`` or ``"auto"`` (see :class:`UpdatePlacement`).
+        device_spec: The preset or spec ``"auto"`` decides by.
+
+    Yields:
+        The current :class:`UpdatePlacement`.
+
+    Examples:
+        >>> with update_on_host("/CPU:0", api="lms_tf.function", average_on="host") as placement:
+        ...     current_update_placement() is placement
+        True
+    """
+    hook = host_update_hook(host, api=api, move_slots=move_slots)
+    with intercept_optimizer_updates(hook, order=HOST_UPDATE_ORDER), \
+            update_placement(UpdatePlacement(host, average_on, device_spec)) as placement:
+        yield placement
 
 
 def keep_gradient_products_on_device(update_ops, grads) -> List[str]:
