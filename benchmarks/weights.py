@@ -22,6 +22,7 @@ Command: ``.venv/bin/python benchmarks/weights.py`` (a few minutes on 2 cores; w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ from lms_tf.core.policy import Policies  # noqa: E402
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
 from lms_tf.planner import make_budget_plan  # noqa: E402
 from lms_tf.planner.weights import plan_weights  # noqa: E402
-from lms_tf.simulate import resident_bytes, simulate  # noqa: E402
+from lms_tf.simulate import resident_bytes, simulate, whole_op_floor  # noqa: E402
 from lms_tf.tf.trace import build_ir  # noqa: E402
 
 log = logging.getLogger("benchmark")
@@ -87,11 +88,12 @@ def measure(ir, way: str, cost: CostModel) -> dict:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("lms_tf").setLevel(logging.WARNING)
-    rows = []
+    rows, floors = [], {}
     for model, size, batch in MODELS:
         args = build_parser().parse_args(["max-batch", "--model", model, "--input-shape", size])
         _, _, graph, _, _ = trace_unbatched(args)
         ir = build_ir(graph, batch_size=batch)
+        floors[model] = whole_op_floor(ir, kernels="cudnn")
         for preset in PRESETS:
             cost = CostModel(get_device_spec(preset))
             for way in ("plain", "activations", "weights"):
@@ -112,11 +114,25 @@ def main() -> None:
         lines.append(f"| {row['model']} b{row['batch']} | {row['preset']} | {names[row['way']]} | "
                      f"{row['device_bytes'] / GiB:.2f} | {row['device_bytes'] / plain['device_bytes']:.2f} | "
                      f"{row['host_bytes'] / GiB:.2f} | {row['overhead']:.2f}x |")
+    lines += ["", "The least device memory any plan reaches that runs each op whole: the op holding the most while "
+              "it runs (its inputs, weights included, its outputs and cuDNN's workspace, by the simulator's rules), "
+              "against the plain step (the same on every preset). A budget below it needs that op split.", "",
+              "| model, batch | largest op | type | its working set GiB | vs plain | 25% of plain | "
+              "weights + activations planned, least on v100-16gb-pcie3 |", "|---|---|---|---|---|---|---|"]
+    for model, size, batch in MODELS:
+        floor = floors[model]
+        plain, least = (next(r for r in rows if r["model"] == model and r["preset"] == PRESETS[0] and r["way"] == way)
+                        for way in ("plain", "weights"))
+        lines.append(f"| {model} b{batch} | `{floor.op}` | {floor.op_type} | {floor.nbytes / GiB:.2f} | "
+                     f"{floor.nbytes / plain['device_bytes']:.2f} | {plain['device_bytes'] / 4 / GiB:.2f} "
+                     f"({'below' if plain['device_bytes'] / 4 < floor.nbytes else 'above'} it) | "
+                     f"{least['device_bytes'] / GiB:.2f} ({least['device_bytes'] / floor.nbytes:.2f}x it) |")
     text = "\n".join(lines)
     publish("weights", text, page="weights")
     OUT.mkdir(exist_ok=True)
     with open(OUT / "weights.json", "w") as handle:
-        json.dump(rows, handle, indent=1)
+        json.dump(dict(rows=rows, whole_op_floors={m: dataclasses.asdict(f) for m, f in floors.items()}), handle,
+                  indent=1)
     print(text)
 
 

@@ -65,7 +65,7 @@ from lms_tf.planner.search import BudgetSearch
 from lms_tf.planner.step import PlanningStep
 from lms_tf.planner.weights import weight_candidates
 from lms_tf.simulate import host_resident
-from lms_tf.simulate.bounds import fit_lower_bound
+from lms_tf.simulate.bounds import fit_lower_bound, whole_op_floor
 
 logger = logging.getLogger("lms_tf")
 
@@ -90,6 +90,16 @@ def _what_stays(plan: Plan, top: int = 3) -> str:
         text += " The largest activations that stay: " + "; ".join(
             f"{d.tensor!r} {format_bytes(d.nbytes)} ({d.reason})" for d in kept[:top]) + "."
     return text
+
+
+def _largest_op(ir: GraphIR) -> str:
+    """The op that needs the most device memory at once: no plan that runs it whole goes below it."""
+    largest = whole_op_floor(ir)
+    if largest is None:
+        return ""
+    return (f" The op that needs the most at once, {largest.op!r} ({largest.op_type}), holds "
+            f"{format_bytes(largest.nbytes)} while it runs (its inputs, weights included, its outputs and "
+            f"scratch): no plan that runs it whole holds less on the device.")
 
 
 def make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, cost: CostModel,
@@ -166,7 +176,7 @@ def _make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, scope_ali
             f"{_bytes_text(baseline.peak_bytes)} (simulated) and {kinds or 'moving'} every movable tensor{counting} "
             f"still needs {_bytes_text(floor)} ({counted}). The smallest feasible budget is about "
             f"{_bytes_text(floor)}; pass budget >= that, "
-            f"a smaller batch{hint}.{_what_stays(plan)}",
+            f"a smaller batch{hint}.{_what_stays(plan)}{_largest_op(step.ir)}",
             asked, floor)
     _check_host_memory(step, plan, sim.host_peak_bytes)
     logger.info("lms-tf planner: %s peak %.1f -> %.1f MiB (budget %.1f MiB; recompute %s; %d simulations) "

@@ -1,12 +1,25 @@
-"""Bounds on a planned step's time that no plan moving the same bytes can beat.
+"""Bounds no plan can beat: on a planned step's time for the bytes it moves, on the time of any
+plan that fits a budget, and on the device memory of any plan that runs each op whole.
 
 Examples:
-    >>> from lms_tf.simulate.bounds import link_lower_bound
+    >>> from lms_tf.simulate.bounds import link_lower_bound, whole_op_floor
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
+from lms_tf.core.ir import GraphIR
+from lms_tf.core.op_kinds import (
+    CONTROL_FLOW_OP_TYPES,
+    FORWARDING_TYPES,
+    RESIDENT_TYPES,
+    VARIABLE_UPDATE_PREFIXES,
+    is_collective,
+)
 from lms_tf.cost.model import CostModel
+from lms_tf.simulate.lower import check_kernel_library, kernel_scratch_bytes
 
 
 def link_lower_bound(compute_s: float, planned, cost: CostModel) -> float:
@@ -101,3 +114,66 @@ def fit_lower_bound(compute_s: float, deficit_bytes: int, movable, cost: CostMod
         else:
             low = middle
     return best, int(high)
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeOpFloor:
+    """The op that holds the most device memory while it runs, and how much.
+
+    Attributes:
+        op: Its name.
+        op_type: Its type, e.g. ``"Conv2DBackpropInput"``.
+        nbytes: Its inputs (weights included), its outputs and its kernel's scratch.
+    """
+
+    op: str
+    op_type: str
+    nbytes: int
+
+
+def whole_op_floor(ir: GraphIR, kernels: str = "cudnn") -> Optional[WholeOpFloor]:
+    """The least device memory any plan needs that runs every op of ``ir`` whole: while an op runs,
+    its inputs, its outputs and its kernel's scratch are all on the device, whatever was swapped
+    or recomputed before. No budget below it can be met without splitting that op (micro-batches,
+    a sharded layer), which changes how its sums are rounded.
+
+    Counted under the simulator's rules: an elementwise kernel of
+    :data:`~lms_tf.core.op_kinds.FORWARDING_TYPES` may write into an input of its output's size
+    (counted once); ops that run no kernel of their own (aliases, resident reads, functional
+    control flow whose bodies are ops of their own, variable updates, collectives) are not
+    candidates.
+
+    Args:
+        ir: The step's IR.
+        kernels: The kernel library whose scratch to count (:data:`~lms_tf.simulate.lower.KERNEL_LIBRARIES`).
+
+    Returns:
+        The :class:`WholeOpFloor`, or None for a step with no candidate op.
+
+    Examples:
+        >>> from lms_tf.core import make_ir
+        >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (1024,))]),
+        ...               dict(name="w", type="Placeholder", outputs=[("w:0", (1024, 256))]),
+        ...               dict(name="y", type="MatMul", inputs=["x:0", "w:0"], outputs=[("y:0", (256,))]),
+        ...               dict(name="r", type="Relu", inputs=["y:0"], outputs=[("r:0", (256,))])])
+        >>> whole_op_floor(ir)   # 4 KiB + 1 MiB in, 1 KiB out; the Relu writes into its input
+        WholeOpFloor(op='y', op_type='MatMul', nbytes=1053696)
+    """
+    check_kernel_library(kernels)
+    best = None
+    for op in ir.ops:
+        if (op.is_alias or op.type in RESIDENT_TYPES or op.type in CONTROL_FLOW_OP_TYPES
+                or op.type.startswith(VARIABLE_UPDATE_PREFIXES) or is_collective(op.type)):
+            continue
+        reads = [ir.tensors[t].nbytes or 0 for t in dict.fromkeys(op.inputs)]
+        writes = [ir.tensors[t].nbytes or 0 for t in op.outputs]
+        if op.type in FORWARDING_TYPES:
+            unused = list(reads)
+            for i, size in enumerate(writes):
+                if size and size in unused:
+                    unused.remove(size)
+                    writes[i] = 0
+        nbytes = sum(reads) + sum(writes) + kernel_scratch_bytes(ir, op, kernels)
+        if best is None or nbytes > best.nbytes:
+            best = WholeOpFloor(op.name, op.type, nbytes)
+    return best
