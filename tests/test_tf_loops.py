@@ -170,19 +170,29 @@ def lstm_sequence_model():
     return keras.Model(inputs, keras.layers.Dense(100, activation="softmax")(keras.layers.GlobalAveragePooling1D()(x)))
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_the_simulator_predicts_recurrent_steps_within_ten_percent_of_the_real_allocator():
-    # One process per model (the allocator's history stays out of the next peak). StackedRNN is an
-    # embedding, a bidirectional GRU, an LSTM and a GRU; LSTM is a single layer.
-    rows = run_allocator_worker("--step", "plain", "StackedRNN,100,64", "tests.test_tf_loops:lstm_sequence_model,100,64",
-                                timeout=580)
-    ratios = {row["model"]: row["plain"]["blind_allocator"] / row["plain"]["real"] for row in rows}
-    # Measured 0.90-0.91 (StackedRNN, real peaks 90.0-91.5 MB between processes) and 1.01-1.02 (LSTM);
-    # counting each pushed weight read as a copy gave 2.1. The stacked model's lower bound is 0.85:
-    # the simulator treats a loop as one op whose peak is at its end (docs/limits.md), 9-10% under
-    # the real peak of four stacked loops. It read 0.93 while the IR still counted Keras's probing
-    # step of each cell outside its loop, which TensorFlow prunes: a wrong op that hid part of that gap.
-    assert 0.85 <= ratios["StackedRNN"] <= 1.1 and all(0.9 <= r <= 1.1 for m, r in ratios.items() if m != "StackedRNN"), ratios
+    # One process per model and order (the allocator's history stays out of the next peak).
+    # StackedRNN is an embedding, a bidirectional GRU, an LSTM and a GRU; LSTM is a single layer.
+    specs = ("StackedRNN,100,64", "tests.test_tf_loops:lstm_sequence_model,100,64")
+    serialized = run_allocator_worker("--order", "serialized", "--step", "plain", *specs, timeout=580)
+    free = run_allocator_worker("--step", "plain", *specs, timeout=580)
+    in_order = {row["model"]: row["plain_serialized"]["blind_allocator"] / row["plain_serialized"]["real"]
+                for row in serialized}
+    ratios = {row["model"]: row["plain"]["blind_allocator"] / row["plain"]["real"] for row in free}
+    # Serialized (the simulator's order imposed, the prediction is of the run measured): measured
+    # 0.91 (StackedRNN) and 1.05 (LSTM). Counting each pushed weight read as a copy gave 2.1. The
+    # stacked model's lower bound is 0.85: the simulator treats a loop as one op whose peak is at
+    # its end (docs/limits.md), 9-10% under the real peak of four stacked loops. It read 0.93 while
+    # the IR still counted Keras's probing step of each cell outside its loop, which TensorFlow
+    # prunes: a wrong op that hid part of that gap.
+    assert 0.85 <= in_order["StackedRNN"] <= 1.1 and all(
+        0.9 <= r <= 1.1 for m, r in in_order.items() if m != "StackedRNN"), in_order
+    # TensorFlow's own order: it changes from run to run (five orders in five runs of one process
+    # here) and the real peak with it. Measured 0.90-0.92 (StackedRNN) and 1.02-1.10 (LSTM) over
+    # processes, the LSTM's runs all at 1.10 in one process: the same spread as the held-out free-order
+    # table's (max/min up to 1.09 over five processes). Above by that spread, never below 0.85.
+    assert all(0.85 <= r <= 1.1 * 1.09 for r in ratios.values()), ratios
 
 
 @pytest.mark.timeout(300)
