@@ -221,4 +221,17 @@ class BudgetSearch:
             logger.info("lms-tf planner: nothing fits %.1f MiB (lowest plan %.1f MiB); searching again aiming at "
                         "%.1f MiB", budget_bytes / 2**20, sim.held_bytes / 2**20, aim / 2**20)
             plan, sim, label = self.plan(aim)
+        if floor is not None and aim > 1:
+            # Nothing fits: the search aimed at nothing, whose lowest plan a budget nothing meets
+            # names as the smallest feasible budget. The greedy rounds stop where a plan first
+            # covers the excess, so a search at a budget can miss a plan the one aimed lower finds;
+            # without this, asking for the budget that error named could fail again.
+            lowest, lowest_sim, lowest_label = self.plan(1)
+            self.check.budget_bytes, self.check.time_to_beat = 2 * lowest_sim.peak_bytes, None
+            lowest_sim = self.check.simulate(lowest)
+            if lowest_sim.held_bytes < sim.held_bytes:
+                plan, sim, label = lowest, lowest_sim, lowest_label
+            if sim.held_bytes <= budget_bytes:
+                return plan, sim, label, None
+            floor = min(floor, sim.held_bytes)
         return plan, sim, label, floor
