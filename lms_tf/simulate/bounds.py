@@ -124,6 +124,10 @@ class WholeOpFloor:
         op: Its name.
         op_type: Its type, e.g. ``"Conv2DBackpropInput"``.
         nbytes: Its inputs (weights included), its outputs and its kernel's scratch.
+
+    Examples:
+        >>> WholeOpFloor("conv/Conv2DBackpropInput", "Conv2DBackpropInput", 3 * 2**20).nbytes
+        3145728
     """
 
     op: str
