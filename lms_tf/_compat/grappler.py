@@ -41,6 +41,15 @@ def grappler_peak_memory(graph_def, fetch_names: Sequence[str], devices: Sequenc
 UNBOUNDED_BYTES = 1 << 50
 
 
+def _named_devices(devices: Sequence[Tuple[str, str, int]], memory_bytes: Optional[int] = None):
+    """Grappler's device list for ``(full_name, type, memory_bytes)`` triples (each told
+    ``memory_bytes`` instead, when given)."""
+    from tensorflow.core.protobuf import device_properties_pb2
+
+    return [device_properties_pb2.NamedDevice(name=name, properties=_device_properties(
+        dev_type, memory if memory_bytes is None else memory_bytes)) for name, dev_type, memory in devices]
+
+
 def _peak_memory_usage(cluster, item):
     try:
         return cluster.DeterminePeakMemoryUsage(item)
@@ -66,26 +75,24 @@ def grappler_peak_live_tensors(graph_def, fetch_names: Sequence[str], devices: S
         >>> peak >= 256 * 256 * 4 and len(live) >= 1
         True
     """
-    from tensorflow.core.protobuf import device_properties_pb2, meta_graph_pb2
+    from tensorflow.core.protobuf import meta_graph_pb2
     from tensorflow.python.grappler import cluster as gcluster
     from tensorflow.python.grappler import item as gitem
 
-    named = [device_properties_pb2.NamedDevice(name=name, properties=_device_properties(dev_type, memory))
-             for name, dev_type, memory in devices]
     meta = meta_graph_pb2.MetaGraphDef()
     meta.graph_def.CopyFrom(graph_def)
     meta.collection_def["train_op"].node_list.value.extend(fetch_names)
     from tensorflow.python.framework import errors
 
     try:
-        peaks = _peak_memory_usage(gcluster.Cluster(devices=named), gitem.Item(meta, ignore_colocation=True))
+        peaks = _peak_memory_usage(gcluster.Cluster(devices=_named_devices(devices)),
+                                   gitem.Item(meta, ignore_colocation=True))
     except errors.ResourceExhaustedError:
         # Grappler refuses a graph above a device's memory; the peak is what is asked for (a
         # planned step, or the plain step lms-tf is there to fit), so measure it on devices that
         # hold any graph and let the caller compare it with the real memory.
-        unbounded = [device_properties_pb2.NamedDevice(name=name, properties=_device_properties(dev_type, UNBOUNDED_BYTES))
-                     for name, dev_type, _ in devices]
-        peaks = _peak_memory_usage(gcluster.Cluster(devices=unbounded), gitem.Item(meta, ignore_colocation=True))
+        peaks = _peak_memory_usage(gcluster.Cluster(devices=_named_devices(devices, UNBOUNDED_BYTES)),
+                                   gitem.Item(meta, ignore_colocation=True))
     # Each live tensor: (node, output id, bytes, allocation time, deallocation time).
     return {dev: (int(peak), [(str(t[0]), int(t[1]), int(t[2])) for t in live]) for dev, (peak, live) in peaks.items()}
 
@@ -136,14 +143,10 @@ def grappler_memory_optimized(graph_def, fetch_names: Sequence[str], devices: Se
         >>> len(optimized.node) >= len(graph_def.node)   # nothing to swap in a step this small
         True
     """
-    from tensorflow.core.protobuf import config_pb2, device_properties_pb2, meta_graph_pb2, rewriter_config_pb2
+    from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
     from tensorflow.python.grappler import cluster as gcluster
     from tensorflow.python.grappler import item as gitem
     from tensorflow.python.grappler import tf_optimizer
-
-    def named(specs):
-        return [device_properties_pb2.NamedDevice(name=name, properties=_device_properties(dev_type, memory))
-                for name, dev_type, memory in specs]
 
     meta = meta_graph_pb2.MetaGraphDef()
     meta.graph_def.CopyFrom(graph_def)
@@ -155,7 +158,7 @@ def grappler_memory_optimized(graph_def, fetch_names: Sequence[str], devices: Se
     rewrite.memory_optimization = getattr(rewriter_config_pb2.RewriterConfig, mode)
     rewrite.memory_optimizer_target_node_name_scope = name_scope
     rewrite.min_graph_nodes = -1
-    cluster = gcluster.Cluster(devices=named(optimizer_devices or devices))
+    cluster = gcluster.Cluster(devices=_named_devices(optimizer_devices or devices))
     try:
         optimized = tf_optimizer.OptimizeGraph(config, meta, cluster=cluster)
     finally:
@@ -167,11 +170,7 @@ def grappler_memory_optimized(graph_def, fetch_names: Sequence[str], devices: Se
         if node.op in GRAPPLER_SWAP_OPS:
             node.device = host
     meta.graph_def.CopyFrom(judged)
-    cluster = gcluster.Cluster(devices=named(devices))
-    try:
-        peaks = cluster.DeterminePeakMemoryUsage(gitem.Item(meta, ignore_colocation=True))
-    finally:
-        cluster.Shutdown()
+    peaks = _peak_memory_usage(gcluster.Cluster(devices=_named_devices(devices)), gitem.Item(meta, ignore_colocation=True))
     return optimized, {dev: int(value[0]) for dev, value in peaks.items()}
 
 
@@ -198,18 +197,16 @@ def grappler_default_optimized(graph_def, fetch_names: Sequence[str], device: Tu
         >>> len(optimized.node) <= len(graph_def.node)
         True
     """
-    from tensorflow.core.protobuf import config_pb2, device_properties_pb2, meta_graph_pb2
+    from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
     from tensorflow.python.grappler import cluster as gcluster
     from tensorflow.python.grappler import tf_optimizer
 
-    name, dev_type, memory = device
     meta = meta_graph_pb2.MetaGraphDef()
     meta.graph_def.CopyFrom(graph_def)
     meta.collection_def["train_op"].node_list.value.extend(fetch_names)
     config = config_pb2.ConfigProto()
     config.graph_options.rewrite_options.min_graph_nodes = -1
-    cluster = gcluster.Cluster(devices=[device_properties_pb2.NamedDevice(
-        name=name, properties=_device_properties(dev_type, memory))])
+    cluster = gcluster.Cluster(devices=_named_devices([device]))
     try:
         return tf_optimizer.OptimizeGraph(config, meta, cluster=cluster)
     finally:

@@ -191,6 +191,12 @@ class BudgetSearch:
         plan, sim, label = best or lowest
         return plan, sim, label
 
+    def _in_chunks(self, plan: Plan, sim: Simulation) -> Simulation:
+        """``plan`` replayed for any budget its tensors fit, so its allocator chunks are counted too
+        (a plan whose tensors exceeded the budget searched for was never replayed through them)."""
+        self.check.budget_bytes, self.check.time_to_beat = 2 * sim.peak_bytes, None
+        return self.check.simulate(plan)
+
     def fit(self, budget_bytes: int) -> Tuple[Plan, Simulation, str, Optional[int]]:
         """:meth:`plan` for ``budget_bytes``; when nothing fits, up to :data:`LOWER_AIMS` more
         searches aiming below it by the lowest plan's excess. Returns the plan, its simulation,
@@ -211,8 +217,7 @@ class BudgetSearch:
         for attempt in range(LOWER_AIMS + 1):
             if sim.held_bytes <= aim:  # fits what it was planned for, chunks counted
                 break
-            self.check.budget_bytes, self.check.time_to_beat = 2 * sim.peak_bytes, None  # any budget its tensors fit
-            sim = self.check.simulate(plan)
+            sim = self._in_chunks(plan, sim)
             floor = sim.held_bytes if floor is None else min(floor, sim.held_bytes)
             excess = sim.held_bytes - budget_bytes
             if excess <= 0 or attempt == LOWER_AIMS or aim <= excess:
@@ -227,8 +232,7 @@ class BudgetSearch:
             # covers the excess, so a search at a budget can miss a plan the one aimed lower finds;
             # without this, asking for the budget that error named could fail again.
             lowest, lowest_sim, lowest_label = self.plan(1)
-            self.check.budget_bytes, self.check.time_to_beat = 2 * lowest_sim.peak_bytes, None
-            lowest_sim = self.check.simulate(lowest)
+            lowest_sim = self._in_chunks(lowest, lowest_sim)
             if lowest_sim.held_bytes < sim.held_bytes:
                 plan, sim, label = lowest, lowest_sim, lowest_label
             if sim.held_bytes <= budget_bytes:

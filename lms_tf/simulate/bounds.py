@@ -139,7 +139,7 @@ def whole_op_floor(ir: GraphIR, kernels: str = "cudnn") -> Optional[WholeOpFloor
     """The least device memory any plan needs that runs every op of ``ir`` whole: while an op runs,
     its inputs, its outputs and its kernel's scratch are all on the device, whatever was swapped
     or recomputed before. No budget below it can be met without splitting that op (micro-batches,
-    a sharded layer), which changes how its sums are rounded.
+    a sharded layer), which may change how its sums are rounded.
 
     Counted under the simulator's rules: an elementwise kernel of
     :data:`~lms_tf.core.op_kinds.FORWARDING_TYPES` may write into an input of its output's size
