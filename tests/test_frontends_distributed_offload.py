@@ -175,7 +175,7 @@ def test_horovod_step_without_an_optimizer_update_is_an_error():
 def test_distributed_callback_detects_a_train_step_without_optimizer(steps_per_execution):
     """The check runs after the first call of the train function, whatever step number Keras reports
     for it (with steps_per_execution=3 the first call ends at step 2)."""
-    keras.utils.set_random_seed(0)
+    zoo.reseed(0)
     class ManualUpdate(keras.Model):
         def train_step(self, data):
             x, y = data

@@ -59,8 +59,7 @@ def _inserted(graph) -> list:
 def _fresh_model():
     """The model as a fresh process builds it: Keras numbers unnamed layers per process, and a plan
     names tensors by their layers, so the names must be the ones the CLI's process gave them."""
-    keras.backend.clear_session()
-    keras.utils.set_random_seed(0)
+    zoo.reseed(0)
     return build_model("MobileNetV2", **MODEL)
 
 

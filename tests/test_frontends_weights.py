@@ -155,7 +155,7 @@ def test_weights_option_is_checked():
 
 def _wide_mlp():
     """Weights dominate: six 1024-wide Dense layers (4 MiB each) at batch 16."""
-    keras.utils.set_random_seed(2)
+    zoo.reseed(2)
     return keras.Sequential([keras.Input((512,))] + [keras.layers.Dense(1024, activation="relu") for _ in range(6)]
                             + [keras.layers.Dense(10)])
 
@@ -436,7 +436,7 @@ def _gpt_style_run(lms: bool, steps: int = 10, width=256, seq_len=64, vocab=2048
     projections, GELU, a tied embedding; 4 blocks) trained with Keras's default Adam in a custom loop."""
     from lms_tf.tf.workloads import decoder_lm, train_step
 
-    keras.utils.set_random_seed(0)
+    zoo.reseed(0)
     model = decoder_lm(width=width, depth=4, seq_len=seq_len, vocab=vocab)
     optimizer = keras.optimizers.Adam()
     step = train_step(model, optimizer)  # the workloads' step: sparse cross-entropy, tape, update

@@ -20,6 +20,7 @@ import pytest
 import lms_tf
 from lms_tf.parallel import ShardedDense, ShardedEmbedding, hybridize, plan_hybrid, unshard
 from lms_tf.parallel.sharded import even_shard
+from tests import zoo
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "hybrid_worker.py"
@@ -283,7 +284,7 @@ def test_one_rank_hybrid_is_the_model_and_unshard_gives_it_back():
     """With one rank a sharded layer holds every column: the copy computes what the original
     does, and :func:`unshard` returns ordinary Dense layers with the same weights. The original
     model is not changed."""
-    keras.utils.set_random_seed(1)
+    zoo.reseed(1)
     model = keras.Sequential([keras.Input((8,), dtype="int32"), keras.layers.Embedding(50, 6, name="table"),
                               keras.layers.Flatten(), keras.layers.Dense(16, activation="relu", name="fc"),
                               keras.layers.Dense(4, name="out")])

@@ -23,6 +23,7 @@ from lms_tf.pipeline import PipelineProfile, partition_layers, stage_peak
 from lms_tf.pipeline.calibration import Calibration
 from lms_tf.pipeline.partition import _Window
 from tests.test_pipeline_partition import random_profile
+from tests import zoo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,7 +101,7 @@ def test_weights_too_heavy_to_resolve_calibrate_the_fixed_part_only():
 
 
 def _conv_model(name="calibrated_cnn"):
-    keras.utils.set_random_seed(4)
+    zoo.reseed(4)
     layers = [keras.Input((32, 32, 3))] + [keras.layers.Conv2D(32, 3, padding="same", activation="relu",
                                                                name=f"conv_{i}") for i in range(4)]
     model = keras.Sequential(layers + [keras.layers.GlobalAveragePooling2D(name="pool"),
@@ -224,7 +225,7 @@ def test_a_weight_heavy_model_compiled_with_one_hot_labels_calibrates_bytes_only
     """Categorical (one-hot) labels: the memory runs train on one-hot zeros, the op-time step on
     class ids. Its activations are under 5% of the peak, so the warning says only bytes were
     calibrated; the partition still comes back, counted with them."""
-    keras.utils.set_random_seed(5)
+    zoo.reseed(5)
     model = keras.Sequential([keras.Input((256,))] + [keras.layers.Dense(512, name=f"d{i}") for i in range(4)]
                              + [keras.layers.Dense(8, activation="softmax", name="head")], name="heavy")
     model.compile(optimizer=keras.optimizers.Adam(), loss=keras.losses.CategoricalCrossentropy())

@@ -258,7 +258,7 @@ def test_resnet50_plan_at_25_percent_counts_chunks_and_recomputes_a_swapped_chec
 
     from lms_tf.tf.workloads import build_model, synthetic_batch, train_step
 
-    tf.keras.utils.set_random_seed(0)
+    zoo.reseed(0)
     model = build_model("ResNet50", image_size=224, classes=1000)
     x, y = synthetic_batch(model, 32)
     ir = build_ir(tf.function(train_step(model)).get_concrete_function(x, y).graph)
@@ -838,11 +838,9 @@ def test_the_smallest_feasible_budget_an_error_names_fits_when_asked_for():
     budget the error had named stopped above it (asked 207.6 MB, it named 208.9 MB), since it
     swaps only what covers the excess; the search aimed at nothing, which named the figure, is now
     its last resort."""
-    import keras
-
     from lms_tf.tf.workloads import build_model, synthetic_batch, train_step
 
-    keras.utils.set_random_seed(0)
+    zoo.reseed(0)
     model = build_model("VGG16", image_size=64, classes=100)
     x, y = synthetic_batch(model, 16)
     ir = build_ir(tf.function(train_step(model)).get_concrete_function(x, y).graph)

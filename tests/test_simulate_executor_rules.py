@@ -23,6 +23,7 @@ from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.simulate import pool_history, resident_buffers, simulate
 from lms_tf.tf.diagnostics import allocation_trace, grappler_accumulated_sums
 from lms_tf.tf.trace import build_ir
+from tests import zoo
 
 V100 = CostModel(get_device_spec("v100-16gb-pcie3"))
 MiB = 2**20
@@ -85,7 +86,7 @@ def _dense_bn_step(batch: int):
     gradient of each BatchNormalization sums three terms with one ``AddN``."""
     import keras
 
-    keras.utils.set_random_seed(0)
+    zoo.reseed(0)
     inputs = keras.Input((512,))
     h = inputs
     for _ in range(3):
@@ -239,7 +240,7 @@ def _grouped_conv_step(channels: int = 256):
     TensorFlow, so the step calls two XLA-compiled functions (the convolution and its gradient)."""
     import keras
 
-    keras.utils.set_random_seed(0)
+    zoo.reseed(0)
     model = keras.Sequential([keras.Input((8, 8, channels)),
                               keras.layers.Conv2D(channels, 7, padding="same", groups=channels),
                               keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(4)])

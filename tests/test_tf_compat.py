@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from lms_tf import _compat
+from tests import zoo
 
 
 def test_private_tf_operation_apis_exist():
@@ -63,7 +64,7 @@ def test_fit_batch_size_and_layer_scopes_are_readable_from_a_callback():
         def on_train_begin(self, logs=None):
             seen["batch"] = _compat.fit_batch_size()
 
-    keras.utils.set_random_seed(0)
+    zoo.reseed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")], name="probe_model")
     model.compile("sgd", "mse")
     model.fit(np.ones((12, 4)), np.ones((12, 2)), batch_size=6, epochs=1, verbose=0, callbacks=[Probe()])
@@ -76,7 +77,7 @@ def test_fit_batch_size_and_layer_scopes_are_readable_from_a_callback():
 
 
 def test_jit_compile_attribute_round_trips():
-    keras.utils.set_random_seed(0)
+    zoo.reseed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile("sgd", "mse")
     _compat.set_jit_compile(model, True)
@@ -112,7 +113,7 @@ def test_a_functional_models_layer_calls_replay_its_own_call():
     ``training`` reaching the layers that take it (dropout active: two identical builds, since a
     dropout layer's seed state advances with each call)."""
     def build():
-        keras.utils.set_random_seed(3)
+        zoo.reseed(3)
         inputs = keras.Input((6,))
         a = keras.layers.Dense(6, name="a")(inputs)
         b = keras.layers.Dense(6, activation="relu", name="b")(a)

@@ -116,7 +116,7 @@ def test_swapped_loop_values_reach_the_gradient_loop_through_gated_swap_ins():
 
 
 def deep_recurrent(layers=4, steps=100, features=32, units=128):
-    keras.utils.set_random_seed(0)
+    zoo.reseed(0)
     inputs = keras.Input((steps, features))
     x = inputs
     for i in range(layers):

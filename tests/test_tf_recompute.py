@@ -83,7 +83,7 @@ def test_custom_loops_with_recompute():
 def residual_mlp(blocks=8, width=128):
     """Dense + ReLU residual blocks with tanh after each add: Grappler's remapper fuses every
     MatMul + BiasAdd (+ ReLU), so a recomputed clone it did not fuse would change the numbers."""
-    keras.utils.set_random_seed(0)
+    zoo.reseed(0)
     inputs = keras.Input((64,))
     x = keras.layers.Dense(width, activation="relu")(inputs)
     for _ in range(blocks):
@@ -181,7 +181,7 @@ def test_swapped_checkpoints_are_read_back_through_a_gated_swap_in():
 
 
 def deep_residual(blocks=16, size=32, channels=32):
-    keras.utils.set_random_seed(0)
+    zoo.reseed(0)
     inputs = keras.Input((size, size, 3))
     x = keras.layers.Conv2D(channels, 3, padding="same")(inputs)
     for _ in range(blocks):

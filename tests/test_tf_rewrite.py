@@ -18,7 +18,7 @@ from tests.helpers import CPU_LMS
 
 def toy_cnn():
     """The 8-conv toy of docs/design.md's Grappler measurements: batch 32, 64x64x3, eight 32-channel 3x3 convs."""
-    keras.utils.set_random_seed(1)
+    zoo.reseed(1)
     model = keras.Sequential([keras.Input((64, 64, 3))] + [
         keras.layers.Conv2D(32, 3, padding="same", activation="relu") for _ in range(8)] + [
         keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(4)])

@@ -138,7 +138,7 @@ def test_serialized_step_runs_grapplers_fused_kernels():
     the plain step's numbers. Chaining the fused ops (as before) left them unfused and moved the
     weights by 3.5e-3 (Adam magnifies a last-bit difference where a gradient is near zero)."""
     def conv_stack():
-        keras.utils.set_random_seed(7)
+        zoo.reseed(7)
         model = keras.Sequential([keras.Input((32, 32, 3))]
                                  + [keras.layers.Conv2D(32, 3, padding="same", activation="relu") for _ in range(8)]
                                  + [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
