@@ -6,23 +6,28 @@ with two inter-op threads that would otherwise run branches in parallel.
 """
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
 import lms_tf
 from lms_tf import _compat
-from lms_tf.core.errors import LMSOptionError, RewriteError
+from lms_tf.core.errors import LMSOptionError, LMSWarning, RewriteError
 from lms_tf.core.op_kinds import FREE_TYPES
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.simulate import simulate
 from lms_tf.tf.diagnostics import executed_ops, virtual_gpu_peak
 from lms_tf.tf.rewrite.recompute import simulator_name
+from lms_tf.tf.rewrite import serialize as serialize_module
 from lms_tf.tf.rewrite.serialize import (
     bypass_identity_n,
+    gate_fused_kernels,
+    grappler_fused_kernels,
     grappler_rewritten_ops,
     impose_order,
     ranked_topological_order,
     serial_chain,
+    serialize_step,
 )
 from tests import zoo
 from tests.helpers import assert_same_numbers, custom_loop, fit_steps, graph_probe, lms_function
@@ -102,6 +107,76 @@ def test_ops_grappler_fuses_stay_off_the_chain():
     # "scaled", the one elementwise reader of the fused op, stays free too: oneDNN may extend the
     # fusion by it after Grappler (MatMul + BiasAdd + Add in bfloat16 did).
     assert [op.name for op in serial_chain(g)] == ["dy"]
+
+
+def _matmul_step_graph():
+    """x -> exp -> MatMul + BiasAdd + Relu (fused by the remapper) -> * max(c) (not elementwise:
+    ``c``'s sole elementwise reader would be left free, as oneDNN may fuse one into ``c``'s producer)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, (4, 8), name="x")
+        c = tf.compat.v1.placeholder(tf.float32, (4, 8), name="c")
+        w = tf.constant(np.random.RandomState(2).rand(8, 8).astype("float32"), name="w")  # as a weight's read:
+        b = tf.constant(np.random.RandomState(3).rand(8).astype("float32"), name="b")  # not from the inputs
+        e = tf.exp(x, name="e")
+        s = tf.reduce_max(c, axis=0, name="s")
+        h = tf.nn.relu(tf.nn.bias_add(tf.matmul(e, w, name="mm"), b, name="bias"), name="act")
+        tf.multiply(h, s, name="out")
+    return g
+
+
+def test_a_fused_kernel_is_held_at_its_place_in_the_chain_through_a_gate():
+    """The fused MatMul is off the chain; its read of ``e`` goes through a kept Identity that waits
+    for the chained op ranked before the pattern, and Grappler still fuses the pattern."""
+    g = _matmul_step_graph()
+    kernels = grappler_fused_kernels(g, "/device:CPU:0", 2**28)
+    assert [(k.name, k.kernel, sorted(k.ops), k.entries) for k in kernels] == [
+        ("act", "_FusedMatMul", ["act", "bias", "mm"], (("bias", 1), ("mm", 0), ("mm", 1)))]
+    rank = {name: i for i, name in enumerate(["e", "s", "mm", "bias", "act", "out"])}
+    report = serialize_step(g, rank, "/device:CPU:0", 2**28)
+    assert report.gates == 1 and not report.gates_undone  # the weight and bias need no gate
+    assert [op.name for op in serial_chain(g)] == ["e", "s"]  # "out", oneDNN's possible extension, stays free
+    gate = g.get_operation_by_name("mm").inputs[0].op
+    assert gate.type == "Identity" and gate.inputs[0].name == "e:0"
+    assert [op.name for op in gate.control_inputs] == ["s"]
+    assert _compat.string_attr(gate, "_lms") == "serial_gate"
+    assert not g.get_operation_by_name("mm").control_inputs  # the pattern itself has no control edge
+    # Grappler, run on the gated graph, still fuses the pattern: the gate sits outside it.
+    assert [(k.name, k.kernel) for k in grappler_fused_kernels(g, "/device:CPU:0", 2**28)] == [
+        ("act", "_FusedMatMul")]
+    # The gated step computes what the plain one does.
+    feeds = {f"{n}:0": np.random.RandomState(i).rand(*shape).astype("float32")
+             for i, (n, shape) in enumerate([("x", (4, 8)), ("c", (4, 8))])}
+    plain = _matmul_step_graph()
+    with tf.compat.v1.Session(graph=plain) as session:
+        expected = session.run("out:0", feeds)
+    with tf.compat.v1.Session(graph=g) as session:
+        assert np.array_equal(session.run("out:0", feeds), expected)
+
+
+def test_a_kernel_whose_input_comes_from_the_last_chained_op_before_it_needs_no_gate():
+    g = _matmul_step_graph()
+    rank = {name: i for i, name in enumerate(["s", "e", "mm", "bias", "act", "out"])}
+    impose_order(g, rank, leave_free=grappler_rewritten_ops(g, "/device:CPU:0", 2**28))
+    assert [op.name for op in serial_chain(g)] == ["s", "e"]
+    assert gate_fused_kernels(g, rank, grappler_fused_kernels(_matmul_step_graph(), "/device:CPU:0", 2**28)) == []
+    assert g.get_operation_by_name("mm").inputs[0].name == "e:0"
+
+
+def test_gates_that_would_change_a_kernel_are_undone_with_a_warning(monkeypatch, capfd):
+    """If Grappler, run on the gated step, ran another kernel or read operands in another order
+    anywhere, every gate is undone: the step keeps its numbers, and the user is told why the order
+    is looser."""
+    monkeypatch.setattr(serialize_module, "kernels_changed_by_gates", lambda before, after, names: ["somewhere"])
+    g = _matmul_step_graph()
+    report = serialize_step(g, {name: i for i, name in enumerate(["e", "s", "mm", "bias", "act", "out"])},
+                            "/device:CPU:0", 2**28)
+    assert report.gates == 0 and report.gates_undone == ("somewhere",)
+    assert g.get_operation_by_name("mm").inputs[0].name == "e:0"
+    model, (x, y) = zoo.resnet_style()
+    callback = lms_tf.LMSCallback(device="/CPU:0", swap=False, recompute="sqrt", serialize=True, device_spec=SPEC)
+    with pytest.warns(LMSWarning, match=r"serialize=True left Grappler's fused kernels free .* at somewhere"):
+        model.fit(x, y, batch_size=zoo.BATCH, epochs=1, verbose=0, callbacks=[callback])
 
 
 def test_grappler_runs_offline_on_the_step_as_the_runtime_runs_it(monkeypatch):
@@ -261,6 +336,19 @@ def test_tensorflow_runs_the_ops_in_the_simulated_order(recompute):
     kernels = [op for op in chain if op.type not in FREE_TYPES | {"Placeholder"}]
     assert len(ran) >= 0.5 * len(kernels), (len(ran), len(kernels))
     assert ran == sorted(ran)
+    # The fused kernels run off the chain, each held behind a gate: it starts after the chained op
+    # its gate waits for (without the gate, a recomputed one would start with the forward pass).
+    gates = [op for op in graph.get_operations() if _compat.string_attr(op, "_lms") == "serial_gate"]
+    readers = {reader.name: gate.control_inputs[0].name for gate in gates for reader in gate.outputs[0].consumers()}
+    gated_kernels = {kernel.name: readers[reader] for kernel in grappler_fused_kernels(graph, "/device:CPU:0", 2**28)
+                     for reader in kernel.ops if reader in readers}
+    started = {}
+    for index, event in enumerate(events):
+        started.setdefault(event.node, index)
+    seen = [(started[after], started[kernel]) for kernel, after in gated_kernels.items()
+            if kernel in started and after in started]
+    assert len(gated_kernels) >= 5 and len(seen) >= 0.5 * len(gated_kernels), (len(gated_kernels), len(seen))
+    assert all(after < kernel for after, kernel in seen), seen
     # The unserialized step runs in another order on this machine: the check can fail.
     free = tf.function(step)
     free(xb, yb)

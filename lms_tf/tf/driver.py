@@ -28,7 +28,7 @@ from lms_tf.simulate import simulate
 from lms_tf.tf.diagnostics import CPU_GRAPPLER_MEMORY_BYTES
 from lms_tf.tf.rewrite import apply_plan, apply_plans
 from lms_tf.tf.rewrite.recompute import simulator_name
-from lms_tf.tf.rewrite.serialize import grappler_rewritten_ops, impose_order
+from lms_tf.tf.rewrite.serialize import grappler_rewritten_ops, impose_order, serialize_step
 from lms_tf.tf.trace import build_ir
 
 logger = logging.getLogger("lms_tf")
@@ -274,10 +274,15 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
     if request.serialize:
         # Only ops whose kernel Grappler changes stay off the chain: one whose shape input it just
         # folded to a constant (it knows the step's input shapes) runs as it would, and is chained.
-        fused = grappler_rewritten_ops(graph, request.device, _grappler_memory_bytes(request), outputs=returned,
-                                       folded_shapes_unchanged=True)
-        edges = impose_order(graph, simulated_ranks(graph, ir, plan, request.cost_model()), leave_free=fused)
-        logger.info("serialized graph %s in the simulated order (%d control edges)", graph.name, edges)
+        report = serialize_step(graph, simulated_ranks(graph, ir, plan, request.cost_model()), request.device,
+                                _grappler_memory_bytes(request), outputs=returned)
+        logger.info("serialized graph %s in the simulated order (%d control edges, %d fused-kernel reads gated)",
+                    graph.name, report.edges, report.gates)
+        if report.gates_undone:
+            warn_once(f"serial-gates:{api}", f"{api}: serialize=True left Grappler's fused kernels free to run "
+                      f"early: held at their place in the chain, Grappler ran other kernels or read operands in "
+                      f"another order at {', '.join(report.gates_undone)}, which would change the numbers. The "
+                      f"numbers are unchanged; the step's order follows the simulator's less closely.")
     return plan
 
 

@@ -62,8 +62,10 @@ Examples:
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import heapq
-from typing import Collection, Dict, FrozenSet, List, Mapping, Optional, Sequence
+from typing import Collection, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -75,6 +77,8 @@ from lms_tf.core.op_kinds import (
     FUSABLE_GATE_TYPES,
     is_collective,
 )
+
+from lms_tf.tf.rewrite.common import mark
 
 SERIAL_ATTR = "_lms_serial"  # an op's position in the chain
 
@@ -196,6 +200,19 @@ def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int, *,
         >>> sorted(grappler_rewritten_ops(g, "/device:CPU:0", 2**28, removed_only=True) & {"mm", "bias", "act"})
         ['bias', 'mm']
     """
+    graph_def, optimized, in_graph = _offline_default_pipeline(graph, device, memory_bytes, outputs)
+    if removed_only:
+        kept = {node.name for node in optimized.node}
+        return frozenset(node.name for node in graph_def.node if node.name not in kept and node.name in in_graph)
+    return frozenset(name for name in _changed_nodes(graph_def, optimized, folded_shapes_unchanged)
+                     if name in in_graph)
+
+
+def _offline_default_pipeline(graph: tf.Graph, device: str, memory_bytes: int,
+                              outputs: Optional[Sequence[tf.Tensor]]):
+    """Runs Grappler's default pipeline on ``graph`` as the runtime will (see
+    :func:`grappler_rewritten_ops`); returns (the graph's GraphDef, the optimized GraphDef, the
+    names of ``graph``'s own ops)."""
     kind = tf.DeviceSpec.from_string(device).device_type or "CPU"
     virtual = f"/job:localhost/replica:0/task:0/device:{kind}:0"
     # Variables as the runtime's function arguments, with their shapes: Grappler rewrites by them.
@@ -210,11 +227,111 @@ def grappler_rewritten_ops(graph: tf.Graph, device: str, memory_bytes: int, *,
     fetches = sorted(returned | {op.name for op in ops if _compat.op_is_stateful(op.type)})
     optimized = _compat.grappler_default_optimized(graph_def, fetches, (virtual, kind, memory_bytes))
     in_graph = {op.name for op in ops}  # not the defaults function_body_graph_def gives the inputs
-    if removed_only:
-        kept = {node.name for node in optimized.node}
-        return frozenset(node.name for node in graph_def.node if node.name not in kept and node.name in in_graph)
-    return frozenset(name for name in _changed_nodes(graph_def, optimized, folded_shapes_unchanged)
-                     if name in in_graph)
+    return graph_def, optimized, in_graph
+
+
+#: The prefix of the op types Grappler's remapper fuses a pattern into (``_FusedConv2D``,
+#: ``_FusedMatMul``, ``_FusedBatchNormEx``...): the pattern's last op keeps its name.
+_FUSED_KERNEL_PREFIX = "_Fused"
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedKernel:
+    """One kernel Grappler's remapper fuses several ops of a step into.
+
+    Attributes:
+        name: The fused op's name: the pattern's last op keeps its name.
+        kernel: Its op type after Grappler, e.g. ``"_FusedConv2D"``.
+        ops: The step's ops the kernel runs: ``name`` and the ops of the pattern it removes.
+        entries: ``(op, input index)`` of each read by one of ``ops`` of a value from outside the
+            pattern that the fused kernel reads too.
+
+    Examples:
+        >>> FusedKernel("act", "_FusedMatMul", frozenset({"mm", "bias", "act"}), (("mm", 0),)).kernel
+        '_FusedMatMul'
+    """
+
+    name: str
+    kernel: str
+    ops: FrozenSet[str]
+    entries: Tuple[Tuple[str, int], ...]
+
+
+def grappler_fused_kernels(graph: tf.Graph, device: str, memory_bytes: int, *,
+                           outputs: Optional[Sequence[tf.Tensor]] = None) -> List[FusedKernel]:
+    """The kernels Grappler's remapper fuses ops of ``graph`` into, read off running the default
+    pipeline offline as :func:`grappler_rewritten_ops` does.
+
+    Examples:
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.compat.v1.placeholder(tf.float32, (4, 8), name="x")
+        ...     w, b = tf.compat.v1.placeholder(tf.float32, (8, 8)), tf.compat.v1.placeholder(tf.float32, (8,))
+        ...     y = tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w, name="mm"), b, name="bias"), name="act")
+        >>> [(k.name, k.kernel, sorted(k.ops)) for k in grappler_fused_kernels(g, "/device:CPU:0", 2**28)]
+        [('act', '_FusedMatMul', ['act', 'bias', 'mm'])]
+    """
+    graph_def, optimized, in_graph = _offline_default_pipeline(graph, device, memory_bytes, outputs)
+    return _fused_kernels(graph_def, optimized, in_graph)
+
+
+def _fused_kernels(graph_def, optimized, in_graph) -> List[FusedKernel]:
+    before, after = _NodeInputs(graph_def), _NodeInputs(optimized)
+    kernels = []
+    for node in optimized.node:
+        if not node.op.startswith(_FUSED_KERNEL_PREFIX) or node.name not in in_graph or node.name not in before.nodes:
+            continue
+        members, frontier = {node.name}, [node.name]
+        while frontier:  # the removed ops the pattern's last op reads, directly or through each other
+            for tensor in before.data_inputs(frontier.pop()):
+                source = tensor.split(":")[0]
+                if source in in_graph and source not in after.nodes and source not in members:
+                    members.add(source)
+                    frontier.append(source)
+        reads = {after.resolve(tensor) for tensor in after.data_inputs(node.name)}
+        entries = tuple(sorted(
+            (member, index) for member in members
+            for index, tensor in enumerate(before.data_inputs(member))
+            if tensor.split(":")[0] not in members and before.resolve(tensor) in reads))
+        kernels.append(FusedKernel(node.name, node.op, frozenset(members), entries))
+    return kernels
+
+
+class _NodeInputs:
+    """A GraphDef's nodes, their data inputs as ``name:port``, and values traced through identities."""
+
+    def __init__(self, graph_def):
+        self.nodes = {node.name: node for node in graph_def.node}
+
+    def data_inputs(self, name: str) -> List[str]:
+        return [i if ":" in i else f"{i}:0" for i in self.nodes[name].input if not i.startswith("^")]
+
+    def resolve(self, tensor: str) -> str:
+        source, _, port = tensor.partition(":")
+        while source in self.nodes and self.nodes[source].op in _PASS_THROUGH and self.nodes[source].input:
+            source, _, port = self.nodes[source].input[0].partition(":")
+        return f"{source}:{port or 0}"
+
+    def operands(self, name: str) -> list:
+        """What node ``name`` computes from, in the order its kernel reads it: each value through
+        identities, a constant by its contents (Grappler's common-subexpression pass keeps one of
+        several equal constants, which one depends on the graph), and the two operands of a
+        commutative op unordered (``a + b`` and ``b + a`` round alike; Grappler sorts them by name)."""
+        def operand(tensor: str):
+            value = self.resolve(tensor)
+            source = self.nodes.get(value.split(":")[0])
+            if source is not None and source.op == "Const":
+                return "const:" + source.attr["value"].tensor.SerializeToString().hex()
+            return value
+        operands = [operand(tensor) for tensor in self.data_inputs(name)]
+        if self.nodes[name].op in _COMMUTATIVE_BINARY and len(operands) == 2:
+            operands.sort()
+        return operands
+
+
+#: Ops whose two operands can swap without changing a bit of the result.
+_COMMUTATIVE_BINARY = frozenset({"Add", "AddV2", "Mul", "SquaredDifference", "Equal",
+                                 "NotEqual", "LogicalAnd", "LogicalOr", "BitwiseAnd", "BitwiseOr", "BitwiseXor"})
 
 
 _PASS_THROUGH = frozenset({"Identity", "Snapshot", "StopGradient"})
@@ -308,12 +425,9 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collect
     """
     bypass_identity_n(graph)
     order = ranked_topological_order(graph, rank)
-    reads_inputs, downstream_of_unchainable = set(), set()
+    reads_inputs, downstream_of_unchainable = _reading_step_inputs(graph, order), set()
     for name in order:
         op = graph.get_operation_by_name(name)
-        if (op.type == "Placeholder" and op.outputs[0].dtype != tf.resource
-                or any(t.op.name in reads_inputs for t in op.inputs)):
-            reads_inputs.add(name)
         if (is_collective(op.type) or (onednn_fusions and _fusable_gate_with_partner(op))
                 or any(t.op.name in downstream_of_unchainable for t in op.inputs)
                 or (free_through_control and any(c.name in downstream_of_unchainable for c in op.control_inputs))):
@@ -339,3 +453,185 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collect
             _compat.add_control_input(after, before)
             added += 1
     return added
+
+
+def _reading_step_inputs(graph: tf.Graph, order: Sequence[str]) -> set:
+    """The ops of ``order`` (a topological order of ``graph``) that read the step's inputs (its
+    non-resource placeholders), directly or through other ops."""
+    reads_inputs = set()
+    for name in order:
+        op = graph.get_operation_by_name(name)
+        if (op.type == "Placeholder" and op.outputs[0].dtype != tf.resource
+                or any(t.op.name in reads_inputs for t in op.inputs)):
+            reads_inputs.add(name)
+    return reads_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class SerialGate:
+    """A fused kernel's read re-pointed through an Identity that waits for a chained op.
+
+    Attributes:
+        reader: The op of the kernel's pattern that reads through the gate.
+        index: Which of its inputs.
+        value: The tensor it read before.
+        after: The chained op the gate waits for.
+
+    Examples:
+        >>> SerialGate("conv", 0, "x:0", "relu_3").after
+        'relu_3'
+    """
+
+    reader: str
+    index: int
+    value: str
+    after: str
+
+
+def gate_fused_kernels(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[FusedKernel]) -> List[SerialGate]:
+    """Holds each fused kernel at its place in the chain :func:`impose_order` added, without a
+    control edge on any op of its pattern.
+
+    The remapper fuses no pattern one of whose ops has a control edge, so the chain leaves those
+    ops free, and a free op runs as soon as its inputs are ready: a recomputed convolution whose
+    input is a checkpoint would run at once, long before the backward pass needs it. Each read of
+    an outside value by the kernel's pattern is re-pointed through a kept Identity with a control
+    input from the last chained op before the pattern's first op: the same gate recompute uses
+    (:mod:`lms_tf.tf.rewrite.recompute`). Only values computed from the step's inputs are gated
+    (a weight read is ready from the start either way).
+
+    Args:
+        graph: A graph :func:`impose_order` chained, in place.
+        rank: The ranks it chained by.
+        kernels: The fused kernels (:func:`grappler_fused_kernels`, read before the chain).
+
+    Returns:
+        One record per gated read (to check, or undo with :func:`undo_gates`).
+
+    Examples:
+        >>> gate_fused_kernels(tf.Graph(), {}, [])
+        []
+    """
+    order = ranked_topological_order(graph, rank)
+    position = {name: i for i, name in enumerate(order)}
+    chained = sorted((position[op.name], op) for op in serial_chain(graph))
+    chained_positions = [p for p, _ in chained]
+    reads_inputs = _reading_step_inputs(graph, order)
+    gates, made = [], {}
+    for kernel in kernels:
+        members = [name for name in kernel.ops if name in position]
+        if not members or not kernel.entries:
+            continue
+        slot = bisect.bisect_left(chained_positions, min(position[name] for name in members)) - 1
+        if slot < 0:
+            continue
+        after = chained[slot][1]
+        for reader_name, index in kernel.entries:
+            reader = graph.get_operation_by_name(reader_name)
+            value = reader.inputs[index]
+            if value.op.name not in reads_inputs or value.op is after:  # its producer holds it already
+                continue
+            key = (value.name, after.name)
+            if key not in made:
+                with graph.as_default(), graph.colocate_with(None, ignore_existing=True), \
+                        graph.device(reader.device), graph.control_dependencies([after]):
+                    made[key] = tf.identity(value, name="serial_gate")
+                mark(made[key].op, "serial_gate")
+            _compat.update_input(reader, index, made[key])
+            gates.append(SerialGate(reader.name, index, value.name, after.name))
+    return gates
+
+
+def undo_gates(graph: tf.Graph, gates: Sequence[SerialGate]) -> None:
+    """Re-points each gated read back to the value it read (the gates, unread, are pruned at run time).
+
+    Examples:
+        >>> undo_gates(tf.Graph(), [])
+    """
+    for gate in gates:
+        _compat.update_input(graph.get_operation_by_name(gate.reader), gate.index,
+                             graph.get_tensor_by_name(gate.value))
+
+
+def kernels_changed_by_gates(before, after, in_graph) -> List[str]:
+    """The step's ops whose kernel or operand order differs between two optimized GraphDefs, the
+    pipeline's result before gating and after (reads compared through identities, the gates too).
+
+    Examples:
+        >>> from tensorflow.core.framework import graph_pb2
+        >>> kernels_changed_by_gates(graph_pb2.GraphDef(), graph_pb2.GraphDef(), set())
+        []
+    """
+    old, new = _NodeInputs(before), _NodeInputs(after)
+    changed = []
+    for name, node in old.nodes.items():
+        # Constants and shapes: what constant folding materialises moves with the chain's control
+        # edges, not with a value; the ops that read them are compared.
+        if name not in in_graph or node.op == "Const" or node.op in _SHAPE_TYPES:
+            continue
+        if name not in new.nodes or new.nodes[name].op != node.op or old.operands(name) != new.operands(name):
+            changed.append(name)
+    return changed
+
+
+@dataclasses.dataclass(frozen=True)
+class SerializeReport:
+    """What :func:`serialize_step` did.
+
+    Attributes:
+        edges: Control edges added between chained ops.
+        gates: Fused kernels' reads held at their place in the chain.
+        gates_undone: Gates taken out again because Grappler then ran another kernel or read
+            operands in another order somewhere (the op names, at most five); empty when all held.
+
+    Examples:
+        >>> SerializeReport(12, 3, ()).gates
+        3
+    """
+
+    edges: int
+    gates: int
+    gates_undone: Tuple[str, ...]
+
+
+def serialize_step(graph: tf.Graph, rank: Mapping[str, float], device: str, memory_bytes: int, *,
+                   outputs: Optional[Sequence[tf.Tensor]] = None) -> SerializeReport:
+    """Runs ``graph``'s step in the order of ``rank``: the chain (:func:`impose_order`), each fused
+    kernel held at its place (:func:`gate_fused_kernels`), and a check that Grappler still runs
+    the very kernels, with operands in the same order, as it did before.
+
+    Ops Grappler fuses or regroups are left off the chain. A fused kernel is then gated; the
+    pipeline is run offline once more, and if any op's kernel or operand order changed, every
+    gate is undone: the numbers come first, the order second.
+
+    Args:
+        graph: The step's graph, being traced, rewritten already.
+        rank: Op name -> rank; lower runs first.
+        device: The step's device.
+        memory_bytes: The memory the runtime tells Grappler the device has.
+        outputs: The tensors the step returns, when known.
+
+    Returns:
+        What was chained and gated.
+
+    Examples:
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.compat.v1.placeholder(tf.float32, (4, 8), name="x")
+        ...     y, z = tf.square(x, name="y"), tf.exp(x, name="z")
+        >>> serialize_step(g, {"y": 1, "z": 0}, "/device:CPU:0", 2**28)
+        SerializeReport(edges=1, gates=0, gates_undone=())
+    """
+    graph_def, optimized, in_graph = _offline_default_pipeline(graph, device, memory_bytes, outputs)
+    free = frozenset(name for name in _changed_nodes(graph_def, optimized, folded_shapes_unchanged=True)
+                     if name in in_graph)
+    edges = impose_order(graph, rank, leave_free=free)
+    gates = gate_fused_kernels(graph, rank, _fused_kernels(graph_def, optimized, in_graph))
+    if not gates:
+        return SerializeReport(edges, 0, ())
+    _, gated, _ = _offline_default_pipeline(graph, device, memory_bytes, outputs)
+    changed = kernels_changed_by_gates(optimized, gated, in_graph)
+    if changed:
+        undo_gates(graph, gates)
+        return SerializeReport(edges, 0, tuple(changed[:5]))
+    return SerializeReport(edges, len(gates), ())
