@@ -31,7 +31,7 @@ FAMILIES = ["sequential_cnn", "resnet_style", "inception_style", "subclassed", "
 def decoder_lm(vocab=64, width=32, heads=2, length=12):
     """A decoder-only Transformer block: Embedding whose matrix is also the output projection
     (tied), causal MultiHeadAttention, LayerNorm, an MLP."""
-    zoo._seed()
+    zoo.reseed()
     tokens = keras.Input((length,), dtype="int32")
     embed = keras.layers.Embedding(vocab, width)
     h = embed(tokens)

@@ -31,7 +31,7 @@ MICROBATCHES = 4
 
 def attention_block():
     """A Transformer encoder block: self-attention and a GELU MLP, each in a residual with LayerNorm."""
-    zoo._seed()
+    zoo.reseed()
     rng = np.random.RandomState(9)
     x = rng.rand(3 * zoo.BATCH, 12, 16).astype("float32")
     y = rng.randint(0, 5, 3 * zoo.BATCH).astype("int32")
@@ -49,7 +49,7 @@ def attention_block():
 def operator_residual():
     """A residual MLP whose sums are ``x + h`` on Keras tensors: Keras makes an operation of each
     (not a layer ``model.get_layer`` knows), and a stage runs it like a layer."""
-    zoo._seed()
+    zoo.reseed()
     rng = np.random.RandomState(11)
     x = rng.rand(3 * zoo.BATCH, 32).astype("float32")
     y = rng.randint(0, 5, 3 * zoo.BATCH).astype("int32")
@@ -131,7 +131,7 @@ def test_twelve_microbatches_sum_in_microbatch_order(name, schedule):
 
 def two_inputs():
     """An image branch and a feature branch joined: two model inputs, one read only by a later stage."""
-    zoo._seed()
+    zoo.reseed()
     rng = np.random.RandomState(6)
     x = {"image": rng.rand(3 * zoo.BATCH, 12, 12, 3).astype("float32"),
          "features": rng.rand(3 * zoo.BATCH, 6).astype("float32")}
@@ -257,7 +257,7 @@ def test_the_memory_balanced_partition_trains_as_a_pipeline():
 def test_layers_without_ops_join_the_stage_before_them():
     """A partition names the layers that put ops in the traced step; a linear Activation puts none."""
     def build():
-        zoo._seed()
+        zoo.reseed()
         x = np.random.RandomState(2).rand(3 * zoo.BATCH, 16).astype("float32")
         y = np.random.RandomState(3).randint(0, 5, 3 * zoo.BATCH).astype("int32")
         model = keras.Sequential([keras.Input((16,)), layers.Dense(32, activation="relu", name="a"),
