@@ -111,7 +111,7 @@ def wide_mlp():
 
     from tests import zoo
 
-    zoo._seed()
+    zoo.reseed()
     rng = np.random.RandomState(8)
     x, y = rng.rand(256, 1024).astype("float32"), rng.randint(0, 10, 256).astype("int32")
     layers = [keras.Input((1024,))] + [keras.layers.Dense(1024, activation="relu", name=f"dense_{i}") for i in range(6)]
@@ -126,7 +126,7 @@ def wide_cnn():
 
     from tests import zoo
 
-    zoo._seed()
+    zoo.reseed()
     rng = np.random.RandomState(9)
     x, y = rng.rand(64, 32, 32, 3).astype("float32"), rng.randint(0, 10, 64).astype("int32")
     layers = [keras.Input((32, 32, 3))] + [
