@@ -424,27 +424,7 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collect
         (1, ['z'])
     """
     bypass_identity_n(graph)
-    order = ranked_topological_order(graph, rank)
-    reads_inputs, downstream_of_unchainable = _reading_step_inputs(graph, order), set()
-    for name in order:
-        op = graph.get_operation_by_name(name)
-        if (is_collective(op.type) or (onednn_fusions and _fusable_gate_with_partner(op))
-                or any(t.op.name in downstream_of_unchainable for t in op.inputs)
-                or (free_through_control and any(c.name in downstream_of_unchainable for c in op.control_inputs))):
-            downstream_of_unchainable.add(name)
-    chain = [graph.get_operation_by_name(name) for name in order
-             if name in rank and name in reads_inputs and name not in downstream_of_unchainable]
-    # Fused kernels (see the module docstring): a control edge would change or deadlock them.
-    fused_after_grappler = set()
-    if onednn_fusions:
-        fused_after_grappler = {op.name for op in chain if op.type in FUSABLE_GATE_TYPES}
-        fused_after_grappler |= {partner.name for name in order
-                                 for partner in _fusable_gate_with_partner(graph.get_operation_by_name(name))}
-        # oneDNN also extends a fused contraction by the elementwise op that alone reads it (the
-        # residual Add of MatMul + BiasAdd + Add in bfloat16), where Grappler offline shows no such fusion.
-        fused_after_grappler |= {reader.name for name in leave_free
-                                 for reader in _sole_elementwise_reader(graph, name)}
-    chain = [op for op in chain if op.name not in fused_after_grappler and op.name not in leave_free]
+    chain, _ = _chain_and_held(graph, rank, leave_free, free_through_control, onednn_fusions)
     for position, op in enumerate(chain):
         _compat.set_int_attr(op, SERIAL_ATTR, position)
     added = 0
@@ -453,6 +433,37 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collect
             _compat.add_control_input(after, before)
             added += 1
     return added
+
+
+def _chain_and_held(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collection[str],
+                    free_through_control: bool = True, onednn_fusions: bool = True):
+    """The ops :func:`impose_order` chains, in order, and the ops it leaves free only because
+    Grappler rewrites them (which :func:`gate_free_ops` may hold at their place instead)."""
+    order = ranked_topological_order(graph, rank)
+    reads_inputs, downstream_of_unchainable = _reading_step_inputs(graph, order), set()
+    for name in order:
+        op = graph.get_operation_by_name(name)
+        if (is_collective(op.type) or (onednn_fusions and _fusable_gate_with_partner(op))
+                or any(t.op.name in downstream_of_unchainable for t in op.inputs)
+                or (free_through_control and any(c.name in downstream_of_unchainable for c in op.control_inputs))):
+            downstream_of_unchainable.add(name)
+    candidates = [graph.get_operation_by_name(name) for name in order
+                  if name in rank and name in reads_inputs and name not in downstream_of_unchainable]
+    # Fused kernels (see the module docstring): a control edge would change or deadlock them.
+    fused_after_grappler = set()
+    if onednn_fusions:
+        fused_after_grappler = {op.name for op in candidates if op.type in FUSABLE_GATE_TYPES}
+        fused_after_grappler |= {partner.name for name in order
+                                 for partner in _fusable_gate_with_partner(graph.get_operation_by_name(name))}
+        # oneDNN also extends a fused contraction by the elementwise op that alone reads it (the
+        # residual Add of MatMul + BiasAdd + Add in bfloat16), where Grappler offline shows no such fusion.
+        fused_after_grappler |= {reader.name for name in leave_free
+                                 for reader in _sole_elementwise_reader(graph, name)}
+    chain = [op for op in candidates if op.name not in fused_after_grappler and op.name not in leave_free]
+    # oneDNN's fusions after Grappler cannot be checked offline, and a BiasAddGrad fuses only with
+    # a partner reading the very same tensor: those are neither chained nor held.
+    held = [op for op in candidates if op.name not in fused_after_grappler and op.name in leave_free]
+    return chain, held
 
 
 def _reading_step_inputs(graph: tf.Graph, order: Sequence[str]) -> set:
@@ -488,48 +499,61 @@ class SerialGate:
     after: str
 
 
-def gate_fused_kernels(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[FusedKernel]) -> List[SerialGate]:
-    """Holds each fused kernel at its place in the chain :func:`impose_order` added, without a
-    control edge on any op of its pattern.
+def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[FusedKernel],
+                  leave_free: Collection[str]) -> List[SerialGate]:
+    """Holds each op :func:`impose_order` left free because Grappler rewrites it at its place in the
+    chain, without a control edge on it.
 
-    The remapper fuses no pattern one of whose ops has a control edge, so the chain leaves those
-    ops free, and a free op runs as soon as its inputs are ready: a recomputed convolution whose
-    input is a checkpoint would run at once, long before the backward pass needs it. Each read of
-    an outside value by the kernel's pattern is re-pointed through a kept Identity with a control
-    input from the last chained op before the pattern's first op: the same gate recompute uses
-    (:mod:`lms_tf.tf.rewrite.recompute`). Only values computed from the step's inputs are gated
-    (a weight read is ready from the start either way).
+    A control edge on such an op stops the rewrite (the remapper fuses no pattern one of whose ops
+    has one; the arithmetic optimizer regroups no sum that has one), which changes the numbers.
+    Left free, an op runs as soon as its inputs are ready: a recomputed convolution whose input is
+    a checkpoint would run at once, long before the backward pass needs it, and a batch norm's
+    gradient ``Tile`` would run before the ops the simulator put first. So each read of a value
+    from outside what Grappler rewrites together (a fused kernel's pattern, or the op itself) is
+    re-pointed through a kept Identity with a control input from the last chained op before it:
+    the gate recompute uses (:mod:`lms_tf.tf.rewrite.recompute`). Only values computed from the
+    step's inputs are gated (a weight read is ready from the start either way), and a value whose
+    producer is that chained op needs none.
 
     Args:
         graph: A graph :func:`impose_order` chained, in place.
         rank: The ranks it chained by.
         kernels: The fused kernels (:func:`grappler_fused_kernels`, read before the chain).
+        leave_free: The ops it left free because Grappler rewrites them.
 
     Returns:
         One record per gated read (to check, or undo with :func:`undo_gates`).
 
     Examples:
-        >>> gate_fused_kernels(tf.Graph(), {}, [])
+        >>> gate_free_ops(tf.Graph(), {}, [], ())
         []
     """
+    chain, held = _chain_and_held(graph, rank, leave_free)
     order = ranked_topological_order(graph, rank)
     position = {name: i for i, name in enumerate(order)}
-    chained = sorted((position[op.name], op) for op in serial_chain(graph))
+    chained = sorted((position[op.name], op) for op in chain)
     chained_positions = [p for p, _ in chained]
     reads_inputs = _reading_step_inputs(graph, order)
+    held_names = {op.name for op in held}
+    units, in_kernel = [], set()
+    for kernel in kernels:  # a fused pattern is held as one: its reads from outside it
+        if kernel.ops & held_names:
+            units.append(([name for name in kernel.ops if name in position], list(kernel.entries)))
+            in_kernel |= kernel.ops
+    for op in held:
+        if op.name not in in_kernel:  # what another rewritten op computes is held through that op
+            units.append(([op.name], [(op.name, index) for index, value in enumerate(op.inputs)
+                                      if value.op.name not in leave_free]))
     gates, made = [], {}
-    for kernel in kernels:
-        members = [name for name in kernel.ops if name in position]
-        if not members or not kernel.entries:
-            continue
+    for members, entries in units:
         slot = bisect.bisect_left(chained_positions, min(position[name] for name in members)) - 1
         if slot < 0:
             continue
         after = chained[slot][1]
-        for reader_name, index in kernel.entries:
+        for reader_name, index in entries:
             reader = graph.get_operation_by_name(reader_name)
             value = reader.inputs[index]
-            if value.op.name not in reads_inputs or value.op is after:  # its producer holds it already
+            if value.op.name not in reads_inputs or value.op is after:  # ready from the start, or held already
                 continue
             key = (value.name, after.name)
             if key not in made:
@@ -581,8 +605,9 @@ class SerializeReport:
     Attributes:
         edges: Control edges added between chained ops.
         gates: Fused kernels' reads held at their place in the chain.
-        gates_undone: Gates taken out again because Grappler then ran another kernel or read
-            operands in another order somewhere (the op names, at most five); empty when all held.
+        gates_undone: Where Grappler, run on the gated step, ran another kernel or read operands
+            in another order (op names, at most five): the gates there were taken out again.
+            Empty when every gate held.
 
     Examples:
         >>> SerializeReport(12, 3, ()).gates
@@ -596,13 +621,14 @@ class SerializeReport:
 
 def serialize_step(graph: tf.Graph, rank: Mapping[str, float], device: str, memory_bytes: int, *,
                    outputs: Optional[Sequence[tf.Tensor]] = None) -> SerializeReport:
-    """Runs ``graph``'s step in the order of ``rank``: the chain (:func:`impose_order`), each fused
-    kernel held at its place (:func:`gate_fused_kernels`), and a check that Grappler still runs
-    the very kernels, with operands in the same order, as it did before.
+    """Runs ``graph``'s step in the order of ``rank``: the chain (:func:`impose_order`), each op
+    Grappler rewrites held at its place (:func:`gate_free_ops`), and a check that Grappler still
+    runs the very kernels, with operands in the same order, as it did before.
 
-    Ops Grappler fuses or regroups are left off the chain. A fused kernel is then gated; the
-    pipeline is run offline once more, and if any op's kernel or operand order changed, every
-    gate is undone: the numbers come first, the order second.
+    Ops Grappler fuses or regroups are left off the chain, then gated. The pipeline is run offline
+    once more: where an op's kernel or operand order changed, the gates on its reads (or on its
+    fused pattern's) are undone and the check repeated; after the last check, every gate still
+    in doubt is undone. The numbers come first, the order second.
 
     Args:
         graph: The step's graph, being traced, rewritten already.
@@ -626,12 +652,33 @@ def serialize_step(graph: tf.Graph, rank: Mapping[str, float], device: str, memo
     free = frozenset(name for name in _changed_nodes(graph_def, optimized, folded_shapes_unchanged=True)
                      if name in in_graph)
     edges = impose_order(graph, rank, leave_free=free)
-    gates = gate_fused_kernels(graph, rank, _fused_kernels(graph_def, optimized, in_graph))
-    if not gates:
-        return SerializeReport(edges, 0, ())
-    _, gated, _ = _offline_default_pipeline(graph, device, memory_bytes, outputs)
-    changed = kernels_changed_by_gates(optimized, gated, in_graph)
-    if changed:
-        undo_gates(graph, gates)
-        return SerializeReport(edges, 0, tuple(changed[:5]))
-    return SerializeReport(edges, len(gates), ())
+    kernels = _fused_kernels(graph_def, optimized, in_graph)
+    gates = gate_free_ops(graph, rank, kernels, free)
+    undone: List[str] = []
+    for _ in range(_GATE_CHECKS):
+        if not gates:
+            break
+        _, gated, _ = _offline_default_pipeline(graph, device, memory_bytes, outputs)
+        changed = kernels_changed_by_gates(optimized, gated, in_graph)
+        if not changed:
+            break
+        undone += [name for name in changed if name not in undone]
+        # The gates on what changed: its own reads, those of the pattern it is the kernel of, and
+        # those of the rewritten ops it reads (a regrouped product is read through its last op).
+        touched = set(changed) | {name for kernel in kernels if kernel.name in changed for name in kernel.ops}
+        frontier = [name for name in touched if name in in_graph]
+        while frontier:
+            for value in graph.get_operation_by_name(frontier.pop()).inputs:
+                if value.op.name in free and value.op.name not in touched:
+                    touched.add(value.op.name)
+                    frontier.append(value.op.name)
+        implicated = [gate for gate in gates if gate.reader in touched]
+        if not implicated or _ == _GATE_CHECKS - 1:
+            implicated = gates
+        undo_gates(graph, implicated)
+        gates = [gate for gate in gates if gate not in implicated]
+    return SerializeReport(edges, len(gates), tuple(undone[:5]))
+
+
+#: Offline Grappler runs that check the gates; after the last, any gate still in doubt is undone.
+_GATE_CHECKS = 3
