@@ -99,6 +99,24 @@ def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
     op._add_control_input(control)  # pylint: disable=protected-access
 
 
+def remove_control_input(op: tf.Operation, control: tf.Operation) -> None:
+    """Removes the control edge ``control -> op`` (the others stay).
+
+    Examples:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     a, b = tf.constant(1.0, name="a"), tf.constant(2.0, name="b")
+        ...     c = tf.identity(a, name="c")
+        >>> add_control_input(c.op, a.op); add_control_input(c.op, b.op); remove_control_input(c.op, a.op)
+        >>> [op.name for op in c.op.control_inputs]
+        ['b']
+    """
+    keep = [other for other in op.control_inputs if other is not control]
+    op._remove_all_control_inputs()  # pylint: disable=protected-access
+    op._add_control_inputs(keep)  # pylint: disable=protected-access
+
+
 def set_string_attr(op: tf.Operation, name: str, value: str) -> None:
     """Sets a string attribute such as ``_lms`` on ``op``.
 

@@ -276,7 +276,7 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
         # folded to a constant (it knows the step's input shapes) runs as it would, and is chained.
         report = serialize_step(graph, simulated_ranks(graph, ir, plan, request.cost_model()), request.device,
                                 _grappler_memory_bytes(request), outputs=returned)
-        logger.info("serialized graph %s in the simulated order (%d control edges, %d reads of rewritten ops gated)",
+        logger.info("serialized graph %s in the simulated order (%d control edges; %d gates hold ops Grappler rewrites)",
                     graph.name, report.edges, report.gates)
         if report.gates_undone:  # as before gates existed: informative, not a warning
             logger.info("%s: serialize=True holds the ops Grappler rewrites at their place in the chain, except "

@@ -78,7 +78,7 @@ from lms_tf.core.op_kinds import (
     is_collective,
 )
 
-from lms_tf.tf.rewrite.common import mark
+from lms_tf.tf.rewrite.common import LMS_ATTR, mark
 
 SERIAL_ATTR = "_lms_serial"  # an op's position in the chain
 
@@ -480,23 +480,40 @@ def _reading_step_inputs(graph: tf.Graph, order: Sequence[str]) -> set:
 
 @dataclasses.dataclass(frozen=True)
 class SerialGate:
-    """A fused kernel's read re-pointed through an Identity that waits for a chained op.
+    """One edge :func:`gate_free_ops` added to hold an op Grappler rewrites at its place.
+
+    Two kinds. An ``"entry"``: ``reader`` (an op of the held pattern) reads ``value`` through an
+    Identity that waits for ``after``. An ``"exit"``: ``reader`` is an Identity reading ``value``
+    (the held pattern's result), and ``after`` waits for it.
 
     Attributes:
-        reader: The op of the kernel's pattern that reads through the gate.
-        index: Which of its inputs.
-        value: The tensor it read before.
-        after: The chained op the gate waits for.
+        kind: ``"entry"`` or ``"exit"``.
+        reader: The op that reads through the gate (entry), or the exit Identity.
+        index: Which of the reader's inputs.
+        value: The tensor it reads (entry: read before the gate).
+        after: The op the entry gate waits for, or the op that waits for the exit.
 
     Examples:
-        >>> SerialGate("conv", 0, "x:0", "relu_3").after
+        >>> SerialGate("entry", "conv", 0, "x:0", "relu_3").after
         'relu_3'
     """
 
+    kind: str
     reader: str
     index: int
     value: str
     after: str
+
+
+@dataclasses.dataclass
+class _Held:
+    """Ops Grappler rewrites together, held as one: where they start and end in the order, the
+    reads from outside them, and the op whose result is theirs."""
+
+    start: int
+    end: int
+    entries: List[Tuple[str, int]]
+    last: str
 
 
 def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[FusedKernel],
@@ -508,12 +525,19 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
     has one; the arithmetic optimizer regroups no sum that has one), which changes the numbers.
     Left free, an op runs as soon as its inputs are ready: a recomputed convolution whose input is
     a checkpoint would run at once, long before the backward pass needs it, and a batch norm's
-    gradient ``Tile`` would run before the ops the simulator put first. So each read of a value
-    from outside what Grappler rewrites together (a fused kernel's pattern, or the op itself) is
-    re-pointed through a kept Identity with a control input from the last chained op before it:
-    the gate recompute uses (:mod:`lms_tf.tf.rewrite.recompute`). Only values computed from the
-    step's inputs are gated (a weight read is ready from the start either way), and a value whose
-    producer is that chained op needs none.
+    gradient ``Tile`` would run before the ops the simulator put first. So what Grappler rewrites
+    together (a fused pattern, or one op) is held as one, between the chained or held item that
+    ends before it starts and the one that starts after it ends:
+
+    - **entry**: each read of a value from outside it goes through a kept Identity with a control
+      input from the item before (from that item's exit, if it is held too), the gate recompute
+      uses (:mod:`lms_tf.tf.rewrite.recompute`). Only values computed from the step's inputs are
+      gated (a weight read is ready from the start either way), and a value the item before
+      produces needs none.
+    - **exit**: a kept Identity reads its result, and the chained op after it waits for that
+      Identity (a held item after it gates on it). A data read, not a control edge, so the
+      pattern keeps none. Not made where oneDNN may extend a fused contraction by its sole
+      elementwise reader, which a second reader would stop.
 
     Args:
         graph: A graph :func:`impose_order` chained, in place.
@@ -522,7 +546,7 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
         leave_free: The ops it left free because Grappler rewrites them.
 
     Returns:
-        One record per gated read (to check, or undo with :func:`undo_gates`).
+        One record per edge added (to check, or undo with :func:`undo_gates`).
 
     Examples:
         >>> gate_free_ops(tf.Graph(), {}, [], ())
@@ -531,26 +555,50 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
     chain, held = _chain_and_held(graph, rank, leave_free)
     order = ranked_topological_order(graph, rank)
     position = {name: i for i, name in enumerate(order)}
-    chained = sorted((position[op.name], op) for op in chain)
-    chained_positions = [p for p, _ in chained]
     reads_inputs = _reading_step_inputs(graph, order)
     held_names = {op.name for op in held}
+    kernel_names = {kernel.name for kernel in kernels}
     units, in_kernel = [], set()
     for kernel in kernels:  # a fused pattern is held as one: its reads from outside it
-        if kernel.ops & held_names:
-            units.append(([name for name in kernel.ops if name in position], list(kernel.entries)))
+        members = [name for name in kernel.ops if name in position]
+        if kernel.ops & held_names and kernel.name in position:
+            units.append(_Held(min(position[n] for n in members), position[kernel.name], list(kernel.entries),
+                               kernel.name))
             in_kernel |= kernel.ops
     for op in held:
         if op.name not in in_kernel:  # what another rewritten op computes is held through that op
-            units.append(([op.name], [(op.name, index) for index, value in enumerate(op.inputs)
-                                      if value.op.name not in leave_free]))
-    gates, made = [], {}
-    for members, entries in units:
-        slot = bisect.bisect_left(chained_positions, min(position[name] for name in members)) - 1
+            units.append(_Held(position[op.name], position[op.name],
+                               [(op.name, index) for index, value in enumerate(op.inputs)
+                                if value.op.name not in leave_free], op.name))
+    records: List[SerialGate] = []
+    # What each item leaves behind for the next to wait for: a chained op itself, a held one's exit
+    # (made when first needed, so that no exit is left that nothing waits for).
+    done: List[Tuple[int, object]] = [(position[op.name], op) for op in chain]
+    done += [(unit.end, unit) for unit in units if _may_read_for_exit(graph, unit.last, kernel_names, leave_free)]
+    done.sort(key=lambda item: item[0])
+    ends = [end for end, _ in done]
+    exits: Dict[str, tf.Operation] = {}
+
+    def item_before(start: int) -> Optional[tf.Operation]:
+        slot = bisect.bisect_left(ends, start) - 1
         if slot < 0:
+            return None
+        item = done[slot][1]
+        if isinstance(item, tf.Operation):
+            return item
+        if item.last not in exits:
+            last = graph.get_operation_by_name(item.last)
+            with graph.as_default(), graph.colocate_with(None, ignore_existing=True), graph.device(last.device):
+                exits[item.last] = tf.identity(last.outputs[0], name="serial_exit").op
+            mark(exits[item.last], "serial_exit")
+        return exits[item.last]
+
+    made = {}
+    for unit in units:
+        after = item_before(unit.start)
+        if after is None:
             continue
-        after = chained[slot][1]
-        for reader_name, index in entries:
+        for reader_name, index in unit.entries:
             reader = graph.get_operation_by_name(reader_name)
             value = reader.inputs[index]
             if value.op.name not in reads_inputs or value.op is after:  # ready from the start, or held already
@@ -562,19 +610,46 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
                     made[key] = tf.identity(value, name="serial_gate")
                 mark(made[key].op, "serial_gate")
             _compat.update_input(reader, index, made[key])
-            gates.append(SerialGate(reader.name, index, value.name, after.name))
-    return gates
+            records.append(SerialGate("entry", reader.name, index, value.name, after.name))
+    for op in chain:  # a chained op waits for the held item that ends last before it
+        after = item_before(position[op.name])
+        if after is not None and _compat.string_attr(after, LMS_ATTR) == "serial_exit" \
+                and after not in op.control_inputs:
+            _compat.add_control_input(op, after)
+    for exit_op in exits.values():
+        records.append(SerialGate("exit", exit_op.name, 0, exit_op.inputs[0].name, ""))
+    return records
+
+
+def _may_read_for_exit(graph: tf.Graph, name: str, kernel_names: Collection[str], leave_free: Collection[str]) -> bool:
+    """Whether an exit may read op ``name``'s result: a second reader must not stop a rewrite.
+
+    Not when oneDNN may extend a fused contraction by its sole elementwise reader, nor when every
+    reader of an op that is not a fused kernel is rewritten too: the arithmetic optimizer regroups
+    products and sums only through ops with one reader (``(dy * rsqrt) * lr``)."""
+    op = graph.get_operation_by_name(name)
+    if not op.outputs or _sole_elementwise_reader(graph, name):
+        return False
+    readers = [reader for output in op.outputs for reader in output.consumers()]
+    return name in kernel_names or not readers or not all(reader.name in leave_free for reader in readers)
 
 
 def undo_gates(graph: tf.Graph, gates: Sequence[SerialGate]) -> None:
-    """Re-points each gated read back to the value it read (the gates, unread, are pruned at run time).
+    """Takes gates out: an entry's reader reads its value again; nothing waits for an exit any more
+    (unread gates are pruned at run time).
 
     Examples:
         >>> undo_gates(tf.Graph(), [])
     """
+    exits = {gate.reader for gate in gates if gate.kind == "exit"}
+    if exits:
+        for op in graph.get_operations():
+            for control in [c for c in op.control_inputs if c.name in exits]:
+                _compat.remove_control_input(op, control)
     for gate in gates:
-        _compat.update_input(graph.get_operation_by_name(gate.reader), gate.index,
-                             graph.get_tensor_by_name(gate.value))
+        if gate.kind == "entry":
+            _compat.update_input(graph.get_operation_by_name(gate.reader), gate.index,
+                                 graph.get_tensor_by_name(gate.value))
 
 
 def kernels_changed_by_gates(before, after, in_graph) -> List[str]:
@@ -672,7 +747,8 @@ def serialize_step(graph: tf.Graph, rank: Mapping[str, float], device: str, memo
                 if value.op.name in free and value.op.name not in touched:
                     touched.add(value.op.name)
                     frontier.append(value.op.name)
-        implicated = [gate for gate in gates if gate.reader in touched]
+        implicated = [gate for gate in gates if gate.reader in touched
+                      or gate.kind == "exit" and gate.value.split(":")[0] in touched]
         if not implicated or _ == _GATE_CHECKS - 1:
             implicated = gates
         undo_gates(graph, implicated)
