@@ -17,8 +17,13 @@ profiled steps. Two tables:
 
     .venv/bin/python benchmarks/allocator_validation.py              # the zoo: tables into docs/benchmarks/planner.md
     .venv/bin/python benchmarks/allocator_validation.py --held-out   # models the rules were not read from
+    ... --serialized-only   # measure the serialized steps again; keep the published free-order table
+
+``--serialized-only`` is for a change to serialization alone, which a free-order step does not
+run: the free-order table is carried over from the page, under a line that says from which run.
 """
 
+import datetime
 import json
 import logging
 import os
@@ -94,12 +99,12 @@ def table(runs):
     return "\n".join(lines)
 
 
-def run_model(spec):
-    """Every process of one model (both orders, both steps); saved so a long run can be resumed."""
-    saved = OUT / "allocator_validation" / f"{spec.replace(',', '_')}.json"
+def run_model(spec, orders=(("serialized", SERIALIZED_PROCESSES), ("free", PROCESSES))):
+    """Every process of one model (each order, both steps); saved so a long run can be resumed."""
+    saved = OUT / "allocator_validation" / f"{spec.replace(',', '_')}{'' if len(orders) > 1 else '_' + orders[0][0]}.json"
     if saved.exists():
         return json.loads(saved.read_text())
-    jobs = [(order, step, process) for order, processes in (("serialized", SERIALIZED_PROCESSES), ("free", PROCESSES))
+    jobs = [(order, step, process) for order, processes in orders
             for process in range(processes) for step in ("plain", "sqrt")]
     rows = [{} for _ in range(PROCESSES)]
     for j, (order, step, process) in enumerate(jobs, 1):
@@ -110,6 +115,19 @@ def run_model(spec):
     return rows
 
 
+def _published_free_order(block):
+    """The free-order table of ``block`` as the page has it now, and the run it came from."""
+    with open(os.path.join(ROOT, "docs", "benchmarks", "planner.md"), encoding="utf-8") as handle:
+        content = handle.read()
+    section = content[content.index(f"<!-- benchmark:{block} begin -->"):content.index(f"<!-- benchmark:{block} end -->")]
+    _, marker, rest = section.partition("Free order (TensorFlow's CPU executor picks)")
+    header, _, free = rest.partition("\n")
+    if not marker or "run of " not in header:
+        raise SystemExit(f"--serialized-only: the page's {block} block has no free-order table that says which run "
+                         f"it is from; run without --serialized-only.")
+    return f"run of {header.split('run of ', 1)[1].rstrip(':')}:\n\n{free.strip()}"
+
+
 def main():
     """Runs (or, for models already measured, reads back) the zoo, or with ``--held-out`` the held-out
     models, and writes their tables. ``--fresh`` forgets earlier measurements."""
@@ -118,14 +136,18 @@ def main():
         for path in (OUT / "allocator_validation").glob("*.json"):
             path.unlink()
     held_out = "--held-out" in sys.argv
-    runs = [run_model(spec) for spec in (HELD_OUT if held_out else ZOO)]
-    text = ("Serialized (the simulator's order imposed):\n\n" + serialized_table(runs)
-            + "\n\nFree order (TensorFlow's CPU executor picks):\n\n" + table(runs))
-    if held_out:
-        publish("allocator_held_out", text, page="planner")
-    else:
-        publish("allocator_validation", text, page="planner")
     block = "allocator_held_out" if held_out else "allocator_validation"
+    if "--serialized-only" in sys.argv:
+        runs = [run_model(spec, orders=(("serialized", SERIALIZED_PROCESSES),)) for spec in (HELD_OUT if held_out else ZOO)]
+        free = _published_free_order(block)
+        text = ("Serialized (the simulator's order imposed):\n\n" + serialized_table(runs)
+                + f"\n\nFree order (TensorFlow's CPU executor picks), carried over from the {free}")
+    else:
+        runs = [run_model(spec) for spec in (HELD_OUT if held_out else ZOO)]
+        text = ("Serialized (the simulator's order imposed):\n\n" + serialized_table(runs)
+                + f"\n\nFree order (TensorFlow's CPU executor picks), run of {datetime.date.today()}:\n\n"
+                + table(runs))
+    publish(block, text, page="planner")
     with open(OUT / f"{block}.json", "w") as handle:
         json.dump(runs, handle, indent=1)
     print(text)

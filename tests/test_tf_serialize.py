@@ -109,7 +109,7 @@ def test_ops_grappler_fuses_stay_off_the_chain():
     assert [op.name for op in serial_chain(g)] == ["dy"]
 
 
-def _matmul_step_graph():
+def _matmul_step_graph(head="scale"):
     """x -> exp -> MatMul + BiasAdd + Relu (fused by the remapper) -> * max(c) (not elementwise:
     ``c``'s sole elementwise reader would be left free, as oneDNN may fuse one into ``c``'s producer)."""
     g = tf.Graph()
@@ -121,7 +121,11 @@ def _matmul_step_graph():
         e = tf.exp(x, name="e")
         s = tf.reduce_max(c, axis=0, name="s")
         h = tf.nn.relu(tf.nn.bias_add(tf.matmul(e, w, name="mm"), b, name="bias"), name="act")
-        tf.multiply(h, s, name="out")
+        if head == "scale":
+            tf.multiply(h, s, name="out")
+        else:  # not elementwise: nothing for oneDNN to extend the fused MatMul by; "later" reads
+            # nothing of the kernel
+            tf.add(tf.reduce_sum(h, axis=0), tf.reduce_min(c, axis=0, name="later"), name="out")
     return g
 
 
@@ -162,6 +166,46 @@ def test_a_kernel_whose_input_comes_from_the_last_chained_op_before_it_needs_no_
     assert [op.name for op in serial_chain(g)] == ["s", "e"]
     assert gate_free_ops(g, rank, grappler_fused_kernels(_matmul_step_graph(), "/device:CPU:0", 2**28), free) == []
     assert g.get_operation_by_name("mm").inputs[0].name == "e:0"
+
+
+def test_held_ops_wait_for_each_other_and_the_chain_waits_for_them_through_exits():
+    """Here Grappler rewrites the reductions ``s`` and ``later`` too (their axes fold), so the order
+    is: ``e`` (chained), ``s`` (held), the fused MatMul (held), ``Sum`` (chained). Each held op's
+    result is read by a kept exit Identity: the kernel's entry gate waits for ``s``'s exit, and
+    ``Sum`` for the kernel's. The pattern itself keeps no control edge, and still fuses."""
+    g = _matmul_step_graph(head="sum")
+    rank = {name: i for i, name in enumerate(["e", "s", "mm", "bias", "act", "Sum", "later", "out"])}
+    report = serialize_step(g, rank, "/device:CPU:0", 2**28)
+    assert [op.name for op in serial_chain(g)] == ["e", "Sum"]
+    assert report.gates == 3 and not report.gates_undone  # two exits and the kernel's entry gate
+    exits = {op.inputs[0].name: op for op in g.get_operations() if _compat.string_attr(op, "_lms") == "serial_exit"}
+    assert sorted(exits) == ["act:0", "s:0"] and all(op.type == "Identity" for op in exits.values())
+    entry = g.get_operation_by_name("mm").inputs[0].op
+    assert entry.inputs[0].name == "e:0" and entry.control_inputs == [exits["s:0"]]
+    assert exits["act:0"] in g.get_operation_by_name("Sum").control_inputs
+    assert not any(g.get_operation_by_name(name).control_inputs for name in ("mm", "bias", "act"))
+    assert [(k.name, k.kernel) for k in grappler_fused_kernels(g, "/device:CPU:0", 2**28)] == [
+        ("act", "_FusedMatMul")]
+    # Undone, nothing waits for an exit any more.
+    serialize_module.undo_gates(g, [serialize_module.SerialGate("exit", op.name, 0, value, "")
+                                    for value, op in exits.items()])
+    assert not entry.control_inputs and exits["act:0"] not in g.get_operation_by_name("Sum").control_inputs
+
+
+def test_no_exit_reads_an_op_whose_readers_are_all_rewritten():
+    """A second reader stops the arithmetic optimizer's regrouping of ``(a * b) * c`` through the
+    inner product, and oneDNN's extension of a fused contraction by its sole elementwise reader."""
+    g = tf.Graph()
+    with g.as_default():
+        a = tf.compat.v1.placeholder(tf.float32, (4, 8), name="a")
+        inner = tf.multiply(a, tf.exp(a), name="inner")
+        tf.reduce_sum(tf.multiply(inner, 3.0, name="outer"), name="total")
+        tf.reduce_max(inner, name="peak")
+    may_read = serialize_module._may_read_for_exit
+    assert not may_read(g, "inner", kernel_names=(), leave_free={"inner", "outer", "peak"})
+    assert may_read(g, "inner", kernel_names=(), leave_free={"inner", "outer"})  # "peak" is not rewritten
+    assert may_read(g, "outer", kernel_names=(), leave_free={"inner", "outer"})  # read by a Sum
+    assert not may_read(_matmul_step_graph(), "act", kernel_names={"act"}, leave_free={"act"})  # "out" is elementwise
 
 
 def test_gates_that_would_change_a_kernel_are_undone_and_the_log_says_where(monkeypatch, caplog):
