@@ -43,6 +43,13 @@ changes the kernel:
   BiasAdd + the residual Add, in bfloat16), where the offline pipeline shows no such fusion:
   that reader is left free too.
 
+Left free, such an op would run as soon as its inputs are ready (a recomputed convolution at
+once). :func:`serialize_step` holds each at its place instead, with no control edge on it: its
+reads of outside values wait behind a kept ``Identity`` gate, and the next chained op waits for
+an ``Identity`` that reads its result (:func:`gate_free_ops`). Grappler is then run offline on
+the held step, and any gate after which it runs another kernel or reads operands in another
+order is taken out again.
+
 An ``IdentityN`` waits for all of its inputs, and Grappler prunes it. Before the chain is
 added, its readers are re-pointed to its inputs, so that a rank order that never waited for
 it stays feasible. The values are unchanged.
@@ -261,6 +268,15 @@ def grappler_fused_kernels(graph: tf.Graph, device: str, memory_bytes: int, *,
                            outputs: Optional[Sequence[tf.Tensor]] = None) -> List[FusedKernel]:
     """The kernels Grappler's remapper fuses ops of ``graph`` into, read off running the default
     pipeline offline as :func:`grappler_rewritten_ops` does.
+
+    Args:
+        graph: The step's graph (it may still be being traced).
+        device: The step's device, e.g. ``"/device:GPU:0"``.
+        memory_bytes: The memory the runtime tells Grappler the device has.
+        outputs: The tensors the step returns, when known.
+
+    Returns:
+        One :class:`FusedKernel` per fused op of the optimized graph that keeps a name of ``graph``.
 
     Examples:
         >>> g = tf.Graph()
