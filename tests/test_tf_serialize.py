@@ -192,32 +192,6 @@ def test_held_ops_wait_for_each_other_and_the_chain_waits_for_them_through_exits
     assert not entry.control_inputs and exits["act:0"] not in g.get_operation_by_name("Sum").control_inputs
 
 
-def test_a_bias_gradients_partner_is_waited_for_but_reads_the_same_tensor():
-    """oneDNN fuses a BiasAddGrad with the MatMul reading the same gradient, after Grappler and only
-    while both read that very tensor: no gate may stand in front of either. The chained op after
-    the partners waits for them through exits; the BiasAddGrad, whose fused value also waits for
-    its partner's other input, gets none."""
-    g = tf.Graph()
-    with g.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, (4, 8), name="x")
-        w = tf.constant(np.ones((8, 8), "float32"), name="w")
-        dy = tf.exp(x, name="dy")
-        tf.raw_ops.BiasAddGrad(out_backprop=dy, name="bias_grad")
-        tf.matmul(x, dy, transpose_a=True, name="weight_grad")
-        tf.matmul(dy, w, transpose_b=True, name="input_grad")
-        tf.reduce_max(tf.sqrt(x, name="later_input"), name="later")
-    rank = {name: i for i, name in enumerate(["dy", "bias_grad", "weight_grad", "input_grad", "later_input",
-                                               "later"])}
-    serialize_step(g, rank, "/device:CPU:0", 2**28)
-    for name, inputs in [("bias_grad", ["dy:0"]), ("weight_grad", ["x:0", "dy:0"]), ("input_grad", ["dy:0", "w:0"])]:
-        op = g.get_operation_by_name(name)
-        assert [t.name for t in op.inputs] == inputs and not op.control_inputs, name
-    exits = {op.inputs[0].name for op in g.get_operations() if _compat.string_attr(op, "_lms") == "serial_exit"}
-    waited = {c.inputs[0].name for c in g.get_operation_by_name("later_input").control_inputs
-              if _compat.string_attr(c, "_lms") == "serial_exit"}
-    assert "bias_grad:0" not in exits and waited == {"input_grad:0"}, (exits, waited)
-
-
 def test_no_exit_reads_an_op_whose_readers_are_all_rewritten():
     """A second reader stops the arithmetic optimizer's regrouping of ``(a * b) * c`` through the
     inner product, and oneDNN's extension of a fused contraction by its sole elementwise reader."""

@@ -440,7 +440,7 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collect
         (1, ['z'])
     """
     bypass_identity_n(graph)
-    chain, _, _ = _chain_and_held(graph, rank, leave_free, free_through_control, onednn_fusions)
+    chain, _ = _chain_and_held(graph, rank, leave_free, free_through_control, onednn_fusions)
     for position, op in enumerate(chain):
         _compat.set_int_attr(op, SERIAL_ATTR, position)
     added = 0
@@ -453,9 +453,8 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collect
 
 def _chain_and_held(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collection[str],
                     free_through_control: bool = True, onednn_fusions: bool = True):
-    """The ops :func:`impose_order` chains, in order; the ops it leaves free only because Grappler
-    rewrites them (which :func:`gate_free_ops` may hold at their place instead); and the kernel
-    gradients oneDNN fuses a ``BiasAddGrad`` into, which it can only make the chain wait for."""
+    """The ops :func:`impose_order` chains, in order, and the ops it leaves free only because
+    Grappler rewrites them (which :func:`gate_free_ops` may hold at their place instead)."""
     order = ranked_topological_order(graph, rank)
     reads_inputs, downstream_of_unchainable = _reading_step_inputs(graph, order), set()
     for name in order:
@@ -478,12 +477,9 @@ def _chain_and_held(graph: tf.Graph, rank: Mapping[str, float], leave_free: Coll
                                  for reader in _sole_elementwise_reader(graph, name)}
     chain = [op for op in candidates if op.name not in fused_after_grappler and op.name not in leave_free]
     # oneDNN's fusions after Grappler cannot be checked offline, and a BiasAddGrad fuses only with
-    # a partner reading the very same tensor: neither is chained, nor gated on its inputs.
+    # a partner reading the very same tensor: those are neither chained nor held.
     held = [op for op in candidates if op.name not in fused_after_grappler and op.name in leave_free]
-    # A partner's result may still be read: its fused kernel then has one more reader, no other
-    # input (unlike the BiasAddGrad's, whose readers would wait for the partner's inputs too).
-    partners = [op for op in candidates if op.name in fused_after_grappler and op.type in FUSABLE_GATE_PARTNER_TYPES]
-    return chain, held, partners
+    return chain, held
 
 
 def _reading_step_inputs(graph: tf.Graph, order: Sequence[str]) -> set:
@@ -559,10 +555,6 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
       pattern keeps none. Not made where oneDNN may extend a fused contraction by its sole
       elementwise reader, which a second reader would stop.
 
-    The kernel gradient oneDNN fuses a ``BiasAddGrad`` into after Grappler gets an exit only: the
-    two fuse only while they read the very same tensor. Without it, VGG16's ``fc1`` kernel
-    gradient (392 MiB) ran after ``fc2``'s weight update, not before as the simulator had it.
-
     Args:
         graph: A graph :func:`impose_order` chained, in place.
         rank: The ranks it chained by.
@@ -576,7 +568,7 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
         >>> gate_free_ops(tf.Graph(), {}, [], ())
         []
     """
-    chain, held, partners = _chain_and_held(graph, rank, leave_free)
+    chain, held = _chain_and_held(graph, rank, leave_free)
     order = ranked_topological_order(graph, rank)
     position = {name: i for i, name in enumerate(order)}
     reads_inputs = _reading_step_inputs(graph, order)
@@ -594,16 +586,11 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
             units.append(_Held(position[op.name], position[op.name],
                                [(op.name, index) for index, value in enumerate(op.inputs)
                                 if value.op.name not in leave_free], op.name))
-    # A BiasAddGrad's partner (oneDNN fuses them after Grappler) only gets an exit: gating its input
-    # would part it from the very tensor the BiasAddGrad reads, and the fusion with it.
-    units += [_Held(position[op.name], position[op.name], [], op.name) for op in partners]
-    partner_names = {op.name for op in partners}
     records: List[SerialGate] = []
     # What each item leaves behind for the next to wait for: a chained op itself, a held one's exit
     # (made when first needed, so that no exit is left that nothing waits for).
     done: List[Tuple[int, object]] = [(position[op.name], op) for op in chain]
-    done += [(unit.end, unit) for unit in units
-             if unit.last in partner_names or _may_read_for_exit(graph, unit.last, kernel_names, leave_free)]
+    done += [(unit.end, unit) for unit in units if _may_read_for_exit(graph, unit.last, kernel_names, leave_free)]
     done.sort(key=lambda item: item[0])
     ends = [end for end, _ in done]
     exits: Dict[str, tf.Operation] = {}
