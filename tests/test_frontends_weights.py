@@ -154,8 +154,12 @@ def test_weights_option_is_checked():
 
 
 def _wide_mlp():
-    """Weights dominate: six 1024-wide Dense layers (4 MiB each) at batch 16."""
-    zoo.reseed(2)
+    """Weights dominate: six 1024-wide Dense layers (4 MiB each) at batch 16.
+
+    Seeded only, not ``zoo.reseed``: no test compares two of its builds' numbers, and with Keras's
+    session cleared first the executed-order test of gradient copies failed 2 of 15 runs on
+    TensorFlow 2.20 (0 of 15 without; why is not known)."""
+    keras.utils.set_random_seed(2)
     return keras.Sequential([keras.Input((512,))] + [keras.layers.Dense(1024, activation="relu") for _ in range(6)]
                             + [keras.layers.Dense(10)])
 
