@@ -507,7 +507,7 @@ class SerialGate:
         reader: The op that reads through the gate (entry), or the exit Identity.
         index: Which of the reader's inputs.
         value: The tensor it reads (entry: read before the gate).
-        after: The op the entry gate waits for, or the op that waits for the exit.
+        after: The ops the entry gate waits for (comma-joined), or the op that waits for the exit.
 
     Examples:
         >>> SerialGate("entry", "conv", 0, "x:0", "relu_3").after
@@ -545,13 +545,17 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
     together (a fused pattern, or one op) is held as one, between the chained or held item that
     ends before it starts and the one that starts after it ends:
 
-    - **entry**: each read of a value from outside it goes through a kept Identity with a control
-      input from the item before (from that item's exit, if it is held too), the gate recompute
-      uses (:mod:`lms_tf.tf.rewrite.recompute`). Only values computed from the step's inputs are
-      gated (a weight read is ready from the start either way), and a value the item before
+    - **entry**: each read of a value from outside it goes through a kept Identity with control
+      inputs from what comes before it: the last chained op before it starts, and every held item
+      that ends between that op and its start (from that item's exit). A held pattern spans
+      positions (its first op to its kernel), so the item ending last does not imply that the
+      others have ended: waiting for that one only, a recompute held between two chained ops ran
+      long after its place (U-Net). The gate is the one recompute uses
+      (:mod:`lms_tf.tf.rewrite.recompute`). Only values computed from the step's inputs are
+      gated (a weight read is ready from the start either way), and a value an item before
       produces needs none.
-    - **exit**: a kept Identity reads its result, and the chained op after it waits for that
-      Identity (a held item after it gates on it). A data read, not a control edge, so the
+    - **exit**: a kept Identity reads its result, and the first chained op after it waits for
+      that Identity (a held item after it gates on it). A data read, not a control edge, so the
       pattern keeps none. Not made where oneDNN may extend a fused contraction by its sole
       elementwise reader, which a second reader would stop.
 
@@ -595,11 +599,9 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
     ends = [end for end, _ in done]
     exits: Dict[str, tf.Operation] = {}
 
-    def item_before(start: int) -> Optional[tf.Operation]:
-        slot = bisect.bisect_left(ends, start) - 1
-        if slot < 0:
-            return None
-        item = done[slot][1]
+    chain_positions = sorted(position[op.name] for op in chain)
+
+    def exit_of(item) -> tf.Operation:
         if isinstance(item, tf.Operation):
             return item
         if item.last not in exits:
@@ -609,29 +611,36 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
             mark(exits[item.last], "serial_exit")
         return exits[item.last]
 
+    def items_before(start: int) -> List[tf.Operation]:
+        """What must be done before ``start``: the last chained op before it, and every held item
+        that ends between that op and ``start``. A held item spans positions (a fused pattern, from
+        its first op to its kernel), so the item ending last need not imply the others ended."""
+        slot = bisect.bisect_left(chain_positions, start)
+        since = chain_positions[slot - 1] if slot else -1
+        return [exit_of(item) for _, item in done[bisect.bisect_left(ends, since):bisect.bisect_left(ends, start)]]
+
     made = {}
     for unit in units:
-        after = item_before(unit.start)
-        if after is None:
+        afters = items_before(unit.start)
+        if not afters:
             continue
         for reader_name, index in unit.entries:
             reader = graph.get_operation_by_name(reader_name)
             value = reader.inputs[index]
-            if value.op.name not in reads_inputs or value.op is after:  # ready from the start, or held already
+            if value.op.name not in reads_inputs or value.op in afters:  # ready from the start, or held already
                 continue
-            key = (value.name, after.name)
+            key = (value.name, tuple(after.name for after in afters))
             if key not in made:
                 with graph.as_default(), graph.colocate_with(None, ignore_existing=True), \
-                        graph.device(reader.device), graph.control_dependencies([after]):
+                        graph.device(reader.device), graph.control_dependencies(afters):
                     made[key] = tf.identity(value, name="serial_gate")
                 mark(made[key].op, "serial_gate")
             _compat.update_input(reader, index, made[key])
-            records.append(SerialGate("entry", reader.name, index, value.name, after.name))
-    for op in chain:  # a chained op waits for the held item that ends last before it
-        after = item_before(position[op.name])
-        if after is not None and _compat.string_attr(after, LMS_ATTR) == "serial_exit" \
-                and after not in op.control_inputs:
-            _compat.add_control_input(op, after)
+            records.append(SerialGate("entry", reader.name, index, value.name, ",".join(key[1])))
+    for op in chain:  # a chained op waits for every held item that ends after the chained op before it
+        for after in items_before(position[op.name]):
+            if _compat.string_attr(after, LMS_ATTR) == "serial_exit" and after not in op.control_inputs:
+                _compat.add_control_input(op, after)
     for exit_op in exits.values():
         records.append(SerialGate("exit", exit_op.name, 0, exit_op.inputs[0].name, ""))
     return records
