@@ -192,6 +192,21 @@ def test_held_ops_wait_for_each_other_and_the_chain_waits_for_them_through_exits
     assert not entry.control_inputs and exits["act:0"] not in g.get_operation_by_name("Sum").control_inputs
 
 
+def test_a_chained_op_waits_for_every_held_item_since_the_chained_op_before_it():
+    """Ranked ``e, mm, bias, s, act, Sum``: the fused pattern spans positions 1-4 and the held
+    ``s`` sits inside it, ending first. ``Sum`` waits for both exits: waiting only for the item
+    that ends last (the kernel) left ``s`` free to run at any time after ``e`` (on U-Net, held
+    recomputes ran long after their place)."""
+    g = _matmul_step_graph(head="sum")
+    rank = {name: i for i, name in enumerate(["e", "mm", "bias", "s", "act", "Sum", "later", "out"])}
+    report = serialize_step(g, rank, "/device:CPU:0", 2**28)
+    assert [op.name for op in serial_chain(g)] == ["e", "Sum"] and not report.gates_undone
+    exits = {op.inputs[0].name: op for op in g.get_operations() if _compat.string_attr(op, "_lms") == "serial_exit"}
+    assert sorted(exits) == ["act:0", "s:0"]
+    assert set(exits.values()) <= set(g.get_operation_by_name("Sum").control_inputs)
+    assert not any(g.get_operation_by_name(name).control_inputs for name in ("mm", "bias", "act", "s"))
+
+
 def test_no_exit_reads_an_op_whose_readers_are_all_rewritten():
     """A second reader stops the arithmetic optimizer's regrouping of ``(a * b) * c`` through the
     inner product, and oneDNN's extension of a fused contraction by its sole elementwise reader."""

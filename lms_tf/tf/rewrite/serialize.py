@@ -627,12 +627,15 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
         for reader_name, index in unit.entries:
             reader = graph.get_operation_by_name(reader_name)
             value = reader.inputs[index]
-            if value.op.name not in reads_inputs or value.op in afters:  # ready from the start, or held already
+            # A value ready from the start needs no gate, nor does one whose read already waits
+            # for it all (it comes from the one item before).
+            waits = [after for after in afters if after is not value.op]
+            if value.op.name not in reads_inputs or not waits:
                 continue
-            key = (value.name, tuple(after.name for after in afters))
+            key = (value.name, tuple(after.name for after in waits))
             if key not in made:
                 with graph.as_default(), graph.colocate_with(None, ignore_existing=True), \
-                        graph.device(reader.device), graph.control_dependencies(afters):
+                        graph.device(reader.device), graph.control_dependencies(waits):
                     made[key] = tf.identity(value, name="serial_gate")
                 mark(made[key].op, "serial_gate")
             _compat.update_input(reader, index, made[key])
