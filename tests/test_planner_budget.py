@@ -569,7 +569,9 @@ def test_remembered_replays_do_not_change_the_plan(name, monkeypatch):
     monkeypatch.setattr(fit_check, "REMEMBERED_REPLAYS", 0)
     monkeypatch.setattr(fit_check.FitCheck, "_held_in_chunks", lambda self, key, seed, sim: self.held_in_chunks(sim))
     fresh, check = planned()
-    assert check.replays >= check.simulations  # every check replayed (and its tie orders)
+    # Every check replayed (and its tie orders), but for the plans whose orderings conflict with a
+    # gate (they cannot run, so nothing is replayed for them).
+    assert check.replays >= check.simulations - check.cycles
     assert fresh == remembered
 
 

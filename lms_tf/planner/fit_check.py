@@ -12,6 +12,7 @@ import dataclasses
 import logging
 from typing import Dict, Hashable, Iterator, Optional, Tuple
 
+from lms_tf.core.errors import PlanCycleError
 from lms_tf.core.plan import Plan
 from lms_tf.planner.step import PlanningStep
 from lms_tf.simulate import Simulation, simulate, simulate_tie_orders
@@ -35,7 +36,8 @@ def plan_key(plan: Plan) -> Hashable:
     (the device, host and policies are the same for every plan of one step).
 
     Examples:
-        >>> from lms_tf.core.plan import Plan
+        >>> from lms_tf.core.errors import PlanCycleError
+from lms_tf.core.plan import Plan
         >>> plan_key(Plan((), "/device:GPU:0", "/device:CPU:0", {}, {})) == ((), ())
         True
     """
@@ -48,7 +50,9 @@ class FitCheck:
     Attributes:
         budget_bytes: The budget plans are held to (None: tensors only, no allocator replay).
         time_to_beat: Step time of the fastest fitting plan so far (slower plans skip the tie orders).
-        simulations: How many replays were made.
+        simulations: How many plans were checked.
+        cycles: How many of them could not run (:class:`~lms_tf.core.errors.PlanCycleError`: an
+            ordering that conflicts with a gate); they are never replayed, nor remembered.
 
     Examples:
         >>> FitCheck.__init__.__doc__ is None
@@ -61,6 +65,7 @@ class FitCheck:
         self.time_to_beat: Optional[float] = None
         self.simulations = 1  # the plain step's
         self.replays = 1
+        self.cycles = 0
         # A replay is a pure function of the plan (the step, cost and op times are fixed), so a
         # plan met again is answered from memory; what depends on the budget (the chunk count's
         # region, the tie orders' early stop) is recomputed from the remembered parts.
@@ -88,7 +93,11 @@ class FitCheck:
         """
         self.simulations += 1
         key = plan_key(plan)
-        sim = self._replay(key, plan, log_allocations=self.budget_bytes is not None)
+        try:
+            sim = self._replay(key, plan, log_allocations=self.budget_bytes is not None)
+        except PlanCycleError:
+            self.cycles += 1
+            raise
         if self.budget_bytes is not None and sim.peak_bytes <= self.budget_bytes:
             held = self._held_in_chunks(key, None, sim)
             # A plan no faster than one already found will not be chosen: its graph order is enough.
