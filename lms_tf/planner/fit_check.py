@@ -36,8 +36,7 @@ def plan_key(plan: Plan) -> Hashable:
     (the device, host and policies are the same for every plan of one step).
 
     Examples:
-        >>> from lms_tf.core.errors import PlanCycleError
-from lms_tf.core.plan import Plan
+        >>> from lms_tf.core.plan import Plan
         >>> plan_key(Plan((), "/device:GPU:0", "/device:CPU:0", {}, {})) == ((), ())
         True
     """
