@@ -189,7 +189,7 @@ def compile_deep(model):
 def pipelined_scenario(results: dict, weights: dict, bucket_bytes, key: str, lms_options=None) -> None:
     """Executed-op order of single steps of a deeper net, with the given gradient buckets; with
     ``lms_options`` the step is also planned by lms-tf (its callback hooked in before Horovod's)."""
-    if lms_options is not None and lms_options["budget"] == TIGHTEST:
+    if lms_options is not None and lms_options.get("budget") == TIGHTEST:
         lms_options = dict(lms_options, budget=_tightest_budget(bucket_bytes, lms_options))
         progress(f"{key}: the tightest budget is {lms_options['budget']} bytes")
     model = compile_deep(deep_model())
@@ -216,7 +216,8 @@ def pipelined_scenario(results: dict, weights: dict, bucket_bytes, key: str, lms
     graph = facts["graph"]
     allreduce_ops = [op for op in graph.get_operations() if op.type.startswith("HorovodGroupedAllreduce")]
     per_step = [_overlap(events, allreduce_ops) for events in steps]
-    results[key] = dict(allreduce_ops=len(allreduce_ops), steps=per_step, **_chain_facts(graph, allreduce_ops))
+    results[key] = dict(allreduce_ops=len(allreduce_ops), steps=per_step, **_chain_facts(graph, allreduce_ops),
+                        allreduce_devices=[op.device for op in allreduce_ops])
     if lms_options is not None:
         plan = callbacks[0].plan
         results[key].update(plan_swapped=len(plan.swapped), plan_recomputed=len(plan.recomputed),
@@ -316,7 +317,7 @@ def main() -> None:
     weights: dict = {}
     wanted = set(os.environ.get("LMS_TF_SCENARIOS", "fit_lms_first,fit_dist_first,custom,custom_buckets,pipelined,"
                                 "one_bucket,pipelined_lms,fit_weights_host,custom_weights_host,fit_average_host,"
-                                "custom_average_host").split(","))
+                                "custom_average_host,pipelined_average_host").split(","))
     for name, run in [("fit_lms_first", lambda: fit_scenario("fit_lms_first", True, results, weights)),
                       ("fit_dist_first", lambda: fit_scenario("fit_dist_first", False, results, weights)),
                       ("fit_weights_host", lambda: fit_scenario("fit_weights_host", True, results, weights,
@@ -332,7 +333,10 @@ def main() -> None:
                                                                       {"bucket_bytes": 1024})),
                       ("pipelined", lambda: pipelined_scenario(results, weights, 1, "pipelined")),
                       ("one_bucket", lambda: pipelined_scenario(results, weights, None, "one_bucket")),
-                      ("pipelined_lms", lambda: pipelined_scenario(results, weights, 1, "pipelined_lms", LMS_BUDGET))]:
+                      ("pipelined_lms", lambda: pipelined_scenario(results, weights, 1, "pipelined_lms", LMS_BUDGET)),
+                      ("pipelined_average_host", lambda: pipelined_scenario(
+                          results, weights, 1, "pipelined_average_host",
+                          dict(CPU_LMS, optimizer_on_host=True, average_on="host", batch_size=32 // SIZE)))]:
         if name not in wanted:
             continue
         progress(f"{name} ...")

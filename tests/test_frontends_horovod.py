@@ -238,3 +238,23 @@ def test_dockerfile_builds_only_with_scripts_the_tests_run():
     docker_test = (REPO / "scripts" / "test_docker.sh").read_text()
     assert "podman build" in docker_test and "scripts/launch.sh" in docker_test and "examples/horovod_fit.py" in docker_test
     assert "scripts/test_docker.sh" in (REPO / "tests" / "test_docker.py").read_text()
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_buckets_averaged_on_the_host_still_overlap_the_backward_pass(job):
+    """LMSCallback(optimizer_on_host=True, average_on="host") beside DistributedCallback(bucket_bytes=1):
+    each gradient moves to the host as it is complete and its bucket is averaged there, so buckets
+    are still averaged while the backward pass runs (executed order; the update on the host reads
+    each averaged bucket before the last backward op ends), and the numbers are those of the same
+    step averaged on the device without lms-tf."""
+    for rank in job:
+        facts = rank["pipelined_average_host"]
+        assert facts["allreduce_ops"] == 18
+        assert all(device.endswith("CPU:1") for device in facts["allreduce_devices"]), facts["allreduce_devices"]
+        assert max(step["buckets_consumed_before_backward_end"] for step in facts["steps"]) >= 1, facts
+    on_host = [rank["weights"]["pipelined_average_host/dist"] for rank in job]
+    without = job[0]["weights"]["pipelined/dist"]
+    assert len(on_host[0]) == len(without) == 18
+    for a, b, c in zip(*on_host, without):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
