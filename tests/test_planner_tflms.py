@@ -114,24 +114,3 @@ def test_no_gate_is_an_op_grappler_rewrites_or_an_op_run_off_the_device(chain_ir
     triggers = {s.trigger for d in plan.swapped for s in d.swap_ins}
     assert triggers and not triggers & (folded | elsewhere), triggers
 
-
-def test_no_gate_reads_a_fusable_bias_gradient():
-    """oneDNN fuses a ``BiasAddGrad`` into the filter gradient beside it, which also reads the
-    layer's activation: a gate on the bias gradient, or on Keras 3's ``Reshape`` of it, would make
-    that activation's recompute wait for an op that waits for it. Neither is a gate; the input
-    gradient beside them is."""
-    from lms_tf.core.examples import MiB
-    from lms_tf.core.ir import make_ir
-
-    shape, bias = (MiB,), (16,)
-    ir = make_ir([
-        dict(name="x", type="Placeholder", outputs=[("x:0", shape)]),
-        dict(name="a", type="Exp", inputs=["x:0"], outputs=[("a:0", shape)]),
-        dict(name="loss", type="Sum", inputs=["a:0"], outputs=[("loss:0", (1,))]),
-        dict(name="dy", type="Mul", phase="backward", inputs=["loss:0", "a:0"], outputs=[("dy:0", shape)]),
-        dict(name="bias_grad", type="BiasAddGrad", phase="backward", inputs=["dy:0"], outputs=[("bias_grad:0", bias)]),
-        dict(name="bias_grad_reshaped", type="Reshape", phase="backward", inputs=["bias_grad:0"],
-             outputs=[("bias_grad_reshaped:0", bias)]),
-        dict(name="dx", type="Mul", phase="backward", inputs=["dy:0", "x:0"], outputs=[("dx:0", shape)]),
-    ], function_inputs=["x"])
-    assert [g.name for g in backward_gates(ir)] == ["dx"]  # dy reads no gradient: never a gate

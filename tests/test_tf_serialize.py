@@ -590,30 +590,3 @@ def test_grappler_offline_does_not_make_up_an_unknown_batch():
     step.get_concrete_function()
     assert not {"batch_shape", "spread"} & found["rewritten"], sorted(found["rewritten"])
 
-
-def test_a_recomputed_conv_net_with_biases_stays_chained_through_its_backward_pass():
-    """A recompute that waited for a bias gradient (Keras 3's ``Reshape`` of the ``BiasAddGrad``)
-    took every op after it off the chain: oneDNN fuses that ``BiasAddGrad`` after Grappler, so
-    nothing downstream of it can be chained. Gated on the gradient beside it instead, every
-    ``ReluGrad`` of a small U-Net is chained (2 of 9 were), and no gate reads a bias gradient."""
-    from lms_tf.tf.workloads import unet, synthetic_batch, train_step
-
-    zoo.reseed(0)
-    model = unet(image_size=32, depth=2)
-    x, y = synthetic_batch(model, 4)
-    fn = lms_tf.function(train_step(model), device="/CPU:0", swap=False, serialize=True,
-                         device_spec="v100-16gb-pcie3", recompute="sqrt")
-    graph = fn.get_concrete_function(x, y).graph
-    assert fn.plan.recomputed
-    for gate in {d.gate for d in fn.plan.recomputed}:
-        upstream, frontier = set(), [graph.get_operation_by_name(gate)]
-        while frontier:
-            op = frontier.pop()
-            for value in op.inputs:
-                if value.op.name not in upstream:
-                    upstream.add(value.op.name)
-                    frontier.append(value.op)
-        assert not any(graph.get_operation_by_name(name).type == "BiasAddGrad" for name in upstream), gate
-    chained = {op.name for op in serial_chain(graph)}
-    relu_grads = [op.name for op in graph.get_operations() if op.type == "ReluGrad"]
-    assert len(relu_grads) == 9 and set(relu_grads) <= chained

@@ -161,22 +161,6 @@ def _after_the_forward_pass(ir: GraphIR) -> Set[str]:
     return {op.name for op in ir.ops if op.phase is Phase.BACKWARD and reach[op.name] >= level}
 
 
-def _after_a_fusable_gate(ir: GraphIR) -> Set[str]:
-    """A ``BiasAddGrad`` and every op that reads its value, directly or through others.
-
-    After Grappler, oneDNN fuses a ``BiasAddGrad`` into the filter gradient beside it, and the
-    fused kernel also reads that gradient's inputs (the layer's activation). A gate there (Keras
-    3 reshapes the bias gradient before the update) would make a recompute of that activation,
-    or a swap-in of it, wait for an op that waits for it: a cycle. And a serialized step leaves
-    all of these unchained, so whatever waits for such a gate would run unchained too.
-    """
-    after: Set[str] = set()
-    for op in ir.ops:  # a topological order
-        if op.type in FUSABLE_GATE_TYPES or any(ir.tensors[t].producer in after for t in op.inputs):
-            after.add(op.name)
-    return after
-
-
 def backward_gates(ir: GraphIR) -> List[OpInfo]:
     """Backward ops that can trigger a swap-in: they carry gradient data, so they run in the backward pass.
 
@@ -187,10 +171,9 @@ def backward_gates(ir: GraphIR) -> List[OpInfo]:
     progress."""
     candidates = []
     after_forward = _after_the_forward_pass(ir)
-    after_fusable = _after_a_fusable_gate(ir)
     for op in ir.ops:
         if (op.phase is not Phase.BACKWARD or op.type in ("Const", "NoOp") or op.type in CONTROL_FLOW_OP_TYPES
-                or op.name in after_fusable or op.name not in after_forward or op.name in ir.grappler_rewritten
+                or op.type in FUSABLE_GATE_TYPES or op.name not in after_forward or op.name in ir.grappler_rewritten
                 or op.name in ir.host_placed):
             continue
         gradient_input = any(ir.op(ir.tensors[t].producer).phase is Phase.BACKWARD
