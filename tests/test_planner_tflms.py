@@ -113,4 +113,3 @@ def test_no_gate_is_an_op_grappler_rewrites_or_an_op_run_off_the_device(chain_ir
     plan = make_plan(ir, _options(swapout_threshold=1), device=DEVICE)
     triggers = {s.trigger for d in plan.swapped for s in d.swap_ins}
     assert triggers and not triggers & (folded | elsewhere), triggers
-

@@ -589,4 +589,3 @@ def test_grappler_offline_does_not_make_up_an_unknown_batch():
 
     step.get_concrete_function()
     assert not {"batch_shape", "spread"} & found["rewritten"], sorted(found["rewritten"])
-
