@@ -18,12 +18,9 @@ profiled steps. Two tables:
     .venv/bin/python benchmarks/allocator_validation.py              # the zoo: tables into docs/benchmarks/planner.md
     .venv/bin/python benchmarks/allocator_validation.py --held-out   # models the rules were not read from
     ... --serialized-only   # measure the serialized steps again; keep the published free-order table
-    ... --serialized-only --free-again VGG16,UNet   # and the free order of these models again
 
 ``--serialized-only`` is for a change to serialization alone, which a free-order step does not
 run: the free-order table is carried over from the page, under a line that says from which run.
-``--free-again`` names models whose free-order step changed too (a planner change gave them
-another plan): their rows are measured again and replaced, and the line says so.
 """
 
 import datetime
@@ -131,35 +128,6 @@ def _published_free_order(block):
     return f"run of {header.split('run of ', 1)[1].rstrip(':')}:\n\n{free.strip()}"
 
 
-def _free_again(specs):
-    """The models of ``specs`` that ``--free-again`` names (by model name), checked before any run."""
-    if "--free-again" not in sys.argv:
-        return []
-    index = sys.argv.index("--free-again") + 1
-    names = sys.argv[index].split(",") if index < len(sys.argv) else []
-    known = {spec.split(",")[0]: spec for spec in specs}
-    unknown = [name for name in names if name not in known]
-    if not names or unknown:
-        raise SystemExit(f"--free-again takes model names separated by commas, of {', '.join(known)}; "
-                         f"got {sys.argv[index] if index < len(sys.argv) else 'nothing'}.")
-    if "--serialized-only" not in sys.argv:
-        raise SystemExit("--free-again goes with --serialized-only (a full run measures every free-order step).")
-    return [known[name] for name in names]
-
-
-def _replace_rows(free, measured):
-    """The carried-over free-order table with the rows of the same model and step replaced."""
-    def key(row):
-        cells = row.split("|")
-        return cells[1].strip(), cells[2].strip()
-    fresh = {key(row): row for row in measured}
-    lines = [fresh.pop(key(line), line) if line.startswith("| ") and not line.startswith("| model") else line
-             for line in free.splitlines()]
-    if fresh:
-        raise SystemExit(f"--free-again: rows {sorted(fresh)} are not in the published table.")
-    return "\n".join(lines)
-
-
 def main():
     """Runs (or, for models already measured, reads back) the zoo, or with ``--held-out`` the held-out
     models, and writes their tables. ``--fresh`` forgets earlier measurements."""
@@ -170,15 +138,8 @@ def main():
     held_out = "--held-out" in sys.argv
     block = "allocator_held_out" if held_out else "allocator_validation"
     if "--serialized-only" in sys.argv:
-        specs = HELD_OUT if held_out else ZOO
-        again = _free_again(specs)
-        runs = [run_model(spec, orders=(("serialized", SERIALIZED_PROCESSES),)) for spec in specs]
+        runs = [run_model(spec, orders=(("serialized", SERIALIZED_PROCESSES),)) for spec in (HELD_OUT if held_out else ZOO)]
         free = _published_free_order(block)
-        if again:
-            measured = table([run_model(spec, orders=(("free", PROCESSES),)) for spec in again]).splitlines()[2:]
-            free = _replace_rows(free, measured)
-            free = free.replace(":\n\n", f", except {', '.join(spec.split(',')[0] for spec in again)}: measured "
-                                         f"again on {datetime.date.today()}:\n\n", 1)
         text = ("Serialized (the simulator's order imposed):\n\n" + serialized_table(runs)
                 + f"\n\nFree order (TensorFlow's CPU executor picks), carried over from the {free}")
     else:
