@@ -173,6 +173,9 @@ FREE_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "Snapshot", "Re
 
 #: Prefix of the simulator's key of a swapped tensor's copy back on the device.
 SWAP_IN_PREFIX = "swap_in/"
+#: Prefix of the simulator's key of a device tensor's copy to the host that the optimizer update
+#: reads there (a weight gradient, with the update on the host).
+TO_HOST_PREFIX = "to_host/"
 #: Prefix of every recompute clone's name in the simulator (see :func:`recompute_clone_name`).
 RECOMPUTE_PREFIX = "recompute/"
 

@@ -42,15 +42,26 @@ class Decision(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class SwapIn:
-    """One swap-in: the op that triggers it and the backward consumers it feeds.
+    """One swap-in (or weight fetch): the op that triggers it and the device ops it feeds.
+
+    Attributes:
+        trigger: The op whose output starts the copy (``""``, for a weight fetch: the step's start).
+        consumers: The ops that read the copy instead of the tensor.
+        after_gradients: For a weight fetch only: weight gradients (tensor names) whose copy to
+            the host must have ended before this fetch starts. The window's ops wait for the fetch,
+            so the backward pass does not run ahead while a large gradient is still on the device
+            being copied out (it is freed when its copy ends).
 
     Examples:
         >>> SwapIn(trigger="gradient_tape/dense/MatMul", consumers=("gradient_tape/conv/ReluGrad",)).trigger
         'gradient_tape/dense/MatMul'
+        >>> SwapIn("g", ("c",), after_gradients=("gradient_tape/fc1/MatMul_1:0",)).after_gradients
+        ('gradient_tape/fc1/MatMul_1:0',)
     """
 
     trigger: str
     consumers: Tuple[str, ...]
+    after_gradients: Tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +318,16 @@ class Plan:
         return sum(w.nbytes or 0 for w in self.offloaded_weights)
 
     @property
+    def num_gradient_waits(self) -> int:
+        """How many weight fetches wait for a weight gradient's copy to the host (``after_gradients``).
+
+        Examples:
+            >>> Plan((), "d", "h", {}, {}).num_gradient_waits
+            0
+        """
+        return sum(1 for w in self.offloaded_weights for f in w.fetches if f.after_gradients)
+
+    @property
     def num_weight_fetches(self) -> int:
         """Copies of weights to the device per step (one per window of each offloaded variable).
 
@@ -437,6 +458,8 @@ class Plan:
         if self.offloaded_weights:
             line += (f"; weights on the host: {len(self.offloaded_weights)} variables "
                      f"({_mib(self.offloaded_weight_bytes)} MiB) fetched {self.num_weight_fetches} times")
+            if self.num_gradient_waits:
+                line += f", {self.num_gradient_waits} of the fetches after a gradient reached the host"
         if self.predictions.host_peak_bytes:
             line += f"; host memory at most {_mib(self.predictions.host_peak_bytes)} MiB"
         return line
@@ -490,7 +513,10 @@ class Plan:
         if self.offloaded_weights:
             lines.append(f"{'weight on the host':<52} {'shape':<22} {'MiB':>8} {'reads':>5}  fetch triggers")
             for w in self.offloaded_weights[:max_rows]:
-                triggers = ", ".join(f.trigger or "(start)" for f in w.fetches)
+                triggers = ", ".join((f.trigger or "(start)") + (f" (after {len(f.after_gradients)} gradient"
+                                                                   f"{'s' if len(f.after_gradients) > 1 else ''} "
+                                                                   f"reached the host)" if f.after_gradients else "")
+                                     for f in w.fetches)
                 lines.append(f"{name(w.variable):<52} {str(w.shape)[:22]:<22} {_mib(w.nbytes):>8} "
                              f"{len(w.reads):>5}  {triggers}")
             if len(self.offloaded_weights) > max_rows:
@@ -557,7 +583,7 @@ class Plan:
                        "num_recomputed": len(self.recomputed), "num_recompute_clones": self.num_recompute_clones,
                        "offloaded_weight_bytes": self.offloaded_weight_bytes,
                        "num_offloaded_weights": len(self.offloaded_weights),
-                       "num_weight_fetches": self.num_weight_fetches},
+                       "num_weight_fetches": self.num_weight_fetches, "num_gradient_waits": self.num_gradient_waits},
             "layers": self.layer_table(),
         }
 
@@ -639,4 +665,5 @@ def _weight_from_dict(w: Mapping[str, Any]) -> WeightDecision:
     return WeightDecision(
         variable=w["variable"], reads=tuple(w["reads"]), shape=None if shape is None else tuple(shape),
         nbytes=w.get("nbytes"), decision=Decision(w["decision"]), reason=w.get("reason", ""),
-        fetches=tuple(SwapIn(f["trigger"], tuple(f["consumers"])) for f in w.get("fetches", ())))
+        fetches=tuple(SwapIn(f["trigger"], tuple(f["consumers"]), tuple(f.get("after_gradients", ())))
+                      for f in w.get("fetches", ())))

@@ -78,7 +78,7 @@ def recompute_checkpoints(search: "BudgetSearch", budget_bytes: int, plan: Plan,
             also = {**dropped, decision.tensor: gate}
             recomputed = recompute_only(search.step, *policy, also=also)
             swap = {d.tensor for d in plan.swapped} - set(also)
-            candidate = assemble(search.step, swap, recomputed, tools, plan.orderings)
+            candidate = assemble(search.step, swap, recomputed, tools, plan.orderings, weights=plan.weights)
             try:
                 candidate_sim = search.check.simulate(candidate)
             except PlanCycleError:
@@ -145,7 +145,8 @@ def retime_swap_ins(search: "BudgetSearch", budget_bytes: int, plan: Plan, sim: 
     leads: Dict[str, float] = {}
     for decision in sorted(plan.swapped, key=lambda d: -(d.nbytes or 0)):
         for lead in RETIME_LEADS:
-            candidate = assemble(search.step, swap, recomputed, tools, plan.orderings, {**leads, decision.tensor: lead})
+            candidate = assemble(search.step, swap, recomputed, tools, plan.orderings, {**leads, decision.tensor: lead},
+                                 weights=plan.weights)
             try:
                 candidate_sim = search.check.simulate(candidate)
             except PlanCycleError:

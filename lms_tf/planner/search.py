@@ -9,23 +9,24 @@ are made to run one after the other (:mod:`~lms_tf.planner.ordering`). The fitti
 least predicted step time wins, and is then refined (:mod:`~lms_tf.planner.refine`).
 
 Examples:
-    >>> MAX_ROUNDS, LOWER_AIMS
-    (40, 2)
+    >>> MAX_ROUNDS, LOWER_AIMS, GRADIENT_WAITS_TRIED
+    (40, 2, 3)
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Optional, Set, Tuple
+from typing import Iterable, Mapping, Optional, Set, Tuple
 
 from lms_tf.core.errors import PlanCycleError
-from lms_tf.core.plan import Ordering, Plan, TensorDecision
+from lms_tf.core.plan import Ordering, Plan, TensorDecision, WeightDecision
 from lms_tf.planner.bases import compute_floor, recompute_bases
 from lms_tf.planner.fit_check import FitCheck
 from lms_tf.planner.ordering import ORDERING_PAIRS, BranchOrdering
 from lms_tf.planner.refine import lower_the_lowest, recompute_checkpoints, recomputed_checkpoints_label, retime_swap_ins
 from lms_tf.planner.step import PlanningStep
-from lms_tf.planner.timing import Tools, assemble, swap_round
+from lms_tf.planner.timing import (DELAYED_FETCH_LEADS, Tools, assemble, delayed_fetches, fetches_after,
+                                   gradients_on_device_at_peak, idle_fetches, swap_round, waiting_for_gradient)
 from lms_tf.simulate import Simulation
 
 logger = logging.getLogger("lms_tf")
@@ -36,6 +37,9 @@ MAX_ROUNDS = 40
 #: lowest plan's excess: the greedy search stops where a plan first fits, so a lower aim can reach
 #: plans a search at the budget itself never visits.
 LOWER_AIMS = 2
+#: How many weight fetches after a gradient still being copied out at the peak the planner tries
+#: making wait for that copy, in turn (the one the peak op reads first, then the nearest before it).
+GRADIENT_WAITS_TRIED = 3
 
 
 class BudgetSearch:
@@ -80,15 +84,24 @@ class BudgetSearch:
             sim = self.check.simulate(plan)
         else:
             (plan, sim), swap, orderings = start, {d.tensor for d in start[0].swapped}, start[0].orderings
+        weights = plan.weights
         ir, cost = self.step.ir, self.step.cost
         link_busy = sum(cost.transfer_time(ir.tensors[t].nbytes or 0, "device_to_host") for t in swap)
         for _ in range(MAX_ROUNDS):
             if sim.held_bytes <= budget_bytes:
                 break
+            delayed = (self.delay_a_fetch(sim, swap, recomputed, tools, orderings, weights)
+                       or self.wait_for_a_gradient(sim, swap, recomputed, tools, orderings, weights))
+            if delayed is not None:
+                logger.debug("planner round: peak %d -> %d fetching a weight later (or after a gradient)", sim.peak_bytes,
+                             delayed[1].peak_bytes)
+                plan, sim = delayed
+                weights = plan.weights
+                continue
             swapped = (swap_round(self.step, budget_bytes, sim, swap, recomputed, link_busy)
                        if self.step.policies.swap else None)
             if swapped is not None:
-                candidate = assemble(self.step, swapped[0], recomputed, tools, orderings)
+                candidate = assemble(self.step, swapped[0], recomputed, tools, orderings, weights=weights)
                 candidate_sim = self.check.simulate(candidate)
                 logger.debug("planner round: peak %d -> %d swapping %d tensors", sim.peak_bytes,
                              candidate_sim.peak_bytes, len(swapped[0]))
@@ -97,7 +110,7 @@ class BudgetSearch:
                     swap, link_busy = swapped
                     plan, sim = candidate, candidate_sim
                     continue
-            ordered = self.order_branches(sim, swap, recomputed, tools, orderings) if tools.order else None
+            ordered = self.order_branches(sim, swap, recomputed, tools, orderings, weights) if tools.order else None
             if ordered is None:
                 break
             logger.debug("planner round: peak %d -> %d ordering backward branches", sim.peak_bytes,
@@ -106,8 +119,60 @@ class BudgetSearch:
             orderings = plan.orderings
         return plan, sim
 
+    def delay_a_fetch(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
+                      tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...]
+                      ) -> Optional[Tuple[Plan, Simulation]]:
+        """Lowers the peak by fetching later the largest weight that waits idle on the device at
+        it (:func:`~lms_tf.planner.timing.idle_fetches`), with the first of
+        :data:`~lms_tf.planner.timing.DELAYED_FETCH_LEADS` that lowers it: its window may then wait
+        for part of the copy. None if no such weight, or no delay lowers the peak.
+
+        Examples:
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.example()   # weights on the device: no fetch to delay
+            >>> BudgetSearch(step).delay_a_fetch(step.baseline, set(), {}, Tools(), (), ()) is None
+            True
+        """
+        tried = (delayed_fetches(self.step, weights, weight.variable, lead)
+                 for _, weight in idle_fetches(self.step, sim, weights) for lead in DELAYED_FETCH_LEADS)
+        return self._first_lower(sim, swap, recomputed, tools, orderings, (w for w in tried if w != weights))
+
+    def wait_for_a_gradient(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
+                            tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...]
+                            ) -> Optional[Tuple[Plan, Simulation]]:
+        """Lowers the peak by holding the backward pass back until the largest weight gradient still
+        being copied to the host at it has arrived (and left the device): a weight fetch after the
+        gradient (:func:`~lms_tf.planner.timing.fetches_after`, at most :data:`GRADIENT_WAITS_TRIED`)
+        waits for that copy, and its window with it. None if no such gradient, or no wait lowers the peak.
+
+        Examples:
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.example()   # the update on the device: nothing to wait for
+            >>> BudgetSearch(step).wait_for_a_gradient(step.baseline, set(), {}, Tools(), (), ()) is None
+            True
+        """
+        tried = (waiting_for_gradient(weights, variable, window, gradient)
+                 for _, gradient in gradients_on_device_at_peak(self.step, sim)[:1]
+                 for variable, window in fetches_after(self.step, sim, weights, gradient)[:GRADIENT_WAITS_TRIED])
+        return self._first_lower(sim, swap, recomputed, tools, orderings, tried)
+
+    def _first_lower(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision], tools: Tools,
+                     orderings: Tuple[Ordering, ...], tried: Iterable[Tuple[WeightDecision, ...]]
+                     ) -> Optional[Tuple[Plan, Simulation]]:
+        """The first of the weight decisions ``tried`` with which the plan holds less than ``sim``, and its replay."""
+        for weights in tried:
+            plan = assemble(self.step, swap, recomputed, tools, orderings, weights=weights)
+            try:
+                candidate = self.check.simulate(plan)
+            except PlanCycleError:
+                continue  # a wait against a gate or an ordering
+            if candidate.held_bytes < sim.held_bytes:
+                return plan, candidate
+        return None
+
     def order_branches(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
-                       tools: Tools, orderings: Tuple[Ordering, ...]) -> Optional[Tuple[Plan, Simulation]]:
+                       tools: Tools, orderings: Tuple[Ordering, ...],
+                       weights: Optional[Tuple[WeightDecision, ...]] = None) -> Optional[Tuple[Plan, Simulation]]:
         """Lowers the peak by running two backward branches alive at it one after the other
         (either order, whichever simulates lower); None if no ordering lowers it.
 
@@ -125,7 +190,7 @@ class BudgetSearch:
                 ordering = self.branches.ordering(first, then)
                 if ordering is None:
                     continue
-                plan = assemble(self.step, swap, recomputed, tools, orderings + (ordering,))
+                plan = assemble(self.step, swap, recomputed, tools, orderings + (ordering,), weights=weights)
                 try:
                     candidate = self.check.simulate(plan)
                 except PlanCycleError:

@@ -17,8 +17,9 @@ import dataclasses
 import logging
 from typing import Dict, List, Mapping, Optional, Set, Tuple
 
-from lms_tf.core.ir import layer_of
-from lms_tf.core.plan import Decision, Ordering, Plan, SwapIn, TensorDecision
+from lms_tf.core.ir import Phase, layer_of, same_device
+from lms_tf.core.op_kinds import RESIDENT_TYPES, TO_HOST_PREFIX
+from lms_tf.core.plan import Decision, Ordering, Plan, SwapIn, TensorDecision, WeightDecision
 from lms_tf.planner.step import PlanningStep
 from lms_tf.planner.weights import plan_weights, timed_fetches
 from lms_tf.simulate import Simulation
@@ -30,6 +31,9 @@ logger = logging.getLogger("lms_tf")
 SWAP_OUT_LAG = 2
 #: With synchronous swap-outs (a link-bound step), how many swap-ins may run ahead of the compute.
 SWAP_IN_LAG = 2
+#: Head starts tried, in order, for a weight fetch that sits idle on the device at the simulated
+#: peak (fractions of its copy's time; 0: triggered by the last gate before its window).
+DELAYED_FETCH_LEADS = (0.5, 0.25, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +68,7 @@ def timed_swap(step: PlanningStep, tensor: str, distance: int, lead: float = 1.0
         >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
         >>> decision = timed_swap(step, "a:0", distance=6)
         >>> decision.swap_ins, decision.reason
-        ((SwapIn(trigger='g2', consumers=('g1',)),), 'swap (copy hidden behind compute)')
+        ((SwapIn(trigger='g2', consumers=('g1',), after_gradients=()),), 'swap (copy hidden behind compute)')
     """
     ir, found = step.ir, step.found
     info = ir.tensors[tensor]
@@ -206,12 +210,15 @@ def swap_out_waits(step: PlanningStep, swapped: List[TensorDecision]) -> Dict[st
 
 
 def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, TensorDecision], tools: Tools = Tools(),
-             orderings: Tuple[Ordering, ...] = (), leads: Optional[Mapping[str, float]] = None) -> Plan:
+             orderings: Tuple[Ordering, ...] = (), leads: Optional[Mapping[str, float]] = None,
+             weights: Optional[Tuple[WeightDecision, ...]] = None) -> Plan:
     """The plan of these choices: ``swap`` swapped (timed by :func:`timed_swap`, with ``leads`` scaling
     their head starts), ``recomputed`` recomputed, the rest kept; with ``tools.throttle`` the forward pass
     waits for its copies out and swap-ins lag behind the compute, and each weight fetch keeps the rule's
     trigger (``swapin_ahead`` gates before its window) instead of the earliest that hides its copy (a
-    link-bound step fetches every weight at its start to save time, and holds them all).
+    link-bound step fetches every weight at its start to save time, and holds them all). ``weights``,
+    when given, are the weight decisions to keep (a plan's, some fetches delayed by
+    :func:`delayed_fetches`) instead of those timings.
 
     Examples:
         >>> from lms_tf.core.examples import MiB
@@ -238,7 +245,8 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
         decisions.update(lagged_swap_ins(step, [decisions[d.tensor] for d in swapped]))
     return Plan(decisions=tuple(decisions[n] for n in found.order), device=step.device, host=policies.host,
                 policies=policies.to_dict(), phase_counts=ir.phase_counts(), orderings=orderings,
-                weights=(plan_weights(step.ir, policies, step.offloaded) if tools.throttle else timed_weights(step)))
+                weights=(weights if weights is not None else
+                         plan_weights(step.ir, policies, step.offloaded) if tools.throttle else timed_weights(step)))
 
 
 def timed_weights(step: PlanningStep):
@@ -259,6 +267,182 @@ def timed_weights(step: PlanningStep):
                               lambda nbytes: step.cost.transfer_time(nbytes, "host_to_device"))
         step.__dict__["_timed_weights"] = timed
     return timed
+
+
+def idle_fetches(step: PlanningStep, sim: Simulation, weights: Tuple[WeightDecision, ...]
+                 ) -> List[Tuple[int, WeightDecision]]:
+    """The weights whose fetched copy is on the device at the simulated peak although no op of its
+    window has started yet, ``(bytes, weight)``, largest first. Each fetch is triggered early enough
+    to hide its copy behind compute (:func:`~lms_tf.planner.weights.timed_fetches`): a large weight
+    on a fast device arrives many ops before its layer, and while it waits it holds its bytes at a
+    peak it takes no part in, as a swapped-out activation's early swap-in would.
+
+    Examples:
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.example()   # weights on the device: no fetch to delay
+        >>> idle_fetches(step, step.baseline, ())
+        []
+    """
+    live = dict(sim.live_at_peak)
+    idle = []
+    for weight in weights:
+        for i, fetch in enumerate(weight.fetches):
+            nbytes = live.get(weight.fetch_name(i))
+            starts = [sim.op_intervals[c][0] for c in fetch.consumers if c in sim.op_intervals]
+            if nbytes and starts and min(starts) > sim.peak_time_s:
+                idle.append((nbytes, weight))
+                break
+    return sorted(idle, key=lambda pair: (-pair[0], pair[1].variable))
+
+
+def delayed_fetches(step: PlanningStep, weights: Tuple[WeightDecision, ...], variable: str, lead: float
+                    ) -> Tuple[WeightDecision, ...]:
+    """``weights`` with ``variable``'s fetches triggered later: each ``lead`` of its copy time before its
+    window (by the plain step's clock, as :func:`timed_weights` does with the whole copy time), so
+    the window may wait for part of the copy and the device holds the copy for less of the step.
+
+    Examples:
+        >>> from lms_tf.core.policy import Policies
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> from lms_tf.cost import CostModel, get_device_spec
+        >>> step = PlanningStep.build(weighted_chain_ir(), Policies(weights="host", budget="50%", swapin_groupby=1),
+        ...                           device="/device:GPU:0", cost=CostModel(get_device_spec("h100-80gb-pcie5")))
+        >>> late = delayed_fetches(step, timed_weights(step), "w2:0", 0.0)
+        >>> [f.trigger for f in late[1].fetches]   # the last gate before each window
+        ['r1', 'loss']
+    """
+    def later(weight: WeightDecision) -> WeightDecision:
+        timed = timed_fetches(step.ir, (weight,), step.baseline.op_intervals,
+                              lambda nbytes: step.cost.transfer_time(nbytes, "host_to_device"), lead)[0]
+        return dataclasses.replace(timed, reason=f"weights='host': fetched {lead:g} of its copy time before each "
+                                                 f"window (fetched in time to hide the copy, it sat idle at the peak)")
+
+    return tuple(later(w) if w.variable == variable else w for w in weights)
+
+
+def waitable_gradient(ir, gradient: str, host: str) -> bool:
+    """Whether a weight fetch may wait for ``gradient`` to reach ``host``: a backward op makes it,
+    and the device computes from it alone (with hyperparameters) whatever of it the update reads
+    on the host (through views: a bias's reshape, the optimizer's ``IdentityN``). A variable
+    whose gradient has several contributions (a tied embedding's lookup and output projection) is
+    updated from their sum, which crosses to the host only once the last contribution is
+    complete: a wait for the first could wait for the window itself. The rewrite follows the same
+    paths (:func:`lms_tf.tf.rewrite.weights.gradient_on_host`).
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> ir = weighted_chain_ir()
+        >>> waitable_gradient(ir, "gw2:0", "/CPU:1"), waitable_gradient(ir, "x:0", "/CPU:1")
+        (True, False)
+    """
+    info = ir.tensors.get(gradient)
+    if info is None or ir.op(info.producer).phase is not Phase.BACKWARD:
+        return False
+
+    def hyperparameter(tensor: str) -> bool:
+        producer = ir.op(ir.tensors[tensor].producer)
+        return producer.type in RESIDENT_TYPES or (producer.type in ("Cast", "Identity") and bool(producer.inputs)
+                                                   and all(hyperparameter(t) for t in producer.inputs))
+
+    frontier, seen = [gradient], set()
+    while frontier:
+        tensor = frontier.pop()
+        if tensor in seen:
+            continue
+        seen.add(tensor)
+        for name in ir.tensors[tensor].consumers:
+            reader = ir.op(name)
+            if same_device(reader.device, host) and not reader.is_alias:
+                continue  # read on the host: it crosses as it is
+            if reader.type == "IdentityN":  # output i forwards input i only
+                frontier.extend(o for t, o in zip(reader.inputs, reader.outputs) if t == tensor)
+            elif reader.is_alias:
+                frontier.extend(reader.outputs)
+            elif reader.phase is Phase.UPDATE:  # a product for the update, made on the device
+                if not all(t in seen or hyperparameter(t) for t in reader.inputs):
+                    return False
+                frontier.extend(reader.outputs)
+    return True
+
+
+def gradients_on_device_at_peak(step: PlanningStep, sim: Simulation) -> List[Tuple[int, str]]:
+    """The weight gradients still on the device at the simulated peak because their copy to the
+    host (the update runs there) has not ended, ``(bytes, gradient)``, largest first. The backward
+    pass goes on while a large gradient is copied out, and what it allocates meanwhile adds to it.
+
+    Examples:
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.example()   # the update on the device: nothing is copied out
+        >>> gradients_on_device_at_peak(step, step.baseline)
+        []
+    """
+    live = dict(sim.live_at_peak)
+    found = []
+    for name, (_, end) in sim.op_intervals.items():
+        if not name.startswith(TO_HOST_PREFIX):
+            continue
+        gradient = name[len(TO_HOST_PREFIX):]
+        info = step.ir.tensors.get(gradient)
+        if info is None or not live.get(gradient) or end <= sim.peak_time_s or not waitable_gradient(step.ir, gradient, step.policies.host):
+            continue
+        produced = sim.op_intervals.get(info.producer)
+        if produced is not None and produced[1] <= sim.peak_time_s:
+            found.append((live[gradient], gradient))
+    return sorted(found, key=lambda pair: (-pair[0], pair[1]))
+
+
+def fetches_after(step: PlanningStep, sim: Simulation, weights: Tuple[WeightDecision, ...], gradient: str
+                  ) -> List[Tuple[str, int]]:
+    """The weight fetches that could wait for ``gradient``'s copy to the host and so hold back the
+    op at the simulated peak, ``(variable, window)``: the window the peak op reads first, then
+    those that start after the gradient is complete and before the peak, the nearest first, then
+    those that start after the peak (a fetch that waits arrives later, and may no longer be on the
+    device at the peak), the nearest first.
+    A window that started after its producer ended cannot be one the gradient depends on.
+
+    Examples:
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.example()   # weights on the device: no fetch
+        >>> fetches_after(step, step.baseline, (), "a:0")
+        []
+    """
+    produced = sim.op_intervals.get(step.ir.tensors[gradient].producer)
+    if produced is None:
+        return []
+    at_peak, before, after = [], [], []
+    for weight in weights:
+        for window, fetch in enumerate(weight.fetches):
+            if gradient in fetch.after_gradients:
+                continue
+            starts = [sim.op_intervals[c][0] for c in fetch.consumers if c in sim.op_intervals]
+            if not starts or min(starts) < produced[1]:
+                continue
+            if sim.peak_op in fetch.consumers:
+                at_peak.append((weight.variable, window))
+            elif min(starts) <= sim.peak_time_s:
+                before.append((-min(starts), weight.variable, window))
+            else:  # a fetch copied early that waits idle through the peak: waiting, it arrives later
+                after.append((min(starts), weight.variable, window))
+    return at_peak + [(variable, window) for _, variable, window in sorted(before) + sorted(after)]
+
+
+def waiting_for_gradient(weights: Tuple[WeightDecision, ...], variable: str, window: int, gradient: str
+                         ) -> Tuple[WeightDecision, ...]:
+    """``weights`` with ``variable``'s fetch for ``window`` also waiting for ``gradient`` to reach the host.
+
+    Examples:
+        >>> from lms_tf.core.plan import Decision, SwapIn, WeightDecision
+        >>> w = WeightDecision("w:0", ("r:0",), (2,), 8, Decision.SWAP, "", (SwapIn("", ("m",)), SwapIn("t", ("g",))))
+        >>> waiting_for_gradient((w,), "w:0", 1, "gw:0")[0].fetches[1].after_gradients
+        ('gw:0',)
+    """
+    def waiting(weight: WeightDecision) -> WeightDecision:
+        fetches = list(weight.fetches)
+        fetch = fetches[window]
+        fetches[window] = dataclasses.replace(fetch, after_gradients=fetch.after_gradients + (gradient,))
+        return dataclasses.replace(weight, fetches=tuple(fetches))
+
+    return tuple(waiting(w) if w.variable == variable else w for w in weights)
 
 
 def swap_round(step: PlanningStep, budget_bytes: int, sim: Simulation, swap: Set[str],

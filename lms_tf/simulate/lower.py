@@ -22,6 +22,7 @@ from lms_tf.core.op_kinds import (
     MAXPOOL_TYPES,
     RESIDENT_TYPES,
     SWAP_IN_PREFIX,
+    TO_HOST_PREFIX,
     VARIABLE_UPDATE_PREFIXES,
     WORKSPACE_TYPES,
     recompute_clone_name,
@@ -524,6 +525,8 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                     if t in reads:
                         b.replace[(consumer, t)] = key
                 extra_deps[consumer].append(key)
+            # The fetch starts once these weight gradients are on the host (their device buffers freed).
+            extra_deps[key].extend(f"{TO_HOST_PREFIX}{g}" for g in fetch.after_gradients)
 
     # Weights on the host: the optimizer update runs there too. Each device buffer it reads (a
     # weight gradient) is copied out as soon as it is complete and freed after the copy; the update
@@ -540,7 +543,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                 producer = ir.tensors[source].producer if source in ir.tensors else None
                 if producer is None or ir.op(producer).phase is Phase.UPDATE or not b.counted(source):
                     continue
-                key = f"to_host/{source}"
+                key = f"{TO_HOST_PREFIX}{source}"
                 nbytes = ir.tensors[source].nbytes or 0
                 _once(extra_after[producer],
                       Event(key, TO_HOST_STREAM, cost.transfer_time(nbytes, "device_to_host"), [source], [], []))
@@ -622,5 +625,13 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
             deps.update(b.index_of[n] for n in names)
             for n in extra_deps.get(sim.name, ()):
                 deps.update(b.indices_of(n))
+        else:
+            for n in extra_deps.get(sim.name, ()):  # a weight fetch waiting for gradients' copies out
+                if n not in b.index_of:
+                    raise LMSOptionError(
+                        f"plan error: weight fetch {sim.name!r} waits for {n[len(TO_HOST_PREFIX):]!r} to reach the "
+                        f"host, but the step copies no such tensor to the host (after_gradients names the weight "
+                        f"gradients the optimizer update reads on the host). Remove it from after_gradients.")
+                deps.add(b.index_of[n])
         sim.deps = sorted(deps - {index})
     return b

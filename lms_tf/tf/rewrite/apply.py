@@ -95,16 +95,22 @@ def apply_plans(graph: tf.Graph, ir: GraphIR, plans: Sequence[Plan]) -> RewriteR
         raise RewriteError(
             f"graph {getattr(graph, 'name', '')!r} was already rewritten by lms-tf (it has the "
             f"{SCOPE}rewritten marker); a step is rewritten once. Trace the original function again instead.")
+    for plan in plans:
+        waiting = [d.tensor for d in plan.swapped if any(s.after_gradients for s in d.swap_ins)]
+        if waiting:
+            raise RewriteError(f"a plan's swap-ins of {waiting[:3]} have after_gradients, which only a weight fetch "
+                               f"may have (it waits for weight gradients to reach the host); remove them.")
     forward_inputs_before = {
         op.name: tuple(t.name for t in graph.get_operation_by_name(op.name).inputs)
         for op in ir.ops if op.phase is Phase.FORWARD}
+    update_ops = frozenset(op.name for op in ir.ops if op.phase is Phase.UPDATE)
     inserted: Dict[str, int] = collections.Counter()
     with graph.as_default(), graph.name_scope(SCOPE), graph.control_dependencies(None):
         rerouted = 0
         for plan in plans:
             swap_outs, swaps_rerouted = insert_swaps(graph, plan, inserted, first=inserted["swap_out"])
             rerouted += swaps_rerouted + insert_recomputes(graph, plan, swap_outs, inserted)
-            rerouted += insert_weight_fetches(graph, plan, inserted)
+            rerouted += insert_weight_fetches(graph, plan, inserted, update_ops)
             insert_orderings(graph, plan, inserted)
         marker = tf.raw_ops.NoOp(name="rewritten")
         _compat.set_string_attr(marker, LMS_ATTR, "marker")

@@ -206,6 +206,12 @@ def check_postconditions(graph: tf.Graph, plan: Plan, forward_inputs_before) -> 
                 if read is not None:
                     raise RewriteError(f"postcondition failed: device op {consumer_name!r} still reads {read!r} of a "
                                        f"variable on the host instead of its fetch.")
+                fetches = [t.op for t in graph.get_operation_by_name(consumer_name).inputs
+                           if _compat.string_attr(t.op, LMS_ATTR) == "weight_fetch"]
+                if fetch.after_gradients and not any(
+                        _compat.string_attr(c, LMS_ATTR) == "gradient_on_host" for f in fetches for c in f.control_inputs):
+                    raise RewriteError(f"postcondition failed: the fetch {consumer_name!r} reads does not wait for "
+                                       f"{list(fetch.after_gradients)[:3]} to reach the host, as the plan asks.")
     for decision in plan.swapped + plan.recomputed:
         consumers = [c for s in decision.swap_ins for c in s.consumers] + list(decision.consumers)
         for consumer_name in consumers:

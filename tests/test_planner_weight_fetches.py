@@ -1,0 +1,171 @@
+"""The budget planner times weight fetches against memory, not only against the link.
+
+A fetch is triggered early enough to hide its copy behind compute. A large weight read late on a
+device whose compute outruns its link is then fetched long before its layer, and the copy waits
+idle on the device through whatever peak comes in between. Hand-built steps with known answers.
+"""
+
+import dataclasses
+
+import pytest
+
+from lms_tf.core.errors import InfeasibleBudgetError
+from lms_tf.core.ir import make_ir
+from lms_tf.core.policy import Policies
+from lms_tf.cost import CostModel, get_device_spec
+from lms_tf.planner import make_budget_plan
+from lms_tf.planner.fit_check import plan_key
+from lms_tf.planner.step import PlanningStep
+from lms_tf.planner.timing import (assemble, delayed_fetches, gradients_on_device_at_peak, idle_fetches, timed_weights,
+                                   waitable_gradient)
+from lms_tf.simulate import simulate
+
+MiB = 2**20
+H100 = CostModel(get_device_spec("h100-80gb-pcie5"))
+BATCH, UNITS, WIDE, OUT = 64, 1024, 262144, 8192
+
+
+def _late_large_weight_ir():
+    """``x @ w1 -> relu -> square -> (mean(neg(square)) + mean(square)) @ w2 -> sum``: ``square`` and
+    ``neg`` are 64 MiB temporaries of the forward pass, alive together (``square`` is read again
+    after ``neg``, so ``neg`` cannot take its buffer), ``w2`` a 32 MiB weight read last (forward, and
+    by its input gradient)."""
+    act, wide, weight1, weight2 = (BATCH, UNITS), (BATCH, WIDE), (UNITS, UNITS), (UNITS, OUT)
+    return make_ir([
+        dict(name="x", type="Placeholder", outputs=[("x:0", act)]),
+        dict(name="w1", type="Placeholder", outputs=[("w1:0", (), "resource")]),
+        dict(name="w2", type="Placeholder", outputs=[("w2:0", (), "resource")]),
+        dict(name="rw1", type="ReadVariableOp", inputs=["w1:0"], outputs=[("rw1:0", weight1)]),
+        dict(name="rw2", type="ReadVariableOp", inputs=["w2:0"], outputs=[("rw2:0", weight2)]),
+        dict(name="m1", type="MatMul", inputs=["x:0", "rw1:0"], outputs=[("m1:0", act)]),
+        dict(name="r1", type="Relu", inputs=["m1:0"], outputs=[("r1:0", act)]),
+        dict(name="sq", type="Square", inputs=["r1:0"], outputs=[("sq:0", wide)]),
+        dict(name="ng", type="Neg", inputs=["sq:0"], outputs=[("ng:0", wide)]),
+        dict(name="mn", type="Mean", inputs=["ng:0"], outputs=[("mn:0", act)]),
+        dict(name="ms", type="Mean", inputs=["sq:0"], outputs=[("ms:0", act)]),
+        dict(name="c", type="AddV2", inputs=["mn:0", "ms:0"], outputs=[("c:0", act)]),
+        dict(name="m2", type="MatMul", inputs=["c:0", "rw2:0"], outputs=[("m2:0", (BATCH, OUT))]),
+        dict(name="loss", type="Sum", inputs=["m2:0"], outputs=[("loss:0", (1,))]),
+        dict(name="gm2", type="Fill", phase="backward", inputs=["loss:0"], outputs=[("gm2:0", (BATCH, OUT))]),
+        dict(name="gmn", type="MatMul", phase="backward", inputs=["gm2:0", "rw2:0"], outputs=[("gmn:0", act)]),
+        dict(name="gw2", type="MatMul", phase="backward", inputs=["c:0", "gm2:0"], outputs=[("gw2:0", weight2)]),
+        dict(name="gr1", type="Mul", phase="backward", inputs=["gmn:0", "r1:0"], outputs=[("gr1:0", act)]),
+        dict(name="g1", type="ReluGrad", phase="backward", inputs=["gr1:0", "r1:0"], outputs=[("g1:0", act)]),
+        dict(name="gw1", type="MatMul", phase="backward", inputs=["x:0", "g1:0"], outputs=[("gw1:0", weight1)]),
+        dict(name="u2", type="ResourceApplyGradientDescent", phase="update", inputs=["w2:0", "gw2:0"], outputs=[]),
+        dict(name="u1", type="ResourceApplyGradientDescent", phase="update", inputs=["w1:0", "gw1:0"], outputs=[]),
+    ], function_inputs=["x"])
+
+
+def _step(budget):
+    return PlanningStep.build(_late_large_weight_ir(), Policies(host="/CPU:1", weights="host", budget=budget,
+                                                               swapin_groupby=1),
+                              device="/device:GPU:0", cost=H100)
+
+
+def _w2(weights):
+    return next(w for w in weights if w.variable == "w2:0")
+
+
+def test_a_weight_fetched_to_hide_its_copy_waits_idle_through_the_forward_peak():
+    """Timed to hide its copy, ``w2``'s forward fetch starts with the step (no op runs long enough
+    before ``m2`` to hide a 32 MiB copy over PCIe on an H100): it is on the device, unread, at the
+    forward peak, where both temporaries are alive."""
+    step = _step(budget=1)
+    weights = timed_weights(step)
+    assert _w2(weights).fetches[0].trigger == ""
+    sim = simulate(step.ir, assemble(step, set(), {}), cost=H100, top=None)
+    live = dict(sim.live_at_peak)
+    assert sim.peak_op in ("ng", "mn", "ms") and live["sq:0"] == live["ng:0"] == BATCH * WIDE * 4
+    assert [(n, w.variable) for n, w in idle_fetches(step, sim, weights)] == [(UNITS * OUT * 4, "w2:0")]
+
+
+def test_a_delayed_fetch_is_triggered_by_the_last_gate_before_its_window_and_lowers_the_peak():
+    step = _step(budget=1)
+    weights = timed_weights(step)
+    late = delayed_fetches(step, weights, "w2:0", 0.0)
+    assert [f.trigger for f in _w2(late).fetches][0] == "c"
+    assert "sat idle at the peak" in _w2(late).reason
+    assert late[[w.variable for w in weights].index("w1:0")] == next(w for w in weights if w.variable == "w1:0")
+    early = simulate(step.ir, assemble(step, set(), {}), cost=H100)
+    delayed_plan = assemble(step, set(), {}, weights=late)
+    delayed = simulate(step.ir, delayed_plan, cost=H100)
+    assert delayed.peak_bytes <= early.peak_bytes - UNITS * OUT * 4 + MiB
+    assert delayed.step_time_s > early.step_time_s   # m2 now waits for part of the copy
+    # The plan's weights are what a replay depends on: the planner's replay cache must tell them apart.
+    assert plan_key(delayed_plan) != plan_key(assemble(step, set(), {}))
+
+
+def test_the_budget_planner_delays_the_fetch_when_nothing_else_fits():
+    """Nothing here can be swapped or recomputed (the temporaries have no backward reader): a
+    budget under the early fetch's peak fits only with ``w2`` fetched later, and the planner finds it;
+    a budget under the temporaries themselves names a floor at least that high."""
+    step = _step(budget=1)
+    early = simulate(step.ir, assemble(step, set(), {}), cost=H100).peak_bytes
+    temporaries = 2 * BATCH * WIDE * 4
+    budget = early - UNITS * OUT * 4 // 2
+    plan = make_budget_plan(step.ir, step.policies.replace(budget=budget), device="/device:GPU:0", cost=H100)
+    assert plan.predictions.feasible and plan.predictions.planned_peak_bytes <= budget
+    assert _w2(plan.weights).fetches[0].trigger != ""
+    assert not plan.swapped and not plan.recomputed
+    with pytest.raises(InfeasibleBudgetError) as raised:
+        make_budget_plan(step.ir, step.policies.replace(budget=temporaries // 2), device="/device:GPU:0", cost=H100)
+    assert temporaries <= raised.value.smallest_feasible_bytes < early
+
+
+def test_a_plan_that_fits_keeps_every_fetch_in_time_to_hide_its_copy():
+    step = _step(budget=1)
+    early = simulate(step.ir, assemble(step, set(), {}), cost=H100).peak_bytes
+    plan = make_budget_plan(step.ir, step.policies.replace(budget=early + MiB), device="/device:GPU:0", cost=H100)
+    assert [dataclasses.replace(w, reason="") for w in plan.weights] == \
+        [dataclasses.replace(w, reason="") for w in timed_weights(step)]
+
+
+def _gradient_then_wide_backward_op_ir():
+    """Two layers; the backward pass makes ``w2``'s 64 MiB gradient ``gw2`` first, then ``wide``, a
+    64 MiB temporary made from a 16 MiB fetched weight ``w3`` (read by nothing else), while ``gw2``
+    is still being copied to the host for the update (over PCIe, 4x longer than ``w3``'s fetch).
+    Nothing here can be swapped or recomputed."""
+    B, U, OUT, WIDE = 64, 64, 262144, 262144
+    return make_ir([
+        dict(name="x", type="Placeholder", outputs=[("x:0", (B, U))]),
+        dict(name="w2", type="Placeholder", outputs=[("w2:0", (), "resource")]),
+        dict(name="w3", type="Placeholder", outputs=[("w3:0", (), "resource")]),
+        dict(name="rw2", type="ReadVariableOp", inputs=["w2:0"], outputs=[("rw2:0", (U, OUT))]),
+        dict(name="rw3", type="ReadVariableOp", inputs=["w3:0"], outputs=[("rw3:0", (16, WIDE))]),
+        dict(name="r1", type="Relu", inputs=["x:0"], outputs=[("r1:0", (B, U))]),
+        dict(name="m2", type="MatMul", inputs=["r1:0", "rw2:0"], outputs=[("m2:0", (B, OUT))]),
+        dict(name="loss", type="Sum", inputs=["m2:0"], outputs=[("loss:0", (1,))]),
+        dict(name="g2", type="Fill", phase="backward", inputs=["loss:0"], outputs=[("g2:0", (B, OUT))]),
+        dict(name="gw2", type="MatMul", phase="backward", inputs=["r1:0", "g2:0"], outputs=[("gw2:0", (U, OUT))]),
+        dict(name="gx2", type="Sum", phase="backward", inputs=["g2:0"], outputs=[("gx2:0", (B, 16))]),
+        dict(name="wide", type="MatMul", phase="backward", inputs=["gx2:0", "rw3:0"], outputs=[("wide:0", (B, WIDE))]),
+        dict(name="gs", type="Sum", phase="backward", inputs=["wide:0"], outputs=[("gs:0", (B, U))]),
+        dict(name="g1", type="ReluGrad", phase="backward", inputs=["gs:0", "r1:0"], outputs=[("g1:0", (B, U))]),
+        dict(name="u2", type="ResourceApplyGradientDescent", phase="update", inputs=["w2:0", "gw2:0"], outputs=[]),
+        dict(name="u3", type="ResourceApplyGradientDescent", phase="update", inputs=["w3:0", "g1:0"], outputs=[]),
+    ], function_inputs=["x"])
+
+
+def test_the_budget_planner_makes_a_fetch_wait_for_a_gradient_still_being_copied_out_at_the_peak(monkeypatch):
+    """Fetched to hide its copy, ``w3`` waits idle on the device beside ``g2`` and ``gw2`` (144 MiB);
+    fetched later alone, it arrives while ``gw2``'s copy out still runs, and ``wide`` then holds
+    144 MiB with them. A budget of 136 MiB fits only when ``w3``'s fetch waits for ``gw2`` to reach
+    the host; the planner finds that wait, and the simulated step keeps it: ``wide`` starts after
+    the copy. Without the wait round the same budget is infeasible."""
+    ir = _gradient_then_wide_backward_op_ir()
+    policies = Policies(host="/CPU:1", weights="host", budget=136 * MiB, swapin_groupby=1)
+    step = PlanningStep.build(ir, policies, device="/device:GPU:0", cost=H100)
+    plain = simulate(ir, assemble(step, set(), {}), cost=H100, top=None)
+    assert plain.peak_bytes > 136 * MiB and [g for _, g in gradients_on_device_at_peak(step, plain)] == ["gw2:0"]
+    plan = make_budget_plan(ir, policies, device="/device:GPU:0", cost=H100)
+    assert plan.predictions.planned_peak_bytes <= 136 * MiB and plan.num_gradient_waits == 1
+    (waiting,) = [(w.variable, f) for w in plan.offloaded_weights for f in w.fetches if f.after_gradients]
+    assert waiting[0] == "w3:0" and waiting[1].after_gradients == ("gw2:0",)
+    replay = simulate(ir, plan, cost=H100)
+    assert replay.op_intervals["wide"][0] >= replay.op_intervals["to_host/gw2:0"][1]
+    assert not waitable_gradient(ir, "x:0", "/CPU:1") and waitable_gradient(ir, "gw2:0", "/CPU:1")
+    from lms_tf.planner.search import BudgetSearch
+    monkeypatch.setattr(BudgetSearch, "wait_for_a_gradient", lambda self, *args: None)
+    with pytest.raises(InfeasibleBudgetError):
+        make_budget_plan(ir, policies, device="/device:GPU:0", cost=H100)
