@@ -9,12 +9,16 @@ real peak and the order TensorFlow executed the ops in come from the same step. 
 - ``serialized`` (keys ``plain_serialized``, ``sqrt_serialized``): the step is built with
   ``serialize=True``, so its compute ops run one at a time in the simulator's own order. The
   blind prediction is then a prediction of this very run; ``inversions`` counts chained ops
-  that ran before the one chained ahead of them (0 when the order held).
+  that ran before the one chained ahead of them (0 when the order held). With ``--step plan``
+  (key ``plan_serialized``) the step applies a saved plan (``--plan``, the JSON of
+  ``Plan.to_json``) instead, with no swaps: the planner benchmark's recompute-only parts.
 
 Prints one ``RESULT <json>`` line. Run it in its own process: TensorFlow must start with the
 BFC CPU allocator.
 
     python tests/allocator_worker.py [--order free|serialized] [--step plain|sqrt|both] ResNet50,64,8 ...
+    python tests/allocator_worker.py --order serialized --step plan --plan PLAN.json --classes 1000 \
+        --device-spec h100-80gb-pcie5 ResNet50,224,32
 
 A step measured after another in the same process reads a lower peak: the CPU allocator keeps
 the regions the first one grew (MobileNetV2's serialized recompute step: 745 MiB after the
@@ -68,13 +72,30 @@ def measured(fn, x, y, graph=None):
     return memory.peak_bytes, rank
 
 
+def requested_peak(events):
+    """The most bytes the step's live allocations asked for at once: the real peak of the tensors
+    alone, before the allocator rounds each request up to its chunk (what ``blind`` predicts)."""
+    live, in_use, peak = {}, 0, 0
+    for event in events:
+        if event.kind == "alloc":
+            live[event.address] = event.requested_bytes
+            in_use += event.requested_bytes
+            peak = max(peak, in_use)
+        elif event.address in live:
+            in_use -= live.pop(event.address)
+    return peak
+
+
 def accumulated_sums(fn, x, y):
     """The sums Grappler accumulates into a temporary variable: predicted offline from the traced
-    step (what the simulator uses), and seen in the real allocator's trace."""
+    step (what the simulator uses), and seen in the real allocator's trace; and that traced
+    run's ``requested_peak`` (key ``real_requested``)."""
     predicted = grappler_accumulated_sums(fn.get_concrete_function(x, y))
-    seen = {event.op[:-len("/tmp_var")] for event in allocation_trace(lambda: fn(x, y).numpy())
+    events = allocation_trace(lambda: fn(x, y).numpy())
+    seen = {event.op[:-len("/tmp_var")] for event in events
             if event.kind == "alloc" and event.op.endswith("/tmp_var")}
-    return predicted, {"accumulated_predicted": sorted(predicted), "accumulated_real": sorted(seen)}
+    return predicted, {"accumulated_predicted": sorted(predicted), "accumulated_real": sorted(seen),
+                       "real_requested": requested_peak(events)}
 
 
 def compare(ir, plan, fn, x, y, runs=5):
@@ -100,10 +121,11 @@ def compare(ir, plan, fn, x, y, runs=5):
             "replay_allocator": replay.allocator_peak_bytes, "blind_allocator": blind.allocator_peak_bytes, **sums}
 
 
-def serialized(model, x, y, **recompute):
-    """The step built with ``serialize=True``: its real peak beside the blind prediction."""
+def serialized(model, x, y, **options):
+    """The step built with ``serialize=True`` (and ``options``: a recompute policy or a plan): its
+    real peak beside the blind prediction."""
     fn = lms_tf.function(train_step(model), device="/CPU:0", swap=False, serialize=True,
-                         device_spec=COST.device.name, **recompute)
+                         device_spec=COST.device.name, **options)
     graph = fn.get_concrete_function(x, y).graph
     real, rank = sorted((measured(fn, x, y, graph=graph) for _ in range(3)), key=lambda run: run[0])[1]
     accumulated, sums = accumulated_sums(fn, x, y)
@@ -116,12 +138,12 @@ def serialized(model, x, y, **recompute):
             "inversions": sum(a > b for a, b in zip(executed, executed[1:]))}
 
 
-def main(specs, order="free", steps=("plain", "sqrt")):
+def main(specs, order="free", steps=("plain", "sqrt"), plan=None, classes=100):
     rows = []
     for spec in specs:
         name, size, batch = spec.split(",")
         keras.utils.set_random_seed(0)
-        model = build_model(name, image_size=int(size), classes=100)
+        model = build_model(name, image_size=int(size), classes=classes)
         x, y = synthetic_batch(model, int(batch))
         row = {"model": name, "size": int(size), "batch": int(batch)}
         if order == "free" and "plain" in steps:
@@ -136,6 +158,8 @@ def main(specs, order="free", steps=("plain", "sqrt")):
             row["plain_serialized"] = serialized(model, x, y)
         if order == "serialized" and "sqrt" in steps:
             row["sqrt_serialized"] = serialized(model, x, y, recompute="sqrt")
+        if order == "serialized" and "plan" in steps:
+            row["plan_serialized"] = serialized(model, x, y, plan=plan)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     print("RESULT " + json.dumps(rows))
@@ -144,8 +168,19 @@ def main(specs, order="free", steps=("plain", "sqrt")):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--order", choices=("free", "serialized"), default="free")
-    parser.add_argument("--step", choices=("plain", "sqrt", "both"), default="both",
+    parser.add_argument("--step", choices=("plain", "sqrt", "both", "plan"), default="both",
                         help="one step per process keeps the other's allocator history out of its peak")
+    parser.add_argument("--plan", help="with --step plan: the plan's JSON file (Plan.to_json)")
+    parser.add_argument("--classes", type=int, default=100, help="the model's output classes")
+    parser.add_argument("--device-spec", default=COST.device.name, help="the device preset the steps are planned for")
     parser.add_argument("specs", nargs="+", metavar="MODEL,SIZE,BATCH")
     args = parser.parse_args()
-    main(args.specs, order=args.order, steps=("plain", "sqrt") if args.step == "both" else (args.step,))
+    if (args.step == "plan") != (args.plan is not None) or (args.step == "plan" and args.order != "serialized"):
+        parser.error("--plan goes with --step plan and --order serialized")
+    COST = CostModel(get_device_spec(args.device_spec))
+    plan = None
+    if args.plan:
+        with open(args.plan) as file:
+            plan = lms_tf.Plan.from_json(file.read())
+    main(args.specs, order=args.order, steps=("plain", "sqrt") if args.step == "both" else (args.step,), plan=plan,
+         classes=args.classes)

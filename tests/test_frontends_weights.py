@@ -15,7 +15,7 @@ import tensorflow as tf
 import lms_tf
 from lms_tf import _compat
 from lms_tf.keras.step_hooks import add_step_hook
-from lms_tf.tf.diagnostics import executed_ops, find_executed, virtual_gpu_peak
+from lms_tf.tf.diagnostics import executed_ops, find_executed, virtual_gpu_peak, virtual_gpu_peak_report
 from lms_tf.tf.rewrite import LMS_ATTR
 from lms_tf.tf.variables import variable_device
 from tests import zoo
@@ -217,11 +217,17 @@ def test_executed_order_each_weight_arrives_after_its_trigger_and_before_its_rea
 
 @pytest.mark.timeout(240)
 def test_executed_order_each_weight_gradient_leaves_the_device_as_soon_as_it_is_complete():
-    """TensorFlow's profiler: each weight gradient's copy to the host (the ``_Send`` named after
-    its producer: the gradient, or its product with the learning rate, which stays on the device
-    as in the plain step), which the update on the host reads, starts after that gradient op ends
-    and before the next weight gradient is complete: gradients are not held until the backward
-    pass ends. (On logical CPUs the copy moves no bytes, but the executor orders it as on a GPU.)"""
+    """TensorFlow's profiler: each weight gradient leaves for the host (the ``_Send`` named after
+    what it sends: the gradient, or its product with the learning rate, which stays on the device
+    as in the plain step) as soon as it is complete: the way out (the product, else the copy)
+    starts after that gradient op ends and before the next weight gradient is complete, and the
+    copy follows the product. Gradients are not held until the backward pass ends. (On logical
+    CPUs the copy moves no bytes, but the executor orders it as on a GPU.)
+
+    The way out is judged by when it starts, not by when the copy starts: under load (CI's second
+    worker) the 4 MiB product itself has been seen to take 1.5 ms instead of 0.1 while the first
+    layer's small kernel gradient ran on the other thread, and so finished first, although the
+    product had started 12 us after its gradient."""
     x, y = _mlp_data()
     fn = _mlp_on_host(swapin_ahead=1)
     fn(x, y)
@@ -238,14 +244,18 @@ def test_executed_order_each_weight_gradient_leaves_the_device_as_soon_as_it_is_
             continue  # a weight fetch (host -> device), not a gradient
         producer = find_executed(events, gradient)
         assert producer is not None, f"no run of {gradient} in the profile"
-        copies.append((producer, send))
-    kernels = [(p, s) for p, s in copies if p.type == "MatMul"]
-    assert len(kernels) == 7, [p.node for p, _ in copies]   # one per Dense kernel
-    for producer, send in copies:
-        assert send.start_ps >= producer.end_ps, producer.node
-    kernels.sort(key=lambda pair: pair[0].end_ps)
-    for (producer, send), (following, _) in zip(kernels, kernels[1:]):
-        assert send.start_ps <= following.end_ps, (producer.node, following.node)
+        product = find_executed(events, op.name) if op is not None and op.name != gradient else None
+        if product is not None:
+            assert product.start_ps >= producer.end_ps and send.start_ps >= product.end_ps, (producer.node, op.name)
+        copies.append((producer, product or send, send))
+    kernels = [copy for copy in copies if copy[0].type == "MatMul"]
+    assert len(kernels) == 7, [p.node for p, _, _ in copies]   # one per Dense kernel
+    assert sum(1 for _, way_out, send in kernels if way_out is not send) == 7   # SGD sends each product
+    for producer, way_out, send in copies:
+        assert send.start_ps >= way_out.start_ps >= producer.end_ps, producer.node
+    kernels.sort(key=lambda copy: copy[0].end_ps)
+    for (producer, way_out, _), (following, _, _) in zip(kernels, kernels[1:]):
+        assert way_out.start_ps <= following.end_ps, (producer.node, following.node)
 
 
 def _fusion_chain(op):
@@ -278,6 +288,45 @@ def test_grappler_virtual_gpu_holds_the_fetched_windows_not_every_weight():
     largest = 1024 * 1024 * 4
     assert before >= weight_bytes  # every weight resident
     assert largest <= after < 0.35 * before, (before / 2**20, after / 2**20)
+
+
+def _simulated_and_grappler_peaks(fn, x, y):
+    """The simulator's device peak of ``fn``'s plan, and Grappler's (told the variable shapes, each
+    buffer counted once: an elementwise kernel writing into its input, an alias of a live tensor)."""
+    from lms_tf.cost import CostModel, get_device_spec
+    from lms_tf.simulate import simulate
+
+    simulated = simulate(fn.plain_irs[-1], fn.plan, cost=CostModel(get_device_spec("v100-16gb-pcie3"))).peak_bytes
+    report = virtual_gpu_peak_report(fn.get_concrete_function(x, y), variable_shapes=True)
+    return simulated, report.step_peak_bytes
+
+
+@pytest.mark.timeout(300)
+def test_grappler_virtual_gpu_agrees_with_the_simulator_on_serialized_weights_plans():
+    """With the weights on the host and the step serialized (``serialize=True``: the simulator's
+    order), Grappler's virtual GPU and the simulator give the same device peak within 10%: the wide
+    MLP (SGD) 0.99 and the GPT-style decoder (Adam, a tied embedding, 64 MiB budget) 0.95 here.
+
+    Two causes of disagreement were found on the way and fixed. The serialize pass left every bias
+    gradient and its kernel gradient off the chain, for oneDNN's fusion, even where oneDNN is off
+    or the device is not a CPU: the MLP's kernel gradients then ran beside the previous weight's
+    update (12.3 MiB in Grappler against 8.4). And the oracle counted Keras's unread
+    ``IdentityN`` of the gradients as a reader, so it saw no learning-rate product written into
+    its gradient's buffer (4 MiB counted twice). In TensorFlow's own order Grappler's scheduler
+    keeps the decoder's kernel gradients until the update runs (52 MiB against 30 for the decoder
+    of the four-times-the-budget test below): that order is not the simulator's, and is judged
+    above as an upper bound only. That decoder, serialized, reads 0.84, outside this bound and
+    not explained: the simulator's peak is in the forward pass (the MLP kernels of later blocks
+    fetched early, on triggers among the causal-mask ops it runs first), Grappler's in the
+    backward pass (docs/limits.md)."""
+    x, y = _mlp_data()
+    fn = _mlp_on_host(swapin_ahead=1, serialize=True, device_spec="v100-16gb-pcie3")
+    fn(x, y)
+    simulated, grappler = _simulated_and_grappler_peaks(fn, x, y)
+    assert 0.9 <= grappler / simulated <= 1.1, (grappler / 2**20, simulated / 2**20)
+    _, _, fn, (x, y), _ = _gpt_style_run(True, steps=1, serialize=True)
+    simulated, grappler = _simulated_and_grappler_peaks(fn, x, y)
+    assert 0.9 <= grappler / simulated <= 1.1, (grappler / 2**20, simulated / 2**20)
 
 
 @pytest.mark.timeout(300)
@@ -435,7 +484,7 @@ def test_the_update_on_the_host_runs_on_the_host_stream_timed_by_host_memory_ban
     assert simulate(ir, plan, cost=untimed).step_time_s <= sim.step_time_s
 
 
-def _gpt_style_run(lms: bool, steps: int = 10, width=256, seq_len=64, vocab=2048, batch=2, budget="64MiB"):
+def _gpt_style_run(lms: bool, steps: int = 10, width=256, seq_len=64, vocab=2048, batch=2, budget="64MiB", **options):
     """``lms_tf.tf.workloads.decoder_lm`` (pre-norm blocks, MultiHeadAttention's EinsumDense
     projections, GELU, a tied embedding; 4 blocks) trained with Keras's default Adam in a custom loop."""
     from lms_tf.tf.workloads import decoder_lm, train_step
@@ -448,7 +497,7 @@ def _gpt_style_run(lms: bool, steps: int = 10, width=256, seq_len=64, vocab=2048
     if lms:
         optimizer.build(model.trainable_variables)
         lms_tf.place_weights(model, optimizer, host="/CPU:1")
-        fn = lms_tf.function(step, **CPU_LMS, weights="host", budget=budget, device_spec="v100-16gb-pcie3")
+        fn = lms_tf.function(step, **CPU_LMS, weights="host", budget=budget, device_spec="v100-16gb-pcie3", **options)
     else:
         fn = tf.function(step)
     tokens = np.random.default_rng(0).integers(0, vocab, size=(3 * batch, seq_len + 1)).astype("int32")

@@ -179,19 +179,29 @@ def test_the_simulator_predicts_recurrent_steps_within_ten_percent_of_the_real_a
     free = run_allocator_worker("--step", "plain", *specs, timeout=580)
     in_order = {row["model"]: row["plain_serialized"]["blind_allocator"] / row["plain_serialized"]["real"]
                 for row in serialized}
+    tensors = {row["model"]: row["plain_serialized"]["blind"] / row["plain_serialized"]["real_requested"]
+               for row in serialized}
     ratios = {row["model"]: row["plain"]["blind_allocator"] / row["plain"]["real"] for row in free}
-    # Serialized (the simulator's order imposed, the prediction is of the run measured): measured
-    # 0.91 (StackedRNN) and 1.05 (LSTM). Counting each pushed weight read as a copy gave 2.1. The
-    # stacked model's lower bound is 0.85: the simulator treats a loop as one op whose peak is at
-    # its end (docs/limits.md), 9-10% under the real peak of four stacked loops. It read 0.93 while
-    # the IR still counted Keras's probing step of each cell outside its loop, which TensorFlow
-    # prunes: a wrong op that hid part of that gap.
-    # When serialization first held the ops Grappler rewrites at their place, the LSTM read up to
-    # 1.105: a chained op waited only for the held item that ended last before it, so the others
-    # ran when TensorFlow chose. Each chained op now waits for every held item since the chained
-    # op before it: 1.02-1.03.
+    # Serialized (the simulator's order imposed, the prediction is of the run measured), in tensor
+    # bytes (the simulator's live tensors against the most bytes the real allocations asked for at
+    # once): measured 0.893-0.896 (StackedRNN) and 1.004-1.007 (LSTM) over five processes, each
+    # with 0 inversions. Counting each pushed weight read as a copy gave 2.1. The stacked model's
+    # lower bound is 0.85: the simulator treats a loop as one op whose peak is at its end
+    # (docs/limits.md), 10% under the real peak of four stacked loops. It read 0.93 while the IR
+    # still counted Keras's probing step of each cell outside its loop, which TensorFlow prunes: a
+    # wrong op that hid part of that gap.
+    assert 0.85 <= tensors["StackedRNN"] <= 1.1 and all(
+        0.97 <= r <= 1.03 for m, r in tensors.items() if m != "StackedRNN"), tensors
+    # The same runs as the allocator counts them (whole chunks): 0.909-0.915 (StackedRNN) and
+    # 0.995-1.095 (LSTM; 1.105 in one CI run). The LSTM's spread is the allocator's, not the
+    # order's: for the same requests (30.5-30.6 MB) its chunks at the peak came to 30.7-33.8 MB,
+    # because BFC hands a request a free chunk whole unless the chunk is at least twice the
+    # request (the loop's 3.3 MB TensorListStack took a 5.7 MB chunk in some processes), and
+    # which free chunks exist depends on the order the loop's iterations freed theirs. The
+    # simulator's allocator model adds one fixed rounding (33.6 MB); the bound above 1.1 is that
+    # measured spread.
     assert 0.85 <= in_order["StackedRNN"] <= 1.1 and all(
-        0.9 <= r <= 1.1 for m, r in in_order.items() if m != "StackedRNN"), in_order
+        0.9 <= r <= 1.12 for m, r in in_order.items() if m != "StackedRNN"), in_order
     # TensorFlow's own order: it changes from run to run (five orders in five runs of one process
     # here) and the real peak with it. Measured 0.90-0.92 (StackedRNN) and 1.02-1.10 (LSTM) over
     # processes, the LSTM's runs all at 1.10 in one process: the same spread as the held-out free-order

@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.core.ir import same_device
-from lms_tf.core.op_kinds import FORWARDING_TYPES
+from lms_tf.core.op_kinds import ALIAS_TYPES, FORWARDING_TYPES
 from lms_tf.tf.variables import variable_bytes_by_device
 
 _VIRTUAL_GPU = "/job:localhost/replica:0/task:0/device:GPU:0"
@@ -101,14 +101,21 @@ class OraclePeak:
             (the simulator's ``FORWARDING_TYPES``) whose output is live too, of the same size:
             TensorFlow computes that output into this tensor's buffer.
         variable_read_bytes: Bytes of the live outputs of variable reads (``ReadVariableOp``, or
-            the constants :func:`with_variable_shapes` puts in their place). Grappler gives each
-            one a buffer; TensorFlow's read hands out the variable's own buffer, which is
-            resident, not step memory.
+            the constants :func:`with_variable_shapes` puts in their place), and of the live
+            aliases of those outputs. Grappler gives each one a buffer; TensorFlow's read hands
+            out the variable's own buffer, which is resident, not step memory.
+        alias_bytes: Bytes of the live outputs of alias ops (``Identity``, ``Reshape``...: the
+            simulator's ``ALIAS_TYPES``) whose source, or another alias of it, is live too: beyond
+            the largest of each such group. TensorFlow hands an alias its input's buffer; Grappler
+            gives it one of its own. A serialized step's kept ``Identity`` gates and exits are such
+            aliases (784 MiB of VGG16's serialized plain step at batch 16).
 
     Examples:
         >>> OraclePeak(300, (("a", 0, 100), ("b", 0, 100), ("c", 0, 100)), 100).peak_bytes_counting_in_place_once
         200
         >>> OraclePeak(300, (("read", 0, 100), ("b", 0, 200)), 0, variable_read_bytes=100).step_peak_bytes
+        200
+        >>> OraclePeak(300, (("x", 0, 100), ("gate", 0, 100), ("y", 0, 100)), 0, alias_bytes=100).step_peak_bytes
         200
     """
 
@@ -116,18 +123,30 @@ class OraclePeak:
     live: Tuple[Tuple[str, int, int], ...]
     in_place_bytes: int
     variable_read_bytes: int = 0
+    alias_bytes: int = 0
 
     @property
     def step_peak_bytes(self) -> int:
-        """The peak of the step's own tensors, as TensorFlow's allocator holds them: each in-place
-        pair counted once, and variable reads not counted (the variables are resident; add
-        them to compare with a whole device's memory).
+        """The peak of the step's own tensors, as TensorFlow's allocator holds them: each buffer
+        counted once (in-place pairs and aliases), and variable reads not counted (the variables
+        are resident; add them to compare with a whole device's memory).
 
         Examples:
             >>> OraclePeak(300, (), 50, variable_read_bytes=100).step_peak_bytes
             150
         """
-        return self.peak_bytes - self.in_place_bytes - self.variable_read_bytes
+        return self.peak_bytes - self.in_place_bytes - self.alias_bytes - self.variable_read_bytes
+
+    @property
+    def peak_bytes_counting_buffers_once(self) -> int:
+        """The peak with each buffer counted once: in-place pairs and aliases (variable reads
+        still counted, as in :attr:`peak_bytes`).
+
+        Examples:
+            >>> OraclePeak(300, (), 50, alias_bytes=100).peak_bytes_counting_buffers_once
+            150
+        """
+        return self.peak_bytes - self.in_place_bytes - self.alias_bytes
 
     @property
     def peak_bytes_counting_in_place_once(self) -> int:
@@ -167,21 +186,53 @@ def virtual_gpu_peak_report(concrete_function, *, host: str = "/CPU:1", gpu_memo
         graph_def, fetches, [(_VIRTUAL_GPU, "GPU", gpu_memory_bytes), (_VIRTUAL_CPU, "CPU", host_memory_bytes)])
     peak, live = peaks.get(_VIRTUAL_GPU, (0, []))
     op_types = {node.name: node.op for node in graph_def.node}
+    # Only what the step runs reads a tensor: TensorFlow prunes the ops no fetch needs (Keras's
+    # optimizer leaves an ``IdentityN`` of every gradient unread), and Grappler schedules the
+    # fetches' fan-in alone. Counting a pruned reader would deny an elementwise kernel its input.
+    inputs_of = {node.name: [name.lstrip("^").partition(":")[0] for name in node.input] for node in graph_def.node}
+    runs, pending = set(), list(fetches)
+    while pending:
+        name = pending.pop()
+        if name not in runs and name in inputs_of:
+            runs.add(name)
+            pending.extend(inputs_of[name])
     readers: Dict[Tuple[str, int], List[str]] = {}
     for node in graph_def.node:
+        if node.name not in runs:
+            continue
         for name in node.input:
             if not name.startswith("^"):
                 source, _, port = name.partition(":")
                 readers.setdefault((source, int(port or 0)), []).append(node.name)
     sizes = {(node, port): nbytes for node, port, nbytes in live}
-    in_place = 0
-    for (node, port), nbytes in sizes.items():
-        reader = readers.get((node, port), [])
-        if len(reader) == 1 and op_types.get(reader[0]) in FORWARDING_TYPES and sizes.get((reader[0], 0)) == nbytes:
-            in_place += nbytes
     reads = {op.name for op in graph.get_operations() if op.type == "ReadVariableOp"}
-    read_bytes = sum(nbytes for (node, _), nbytes in sizes.items() if node in reads)
-    return OraclePeak(peak, tuple(sorted(live, key=lambda t: -t[2])), in_place, read_bytes)
+    data_inputs = {node.name: [name for name in node.input if not name.startswith("^")] for node in graph_def.node}
+
+    def source(node: str, port: int) -> Tuple[str, int]:
+        """The tensor whose buffer an alias op's output is (through chains of aliases)."""
+        for _ in range(len(data_inputs)):
+            inputs = data_inputs.get(node, [])
+            index = port if op_types.get(node) == "IdentityN" else 0
+            if op_types.get(node) not in ALIAS_TYPES or index >= len(inputs):
+                break
+            name, _, read_port = inputs[index].partition(":")
+            node, port = name, int(read_port or 0)
+        return node, port
+
+    buffers: Dict[Tuple[str, int], List[int]] = {}
+    for tensor, nbytes in sizes.items():
+        buffers.setdefault(source(*tensor), []).append(nbytes)
+    read_bytes = sum(sum(group) for (node, _), group in buffers.items() if node in reads)
+    # An elementwise kernel writes into its input's buffer only when nothing else holds it: not
+    # when a live alias shares it.
+    in_place = 0
+    for tensor, nbytes in sizes.items():
+        reader = readers.get(tensor, [])
+        if (len(reader) == 1 and op_types.get(reader[0]) in FORWARDING_TYPES and sizes.get((reader[0], 0)) == nbytes
+                and len(buffers[source(*tensor)]) == 1):
+            in_place += nbytes
+    alias = sum(sum(group) - max(group) for (node, _), group in buffers.items() if node not in reads)
+    return OraclePeak(peak, tuple(sorted(live, key=lambda t: -t[2])), in_place, read_bytes, alias)
 
 
 def with_variable_shapes(graph_def):

@@ -28,7 +28,7 @@ from lms_tf.simulate import simulate
 from lms_tf.tf.diagnostics import CPU_GRAPPLER_MEMORY_BYTES
 from lms_tf.tf.rewrite import apply_plan, apply_plans
 from lms_tf.tf.rewrite.recompute import simulator_name
-from lms_tf.tf.rewrite.serialize import grappler_rewritten_ops, impose_order, serialize_step
+from lms_tf.tf.rewrite.serialize import grappler_rewritten_ops, impose_order, onednn_may_fuse, serialize_step
 from lms_tf.tf.trace import build_ir
 
 logger = logging.getLogger("lms_tf")
@@ -205,6 +205,14 @@ def check_plan_matches(plan: Plan, ir: GraphIR, *, api: str) -> None:
         missing = next((n for n in (*ordering.waiters, *ordering.after) if n not in ops), None)
         if missing is not None:
             raise mismatch(f"op {missing!r} of an ordering is not in it")
+    for weight in plan.offloaded_weights:
+        named = [n for f in weight.fetches for n in ((f.trigger,) if f.trigger else ()) + f.consumers]
+        missing = next((n for n in named if n not in ops), None)
+        if missing is not None:
+            raise mismatch(f"op {missing!r}, named by a fetch of {weight.variable!r}, is not in it")
+        gradient = next((g for f in weight.fetches for g in f.after_gradients if g not in ir.tensors), None)
+        if gradient is not None:
+            raise mismatch(f"gradient {gradient!r}, which a fetch of {weight.variable!r} waits for, is not in it")
 
 
 def rewrite_traced_step(request: RewriteRequest, *, api: str,
@@ -590,6 +598,6 @@ def serialize_stages(devices: Sequence[str], rank: Mapping[str, float], *, leave
         mine = {op.name: rank[op.name] for op in ops
                 if op.name in rank and same_device(op.device, device) and op.name not in free}
         edges += impose_order(graph, mine, leave_free=free, free_through_control=False,
-                              onednn_fusions=_compat.onednn_enabled())
+                              onednn_fusions=onednn_may_fuse(device))
     logger.info("serialized the pipeline's %d stages in the schedule's order (%d control edges)", len(devices), edges)
     return edges

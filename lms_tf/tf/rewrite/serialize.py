@@ -34,11 +34,16 @@ changes the kernel:
 - After Grappler, oneDNN fuses a ``BiasAddGrad`` into the ``Conv2DBackpropFilter`` or
   ``MatMul`` beside it (only when neither has a control edge), and the fused kernel inherits
   both ops' control edges: chaining only one of them closes a cycle when the chain put
-  anything between the two, and chaining both runs unfused kernels. Both are left free, and
-  so is everything downstream of such a ``BiasAddGrad``: after the fusion its value comes out
-  of the partner, so it waits for the partner's inputs too. Chained, the bias's update (the
-  SGD ``Mul`` and ``AssignSubVariableOp``) sat before a recomputed activation the partner
-  reads, and closed a cycle on ResNet-50 224² with a recompute plan ("778 nodes in a cycle").
+  anything between the two, and chaining both runs unfused kernels. Both are left free. After
+  the fusion the bias gradient comes out of the partner, so it waits for the partner's inputs
+  too: the order the chain follows counts those as inputs of the ``BiasAddGrad``
+  (:func:`fused_kernel_waits`), so the ops that read it (the bias's update) are chained after
+  them. Chained in an order that ignored this, the bias's update (the SGD ``Mul`` and
+  ``AssignSubVariableOp``) sat before a recomputed activation the partner reads, and closed a
+  cycle on ResNet-50 224² with a recompute plan ("778 nodes in a cycle"); left free instead, it
+  took the rest of the backward pass off the chain wherever the plan gated a recompute on it.
+  The pair itself takes no edge, but the chained op after it waits for an ``Identity`` reading
+  the bias gradient (:func:`gate_free_ops`), so it cannot run after its place.
 - oneDNN extends a fused contraction by the elementwise op that alone reads it (MatMul +
   BiasAdd + the residual Add, in bfloat16), where the offline pipeline shows no such fusion:
   that reader is left free too.
@@ -78,8 +83,11 @@ import tensorflow as tf
 
 from lms_tf import _compat
 from lms_tf.core.errors import RewriteError
+from lms_tf.core.ir import device_kind_and_index
 from lms_tf.core.op_kinds import (
+    CONV_TYPES,
     FORWARDING_TYPES,
+    MATMUL_TYPES,
     FUSABLE_GATE_PARTNER_TYPES,
     FUSABLE_GATE_TYPES,
     is_collective,
@@ -113,10 +121,17 @@ def bypass_identity_n(graph: tf.Graph) -> int:
     return moved
 
 
-def ranked_topological_order(graph: tf.Graph, rank: Mapping[str, float]) -> List[str]:
+def ranked_topological_order(graph: tf.Graph, rank: Mapping[str, float],
+                             extra_waits: Optional[Mapping[str, Collection[str]]] = None) -> List[str]:
     """A topological order of ``graph``'s ops (data and control edges).
 
     Among ready ops, an unranked one goes first (in creation order), then the lowest rank.
+
+    Args:
+        graph: The graph.
+        rank: Op name -> rank; lower runs first.
+        extra_waits: Op name -> ops it waits for at run time beyond its edges (what a kernel it
+            is fused into reads: :func:`fused_kernel_waits`).
 
     Raises:
         RewriteError: The graph has a cycle.
@@ -135,6 +150,7 @@ def ranked_topological_order(graph: tf.Graph, rank: Mapping[str, float]) -> List
     readers: Dict[str, List[str]] = {op.name: [] for op in ops}
     for op in ops:
         preds = {t.op.name for t in op.inputs} | {c.name for c in op.control_inputs}
+        preds |= set((extra_waits or {}).get(op.name, ()))
         waiting[op.name] = len(preds)
         for pred in preds:
             readers[pred].append(op.name)
@@ -387,6 +403,26 @@ def _changed_nodes(before, after, folded_shapes_unchanged: bool = False) -> List
             if name not in new_nodes or new_nodes[name].op != node.op or new_inputs[name] != old_inputs[name]]
 
 
+def _ends_contraction(graph: tf.Graph, name: str, leave_free: Collection[str]) -> bool:
+    """Whether op ``name`` is a contraction (a convolution, a matrix product), or the last op of a
+    pattern Grappler fuses with one (``MatMul`` + ``BiasAdd`` + activation): it reads one through
+    ops that are rewritten too."""
+    frontier, seen = [name], set()
+    while frontier:
+        current = frontier.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        try:
+            op = graph.get_operation_by_name(current)
+        except KeyError:
+            continue
+        if op.type in CONV_TYPES | MATMUL_TYPES:
+            return True
+        frontier += [value.op.name for value in op.inputs if value.op.name in leave_free]
+    return False
+
+
 def _sole_elementwise_reader(graph: tf.Graph, name: str) -> List[tf.Operation]:
     """The elementwise op that is the only reader of op ``name``'s first output, if there is one."""
     try:
@@ -404,6 +440,38 @@ def _fusable_gate_with_partner(op: tf.Operation) -> List[tf.Operation]:
     return [partner for partner in op.inputs[0].consumers() if partner.type in FUSABLE_GATE_PARTNER_TYPES]
 
 
+def fused_kernel_waits(graph: tf.Graph) -> Dict[str, FrozenSet[str]]:
+    """What each fusable ``BiasAddGrad`` waits for at run time once oneDNN fuses it into its partner.
+
+    After Grappler, oneDNN fuses a ``BiasAddGrad`` into the ``Conv2DBackpropFilter`` or ``MatMul``
+    reading the same incoming gradient; the bias gradient then comes out of the fused kernel, which
+    waits for the partner's inputs too (a filter gradient's activation, perhaps a recomputed one
+    ranked late). An order that ignored this could put a reader of the bias gradient (its update)
+    before that activation, and a chain in that order closes a cycle at run time. Every partner
+    that may be chosen counts.
+
+    Returns:
+        ``BiasAddGrad`` name -> the ops its partners read, data and control.
+
+    Examples:
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     dy = tf.compat.v1.placeholder(tf.float32, (2, 8), name="dy")
+        ...     x = tf.compat.v1.placeholder(tf.float32, (2, 4), name="x")
+        ...     db = tf.raw_ops.BiasAddGrad(out_backprop=dy, name="db")
+        ...     dw = tf.matmul(x, dy, transpose_a=True, name="dw")
+        >>> sorted(fused_kernel_waits(g)["db"])
+        ['dy', 'x']
+    """
+    waits = {}
+    for op in graph.get_operations():
+        partners = _fusable_gate_with_partner(op)
+        if partners:
+            waits[op.name] = frozenset({t.op.name for partner in partners for t in partner.inputs}
+                                       | {c.name for partner in partners for c in partner.control_inputs})
+    return waits
+
+
 def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collection[str] = (), *,
                  free_through_control: bool = True, onednn_fusions: bool = True) -> int:
     """Chains the ranked ops of ``graph`` with control edges, in rank order where the graph allows.
@@ -416,12 +484,9 @@ def impose_order(graph: tf.Graph, rank: Mapping[str, float], leave_free: Collect
         graph: The graph to serialize, in place.
         rank: Op name -> rank; lower runs first.
         leave_free: Ops never chained (those Grappler fuses: :func:`grappler_rewritten_ops`).
-        free_through_control: Also leave free what waits for a collective or a fusable
-            ``BiasAddGrad`` only through control edges. A pipeline step passes False: each
-            stage's next task waits for the last through a control edge, so otherwise everything
-            after a stage's first bias gradient would go free; and in a step without recompute,
-            the fused kernel's extra wait (for its partner's inputs, computed before it) cannot
-            close a cycle.
+        free_through_control: Also leave free what waits for a collective only through control
+            edges. A pipeline step passes False: each stage's next task waits for the last
+            through a control edge, so a wait anywhere would free everything after it.
         onednn_fusions: Leave free what oneDNN fuses after Grappler (a ``BiasAddGrad`` and its
             partner, the elementwise op that alone reads a fused contraction). False when oneDNN
             is off (``TF_ENABLE_ONEDNN_OPTS=0``): nothing is fused then, and chaining them keeps
@@ -455,11 +520,11 @@ def _chain_and_held(graph: tf.Graph, rank: Mapping[str, float], leave_free: Coll
                     free_through_control: bool = True, onednn_fusions: bool = True):
     """The ops :func:`impose_order` chains, in order, and the ops it leaves free only because
     Grappler rewrites them (which :func:`gate_free_ops` may hold at their place instead)."""
-    order = ranked_topological_order(graph, rank)
+    order = ranked_topological_order(graph, rank, fused_kernel_waits(graph) if onednn_fusions else None)
     reads_inputs, downstream_of_unchainable = _reading_step_inputs(graph, order), set()
     for name in order:
         op = graph.get_operation_by_name(name)
-        if (is_collective(op.type) or (onednn_fusions and _fusable_gate_with_partner(op))
+        if (is_collective(op.type)
                 or any(t.op.name in downstream_of_unchainable for t in op.inputs)
                 or (free_through_control and any(c.name in downstream_of_unchainable for c in op.control_inputs))):
             downstream_of_unchainable.add(name)
@@ -473,6 +538,8 @@ def _chain_and_held(graph: tf.Graph, rank: Mapping[str, float], leave_free: Coll
                                  for partner in _fusable_gate_with_partner(graph.get_operation_by_name(name))}
         # oneDNN also extends a fused contraction by the elementwise op that alone reads it (the
         # residual Add of MatMul + BiasAdd + Add in bfloat16), where Grappler offline shows no such fusion.
+        # (Not only after a contraction: a control edge on such a reader can stop Grappler's
+        # rewrites around it too, e.g. removing a redundant reshape of a loss gradient's Neg.)
         fused_after_grappler |= {reader.name for name in leave_free
                                  for reader in _sole_elementwise_reader(graph, name)}
     chain = [op for op in candidates if op.name not in fused_after_grappler and op.name not in leave_free]
@@ -533,7 +600,7 @@ class _Held:
 
 
 def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[FusedKernel],
-                  leave_free: Collection[str]) -> List[SerialGate]:
+                  leave_free: Collection[str], *, onednn_fusions: bool = True) -> List[SerialGate]:
     """Holds each op :func:`impose_order` left free because Grappler rewrites it at its place in the
     chain, without a control edge on it.
 
@@ -564,6 +631,7 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
         rank: The ranks it chained by.
         kernels: The fused kernels (:func:`grappler_fused_kernels`, read before the chain).
         leave_free: The ops it left free because Grappler rewrites them.
+        onednn_fusions: As :func:`impose_order` was given it.
 
     Returns:
         One record per edge added (to check, or undo with :func:`undo_gates`).
@@ -572,8 +640,9 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
         >>> gate_free_ops(tf.Graph(), {}, [], ())
         []
     """
-    chain, held = _chain_and_held(graph, rank, leave_free)
-    order = ranked_topological_order(graph, rank)
+    chain, held = _chain_and_held(graph, rank, leave_free, onednn_fusions=onednn_fusions)
+    waits = fused_kernel_waits(graph) if onednn_fusions else {}
+    order = ranked_topological_order(graph, rank, waits or None)
     position = {name: i for i, name in enumerate(order)}
     reads_inputs = _reading_step_inputs(graph, order)
     held_names = {op.name for op in held}
@@ -590,11 +659,22 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
             units.append(_Held(position[op.name], position[op.name],
                                [(op.name, index) for index, value in enumerate(op.inputs)
                                 if value.op.name not in leave_free], op.name))
+    # A bias gradient oneDNN fuses into its partner, and the partner, stay off the chain and take no
+    # entry gate (the fusion needs both to read the very same tensor); but what comes after them
+    # waits for the bias gradient, which after the fusion comes out of the partner's kernel.
+    # Otherwise the pair ran whenever the executor picked it: after a later update, whose buffer it
+    # then held (VGG16's first fully connected weight gradient, 392 MiB).
+    pairs = []
+    for name in waits:
+        if name in position and name in reads_inputs:
+            members = [name] + [partner.name for partner in _fusable_gate_with_partner(graph.get_operation_by_name(name))]
+            pairs.append(_Held(min(position[n] for n in members), max(position[n] for n in members), [], name))
     records: List[SerialGate] = []
     # What each item leaves behind for the next to wait for: a chained op itself, a held one's exit
     # (made when first needed, so that no exit is left that nothing waits for).
     done: List[Tuple[int, object]] = [(position[op.name], op) for op in chain]
     done += [(unit.end, unit) for unit in units if _may_read_for_exit(graph, unit.last, kernel_names, leave_free)]
+    done += [(pair.end, pair) for pair in pairs]
     done.sort(key=lambda item: item[0])
     ends = [end for end, _ in done]
     exits: Dict[str, tf.Operation] = {}
@@ -653,10 +733,15 @@ def _may_read_for_exit(graph: tf.Graph, name: str, kernel_names: Collection[str]
     """Whether an exit may read op ``name``'s result: a second reader must not stop a rewrite.
 
     Not when oneDNN may extend a fused contraction by its sole elementwise reader, nor when every
-    reader of an op that is not a fused kernel is rewritten too: the arithmetic optimizer regroups
-    products and sums only through ops with one reader (``(dy * rsqrt) * lr``)."""
+    reader of an op that is not a fused kernel is rewritten too: Grappler rewrites chains only
+    through ops with one reader (the arithmetic optimizer regroups ``(dy * rsqrt) * lr``; it drops
+    the reshapes around a loss gradient's transpose). An op read by one elementwise op that does
+    not end a contraction may have one: a concatenation gradient's ``Slice`` read only by a
+    gradient sum (a U-Net's skip connection) ran, without one, just before the sum's other input,
+    about a hundred ops after its place, holding the concatenation's whole gradient that much
+    longer."""
     op = graph.get_operation_by_name(name)
-    if not op.outputs or _sole_elementwise_reader(graph, name):
+    if not op.outputs or (_sole_elementwise_reader(graph, name) and _ends_contraction(graph, name, leave_free)):
         return False
     readers = [reader for output in op.outputs for reader in output.consumers()]
     return name in kernel_names or not readers or not all(reader.name in leave_free for reader in readers)
@@ -722,8 +807,22 @@ class SerializeReport:
     gates_undone: Tuple[str, ...]
 
 
+def onednn_may_fuse(device: str) -> bool:
+    """Whether oneDNN may fuse kernels of ops on ``device`` after Grappler: only CPU kernels, and
+    only with oneDNN on (``TF_ENABLE_ONEDNN_OPTS``). Otherwise the bias gradients and their
+    partners are chained like any op: left free, a weight's gradient ran whenever the executor
+    picked it, beside the previous weight's update.
+
+    Examples:
+        >>> onednn_may_fuse("/device:GPU:0")
+        False
+    """
+    return device_kind_and_index(device)[0] == "CPU" and _compat.onednn_enabled()
+
+
 def serialize_step(graph: tf.Graph, rank: Mapping[str, float], device: str, memory_bytes: int, *,
-                   outputs: Optional[Sequence[tf.Tensor]] = None) -> SerializeReport:
+                   outputs: Optional[Sequence[tf.Tensor]] = None,
+                   onednn_fusions: Optional[bool] = None) -> SerializeReport:
     """Runs ``graph``'s step in the order of ``rank``: the chain (:func:`impose_order`), each op
     Grappler rewrites held at its place (:func:`gate_free_ops`), and a check that Grappler still
     runs the very kernels, with operands in the same order, as it did before.
@@ -739,6 +838,8 @@ def serialize_step(graph: tf.Graph, rank: Mapping[str, float], device: str, memo
         device: The step's device.
         memory_bytes: The memory the runtime tells Grappler the device has.
         outputs: The tensors the step returns, when known.
+        onednn_fusions: Whether oneDNN may fuse the step's kernels after Grappler (see
+            :func:`impose_order`); by default :func:`onednn_may_fuse` on ``device``.
 
     Returns:
         What was chained and gated.
@@ -754,9 +855,11 @@ def serialize_step(graph: tf.Graph, rank: Mapping[str, float], device: str, memo
     graph_def, optimized, in_graph = _offline_default_pipeline(graph, device, memory_bytes, outputs)
     free = frozenset(name for name in _changed_nodes(graph_def, optimized, folded_shapes_unchanged=True)
                      if name in in_graph)
-    edges = impose_order(graph, rank, leave_free=free)
+    if onednn_fusions is None:
+        onednn_fusions = onednn_may_fuse(device)
+    edges = impose_order(graph, rank, leave_free=free, onednn_fusions=onednn_fusions)
     kernels = _fused_kernels(graph_def, optimized, in_graph)
-    gates = gate_free_ops(graph, rank, kernels, free)
+    gates = gate_free_ops(graph, rank, kernels, free, onednn_fusions=onednn_fusions)
     undone: List[str] = []
     for _ in range(_GATE_CHECKS):
         if not gates:
