@@ -13,7 +13,8 @@ The search (with lms-tf from the plain answer) run five ways in one process, one
 Every row must give the same answers; the table gives the seconds, tries and rounds of each and
 its speed-up over "before". Then the whole command, ``lms-tf max-batch --model resnet50``, is
 timed in a process of its own (importing TensorFlow, building and tracing the model included):
-the figure users wait for. On a CPU: the planner is pure Python, so the figures are CPU time of
+the figure users wait for. Last, the plan at the answer is judged by Grappler in both orders
+(``benchmarks/max_batch_judge.py``). On a CPU: the planner is pure Python, so the figures are CPU time of
 planning, not of any GPU.
 
 Command: ``.venv/bin/python benchmarks/max_batch.py [JOBS]`` (about 10 minutes on 2 cores; writes
@@ -112,6 +113,10 @@ def main() -> None:
     answer = json.loads(done.stdout.strip().splitlines()[-1])
     if (answer["max_batch_plain"], answer["max_batch_lms"]) != (rows[0]["plain"], rows[0]["lms"]):
         raise SystemExit(f"the command answered differently: {answer}")
+    log.info("the plan at batch %d judged by Grappler's virtual V100", rows[0]["lms"])
+    judge = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "max_batch_judge.py"),
+                            str(rows[0]["lms"])], capture_output=True, text=True, check=True)
+    judged = json.loads(next(line for line in judge.stdout.splitlines() if line.startswith("RESULT "))[7:])
     before = rows[0]["seconds"]
     lines = [f"`lms-tf max-batch --model resnet50` (224², `{DEVICE}`), the search run five ways one after the "
              f"other in one process on {os.cpu_count()} CPU cores (tracing excluded, the three sizings included): "
@@ -122,11 +127,23 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['way']} | {r['seconds']:.0f} | {r['tries']} | {r['rounds']} | "
                      f"{before / r['seconds']:.2f}x |")
+    gib = 2**30
+    lines += ["", f"The plan at batch {rows[0]['lms']}, traced and rewritten by `lms_tf.function(budget=\"auto\")` and "
+              f"judged by Grappler's virtual V100 told the variable shapes (`benchmarks/max_batch_judge.py`). Grappler's "
+              f"step peak counts the batch ({judged[0]['inputs'] / gib:.2f} GiB), which the simulator leaves with the "
+              f"variables, so both are held against the room the device leaves the step and its batch (16 GB less the "
+              f"variables and the safety margin: {judged[0]['room'] / gib:.2f} GiB):", "",
+              "| order | simulated step + batch (GiB) | Grappler step peak (GiB) | Grappler raw (GiB) | fits by Grappler |",
+              "|---|---|---|---|---|"]
+    for j in judged:
+        order = "serialized (the simulator's)" if j["serialize"] else "TensorFlow's own (Grappler's scheduler)"
+        lines.append(f"| {order} | {(j['simulated'] + j['inputs']) / gib:.2f} | {j['oracle_step_peak'] / gib:.2f} | "
+                     f"{j['oracle_raw_peak'] / gib:.2f} | {'yes' if j['oracle_step_peak'] <= j['room'] else 'NO'} |")
     text = "\n".join(lines)
     publish("max_batch", text, page="planner")
     OUT.mkdir(exist_ok=True)
     with open(OUT / "max_batch.json", "w") as handle:
-        json.dump({"ways": rows, "command_seconds": command_seconds}, handle, indent=1)
+        json.dump({"ways": rows, "command_seconds": command_seconds, "judged": judged}, handle, indent=1)
     print(text)
 
 

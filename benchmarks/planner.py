@@ -32,6 +32,7 @@ import logging
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -69,6 +70,9 @@ from lms_tf.tf.diagnostics import (  # noqa: E402
 )
 from lms_tf.tf.trace import build_ir  # noqa: E402
 from lms_tf.tf.workloads import build_model, synthetic_batch, train_step  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.allocator_runs import run_allocator_worker  # noqa: E402 - fresh processes, as the allocator validation
 
 log = logging.getLogger("benchmark")
 MiB = 2**20
@@ -144,7 +148,8 @@ def _workspace_at_peak(ir, simulation):
 
 def model_rows(name, size, batch):
     keras.utils.set_random_seed(0)
-    model = build_model(name, image_size=size, classes=1000 if name != "UNet" else 2)
+    classes = 1000 if name != "UNet" else 2
+    model = build_model(name, image_size=size, classes=classes)
     x, y = synthetic_batch(model, batch)
     step = train_step(model)
     plain = tf.function(step)
@@ -185,7 +190,7 @@ def model_rows(name, size, batch):
         report = virtual_gpu_peak_report(serialized.get_concrete_function(x, y), gpu_memory_bytes=spec.memory_bytes,
                                          variable_shapes=True)
         row["oracle_plain_shaped"] = report.peak_bytes
-        row["oracle_plain_shaped_once"] = report.peak_bytes_counting_in_place_once
+        row["oracle_plain_shaped_once"] = report.peak_bytes_counting_buffers_once
         try:
             started = time.perf_counter()
             plan = make_budget_plan(ir, options, device="/device:CPU:0", cost=cost)
@@ -213,9 +218,9 @@ def model_rows(name, size, batch):
         report = virtual_gpu_peak_report(serialized.get_concrete_function(x, y),
                                          gpu_memory_bytes=spec.memory_bytes, variable_shapes=True)
         row["oracle_lms_shaped"] = report.peak_bytes
-        row["oracle_lms_shaped_once"] = report.peak_bytes_counting_in_place_once
+        row["oracle_lms_shaped_once"] = report.peak_bytes_counting_buffers_once
         log.info("  %s: the plan's recompute-only part, serialized, on the real CPU allocator", preset)
-        row.update(_recompute_part_on_the_real_allocator(step, ir, plan, spec, x, y))
+        row.update(_recompute_part_on_the_real_allocator(name, size, batch, classes, plan, spec))
         ties = [simulate(ir, plan, cost=cost, tie_seed=seed, allocator=tensorflow_gpu_allocator(spec.memory_bytes))
                 for seed in range(100, 100 + TIE_SEEDS)]
         row.update(tie_ops=sum(len(successors) > EDGE_SET_INLINE for successors in _successors(ir).values()),
@@ -241,22 +246,28 @@ def _successors(ir):
     return readers
 
 
-def _recompute_part_on_the_real_allocator(step, ir, plan, spec, x, y):
+def _recompute_part_on_the_real_allocator(name, size, batch, classes, plan, spec):
     """The plan with its swaps dropped (a swap moves no bytes between logical CPU devices), applied
-    with ``plan=`` and ``serialize=True``: its real CPU-allocator peak against the simulator's."""
+    with ``plan=`` and ``serialize=True`` in a fresh process with one inter-op thread, as the
+    allocator validation runs its steps (``tests/allocator_worker.py --step plan``): its real
+    CPU-allocator peak against the simulator's. In this process, after the other steps, the
+    allocator keeps the regions they grew, and two inter-op threads run held ops beside chained ones."""
     recompute_only = dataclasses.replace(plan, decisions=tuple(
         d if d.decision is Decision.RECOMPUTE else dataclasses.replace(d, decision=Decision.KEEP, swap_ins=(),
                                                                         reason="kept: swaps dropped for the CPU run")
         for d in plan.decisions))
     if not recompute_only.recomputed:
         return {"real_recompute_part": None}
-    fn = lms_tf.function(step, device="/CPU:0", swap=False, plan=recompute_only, serialize=True, device_spec=spec)
-    concrete = fn.get_concrete_function(x, y)
-    real = real_peak(fn, x, y)
-    sim = simulate(ir, recompute_only, cost=CostModel(spec), allocator=tensorflow_cpu_allocator(),
-                   kernels=cpu_kernel_library(), accumulated_sums=grappler_accumulated_sums(concrete))
-    return {"real_recompute_part": real, "sim_recompute_part": sim.allocator_peak_bytes,
-            "recomputed_in_part": len(recompute_only.recomputed)}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+        file.write(recompute_only.to_json())
+    try:
+        row = run_allocator_worker("--order", "serialized", "--step", "plan", "--plan", file.name,
+                                   "--classes", str(classes), "--device-spec", spec.name,
+                                   f"{name},{size},{batch}", timeout=3600)[0]["plan_serialized"]
+    finally:
+        os.unlink(file.name)
+    return {"real_recompute_part": row["real"], "sim_recompute_part": row["blind_allocator"],
+            "recomputed_in_part": len(recompute_only.recomputed), "inversions_recompute_part": row["inversions"]}
 
 
 def max_batch_row():
@@ -272,19 +283,9 @@ def max_batch_row():
     plain, plain_peak = largest_batch(ir_for_batch, options, cost, False, 4096, device="/device:CPU:0")
     lms, lms_peak = largest_batch(ir_for_batch, options, cost, True, 4096, device="/device:CPU:0", known_good=plain)
     seconds = time.perf_counter() - started
-    log.info("  tracing, rewriting and judging the plan at batch %d on Grappler's virtual V100", lms)
-    spec = get_device_spec("v100-16gb-pcie3")
-    # The plan is for a V100 server: its host memory, not this machine's, bounds what the plan may
-    # hold there (at this batch the swapped activations are about 50 GiB).
-    fn = lms_tf.function(train_step(model), device="/CPU:0", host="/CPU:1", budget="auto", device_spec=spec,
-                         host_budget=spec.host_memory_bytes)
-    concrete = fn.get_concrete_function(tf.TensorSpec((lms, 224, 224, 3)), tf.TensorSpec((lms,), tf.int32))
-    # Told twice the memory, so that an overflow is measured rather than refused; judged against 16 GB below.
-    report = virtual_gpu_peak_report(concrete, gpu_memory_bytes=2 * spec.memory_bytes, variable_shapes=True)
-    return {"plain": plain, "lms": lms, "plain_peak": plain_peak, "lms_peak": lms_peak, "seconds": seconds,
-            "oracle_lms_peak": report.peak_bytes, "oracle_lms_step_peak": report.step_peak_bytes,
-            "memory": spec.memory_bytes,
-            "budget": fn.plan.budget_bytes, "resident": spec.memory_bytes - fn.plan.budget_bytes}
+    # Grappler's judgement of the plan at the answer is the max-batch benchmark's
+    # (benchmarks/max_batch.py, both orders, against the room the device leaves the step and its batch).
+    return {"plain": plain, "lms": lms, "plain_peak": plain_peak, "lms_peak": lms_peak, "seconds": seconds}
 
 
 def resnet152_planning_seconds(repeats=PLANNING_REPEATS):
@@ -387,24 +388,28 @@ def table(rows, batch_row, r152):
                      f"{mib(r['workspace_plain'])} ({r['workspace_plain'] / r['sim_plain']:.2f}) | {mib(r['sim_lms'])} | "
                      f"{mib(r['workspace_lms'])} ({r['workspace_lms'] / r['sim_lms']:.2f}) |")
     lines += ["", "Each plan's recompute-only part (its swaps dropped: between logical CPU devices a swap moves "
-                  "no bytes), applied with `plan=` and `serialize=True` and run on this CPU: the real allocator's "
-                  "peak against the simulator's allocator model of the same plan (MiB):", "",
-              "| model | device | clones' tensors | real CPU peak | simulated (ratio) |", "|---|---|---|---|---|"]
+                  "no bytes), applied with `plan=` and `serialize=True` and run on this CPU in a fresh process "
+                  "with one inter-op thread (`tests/allocator_worker.py --step plan`, as the allocator validation "
+                  "runs its steps): the real allocator's peak (median of 3 steps) against the simulator's allocator "
+                  "model of the same plan (MiB), and the chained ops TensorFlow ran out of the chain's order:", "",
+              "| model | device | clones' tensors | real CPU peak | simulated (ratio) | out of order |",
+              "|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("real_recompute_part") is None:
             lines.append(f"| {r['model']} {r['size']}² b{r['batch']} | {r['device']} | 0 | the plan recomputes "
-                         f"nothing | – |")
+                         f"nothing | – | – |")
             continue
         lines.append(f"| {r['model']} {r['size']}² b{r['batch']} | {r['device']} | {r['recomputed_in_part']} | "
                      f"{mib(r['real_recompute_part'])} | {mib(r['sim_recompute_part'])} "
-                     f"({r['sim_recompute_part'] / r['real_recompute_part']:.2f}) |")
+                     f"({r['sim_recompute_part'] / r['real_recompute_part']:.2f}) | {r['inversions_recompute_part']} |")
     lines += ["", "Grappler's oracle told the variable shapes (`virtual_gpu_peak(..., variable_shapes=True)`), "
                   "on serialized steps (`serialize=True`: the compute ops chained in the simulator's order). "
-                  "Peaks in MiB. The last three columns count once each input/output pair that Grappler holds at "
-                  "its peak and TensorFlow's elementwise kernels share in place "
-                  "(`virtual_gpu_peak_report(...).peak_bytes_counting_in_place_once`):", "",
+                  "Peaks in MiB. The last three columns count each buffer once where Grappler gives one buffer two "
+                  "names at its peak: an input/output pair TensorFlow's elementwise kernels share in place, and "
+                  "an alias (the serialization's kept `Identity` gates and exits, reshapes) and its source "
+                  "(`virtual_gpu_peak_report(...).peak_bytes_counting_buffers_once`):", "",
               "| model | device | sim plain | oracle plain (÷ sim) | lms-tf sim (ratio) | lms-tf oracle (ratio) | "
-              "oracle ratio − sim ratio | in place once: oracle plain | lms-tf oracle (ratio) | "
+              "oracle ratio − sim ratio | buffers once: oracle plain | lms-tf oracle (ratio) | "
               "oracle ratio − sim ratio |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -455,13 +460,7 @@ def table(rows, batch_row, r152):
     lines += ["", f"Largest ResNet-50 224² batch on v100-16gb-pcie3 (simulated, budget \"auto\"): "
                   f"**{batch_row['plain']} plain, {batch_row['lms']} with lms-tf "
                   f"({batch_row['lms'] / max(batch_row['plain'], 1):.1f}x)** (search took {batch_row['seconds']:.0f} s). "
-                  f"The plan at batch {batch_row['lms']}, traced and rewritten by `lms_tf.function(budget=\"auto\")` and "
-                  f"judged by Grappler's virtual V100 told the variable shapes: the step's own peak "
-                  f"{batch_row['oracle_lms_step_peak'] / 2**30:.2f} GiB (each in-place input/output pair counted "
-                  f"once, the variables' reads left to the resident variables; Grappler's raw figure, which counts "
-                  f"both twice, {batch_row['oracle_lms_peak'] / 2**30:.2f} GiB) against the "
-                  f"{batch_row['budget'] / 2**30:.2f} GiB budget (16 GB less the variables and the safety margin): "
-                  f"{'fits' if batch_row['oracle_lms_step_peak'] <= batch_row['budget'] else 'does NOT fit'}.",
+                  f"The plan at that batch judged by Grappler: the max-batch table below.",
               f"Planning the ResNet-152 224² b32 step ({r152[1]} ops) at {r152[2]} on v100-16gb-pcie3 (the first of "
               f"{', '.join(R152_BUDGETS)} whose plan swaps: {r152[3]} tensors swapped, {r152[4]} recomputed): "
               f"**{statistics.median(r152[0]):.1f} s** (median of {len(r152[0])} plans; "

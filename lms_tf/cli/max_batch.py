@@ -37,7 +37,7 @@ from lms_tf.core.ir import BatchSizedIR
 from lms_tf.core.policy import Policies, resolve_budget
 from lms_tf.cost.model import CostModel
 from lms_tf.planner import make_budget_plan
-from lms_tf.simulate import resident_bytes, simulate
+from lms_tf.simulate import input_bytes, resident_bytes, simulate
 
 logger = logging.getLogger("lms_tf")
 
@@ -93,10 +93,10 @@ class Probe(NamedTuple):
     Attributes:
         fits: Whether the batch fits (plain, or planned with ``budget="auto"``).
         peak_bytes: The plain step's simulated peak, or the plan's when it fits with lms-tf.
-        need_bytes: The least memory the batch needs as far as the try found out: the plain peak;
-            with lms-tf, the smallest feasible budget when it does not fit (None when it fits:
-            the planner stops at the first plan under the budget).
-        budget_bytes: The budget the batch was held to.
+        need_bytes: The least memory the batch needs as far as the try found out, the batch itself
+            included: the plain peak; with lms-tf, the smallest feasible budget when it does not
+            fit (None when it fits: the planner stops at the first plan under the budget).
+        budget_bytes: The budget the batch was held to, with the room for the batch itself.
 
     Examples:
         >>> Probe(False, 300, 200, 150).fits
@@ -125,15 +125,20 @@ def fits(ir_for_batch, batch: int, policies: Policies, cost: CostModel, with_lms
     """
     ir = ir_for_batch(batch)
     baseline = simulate(ir, cost=cost)
+    # The batch is held beside the step (budget="auto" leaves room for it): the need and the budget
+    # both count it, so that the budget is the same at every batch and the need a line in it.
+    batch_bytes = input_bytes(ir)
     if not with_lms:
         budget = resolve_budget("auto", baseline_peak_bytes=baseline.peak_bytes, memory_bytes=cost.device.memory_bytes,
-                                device_name=cost.device.name, resident=resident_bytes(ir))
-        return Probe(baseline.peak_bytes <= budget, baseline.peak_bytes, baseline.peak_bytes, budget)
+                                device_name=cost.device.name, resident=resident_bytes(ir) + batch_bytes)
+        return Probe(baseline.peak_bytes <= budget, baseline.peak_bytes, baseline.peak_bytes + batch_bytes,
+                     budget + batch_bytes)
     try:
         plan = make_budget_plan(ir, policies.replace(budget="auto"), device=device, cost=cost)
     except InfeasibleBudgetError as err:
-        return Probe(False, baseline.peak_bytes, err.smallest_feasible_bytes, err.budget_bytes)
-    return Probe(True, plan.predictions.planned_peak_bytes, None, plan.budget_bytes)
+        return Probe(False, baseline.peak_bytes, err.smallest_feasible_bytes + batch_bytes,
+                     err.budget_bytes + batch_bytes)
+    return Probe(True, plan.predictions.planned_peak_bytes, None, plan.budget_bytes + batch_bytes)
 
 
 def largest_batch(ir_for_batch, policies: Policies, cost, with_lms: bool, upper: int, *,

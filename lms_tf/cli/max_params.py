@@ -44,7 +44,7 @@ from lms_tf.core.ir import GraphIR, ScaledIR
 from lms_tf.core.policy import Policies, format_bytes, machine_memory_bytes, safety_margin_bytes
 from lms_tf.cost.model import CostModel
 from lms_tf.planner import check_plain_step, make_budget_plan
-from lms_tf.simulate import (link_lower_bound, optimizer_slots, resident_buffers, resident_bytes, simulate,
+from lms_tf.simulate import (input_bytes, link_lower_bound, optimizer_slots, resident_buffers, resident_bytes, simulate,
                              variables_on_host)
 
 logger = logging.getLogger("lms_tf")
@@ -153,7 +153,7 @@ def way_probe(ir_at: Callable[[int], GraphIR], way: str, cost: CostModel, *, dev
                 return Probe(False, baseline.peak_bytes, math.isqrt(host_need), math.isqrt(host_budget))
             # Held as the planner holds its plans (TensorFlow's allocator's whole chunks), so the
             # plain ways and the planned ones are judged by the same rule.
-            resident, margin = resident_bytes(ir, slots), safety_margin_bytes(memory)
+            resident, margin = resident_bytes(ir, slots) + input_bytes(ir), safety_margin_bytes(memory)
             budget = memory - resident - margin
             held = baseline.peak_bytes if budget <= 0 else check_plain_step(
                 ir, budget, Policies(host=host), device=device, cost=cost).held_bytes

@@ -146,8 +146,8 @@ def parse_budget(value: Any) -> Budget:
                              f"percentage such as '50%', or 'auto'.")
     raise LMSOptionError(
         f"budget must be a positive number of bytes, a size like '12GiB' or '500MB', a percentage of the plain "
-        f"step's peak like '25%' (0-100], or 'auto' (device memory minus weights, optimizer slots and a safety "
-        f"margin); received {describe(value)}.")
+        f"step's peak like '25%' (0-100], or 'auto' (device memory minus weights, optimizer slots, the batch "
+        f"and a safety margin); received {describe(value)}.")
 
 
 def safety_margin_bytes(memory_bytes: int) -> int:
@@ -171,7 +171,8 @@ def resolve_budget(budget: Budget, *, baseline_peak_bytes: int, memory_bytes: in
         baseline_peak_bytes: Simulated peak of the plain step.
         memory_bytes: The device's memory (for ``"auto"``).
         device_name: The device's name, for messages.
-        resident: Bytes of variables resident on the device (weights, optimizer slots).
+        resident: Bytes on the device for the whole step besides its tensors: the variables resident
+            there (weights, optimizer slots) and the step's inputs (its batch).
 
     Raises:
         InfeasibleBudgetError: ``"auto"`` and the variables alone do not fit the device.
@@ -187,7 +188,7 @@ def resolve_budget(budget: Budget, *, baseline_peak_bytes: int, memory_bytes: in
         available = memory_bytes - resident - margin
         if available <= 0:
             raise infeasible(
-                f"budget='auto': the step's variables ({resident / 2**30:.2f} GiB) plus the safety margin "
+                f"budget='auto': the step's variables and inputs ({resident / 2**30:.2f} GiB) plus the safety margin "
                 f"({margin / 2**30:.2f} GiB) do not fit {device_name} ({memory_bytes / 2**30:.2f} GiB). Use a "
                 f"larger device, optimizer_on_host=True, or a smaller model.", 0, resident + margin)
         return available

@@ -6,8 +6,8 @@ Examples:
     >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (256,))])])
     >>> step = PlanningStep.build(ir, Policies(budget="50%"), device="/device:GPU:0",
     ...                           cost=CostModel(get_device_spec("v100-16gb-pcie3")))
-    >>> step.found.eligible, step.resident
-    ((), 0)
+    >>> step.found.eligible, step.resident   # the batch x is on the device for the whole step
+    ((), 1024)
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from lms_tf.core.policy import Policies
 from lms_tf.cost.model import CostModel
 from lms_tf.planner.candidates import Candidates, collect_candidates
 from lms_tf.planner.weights import plan_weights
-from lms_tf.simulate import Simulation, optimizer_slots, pool_history, resident_buffers, simulate, variables_on_host
+from lms_tf.simulate import (Simulation, input_bytes, optimizer_slots, pool_history, resident_bytes, simulate,
+                             variables_on_host)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +39,8 @@ class PlanningStep:
         op_times: Predicted time of every op.
         baseline: The plain step's simulation.
         forward_seconds: When the backward pass starts in the plain step (its first gate).
-        resident: Bytes of the variables resident on the device.
+        resident: Bytes on the device for the whole step besides its own tensors: the variables
+            resident there and the step's inputs (:func:`~lms_tf.simulate.input_bytes`).
         pool_history: What the process allocated before its first step (the allocator's free chunks
             depend on it: Keras builds each kernel through two temporaries of its size).
         offloaded: With ``weights="auto"``, the handles of the weights planned on the host (the
@@ -87,12 +89,16 @@ class PlanningStep:
             >>> from lms_tf.cost import CostModel, get_device_spec
             >>> step = PlanningStep.build(weighted_chain_ir(), Policies(weights="auto", budget="50%"),
             ...                           device="/device:GPU:0", cost=CostModel(get_device_spec("v100-16gb-pcie3")))
-            >>> step.resident, step.with_offloaded(frozenset({"w1:0"})).resident
-            (524288, 262144)
+            >>> step.resident, step.with_offloaded(frozenset({"w1:0"})).resident   # 2 weights + the batch, then 1 + the batch
+            (557056, 294912)
         """
         on_host = self._on_host(self.ir, self.policies, offloaded)
         return dataclasses.replace(self, offloaded=offloaded, pool_history=pool_history(self.ir, on_host=on_host),
-                                   resident=sum(nbytes for _, nbytes in resident_buffers(self.ir, on_host)))
+                                   resident=self._resident(self.ir, on_host))
+
+    @staticmethod
+    def _resident(ir: GraphIR, on_host: FrozenSet[str]) -> int:
+        return resident_bytes(ir, on_host) + input_bytes(ir)
 
     @staticmethod
     def _on_host(ir: GraphIR, policies: Policies, offloaded: Optional[FrozenSet[str]]) -> FrozenSet[str]:
@@ -125,5 +131,5 @@ class PlanningStep:
         return cls(ir=ir, policies=policies, device=device, cost=cost, scope_aliases=aliases, found=found,
                    eligible=frozenset(found.eligible), op_times=op_times, baseline=baseline,
                    forward_seconds=min(backward_starts, default=baseline.compute_time_s),
-                   resident=sum(nbytes for _, nbytes in resident_buffers(ir, on_host)),
+                   resident=cls._resident(ir, on_host),
                    pool_history=pool_history(ir, on_host=on_host), offloaded=offloaded)

@@ -259,8 +259,9 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
         >>> import tensorflow as tf
         >>> f = tf.function(lambda x: tf.nn.relu(x) * 2.0)
         >>> g = f.get_concrete_function(tf.TensorSpec((None, 8))).graph
-        >>> build_ir(g, batch_size=4).tensors["Relu:0"].nbytes
-        128
+        >>> ir = build_ir(g, batch_size=4)
+        >>> ir.tensors["Relu:0"].nbytes, ir.tensors["x:0"].nbytes   # the input itself is sized too
+        (128, 128)
     """
     tf_ops = graph.get_operations()
     order = _execution_order(tf_ops)
@@ -314,6 +315,8 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
             shape = out.shape
             if not shape.is_fully_defined() and out.name in inferred:
                 shape = shape.merge_with(inferred[out.name]) if shape.is_compatible_with(inferred[out.name]) else shape
+            if not shape.is_fully_defined() and out.name in resolution:  # an input itself: the shape it was given
+                shape = shape.merge_with(tf.TensorShape(resolution[out.name]))
             dims = _static_shape(shape)
             dtype, nbytes = out.dtype, _nbytes(out.dtype, dims)
             accumulator = _loop_accumulator(op, out, batch_size) if op.type in WHILE_OP_TYPES else None
