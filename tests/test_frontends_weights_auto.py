@@ -2,7 +2,8 @@
 
 The budget counts the variables that stay on the device, so moving a weight to the host makes
 room (a weight on the host costs a copy per window of its readers instead). The planner moves the
-fewest, cheapest in link time per byte first, with which the step fits; the front-end moves them
+fewest, cheapest in link time per byte first, with which the step fits, then keeps back on the device
+any it does not need; the front-end moves them
 while the step is traced. These tests prove the choice (planner), the numbers and the graph
 (front-ends). On logical CPUs a fetch moves no bytes: memory is the simulator's figure here.
 """
@@ -17,7 +18,7 @@ from lms_tf import _compat
 from lms_tf.core import Policies
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.planner import make_budget_plan
-from lms_tf.planner.budget import offload_order
+from lms_tf.planner.budget import KEEP_BACK_TRIES, offload_order
 from lms_tf.planner.search import BudgetSearch
 from lms_tf.planner.step import PlanningStep
 from lms_tf.tf.rewrite import LMS_ATTR
@@ -70,20 +71,22 @@ def test_the_planner_moves_nothing_when_the_budget_fits_some_when_it_must_and_sa
 
 
 @pytest.mark.timeout(300)
-def test_the_planner_moves_the_fewest_variables_in_its_order_that_fit():
-    """Every count of variables below the chosen one, in :func:`offload_order`, leaves the step
-    over the budget: the planner does not move weights it does not need to (each costs copies)."""
+def test_the_planner_moves_no_variable_it_does_not_need():
+    """Keeping any one of the chosen variables on the device instead leaves the step over the
+    budget, or makes it slower: the planner does not move weights it does not need to (each costs
+    copies). The planner tries at most KEEP_BACK_TRIES such sets; fewer are chosen here."""
     ir, _ = _mlp_ir()
     budget = 40 * MiB
     plan = _plan(ir, budget)
     step = PlanningStep.build(ir, Policies(host="/CPU:1", budget=budget, weights="auto"), device="/device:CPU:0",
                               cost=CostModel(get_device_spec(SPEC)))
-    order = [w.variable for w in offload_order(step)]
-    chosen = {w.variable for w in plan.offloaded_weights}
-    assert set(order[:len(chosen)]) == chosen   # a prefix of the order
-    fewer = step.with_offloaded(frozenset(order[:len(chosen) - 1]))
-    sim = BudgetSearch(fewer).fit(budget - fewer.resident)[1]
-    assert fewer.resident + sim.held_bytes > budget
+    chosen = frozenset(w.variable for w in plan.offloaded_weights)
+    assert 0 < len(chosen) <= KEEP_BACK_TRIES
+    for variable in sorted(chosen):
+        fewer = step.with_offloaded(chosen - {variable})
+        sim = BudgetSearch(fewer).fit(budget - fewer.resident)[1]
+        assert (fewer.resident + sim.held_bytes > budget
+                or sim.step_time_s > plan.predictions.predicted_step_time_s), variable
     # The order: the least link time per byte freed first (a weight read in one window before one
     # read forward and backward, among equal sizes).
     kernels = [w for w in offload_order(step) if len(w.shape) == 2 and w.shape[0] == w.shape[1] == 1024]

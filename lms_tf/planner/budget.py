@@ -69,6 +69,14 @@ from lms_tf.simulate.bounds import fit_lower_bound, whole_op_floor
 
 logger = logging.getLogger("lms_tf")
 
+#: ``weights="auto"``: how many sets of variables the planner tries after its first choice, each
+#: with one chosen variable kept on the device (each try is a budget search).
+KEEP_BACK_TRIES = 8
+#: ``weights="auto"``'s order only: what a copy costs besides its bytes (a DMA's setup and a
+#: kernel launch, microseconds on a PCIe GPU), so that a bias, a few KiB a copy, is moved after the
+#: kernels. The simulator times copies by their bytes alone.
+RANKING_COPY_LATENCY_S = 10e-6
+
 
 def _bytes_text(nbytes: int) -> str:
     return f"{format_bytes(nbytes)} ({nbytes} bytes)"
@@ -196,7 +204,8 @@ def offload_order(step: PlanningStep) -> List[WeightDecision]:
     link time per byte freed first. A weight on the host frees its bytes of device memory for the
     whole step and costs a copy per window of its readers, each copy a fixed latency plus its
     bytes over the link: large weights read in few windows come first, a bias (latency for a few
-    bytes) or a weight shared by many layers last.
+    bytes) or a weight shared by many layers last. Among equal costs per byte the larger first:
+    one move frees more. (The latency is :data:`RANKING_COPY_LATENCY_S`, for this order only.)
 
     Examples:
         >>> from lms_tf.core.examples import weighted_chain_ir
@@ -207,58 +216,96 @@ def offload_order(step: PlanningStep) -> List[WeightDecision]:
         [('w1:0', 1), ('w2:0', 2)]
     """
     def seconds_per_byte(weight: WeightDecision) -> float:
-        nbytes = max(1, weight.nbytes or 0)
-        return len(weight.fetches) * step.cost.transfer_time(nbytes, "host_to_device") / nbytes
+        return _copy_seconds(step, weight) / max(1, weight.nbytes or 0)
 
-    return sorted(weight_candidates(step.ir, step.policies), key=lambda w: (seconds_per_byte(w), w.variable))
+    return sorted(weight_candidates(step.ir, step.policies),
+                  key=lambda w: (seconds_per_byte(w), -(w.nbytes or 0), w.variable))
+
+
+def _copy_seconds(step: PlanningStep, weight: WeightDecision) -> float:
+    """What ``weight``'s copies cost a step on the host, for ranking: one per window, each
+    :data:`RANKING_COPY_LATENCY_S` plus its bytes over the link."""
+    copy = RANKING_COPY_LATENCY_S + step.cost.transfer_time(weight.nbytes or 0, "host_to_device")
+    return len(weight.fetches) * copy
 
 
 def _choose_weights_on_host(step: PlanningStep, total_bytes: int):
-    """``weights="auto"``: the fewest variables on the host (in :func:`offload_order`) with which
-    the step fits ``total_bytes`` of device memory, the variables that stay counted, then whether
-    moving more makes the step faster (fewer activations to swap or recompute). Each count tried
-    is one budget search for what the resident variables leave; fitting grows with the count, so
-    the least is found by bisection. Returns the chosen step, its search and its result; when
-    nothing fits, those with every variable on the host (whose floor the error names)."""
+    """``weights="auto"``: the variables on the host with which the step fits ``total_bytes`` of
+    device memory (the variables that stay counted) at the least predicted time. First the fewest
+    in :func:`offload_order` (fitting grows with the count, so the least is found by bisection),
+    then twice as many and all (moving more may free enough to swap or recompute less), then, from
+    the fastest of those, chosen variables kept on the device while the step still fits and is no
+    slower (:func:`_kept_back`): the order is a guess, and a weight whose windows cover the peak
+    frees nothing there but costs its copies. The simulator judges every set.
+    Each set tried is one budget search for what the resident variables leave. Returns the chosen
+    step, its search and its result; when nothing fits, those with every variable on the host
+    (whose floor the error names)."""
     order = offload_order(step)
-    tried: Dict[int, tuple] = {}
+    tried: Dict[frozenset, tuple] = {}
 
-    def attempt(count: int):
-        if count not in tried:
-            chosen = step.with_offloaded(frozenset(w.variable for w in order[:count]))
+    def attempt(variables: frozenset):
+        if variables not in tried:
+            chosen = step.with_offloaded(variables)
             search = BudgetSearch(chosen)
             result = search.fit(max(0, total_bytes - chosen.resident))
-            tried[count] = (chosen, search, result)
+            tried[variables] = (chosen, search, result)
             needed = chosen.resident + result[1].held_bytes
             logger.info("lms-tf planner, weights='auto': %d of %d variables on the host (%.1f MiB): the step needs "
                         "%.1f MiB of the device (%.1f MiB of it resident variables), budget %.1f MiB: %s, "
-                        "predicted %.4f s", count, len(order), sum(w.nbytes or 0 for w in order[:count]) / 2**20,
+                        "predicted %.4f s", len(variables), len(order),
+                        sum(w.nbytes or 0 for w in order if w.variable in variables) / 2**20,
                         needed / 2**20, chosen.resident / 2**20, total_bytes / 2**20,
                         "fits" if needed <= total_bytes else "does not fit", result[1].step_time_s)
-        return tried[count]
+        return tried[variables]
 
-    def fits(count: int) -> bool:
-        chosen, _, result = attempt(count)
+    def fits(variables: frozenset) -> bool:
+        chosen, _, result = attempt(variables)
         return chosen.resident + result[1].held_bytes <= total_bytes
 
-    if fits(0) or not order:
-        best = 0
-    elif not fits(len(order)):
-        best = len(order)  # nothing fits: the error names this floor
+    def first(count: int) -> frozenset:
+        return frozenset(w.variable for w in order[:count])
+
+    def seconds(variables: frozenset) -> float:
+        return tried[variables][2][1].step_time_s
+
+    if fits(first(0)) or not order:
+        best = first(0)
+    elif not fits(first(len(order))):
+        best = first(len(order))  # nothing fits: the error names this floor
     else:
         low, high = 0, len(order)  # low does not fit, high fits
         while high - low > 1:
             middle = (low + high) // 2
-            low, high = (low, middle) if fits(middle) else (middle, high)
-        # Moving more than the least may free enough to swap or recompute less: try twice as many, and all.
-        for count in {min(len(order), 2 * high), len(order)}:
-            fits(count)
-        best = min((count for count in tried if fits(count)), key=lambda count: (tried[count][2][1].step_time_s, count))
+            low, high = (low, middle) if fits(first(middle)) else (middle, high)
+        for count in sorted({min(len(order), 2 * high), len(order)}):
+            fits(first(count))
+        best = min((v for v in tried if fits(v)), key=lambda v: (seconds(v), len(v), sorted(v)))
+        best = _kept_back(sorted(order, key=lambda w: -_copy_seconds(step, w)), best, fits, seconds)
     chosen, search, (plan, sim, label, floor) = attempt(best)
     kept = [dataclasses.replace(w, decision=Decision.KEEP, fetches=(),
                                 reason="weights='auto': stays on the device (the budget fits without moving it)")
-            for w in order[best:]]
+            for w in order if w.variable not in best]
     return chosen, search, (dataclasses.replace(plan, weights=plan.weights + tuple(kept)), sim, label, floor)
+
+
+def _kept_back(costliest_first: List[WeightDecision], best: frozenset, fits, seconds) -> frozenset:
+    """``best`` with chosen variables kept on the device, one at a time, those whose copies cost
+    the most first, while the step still fits and is no slower (``fits``, ``seconds``: of a set of
+    variables on the host), starting over after each one kept; at most :data:`KEEP_BACK_TRIES`
+    sets not tried before. Without hitting that limit, keeping any one more back no longer fits
+    or is slower."""
+    searched = set()
+    while True:
+        for weight in [w for w in costliest_first if w.variable in best]:
+            fewer = best - {weight.variable}
+            if fewer not in searched and len(searched) == KEEP_BACK_TRIES:
+                return best
+            searched.add(fewer)
+            if fits(fewer) and seconds(fewer) <= seconds(best):
+                best = fewer
+                break
+        else:
+            return best
 
 
 def _check_host_memory(step: PlanningStep, plan: Plan, needed: int) -> None:
