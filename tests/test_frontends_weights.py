@@ -419,11 +419,12 @@ def test_host_budget_is_checked():
 def test_with_weights_on_the_host_the_optimizer_slots_are_host_memory_not_device_memory():
     """A decoder trained with Adam, its variables placed on the host: the planner counts none of
     them resident on the device (the weights are fetched per window, Adam's moments and step
-    count live where the update runs), and the host peak holds every one of them."""
+    count live where the update runs; what it counts resident is the batch alone), and the host
+    peak holds every one of them."""
     from lms_tf.cost import CostModel, get_device_spec
     from lms_tf.planner import make_budget_plan
     from lms_tf.planner.step import PlanningStep
-    from lms_tf.simulate import host_resident
+    from lms_tf.simulate import host_resident, input_bytes
     from lms_tf.tf.trace import build_ir
 
     model, (x, y) = decoder_lm()
@@ -435,7 +436,9 @@ def test_with_weights_on_the_host_the_optimizer_slots_are_host_memory_not_device
     policies = lms_tf.core.Policies(host="/CPU:1", budget="auto", weights="host")
     cost = CostModel(get_device_spec("v100-16gb-pcie3"))
     plan = make_budget_plan(ir, policies, device="/device:CPU:0", cost=cost)
-    assert PlanningStep.build(ir, policies, device="/device:CPU:0", cost=cost).resident == 0
+    batch = input_bytes(ir)
+    assert batch == x[:BATCH].nbytes + y[:BATCH].nbytes > 0
+    assert PlanningStep.build(ir, policies, device="/device:CPU:0", cost=cost).resident == batch
     on_host = sum(nbytes for _, nbytes in host_resident(ir, {w.variable for w in plan.offloaded_weights}))
     slots = sum(np.array(v).nbytes for v in optimizer.variables if "moment" in v.path or "velocity" in v.path)
     weights = sum(np.array(v).nbytes for v in model.trainable_variables)
