@@ -16,6 +16,7 @@ from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.planner import make_budget_plan
 from lms_tf.planner.fit_check import plan_key
 from lms_tf.planner.step import PlanningStep
+from lms_tf.planner.weights import forward_gates, plan_weights, timed_fetches
 from lms_tf.planner.timing import (assemble, delayed_fetches, gradients_on_device_at_peak, idle_fetches, timed_weights,
                                    waitable_gradient)
 from lms_tf.simulate import simulate
@@ -169,3 +170,50 @@ def test_the_budget_planner_makes_a_fetch_wait_for_a_gradient_still_being_copied
     monkeypatch.setattr(BudgetSearch, "wait_for_a_gradient", lambda self, *args: None)
     with pytest.raises(InfeasibleBudgetError):
         make_budget_plan(ir, policies, device="/device:GPU:0", cost=H100)
+
+
+def _masked_chain_ir():
+    """``x @ w1 -> relu -> select(mask, ., 0) @ w2 -> sum``, where ``mask`` is a causal mask made
+    from constants alone (``ones -> MatrixBandPart -> LogicalAnd``), as Keras's attention makes it:
+    forward ops with forward inputs, but on no path from the step's data."""
+    act, weight = (BATCH, UNITS), (UNITS, UNITS)
+    return make_ir([
+        dict(name="x", type="Placeholder", outputs=[("x:0", act)]),
+        dict(name="w1", type="Placeholder", outputs=[("w1:0", (), "resource")]),
+        dict(name="w2", type="Placeholder", outputs=[("w2:0", (), "resource")]),
+        dict(name="ones", type="Const", outputs=[("ones:0", act, "bool")]),
+        dict(name="band", type="MatrixBandPart", inputs=["ones:0"], outputs=[("band:0", act, "bool")]),
+        dict(name="mask", type="LogicalAnd", inputs=["band:0", "band:0"], outputs=[("mask:0", act, "bool")]),
+        dict(name="rw1", type="ReadVariableOp", inputs=["w1:0"], outputs=[("rw1:0", weight)]),
+        dict(name="rw2", type="ReadVariableOp", inputs=["w2:0"], outputs=[("rw2:0", weight)]),
+        dict(name="m1", type="MatMul", inputs=["x:0", "rw1:0"], outputs=[("m1:0", act)]),
+        dict(name="r1", type="Relu", inputs=["m1:0"], outputs=[("r1:0", act)]),
+        dict(name="s1", type="SelectV2", inputs=["mask:0", "r1:0", "r1:0"], outputs=[("s1:0", act)]),
+        dict(name="m2", type="MatMul", inputs=["s1:0", "rw2:0"], outputs=[("m2:0", act)]),
+        dict(name="loss", type="Sum", inputs=["m2:0"], outputs=[("loss:0", (1,))]),
+        dict(name="gm2", type="Fill", phase="backward", inputs=["loss:0"], outputs=[("gm2:0", act)]),
+        dict(name="gs1", type="MatMul", phase="backward", inputs=["gm2:0", "rw2:0"], outputs=[("gs1:0", act)]),
+        dict(name="gw2", type="MatMul", phase="backward", inputs=["s1:0", "gm2:0"], outputs=[("gw2:0", weight)]),
+        dict(name="g1", type="ReluGrad", phase="backward", inputs=["gs1:0", "r1:0"], outputs=[("g1:0", act)]),
+        dict(name="gw1", type="MatMul", phase="backward", inputs=["x:0", "g1:0"], outputs=[("gw1:0", weight)]),
+        dict(name="u2", type="ResourceApplyGradientDescent", phase="update", inputs=["w2:0", "gw2:0"], outputs=[]),
+        dict(name="u1", type="ResourceApplyGradientDescent", phase="update", inputs=["w1:0", "gw1:0"], outputs=[]),
+    ], function_inputs=["x"])
+
+
+def test_an_op_made_from_constants_alone_never_triggers_a_fetch():
+    """TensorFlow runs a causal mask's ops when the step starts (Grappler folds them into a
+    constant), wherever a replay puts them: a fetch they triggered would arrive blocks before its
+    layer. Seen on a decoder with its weights on the host: the last blocks' MLP kernels, triggered
+    by their attention's ``LogicalAnd``, sat on the device from the step's start (the simulator's
+    forward peak 29.7 MiB; 22.4 MiB with the gates on the data path)."""
+    ir = _masked_chain_ir()
+    assert [op.name for op in forward_gates(ir)] == ["r1", "s1", "m2", "loss"]
+    # A replay that ran the mask late, when the copy must start (1.5 before m2): the mask is the
+    # last op that ends early enough, but only a gate on the data path may trigger the fetch (r1).
+    planned = plan_weights(ir, Policies(weights="host", swapin_groupby=1))
+    clock = {"x": 0, "rw1": 0, "rw2": 0, "m1": 1, "r1": 2, "ones": 1, "band": 2, "mask": 3, "s1": 5, "m2": 6,
+             "loss": 7, "gm2": 8, "gs1": 9, "gw2": 10, "g1": 11, "gw1": 12, "u2": 13, "u1": 14}
+    intervals = {name: (float(t), t + 1.0) for name, t in clock.items()}
+    w2 = next(w for w in timed_fetches(ir, planned, intervals, copy_time=lambda nbytes: 1.5) if w.variable == "w2:0")
+    assert w2.fetches[0].trigger == "r1"

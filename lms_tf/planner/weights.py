@@ -52,7 +52,8 @@ FUSED_AFTER_TYPES = frozenset({
 
 def forward_gates(ir: GraphIR) -> List[OpInfo]:
     """Forward ops that can trigger a weight fetch: they compute on the step's data (an input made
-    by a forward op), have a numeric output, and no reader Grappler fuses into them.
+    by a forward op that depends, through data edges, on the step's inputs), have a numeric
+    output, and no reader Grappler fuses into them.
 
     Examples:
         >>> from lms_tf.core.examples import weighted_chain_ir
@@ -60,12 +61,18 @@ def forward_gates(ir: GraphIR) -> List[OpInfo]:
         ['r1', 'r2', 'loss']
     """
     gates = []
+    # Transitively, not only an input made by a forward op: an op computed from constants and
+    # shapes alone (a causal mask's LogicalAnd) has no place in the step's order. TensorFlow's
+    # executor runs it as soon as the step starts (Grappler folds it into a constant), and a
+    # fetch it triggered would arrive blocks before its layer.
+    on_data_ops = _computes_on_data(ir)
     for op in ir.ops:
         if op.phase is not Phase.FORWARD or op.type in RESIDENT_TYPES or op.type in ("Const", "NoOp") \
                 or op.type in CONTROL_FLOW_OP_TYPES:
             continue
-        on_data = any(ir.op(ir.tensors[t].producer).phase is Phase.FORWARD
-                      and ir.op(ir.tensors[t].producer).type not in RESIDENT_TYPES for t in op.inputs)
+        on_data = op.name in on_data_ops and any(
+            ir.op(ir.tensors[t].producer).phase is Phase.FORWARD
+            and ir.op(ir.tensors[t].producer).type not in RESIDENT_TYPES for t in op.inputs)
         numeric = any(ir.tensors[t].dtype not in ("resource", "variant", "string") for t in op.outputs)
         fused_into = any(ir.op(c).type in FUSED_AFTER_TYPES for t in op.outputs for c in ir.tensors[t].consumers)
         if on_data and numeric and not fused_into and not regrouped_with_a_reader(ir, op) \
