@@ -313,12 +313,12 @@ def test_grappler_virtual_gpu_agrees_with_the_simulator_on_serialized_weights_pl
     update (12.3 MiB in Grappler against 8.4). And the oracle counted Keras's unread
     ``IdentityN`` of the gradients as a reader, so it saw no learning-rate product written into
     its gradient's buffer (4 MiB counted twice). In TensorFlow's own order Grappler's scheduler
-    keeps the decoder's kernel gradients until the update runs (52 MiB against 30 for the decoder
+    keeps the decoder's kernel gradients until the update runs (52 MiB against 22 for the decoder
     of the four-times-the-budget test below): that order is not the simulator's, and is judged
-    above as an upper bound only. That decoder, serialized, reads 0.84, outside this bound and
-    not explained: the simulator's peak is in the forward pass (the MLP kernels of later blocks
-    fetched early, on triggers among the causal-mask ops it runs first), Grappler's in the
-    backward pass (docs/limits.md)."""
+    above as an upper bound only. That decoder, serialized, reads 1.12, outside this bound: Grappler's
+    peak is in the backward pass, with two of Adam's squared gradients (made on the device for the
+    host's update) live beside a kernel gradient; the simulator frees each when its copy to the
+    host ends. Not analysed further (docs/limits.md)."""
     x, y = _mlp_data()
     fn = _mlp_on_host(swapin_ahead=1, serialize=True, device_spec="v100-16gb-pcie3")
     fn(x, y)
