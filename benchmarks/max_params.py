@@ -19,7 +19,7 @@ busier of compute, either link direction and the host's update). Everything is t
 this machine has no GPU. A timeline of the largest plan on ``v100-32gb-nvlink2`` is drawn to
 ``docs/benchmarks/max_params_timeline.png``.
 
-Command: ``.venv/bin/python benchmarks/max_params.py`` (about 15 minutes on 2 cores; writes
+Command: ``.venv/bin/python benchmarks/max_params.py`` (about 35 minutes a preset on 2 cores, the table rewritten after each; writes
 ``benchmarks/out/max_params.json`` and the table into ``docs/benchmarks/weights.md``).
 """
 
@@ -70,7 +70,26 @@ def main() -> None:
         for way in WAYS:
             row = {k: v for k, v in found[way].items() if k != "plan"}
             rows.append(dict(preset=preset, way=way, host_budget_bytes=spec.host_memory_bytes, **row))
+        # Each preset takes about half an hour: the table so far is written after each, so a run
+        # cut short leaves what it found, the presets it did not reach named as such.
+        text = table(args, rows, found_by_preset)
+        publish("max-params", text, page="weights")
+        OUT.mkdir(exist_ok=True)
+        with open(OUT / "max_params.json", "w") as handle:
+            json.dump(rows, handle, indent=1)
+        if preset == TARGET_PRESET:
+            best = found["weights_and_activations"]
+            ir, cost = scaled.at(best["width"]), CostModel(spec)
+            plot_timeline(str(DOCS / "max_params_timeline.png"), simulate(ir, cost=cost),
+                          simulate(ir, best["plan"], cost=cost), best["plan"].budget_bytes,
+                          title=f"decoder {best['params'] / 1e9:.1f}B (width {best['width']}), "
+                                f"weights + activations on {TARGET_PRESET}")
+    log.info("all presets in %.0f s", time.perf_counter() - started)
+    print(text)
 
+
+def table(args, rows, found_by_preset) -> str:
+    """The table of the presets found so far, those not yet reached named, and the target's line."""
     lines = [f"The largest decoder each way trains: {args.depth} blocks, 64-wide heads, tied embedding over "
              f"{args.vocab:,} tokens, {args.batch} x {args.seq_len} tokens, Adam in float32 (16 bytes a parameter "
              f"with its gradient and two moments). Width searched a head at a time; host memory held to the "
@@ -84,6 +103,13 @@ def main() -> None:
         lines.append(f"| {row['preset']} ({row['host_budget_bytes'] / 1e9:.0f} GB) | {NAMES[row['way']]} | "
                      f"{row['width']} | {row['params'] / 1e9:.2f}B | {row['params'] / plain:.1f}x | "
                      f"{(row.get('host_bytes') or 0) / GiB:.1f} | {overhead} | {bound} |")
+    pending = [preset for preset in PRESETS if preset not in found_by_preset]
+    for preset in pending:
+        lines.append(f"| {preset} | not reached | the run was still on an earlier preset when this table was "
+                     f"written | | | | | |")
+    if TARGET_PRESET not in found_by_preset:
+        lines += ["", f"Target on {TARGET_PRESET}: not reached in this run."]
+        return "\n".join(lines)
     target = found_by_preset[TARGET_PRESET]
     ratio = target["weights_and_activations"]["params"] / target["plain"]["params"]
     bound = target["weights_and_activations"]["overhead_vs_link_lower_bound"]
@@ -91,19 +117,7 @@ def main() -> None:
                   f"figure: **{ratio:.1f}x** ({'met' if ratio >= TARGET_RATIO else 'not met'}); predicted time at "
                   f"most {TARGET_BOUND}x the least time: **{bound:.2f}x** "
                   f"({'met' if bound <= TARGET_BOUND else 'not met'})."]
-    text = "\n".join(lines)
-    publish("max-params", text, page="weights")
-
-    best = target["weights_and_activations"]
-    ir = scaled.at(best["width"])
-    cost = CostModel(get_device_spec(TARGET_PRESET))
-    plot_timeline(str(DOCS / "max_params_timeline.png"), simulate(ir, cost=cost), simulate(ir, best["plan"], cost=cost),
-                  best["plan"].budget_bytes, title=f"decoder {best['params'] / 1e9:.1f}B (width {best['width']}), "
-                                                   f"weights + activations on {TARGET_PRESET}")
-    OUT.mkdir(exist_ok=True)
-    with open(OUT / "max_params.json", "w") as handle:
-        json.dump(rows, handle, indent=1)
-    print(text)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ Examples:
 
 from __future__ import annotations
 
+from typing import Callable, Sequence, Tuple, TypeVar
+
+T = TypeVar("T")
+
 # --- Structure of a traced step -------------------------------------------------------------
 
 #: Ops that bring a batch into the step from inside the graph (tf-keras, input pipelines in the step).
@@ -133,6 +137,31 @@ VARIABLE_UPDATE_PREFIXES = ("Assign", "ResourceApply", "ResourceScatter", "Resou
 #: Collective communication across processes (Horovod's ops, TensorFlow's own collectives).
 #: They wait for every rank, so nothing may be ordered behind them on one rank's compute chain.
 COLLECTIVE_OP_PREFIXES = ("Horovod", "Collective", "Nccl")
+
+
+#: Conversions and views through which a value known when the step starts stays known then.
+HYPERPARAMETER_VIEW_TYPES = frozenset({"Cast", "Identity"})
+
+
+def is_hyperparameter(tensor: T, producer: Callable[[T], Tuple[str, Sequence[T]]]) -> bool:
+    """Whether ``tensor`` is known when the step starts: made by a resident producer (a variable's
+    value such as the learning rate, a constant, a step input) or by a cast or identity of such
+    values. It is what a product of a weight gradient made for the optimizer update may read
+    besides the gradient and still be complete as soon as the gradient is (any other input, a
+    sparse gradient's indices or another gradient, can be complete later). The planner (which
+    gradients a weight fetch may wait for) and the rewrite (which products cross to the host)
+    both follow this one rule, each over its own graph: ``producer`` maps a tensor to its
+    producer's ``(type, inputs)``.
+
+    Examples:
+        >>> graph = {"lr": ("ReadVariableOp", ()), "lr32": ("Cast", ("lr",)), "g": ("MatMul", ("a", "b"))}
+        >>> is_hyperparameter("lr32", graph.__getitem__), is_hyperparameter("g", graph.__getitem__)
+        (True, False)
+    """
+    op_type, inputs = producer(tensor)
+    if op_type in RESIDENT_TYPES:
+        return True
+    return op_type in HYPERPARAMETER_VIEW_TYPES and bool(inputs) and all(is_hyperparameter(t, producer) for t in inputs)
 
 
 def is_collective(op_type: str) -> bool:

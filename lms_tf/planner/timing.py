@@ -18,7 +18,7 @@ import logging
 from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 from lms_tf.core.ir import Phase, layer_of, same_device
-from lms_tf.core.op_kinds import RESIDENT_TYPES, TO_HOST_PREFIX
+from lms_tf.core.op_kinds import TO_HOST_PREFIX, is_hyperparameter
 from lms_tf.core.plan import Decision, Ordering, Plan, SwapIn, TensorDecision, WeightDecision
 from lms_tf.planner.step import PlanningStep
 from lms_tf.planner.weights import plan_weights, timed_fetches
@@ -327,7 +327,8 @@ def waitable_gradient(ir, gradient: str, host: str) -> bool:
     whose gradient has several contributions (a tied embedding's lookup and output projection) is
     updated from their sum, which crosses to the host only once the last contribution is
     complete: a wait for the first could wait for the window itself. The rewrite follows the same
-    paths (:func:`lms_tf.tf.rewrite.weights.gradient_on_host`).
+    paths and hyperparameter rule (:func:`lms_tf.tf.rewrite.weights.gradient_on_host`,
+    :func:`lms_tf.core.op_kinds.is_hyperparameter`).
 
     Examples:
         >>> from lms_tf.core.examples import weighted_chain_ir
@@ -339,10 +340,9 @@ def waitable_gradient(ir, gradient: str, host: str) -> bool:
     if info is None or ir.op(info.producer).phase is not Phase.BACKWARD:
         return False
 
-    def hyperparameter(tensor: str) -> bool:
-        producer = ir.op(ir.tensors[tensor].producer)
-        return producer.type in RESIDENT_TYPES or (producer.type in ("Cast", "Identity") and bool(producer.inputs)
-                                                   and all(hyperparameter(t) for t in producer.inputs))
+    def producer(tensor: str):
+        op = ir.op(ir.tensors[tensor].producer)
+        return op.type, op.inputs
 
     frontier, seen = [gradient], set()
     while frontier:
@@ -359,7 +359,7 @@ def waitable_gradient(ir, gradient: str, host: str) -> bool:
             elif reader.is_alias:
                 frontier.extend(reader.outputs)
             elif reader.phase is Phase.UPDATE:  # a product for the update, made on the device
-                if not all(t in seen or hyperparameter(t) for t in reader.inputs):
+                if not all(t in seen or is_hyperparameter(t, producer) for t in reader.inputs):
                     return False
                 frontier.extend(reader.outputs)
     return True

@@ -32,7 +32,7 @@ import tensorflow as tf
 from lms_tf import _compat
 from lms_tf.core.errors import RewriteError
 from lms_tf.core.ir import same_device
-from lms_tf.core.op_kinds import ALIAS_TYPES
+from lms_tf.core.op_kinds import ALIAS_TYPES, is_hyperparameter
 from lms_tf.core.plan import Plan
 from lms_tf.tf.rewrite.common import mark, repoint_consumers
 from lms_tf.tf.rewrite.swap import gated_swap_in
@@ -147,18 +147,10 @@ def gradient_on_host(graph: tf.Graph, gradient: str, host: str, update_ops: Abst
     return identities
 
 
-#: What a product of a gradient made for the update may read besides the gradient: hyperparameters.
-_HYPERPARAMETER_TYPES = frozenset({"ReadVariableOp", "Const"})
-
-
 def _from_gradient_alone(op: tf.Operation, derived) -> bool:
     """Whether ``op`` computes from the gradient (tensors named in ``derived``) and hyperparameters
-    alone: a tensor it makes with anything else (a sparse gradient's indices, another gradient)
-    can be complete later than the gradient, and waiting for it could wait for the window itself."""
-    def hyperparameter(t: tf.Tensor) -> bool:
-        return t.op.type in _HYPERPARAMETER_TYPES or (t.op.type == "Cast" and hyperparameter(t.op.inputs[0]))
-
-    return all(t.name in derived or hyperparameter(t) for t in op.inputs)
+    alone (:func:`~lms_tf.core.op_kinds.is_hyperparameter`, the planner's rule too)."""
+    return all(t.name in derived or is_hyperparameter(t, lambda t: (t.op.type, list(t.op.inputs))) for t in op.inputs)
 
 
 def _reads_on_host(reader: tf.Operation, tensor: tf.Tensor, host: str) -> bool:
