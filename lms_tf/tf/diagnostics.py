@@ -219,19 +219,30 @@ def virtual_gpu_peak_report(concrete_function, *, host: str = "/CPU:1", gpu_memo
             node, port = name, int(read_port or 0)
         return node, port
 
-    buffers: Dict[Tuple[str, int], List[int]] = {}
-    for tensor, nbytes in sizes.items():
-        buffers.setdefault(source(*tensor), []).append(nbytes)
-    read_bytes = sum(sum(group) for (node, _), group in buffers.items() if node in reads)
+    buffers: Dict[Tuple[str, int], List[Tuple[str, int]]] = {}
+    for tensor in sizes:
+        buffers.setdefault(source(*tensor), []).append(tensor)
+    read_bytes = sum(sum(sizes[t] for t in group) for (node, _), group in buffers.items() if node in reads)
+
+    def passed_on(tensor: Tuple[str, int]) -> bool:
+        """Whether ``tensor``'s only reader is an alias of it: once that alias has run, TensorFlow's
+        executor has released ``tensor`` and the alias alone holds the buffer (Grappler may still
+        list both, e.g. a kernel gradient and the serializing gate that holds it)."""
+        reader = readers.get(tensor, [])
+        return len(reader) == 1 and op_types.get(reader[0]) in ALIAS_TYPES and source(reader[0], 0) == source(*tensor)
+
     # An elementwise kernel writes into its input's buffer only when nothing else holds it: not
-    # when a live alias shares it.
+    # when a live alias shares it, unless every other holder has passed the buffer on down the
+    # chain of aliases the kernel reads (a gate of one reader between a producer and the kernel).
     in_place = 0
     for tensor, nbytes in sizes.items():
         reader = readers.get(tensor, [])
+        holders = [t for t in buffers[source(*tensor)] if t != tensor]
         if (len(reader) == 1 and op_types.get(reader[0]) in FORWARDING_TYPES and sizes.get((reader[0], 0)) == nbytes
-                and len(buffers[source(*tensor)]) == 1):
+                and all(passed_on(t) for t in holders)):
             in_place += nbytes
-    alias = sum(sum(group) - max(group) for (node, _), group in buffers.items() if node not in reads)
+    alias = sum(sum(sizes[t] for t in group) - max(sizes[t] for t in group)
+                for (node, _), group in buffers.items() if node not in reads)
     return OraclePeak(peak, tuple(sorted(live, key=lambda t: -t[2])), in_place, read_bytes, alias)
 
 
