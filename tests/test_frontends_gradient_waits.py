@@ -23,7 +23,7 @@ from lms_tf.core.op_kinds import TO_HOST_PREFIX
 from lms_tf.core.plan import Plan, SwapIn
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.planner.timing import waitable_gradient
-from lms_tf.simulate import simulate
+from lms_tf.simulate import gradients_crossing_as, simulate, update_products_on_device
 from lms_tf.tf import driver
 from lms_tf.tf.diagnostics import executed_ops
 from lms_tf.tf.rewrite import LMS_ATTR
@@ -40,13 +40,15 @@ def with_waits(ir, plan: Plan) -> Plan:
     step) waiting for the one completed last before it. A window that starts after a gradient's
     producer ended cannot be one that gradient depends on, so no wait makes a cycle."""
     sim = simulate(ir, plan, cost=V100)
-    completed = []
+    completed = set()
+    on_device = update_products_on_device(ir)
     for name in sim.op_intervals:
         if name.startswith(TO_HOST_PREFIX):
-            gradient = name[len(TO_HOST_PREFIX):]
-            if waitable_gradient(ir, gradient, plan.host):   # the planner's rule (not a tied weight's first contribution)
-                completed.append((sim.op_intervals[ir.tensors[gradient].producer][1], gradient))
-    completed.sort()
+            # what crosses is the gradient or a product of it made on the device (SGD's, Adam's square)
+            for gradient in gradients_crossing_as(ir, name[len(TO_HOST_PREFIX):], on_device):
+                if waitable_gradient(ir, gradient, plan.host):   # the planner's rule (not a tied weight's first contribution)
+                    completed.add((sim.op_intervals[ir.tensors[gradient].producer][1], gradient))
+    completed = sorted(completed)
     weights = []
     for weight in plan.weights:
         fetches = []

@@ -22,7 +22,7 @@ from lms_tf.core.op_kinds import TO_HOST_PREFIX, is_hyperparameter
 from lms_tf.core.plan import Decision, Ordering, Plan, SwapIn, TensorDecision, WeightDecision
 from lms_tf.planner.step import PlanningStep
 from lms_tf.planner.weights import plan_weights, timed_fetches
-from lms_tf.simulate import Simulation
+from lms_tf.simulate import Simulation, gradients_crossing_as, update_products_on_device
 
 logger = logging.getLogger("lms_tf")
 
@@ -377,18 +377,25 @@ def gradients_on_device_at_peak(step: PlanningStep, sim: Simulation) -> List[Tup
         []
     """
     live = dict(sim.live_at_peak)
-    found = []
+    found: Dict[str, int] = {}
+    on_device = None
     for name, (_, end) in sim.op_intervals.items():
         if not name.startswith(TO_HOST_PREFIX):
             continue
-        gradient = name[len(TO_HOST_PREFIX):]
-        info = step.ir.tensors.get(gradient)
-        if info is None or not live.get(gradient) or end <= sim.peak_time_s or not waitable_gradient(step.ir, gradient, step.policies.host):
+        # What crosses is the gradient, or a product of it the device makes for the update.
+        crossed = name[len(TO_HOST_PREFIX):]
+        info = step.ir.tensors.get(crossed)
+        if info is None or not live.get(crossed) or end <= sim.peak_time_s:
             continue
         produced = sim.op_intervals.get(info.producer)
-        if produced is not None and produced[1] <= sim.peak_time_s:
-            found.append((live[gradient], gradient))
-    return sorted(found, key=lambda pair: (-pair[0], pair[1]))
+        if produced is None or produced[1] > sim.peak_time_s:
+            continue
+        if on_device is None:
+            on_device = update_products_on_device(step.ir)
+        for gradient in gradients_crossing_as(step.ir, crossed, on_device):
+            if waitable_gradient(step.ir, gradient, step.policies.host):
+                found[gradient] = found.get(gradient, 0) + live[crossed]
+    return sorted(((nbytes, gradient) for gradient, nbytes in found.items()), key=lambda pair: (-pair[0], pair[1]))
 
 
 def fetches_after(step: PlanningStep, sim: Simulation, weights: Tuple[WeightDecision, ...], gradient: str

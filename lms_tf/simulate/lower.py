@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.ir import GraphIR, OpInfo, Phase
 from lms_tf.core.op_kinds import (
+    ALIAS_TYPES,
     COMMUTATIVE_TYPES,
     FORWARDING_TYPES,
     MAXPOOL_GRAD_TYPES,
@@ -29,7 +30,7 @@ from lms_tf.core.op_kinds import (
 )
 from lms_tf.core.plan import Decision, Plan
 from lms_tf.cost.model import CostModel
-from lms_tf.simulate.pool import optimizer_slots, variables_on_host
+from lms_tf.simulate.pool import optimizer_slots, update_products_on_device, variables_on_host
 
 #: Kernel libraries whose scratch memory :func:`simulate` models (``kernels=``). ``"cudnn"`` (a GPU)
 #: and ``"eigen"`` (TensorFlow's CPU kernels with ``TF_ENABLE_ONEDNN_OPTS=0``) take convolution
@@ -425,6 +426,35 @@ def _once(events: List[Event], event: Event) -> None:
         events.append(event)
 
 
+def gradients_crossing_as(ir: GraphIR, tensor: str, on_device: AbstractSet[str]) -> List[str]:
+    """The weight gradients whose values cross to the host as ``tensor``: itself, when a backward
+    op makes it, or those a product of the update kept on the device (``on_device``:
+    :func:`~lms_tf.simulate.pool.update_products_on_device`) is computed from; each named by its
+    buffer (through views: a bias gradient's reshape, the optimizer's ``IdentityN``).
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> gradients_crossing_as(weighted_chain_ir(), "gw2:0", frozenset())
+        ['gw2:0']
+    """
+    found: List[str] = []
+    frontier, seen = [tensor], set()
+    while frontier:
+        name = frontier.pop()
+        if name in seen or name not in ir.tensors:
+            continue
+        seen.add(name)
+        producer = ir.op(ir.tensors[name].producer)
+        if producer.type in ALIAS_TYPES and producer.inputs:  # a view: the buffer is its input's
+            index = producer.outputs.index(name) if producer.type == "IdentityN" else 0
+            frontier.append(producer.inputs[min(index, len(producer.inputs) - 1)])
+        elif producer.phase is Phase.BACKWARD:
+            found.append(name)
+        elif producer.name in on_device:
+            frontier.extend(producer.inputs)
+    return sorted(found)
+
+
 def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional[Mapping[str, float]] = None,
            kernels: str = "cudnn", accumulated_sums: frozenset = frozenset(), *, reuse_plain: bool = True) -> Lowered:
     """Lowers ``ir`` with ``plan`` (None: the plain step) to the events :func:`~lms_tf.simulate.replay.replay` runs.
@@ -514,6 +544,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
     b.on_host = variables_on_host(ir, [w.variable for w in plan.offloaded_weights] if plan is not None else ())
     if plan is not None and plan.policies.get("weights") == "auto":  # the slots live on the host whatever moves
         b.on_host |= optimizer_slots(ir)
+    gradient_waits: List[Tuple[str, Tuple[str, ...]]] = []
     for weight in plan.offloaded_weights if plan is not None else ():
         reads, nbytes = set(weight.reads), weight.nbytes or 0
         for i, fetch in enumerate(weight.fetches):
@@ -525,29 +556,42 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                     if t in reads:
                         b.replace[(consumer, t)] = key
                 extra_deps[consumer].append(key)
-            # The fetch starts once these weight gradients are on the host (their device buffers freed).
-            extra_deps[key].extend(f"{TO_HOST_PREFIX}{g}" for g in fetch.after_gradients)
+            # The fetch starts once these weight gradients are on the host (their device buffers
+            # freed): resolved below, once what of each gradient crosses is known.
+            gradient_waits.append((key, fetch.after_gradients))
 
     # Weights on the host: the optimizer update runs there too. Each device buffer it reads (a
     # weight gradient) is copied out as soon as it is complete and freed after the copy; the update
     # ops hold no device memory and run one after another on the host's own stream, timed by the
     # bytes they move through host memory (:meth:`CostModel.host_op_time`).
-    host_update = set()
+    host_update: set = set()
+    crossings: Dict[str, List[str]] = {}  # weight gradient -> the copies to the host of it or its products
     if b.on_host:
+        # The update runs on the host but for the products of the gradients alone, which the
+        # rewrite keeps on the device: they read the gradients there, and what they make crosses.
+        on_device = update_products_on_device(ir)
+        host_update = {op.name for op in ir.ops
+                       if op.phase is Phase.UPDATE and op.name in ir_names and op.name not in on_device}
         for op in ir.ops:
-            if op.phase is not Phase.UPDATE or op.name not in ir_names:
+            if op.name not in host_update:
                 continue
-            host_update.add(op.name)
             for t in op.inputs:
                 source = b.source(op.name, t)
                 producer = ir.tensors[source].producer if source in ir.tensors else None
-                if producer is None or ir.op(producer).phase is Phase.UPDATE or not b.counted(source):
+                if producer is None or producer in host_update or not b.counted(source):
                     continue
                 key = f"{TO_HOST_PREFIX}{source}"
                 nbytes = ir.tensors[source].nbytes or 0
                 _once(extra_after[producer],
                       Event(key, TO_HOST_STREAM, cost.transfer_time(nbytes, "device_to_host"), [source], [], []))
                 extra_deps[op.name].append(key)
+                for gradient in gradients_crossing_as(ir, source, on_device):
+                    if key not in crossings.setdefault(gradient, []):
+                        crossings[gradient].append(key)
+    for key, gradients in gradient_waits:
+        # What of a gradient crosses is the gradient, or the products the device makes of it
+        # (SGD sends only the learning rate times the gradient, Adam the gradient and its square).
+        extra_deps[key].extend(k for g in gradients for k in crossings.get(g, [f"{TO_HOST_PREFIX}{g}"]))
     template = _plain_template(ir)
     # Ops whose reads and waits differ from the plain step's: re-pointed consumers, and the ops
     # reading through a re-pointed alias op. The others reuse the cached structure.

@@ -69,6 +69,58 @@ def optimizer_slots(ir: GraphIR) -> frozenset:
                      if Phase.UPDATE in seen and Phase.BACKWARD not in seen)
 
 
+def update_products_on_device(ir: GraphIR) -> frozenset:
+    """The optimizer update's ops that stay on the device when the update runs on the host: those
+    computing from the weight gradients (and scalar hyperparameters) alone, not from a slot or a
+    weight (Adam's squared gradient, SGD's learning rate times the gradient). The rewrite keeps
+    them there (:func:`lms_tf.tf.optimizer_offload.keep_gradient_products_on_device`, the same
+    rule over TensorFlow's graph) so the device runs what it runs in the plain step: each holds
+    its gradient on the device until it runs, and its output crosses to the host beside (or
+    instead of) the gradient.
+
+    Examples:
+        >>> from lms_tf.core import make_ir
+        >>> from lms_tf.core.ir import Phase
+        >>> ir = make_ir([dict(name="g", type="MatMul", phase=Phase.BACKWARD, outputs=[("g:0", (4, 4))]),
+        ...               dict(name="m", type="ReadVariableOp", phase=Phase.UPDATE, inputs=["slot:0"],
+        ...                    outputs=[("m:0", (4, 4))]),
+        ...               dict(name="square", type="Square", phase=Phase.UPDATE, inputs=["g:0"],
+        ...                    outputs=[("square:0", (4, 4))]),
+        ...               dict(name="moment", type="Sub", phase=Phase.UPDATE, inputs=["square:0", "m:0"],
+        ...                    outputs=[("moment:0", (4, 4))])])
+        >>> sorted(update_products_on_device(ir))
+        ['square']
+    """
+    updates = {op.name for op in ir.ops if op.phase is Phase.UPDATE}
+
+    def source(tensor: str) -> str:
+        """What ``tensor`` forwards: the optimizer wraps the gradients in one ``IdentityN``."""
+        producer = ir.op(ir.tensors[tensor].producer)
+        if producer.type == "IdentityN" and producer.name in updates and tensor in producer.outputs:
+            return producer.inputs[producer.outputs.index(tensor)]
+        return tensor
+
+    def producer(tensor: str) -> str:
+        return ir.tensors[tensor].producer
+
+    from_state, from_gradient = set(), set()
+    for op in ir.ops:   # in execution order: an op's inputs come before it
+        if op.name not in updates:
+            continue
+        shape = ir.tensors[op.outputs[0]].shape if op.outputs else None
+        # A read of a variable that is not a scalar hyperparameter reads a slot (or a weight).
+        if (op.type == "ReadVariableOp" and (shape is None or len(shape) != 0)) or any(
+                producer(t) in from_state for t in op.inputs):
+            from_state.add(op.name)
+            continue
+        sources = [source(t) for t in op.inputs]
+        if op.type == "IdentityN" or any(ir.tensors[t].dtype == "resource" for t in op.inputs) or not any(
+                ir.op(producer(t)).phase is Phase.BACKWARD or producer(t) in from_gradient for t in sources):
+            continue
+        from_gradient.add(op.name)
+    return frozenset(from_gradient)
+
+
 def _feeds_the_backward_pass(ir: GraphIR, op, hops: int = 3) -> bool:
     """Whether an output of ``op`` is read by a backward op within ``hops`` ops."""
     if hops == 0:

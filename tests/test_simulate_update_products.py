@@ -1,0 +1,76 @@
+"""With the optimizer update on the host, the simulator keeps on the device what the rewrite keeps
+there: the products of the gradients alone (Adam's squared gradient, SGD's learning rate times
+the gradient, :func:`lms_tf.simulate.update_products_on_device`). Until 2026-12-03 it ran the
+whole update on the host, so Adam's squares never held device memory in its replay, and the
+gradients they read were freed as soon as their own copies out ended."""
+
+import keras
+import pytest
+import tensorflow as tf
+
+import lms_tf
+from lms_tf.core.ir import Phase
+from lms_tf.core.op_kinds import TO_HOST_PREFIX
+from lms_tf.cost import CostModel, get_device_spec
+from lms_tf.simulate import gradients_crossing_as, simulate, update_products_on_device
+from tests import zoo
+
+V100 = CostModel(get_device_spec("v100-16gb-pcie3"))
+COMPUTING = ("ReadVariableOp", "Const", "Placeholder", "NoOp", "VarHandleOp", "_Arg")
+
+
+def _traced(optimizer):
+    """A two-layer MLP with its weights on the host, traced by ``lms_tf.function``: the IR holds
+    where TensorFlow's graph places each update op (``GraphIR.host_placed``)."""
+    zoo.reseed()
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(8)])
+    optimizer.build(model.trainable_variables)
+    lms_tf.place_weights(model, optimizer, host="/CPU:1")
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    fn = lms_tf.function(step, device="/CPU:0", host="/CPU:1", weights="host", swap=False,
+                         device_spec="v100-16gb-pcie3")
+    fn(tf.ones((16, 64)), tf.ones((16, 8)))
+    return fn.plain_irs[-1], fn.plan
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer", [keras.optimizers.Adam, keras.optimizers.SGD,
+                                       lambda: keras.optimizers.SGD(momentum=0.9)], ids=["adam", "sgd", "momentum"])
+def test_the_rule_on_the_ir_is_where_the_rewrite_places_the_update(optimizer):
+    """Every computing op of the update that the traced step leaves on the device is one the rule
+    names, and no other: the simulator and the rewrite place the update alike."""
+    ir, _ = _traced(optimizer())
+    on_device = update_products_on_device(ir)
+    left = {op.name for op in ir.ops if op.phase is Phase.UPDATE and op.name not in ir.host_placed
+            and op.type not in COMPUTING}
+    assert on_device == left
+    if optimizer is keras.optimizers.Adam:
+        assert {ir.op(name).type for name in on_device} == {"Square"}   # one per weight, nothing else
+
+
+@pytest.mark.timeout(120)
+def test_adams_squares_hold_device_memory_and_cross_with_the_gradients():
+    """In the replay each square runs on the device after its gradient, and both it and the
+    gradient are copied to the host; each copy names the gradient it carries."""
+    ir, plan = _traced(keras.optimizers.Adam())
+    sim = simulate(ir, plan, cost=V100, log_allocations=True)
+    squares = sorted(update_products_on_device(ir))
+    # its own buffer, or the gradient's (written in place once nothing else holds it)
+    allocated = {key for kind, key, _ in sim.allocations if kind == "alloc"} | {
+        new for kind, _, new in sim.allocations if kind == "rename"}
+    copies = {name[len(TO_HOST_PREFIX):] for name in sim.op_intervals if name.startswith(TO_HOST_PREFIX)}
+    gradients = set()
+    for square in squares:
+        (output,) = ir.op(square).outputs
+        assert output in allocated and output in copies, square   # on the device, then sent
+        (gradient,) = gradients_crossing_as(ir, output, frozenset(squares))
+        assert sim.op_intervals[ir.tensors[gradient].producer][1] <= sim.op_intervals[square][0]
+        gradients.add(gradient)
+    assert len(gradients) == len(squares) == 4   # two kernels, two biases
+    assert gradients <= copies   # Adam's first moment reads the gradient itself on the host
