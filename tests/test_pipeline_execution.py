@@ -861,6 +861,67 @@ def test_a_serialized_stage_executes_its_chain_in_order():
 
 
 @pytest.mark.timeout(300)
+def test_a_serialized_stage_holds_the_kernels_grappler_fuses_at_their_place():
+    """The ops Grappler fuses (a convolution with its bias and activation) take no control edge,
+    which would change their kernel: each stage holds them at their place in its chain through
+    gates, as ``serialize=True`` does on one device. Structure: every gate is on its reader's
+    stage and waits only for that stage's ops; no fused kernel takes a control edge. Behaviour:
+    each held kernel starts after the chained op its gate waits for (left free, as before, the
+    second micro-batch's convolutions of a GPipe stage ran as soon as its input arrived). Numbers:
+    bit-identical to the accumulation step (the placed-stages test checks more models)."""
+    from lms_tf import _compat
+    from lms_tf.tf.diagnostics import CPU_GRAPPLER_MEMORY_BYTES
+    from lms_tf.tf.rewrite.serialize import grappler_fused_kernels
+
+    reference, (x, y) = zoo.sequential_cnn()
+    model, _ = zoo.sequential_cnn()
+    step = PipelineStep(model, contiguous(model, 3), microbatches=MICROBATCHES, schedule="gpipe", devices=DEVICES,
+                        serialize=True)
+    bx, by = tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH])
+    graph = step.get_concrete_function(bx, by).graph
+    index = lambda op: tf.DeviceSpec.from_string(op.device).device_index  # noqa: E731
+    gates = [op for op in graph.get_operations() if _compat.string_attr(op, "_lms") == "serial_gate"]
+    kernels = grappler_fused_kernels(graph, "/device:CPU:0", CPU_GRAPPLER_MEMORY_BYTES, outputs=step._returned)
+    assert kernels
+    readers = {}
+    for gate in gates:  # it waits for the chained op before it and the held items since
+        afters = gate.control_inputs
+        assert afters and {index(after) for after in afters} == {index(gate)}, (gate.name, afters)
+        for reader in gate.outputs[0].consumers():
+            assert index(reader) == index(gate), (gate.name, reader.name)
+            readers.setdefault(reader.name, set()).update(after.name for after in afters)
+    gated = {kernel.name: set().union(*(readers[name] for name in kernel.ops if name in readers))
+             for kernel in kernels if kernel.ops & readers.keys()}
+
+    def kernels_behind(name, seen_names=()):
+        """What a gate waits for, as kernels the profiler shows: an exit or gate (an Identity,
+        which it does not) stands for the ops it reads and waits for."""
+        op = graph.get_operation_by_name(name)
+        if op.type != "Identity":
+            return {name}
+        behind = [t.op.name for t in op.inputs] + [c.name for c in op.control_inputs]
+        return set().union(set(), *(kernels_behind(n) for n in behind))
+
+    gated = {kernel: set().union(*(kernels_behind(a) for a in afters)) for kernel, afters in gated.items()}
+    assert {index(graph.get_operation_by_name(k)) for k in gated} == {0, 1, 2}, gated
+    for kernel in kernels:
+        for name in kernel.ops:
+            assert not graph.get_operation_by_name(name).control_inputs, name
+    # Behaviour: the executor ran each held kernel after the op its gate waits for.
+    losses = [float(step(bx, by)) for _ in range(2)]
+    events = sorted(executed_ops(lambda: losses.append(float(step(bx, by)))), key=lambda e: e.start_ps)
+    started = {}
+    for event in events:
+        started.setdefault(event.node, event.start_ps)
+    seen = [(started[after], started[kernel], kernel) for kernel, afters in gated.items() for after in afters
+            if kernel in started and after in started]
+    assert len(seen) >= 0.5 * len(gated), (len(seen), len(gated))
+    assert all(after <= kernel for after, kernel, _ in seen), seen
+    plain_step = accumulation_step(reference, MICROBATCHES)
+    assert losses == [float(plain_step(bx, by)) for _ in range(3)] and len(set(losses)) > 1, losses
+
+
+@pytest.mark.timeout(300)
 def test_predicted_peaks_count_each_stages_own_memory():
     from lms_tf.tf.variables import variable_bytes_by_device
     from tests.pipeline_cluster_worker import wide_mlp
@@ -907,9 +968,10 @@ def test_a_stage_holds_what_it_sends_while_its_next_op_runs(monkeypatch):
     assert [h - f for h, f in zip(held, freed_at_once)] == [0, gradient, 0], (held, freed_at_once)
 
 
-def without_outputs(grappler_rewritten_ops):
-    """``grappler_rewritten_ops`` as it was before it was given the step's outputs: every dead end kept."""
-    return lambda *args, outputs=None, **kwargs: grappler_rewritten_ops(*args, **kwargs)
+def without_outputs(function):
+    """``function`` (one that runs Grappler offline on the step) as it was before it was given the
+    step's outputs: every dead end kept."""
+    return lambda *args, outputs=None, **kwargs: function(*args, **kwargs)
 
 
 @pytest.mark.timeout(300)
@@ -918,7 +980,7 @@ def test_a_serialized_stage_leaves_out_what_the_step_never_reads(monkeypatch):
     ``Conv2DBackpropInput``) is a dead end, which the runtime prunes. The offline Grappler run
     that finds the ops left out of a stage's chain is given what the step returns, as the runtime
     keeps only that and the stateful ops, so it sees what the runtime sees and the dead end stays
-    out of the chain. Without the step's outputs every dead end is kept offline: this one is
+    out of the chain, and no gate or exit reads it (one would keep it alive). Without the step's outputs every dead end is kept offline: this one is
     chained (a control edge into its filter gradient), and an op such a dead end reads has one
     more reader offline than at run time, which can hide a regrouping from the offline run
     (the single-device case: test_tf_serialize). Behaviour: the executor runs no such kernel
@@ -940,7 +1002,7 @@ def test_a_serialized_stage_leaves_out_what_the_step_never_reads(monkeypatch):
         return sum(op.name in waited_on for op in dead)
 
     assert chained_input_gradients() == 0
-    monkeypatch.setattr(driver, "grappler_rewritten_ops", without_outputs(driver.grappler_rewritten_ops))
+    monkeypatch.setattr(driver, "serialize_chains", without_outputs(driver.serialize_chains))
     assert chained_input_gradients() == MICROBATCHES
 
 

@@ -28,7 +28,8 @@ from lms_tf.simulate import simulate
 from lms_tf.tf.diagnostics import CPU_GRAPPLER_MEMORY_BYTES
 from lms_tf.tf.rewrite import apply_plan, apply_plans
 from lms_tf.tf.rewrite.recompute import simulator_name
-from lms_tf.tf.rewrite.serialize import grappler_rewritten_ops, impose_order, onednn_may_fuse, serialize_step
+from lms_tf.tf.rewrite.serialize import (SerializeReport, grappler_rewritten_ops, onednn_may_fuse, serialize_chains,
+                                         serialize_step)
 from lms_tf.tf.trace import build_ir
 
 logger = logging.getLogger("lms_tf")
@@ -555,15 +556,16 @@ def simulated_ranks(graph: tf.Graph, ir: GraphIR, plan: Plan, cost: CostModel) -
 
 
 def serialize_stages(devices: Sequence[str], rank: Mapping[str, float], *, leave_free: Collection[str] = (),
-                     api: str, outputs: Optional[Sequence[tf.Tensor]] = None) -> int:
+                     api: str, outputs: Optional[Sequence[tf.Tensor]] = None) -> SerializeReport:
     """Chains each pipeline stage's ops on its own device, one at a time, in ``rank`` order (the
     schedule's), for the ``tf.function`` graph being traced now.
 
     What ``serialize=True`` is to one device, for a pipeline: each stage's memory then follows
     one order, the one the per-layer model counts, instead of the executor's choice among ready
-    ops. Stages still run side by side: only ops on one device are chained together. As in
-    :func:`~lms_tf.tf.rewrite.serialize.impose_order`, ops TensorFlow fuses are left free (a
-    control edge would change their kernel, and the numbers).
+    ops. Stages still run side by side: only ops on one device are chained together. As on one
+    device (:func:`~lms_tf.tf.rewrite.serialize.serialize_step`), the ops Grappler fuses or
+    regroups take no control edge (it would change their kernel, and the numbers): each is held
+    at its place in its stage's chain by gates instead.
 
     Must run inside :func:`call_step_for_rewrite` with ``serialize=True``, at the end of the
     traced body.
@@ -571,14 +573,14 @@ def serialize_stages(devices: Sequence[str], rank: Mapping[str, float], *, leave
     Args:
         devices: Each stage's device.
         rank: Op name -> rank; lower runs first (ops it leaves out are not chained).
-        leave_free: Ops left out of the chain (they run when ready): see :class:`PipelineStep`
+        leave_free: Ops neither chained nor held (they run when ready): see :class:`PipelineStep`
             for which and why.
         api: Front-end name for messages.
         outputs: The tensors the step returns, for the offline Grappler run that finds the ops
             left free (see :func:`~lms_tf.tf.rewrite.serialize.grappler_rewritten_ops`).
 
     Returns:
-        The number of control edges added.
+        What was chained and held (:class:`~lms_tf.tf.rewrite.serialize.SerializeReport`).
 
     Raises:
         LMSError: Not inside a ``tf.function`` trace.
@@ -590,14 +592,17 @@ def serialize_stages(devices: Sequence[str], rank: Mapping[str, float], *, leave
         lms_tf.LMSError: doc: the step runs eagerly...
     """
     graph = _traced_graph(api)
-    ops = graph.get_operations()
-    free = grappler_rewritten_ops(graph, devices[0], CPU_GRAPPLER_MEMORY_BYTES, outputs=outputs,
-                                  folded_shapes_unchanged=True) | frozenset(leave_free)
-    edges = 0
-    for device in devices:
-        mine = {op.name: rank[op.name] for op in ops
-                if op.name in rank and same_device(op.device, device) and op.name not in free}
-        edges += impose_order(graph, mine, leave_free=free, free_through_control=False,
-                              onednn_fusions=onednn_may_fuse(device))
-    logger.info("serialized the pipeline's %d stages in the schedule's order (%d control edges)", len(devices), edges)
-    return edges
+    ops, left_free = graph.get_operations(), frozenset(leave_free)
+    # Each stage's ops Grappler rewrites stay in its ranks: off the chain, held at their place by
+    # gates (as serialize=True holds them on one device); the ops left free are neither.
+    chains = [({op.name: rank[op.name] for op in ops
+                if op.name in rank and same_device(op.device, device) and op.name not in left_free},
+               onednn_may_fuse(device)) for device in devices]
+    report = serialize_chains(graph, chains, devices[0], CPU_GRAPPLER_MEMORY_BYTES, outputs=outputs,
+                              leave_free=left_free, free_through_control=False)
+    logger.info("serialized the pipeline's %d stages in the schedule's order (%d control edges; %d gates hold ops "
+                "Grappler rewrites)", len(devices), report.edges, report.gates)
+    if report.gates_undone:
+        logger.info("%s: serialize=True holds the ops Grappler rewrites at their place in each stage's chain, except "
+                    "where a gate would change a kernel (left to run when ready): %s", api, ", ".join(report.gates_undone))
+    return report

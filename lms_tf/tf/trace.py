@@ -132,8 +132,8 @@ def _classify(order: Sequence[tf.Operation], created: Mapping[str, int],
     return {n: phase.get(n, Phase.FORWARD) for n in names}
 
 
-def _pruned_by_the_runtime(graph: tf.Graph, order: Sequence[tf.Operation],
-                           outputs: Optional[Sequence[tf.Tensor]]) -> FrozenSet[str]:
+def pruned_by_the_runtime(graph: tf.Graph, order: Sequence[tf.Operation],
+                          outputs: Optional[Sequence[tf.Tensor]]) -> FrozenSet[str]:
     """Ops of a ``tf.function``'s graph that TensorFlow never runs: neither the function's outputs nor
     any stateful op (a variable write, a read, a random op, a loop) depends on them, through data
     or control edges. TensorFlow's function runtime prunes them before the first run
@@ -146,6 +146,22 @@ def _pruned_by_the_runtime(graph: tf.Graph, order: Sequence[tf.Operation],
 
     Where the outputs are not known (a graph that is not a function's, or a trace still going on
     without ``outputs``), every op nothing reads might be fetched: those are kept too.
+
+    Args:
+        graph: The step's graph.
+        order: Its ops, producers before consumers (``graph.get_operations()`` is such an order).
+        outputs: The tensors the function returns, when known.
+
+    Returns:
+        The names of the ops the runtime prunes.
+
+    Examples:
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.compat.v1.placeholder(tf.float32, name="x")
+        ...     kept, dropped = tf.square(x, name="kept"), tf.exp(x, name="dropped")
+        >>> sorted(pruned_by_the_runtime(g, g.get_operations(), [kept]))
+        ['dropped']
     """
     if outputs is None and _compat.is_function_graph(graph) and graph.outputs:
         outputs = graph.outputs
@@ -265,7 +281,7 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
     """
     tf_ops = graph.get_operations()
     order = _execution_order(tf_ops)
-    pruned = _pruned_by_the_runtime(graph, order, outputs)
+    pruned = pruned_by_the_runtime(graph, order, outputs)
     inputs = _function_inputs(graph)
     sources = frozenset(
         {n for n in inputs if graph.get_operation_by_name(n).outputs[0].dtype not in (tf.resource, tf.variant)}

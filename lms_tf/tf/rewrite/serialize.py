@@ -94,6 +94,7 @@ from lms_tf.core.op_kinds import (
 )
 
 from lms_tf.tf.rewrite.common import LMS_ATTR, mark
+from lms_tf.tf.trace import pruned_by_the_runtime
 
 SERIAL_ATTR = "_lms_serial"  # an op's position in the chain
 
@@ -600,7 +601,8 @@ class _Held:
 
 
 def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[FusedKernel],
-                  leave_free: Collection[str], *, onednn_fusions: bool = True) -> List[SerialGate]:
+                  leave_free: Collection[str], *, onednn_fusions: bool = True,
+                  free_through_control: bool = True) -> List[SerialGate]:
     """Holds each op :func:`impose_order` left free because Grappler rewrites it at its place in the
     chain, without a control edge on it.
 
@@ -632,6 +634,7 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
         kernels: The fused kernels (:func:`grappler_fused_kernels`, read before the chain).
         leave_free: The ops it left free because Grappler rewrites them.
         onednn_fusions: As :func:`impose_order` was given it.
+        free_through_control: As :func:`impose_order` was given it.
 
     Returns:
         One record per edge added (to check, or undo with :func:`undo_gates`).
@@ -640,7 +643,7 @@ def gate_free_ops(graph: tf.Graph, rank: Mapping[str, float], kernels: Sequence[
         >>> gate_free_ops(tf.Graph(), {}, [], ())
         []
     """
-    chain, held = _chain_and_held(graph, rank, leave_free, onednn_fusions=onednn_fusions)
+    chain, held = _chain_and_held(graph, rank, leave_free, free_through_control, onednn_fusions)
     waits = fused_kernel_waits(graph) if onednn_fusions else {}
     order = ranked_topological_order(graph, rank, waits or None)
     position = {name: i for i, name in enumerate(order)}
@@ -852,14 +855,61 @@ def serialize_step(graph: tf.Graph, rank: Mapping[str, float], device: str, memo
         >>> serialize_step(g, {"y": 1, "z": 0}, "/device:CPU:0", 2**28)
         SerializeReport(edges=1, gates=0, gates_undone=())
     """
-    graph_def, optimized, in_graph = _offline_default_pipeline(graph, device, memory_bytes, outputs)
-    free = frozenset(name for name in _changed_nodes(graph_def, optimized, folded_shapes_unchanged=True)
-                     if name in in_graph)
     if onednn_fusions is None:
         onednn_fusions = onednn_may_fuse(device)
-    edges = impose_order(graph, rank, leave_free=free, onednn_fusions=onednn_fusions)
+    return serialize_chains(graph, [(rank, onednn_fusions)], device, memory_bytes, outputs=outputs)
+
+
+def serialize_chains(graph: tf.Graph, chains: Sequence[Tuple[Mapping[str, float], bool]], device: str,
+                     memory_bytes: int, *, outputs: Optional[Sequence[tf.Tensor]] = None,
+                     leave_free: Collection[str] = (), free_through_control: bool = True) -> SerializeReport:
+    """:func:`serialize_step` for several chains in one graph: one per device of a pipeline, each
+    chained and its ops Grappler rewrites held at their place, no edge between two chains.
+
+    The chains are made one after the other, each in a topological order of the graph as the
+    chains before it left it, so every edge points forward in one order and none closes a cycle.
+    Grappler's pipeline runs offline once for all (every op on one virtual device of
+    ``device``'s type), and the check that it still runs the same kernels covers every gate.
+
+    Args:
+        graph: The step's graph, being traced, rewritten already.
+        chains: ``(rank, onednn_fusions)`` per chain: op name -> rank (lower runs first; ops of one
+            device only), and whether oneDNN may fuse that device's kernels (:func:`impose_order`).
+        device: A device of the type every chain's runs on (Grappler's patterns differ by type).
+        memory_bytes: The memory the runtime tells Grappler the device has.
+        outputs: The tensors the step returns, when known.
+        leave_free: Ops neither chained nor held, besides those Grappler rewrites (a pipeline's
+            optimizer update, whose fold a gate or edge would stop). Keep them out of the ranks.
+        free_through_control: As :func:`impose_order` takes it.
+
+    Returns:
+        What was chained and gated, over all chains.
+
+    Examples:
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     x = tf.compat.v1.placeholder(tf.float32, (4, 8), name="x")
+        ...     with tf.device("/CPU:0"):
+        ...         y, z = tf.square(x, name="y"), tf.exp(x, name="z")
+        ...     with tf.device("/CPU:1"):
+        ...         u, v = tf.sqrt(x, name="u"), tf.abs(x, name="v")
+        >>> serialize_chains(g, [({"y": 1, "z": 0}, False), ({"u": 0, "v": 1}, False)], "/device:CPU:0", 2**28)
+        SerializeReport(edges=2, gates=0, gates_undone=())
+    """
+    graph_def, optimized, in_graph = _offline_default_pipeline(graph, device, memory_bytes, outputs)
+    free = frozenset(name for name in _changed_nodes(graph_def, optimized, folded_shapes_unchanged=True)
+                     if name in in_graph) | frozenset(leave_free)
+    # What the runtime prunes never runs: an exit reading it would keep it alive (a pipeline's
+    # ranks name every op, the model input's gradient among them).
+    pruned = pruned_by_the_runtime(graph, graph.get_operations(), outputs)
+    chains = [({name: r for name, r in rank.items() if name not in pruned}, fusions) for rank, fusions in chains]
+    edges = sum(impose_order(graph, rank, leave_free=free, free_through_control=free_through_control,
+                             onednn_fusions=fusions) for rank, fusions in chains)
     kernels = _fused_kernels(graph_def, optimized, in_graph)
-    gates = gate_free_ops(graph, rank, kernels, free, onednn_fusions=onednn_fusions)
+    gates: List[SerialGate] = []
+    for rank, fusions in chains:
+        gates += gate_free_ops(graph, rank, kernels, free, onednn_fusions=fusions,
+                               free_through_control=free_through_control)
     undone: List[str] = []
     for _ in range(_GATE_CHECKS):
         if not gates:
