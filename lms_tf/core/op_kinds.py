@@ -13,7 +13,7 @@ Examples:
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, Tuple, TypeVar
+from typing import Callable, Collection, List, Sequence, Tuple, TypeVar
 
 T = TypeVar("T")
 
@@ -162,6 +162,43 @@ def is_hyperparameter(tensor: T, producer: Callable[[T], Tuple[str, Sequence[T]]
     if op_type in RESIDENT_TYPES:
         return True
     return op_type in HYPERPARAMETER_VIEW_TYPES and bool(inputs) and all(is_hyperparameter(t, producer) for t in inputs)
+
+
+def update_products_of_gradients(update_ops: Sequence[Tuple[str, str, Sequence[str], bool, bool]],
+                                 gradient_ops: Collection[str]) -> List[str]:
+    """The optimizer update's ops that compute from the weight gradients (and scalar
+    hyperparameters) alone, not from a slot or a weight: Adam's squared gradient, SGD's learning
+    rate times the gradient. With the update on the host these stay on the device, so the device
+    runs what it runs in the plain step (Grappler regroups a product chain across the end of a
+    gradient only on one device). The rewrite (over TensorFlow's graph) and the simulator (over
+    the IR) both follow this one rule.
+
+    Args:
+        update_ops: The update's ops in execution order, each ``(name, type, producers, reads_state,
+            reads_resource)``: the ops its inputs come from (an ``IdentityN`` the optimizer wraps
+            the gradients in seen through to the gradient), whether it reads a variable that is
+            not a scalar (a slot or a weight), and whether it takes a resource.
+        gradient_ops: The ops that make the weight gradients.
+
+    Returns:
+        Their names, in order.
+
+    Examples:
+        >>> update_products_of_gradients([("m", "ReadVariableOp", ["slot"], True, True),
+        ...                               ("square", "Square", ["grad"], False, False),
+        ...                               ("moment", "Sub", ["square", "m"], False, False)], {"grad"})
+        ['square']
+    """
+    from_state, from_gradient, found = set(), set(), []
+    for name, op_type, producers, reads_state, reads_resource in update_ops:
+        if reads_state or any(p in from_state for p in producers):
+            from_state.add(name)
+            continue
+        if op_type == "IdentityN" or reads_resource or not any(p in gradient_ops or p in from_gradient for p in producers):
+            continue
+        from_gradient.add(name)
+        found.append(name)
+    return found
 
 
 def is_collective(op_type: str) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Collection, Dict, Iterable, List, Tuple
 
 from lms_tf.core.ir import GraphIR, Phase
+from lms_tf.core.op_kinds import update_products_of_gradients
 
 
 def resident_buffers(ir: GraphIR, on_host: Collection[str] = ()) -> List[Tuple[str, int]]:
@@ -73,8 +74,8 @@ def update_products_on_device(ir: GraphIR) -> frozenset:
     """The optimizer update's ops that stay on the device when the update runs on the host: those
     computing from the weight gradients (and scalar hyperparameters) alone, not from a slot or a
     weight (Adam's squared gradient, SGD's learning rate times the gradient). The rewrite keeps
-    them there (:func:`lms_tf.tf.optimizer_offload.keep_gradient_products_on_device`, the same
-    rule over TensorFlow's graph) so the device runs what it runs in the plain step: each holds
+    them there (:func:`lms_tf.tf.optimizer_offload.keep_gradient_products_on_device`; both apply
+    :func:`lms_tf.core.op_kinds.update_products_of_gradients`) so the device runs what it runs in the plain step: each holds
     its gradient on the device until it runs, and its output crosses to the host beside (or
     instead of) the gradient.
 
@@ -93,32 +94,25 @@ def update_products_on_device(ir: GraphIR) -> frozenset:
     """
     updates = {op.name for op in ir.ops if op.phase is Phase.UPDATE}
 
-    def source(tensor: str) -> str:
-        """What ``tensor`` forwards: the optimizer wraps the gradients in one ``IdentityN``."""
-        producer = ir.op(ir.tensors[tensor].producer)
-        if producer.type == "IdentityN" and producer.name in updates and tensor in producer.outputs:
-            return producer.inputs[producer.outputs.index(tensor)]
-        return tensor
-
     def producer(tensor: str) -> str:
-        return ir.tensors[tensor].producer
+        """What made ``tensor``, seen through the ``IdentityN`` the optimizer wraps the gradients in
+        (a tensor from outside the IR, a captured variable's handle, by its name)."""
+        if tensor not in ir.tensors:
+            return tensor.split(":")[0]
+        made_by = ir.op(ir.tensors[tensor].producer)
+        if made_by.type == "IdentityN" and made_by.name in updates and tensor in made_by.outputs:
+            return ir.tensors[made_by.inputs[made_by.outputs.index(tensor)]].producer
+        return made_by.name
 
-    from_state, from_gradient = set(), set()
-    for op in ir.ops:   # in execution order: an op's inputs come before it
-        if op.name not in updates:
-            continue
+    def reads_state(op) -> bool:
         shape = ir.tensors[op.outputs[0]].shape if op.outputs else None
-        # A read of a variable that is not a scalar hyperparameter reads a slot (or a weight).
-        if (op.type == "ReadVariableOp" and (shape is None or len(shape) != 0)) or any(
-                producer(t) in from_state for t in op.inputs):
-            from_state.add(op.name)
-            continue
-        sources = [source(t) for t in op.inputs]
-        if op.type == "IdentityN" or any(ir.tensors[t].dtype == "resource" for t in op.inputs) or not any(
-                ir.op(producer(t)).phase is Phase.BACKWARD or producer(t) in from_gradient for t in sources):
-            continue
-        from_gradient.add(op.name)
-    return frozenset(from_gradient)
+        return op.type == "ReadVariableOp" and (shape is None or len(shape) != 0)
+
+    update_ops = [(op.name, op.type, [producer(t) for t in op.inputs], reads_state(op),
+                   any(t in ir.tensors and ir.tensors[t].dtype == "resource" for t in op.inputs))
+                  for op in ir.ops if op.name in updates]
+    gradients = {op.name for op in ir.ops if op.phase is Phase.BACKWARD}
+    return frozenset(update_products_of_gradients(update_ops, gradients))
 
 
 def _feeds_the_backward_pass(ir: GraphIR, op, hops: int = 3) -> bool:

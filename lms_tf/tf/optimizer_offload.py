@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, List, Optional
 import tensorflow as tf
 
 from lms_tf.core.errors import warn_once
+from lms_tf.core.op_kinds import update_products_of_gradients
 from lms_tf.cost import CostModel, detect_device_spec, get_device_spec
 from lms_tf.tf.optimizer_hooks import intercept_optimizer_updates
 from lms_tf.tf.variables import variable_bytes_by_device, variable_device
@@ -260,24 +261,20 @@ def keep_gradient_products_on_device(update_ops, grads) -> List[str]:
 
     updates = {op.name for op in update_ops}
     gradient_ops = {t.op.name for t in grads if t is not None}
-    derived_from_slot, from_gradient, moved = set(), set(), []
-    for op in update_ops:   # in creation order: an op's inputs come before it
-        sources = [t.op.inputs[t.value_index] if t.op.type == "IdentityN" and t.op.name in updates else t
-                   for t in op.inputs]
-        # A read of a variable that is not a scalar hyperparameter reads a slot (or a weight).
-        if (op.type == "ReadVariableOp" and op.outputs[0].shape.rank != 0) or any(
-                t.op.name in derived_from_slot for t in op.inputs):
-            derived_from_slot.add(op.name)
-            continue
-        if op.type == "IdentityN" or any(t.dtype == tf.resource for t in op.inputs) or not any(
-                t.op.name in gradient_ops or t.op.name in from_gradient for t in sources):
-            continue
-        from_gradient.add(op.name)
-        for index, (tensor, source) in enumerate(zip(op.inputs, sources)):
+    # Each input as the gradient it forwards when it is an output of the optimizer's IdentityN.
+    sources = {op.name: [t.op.inputs[t.value_index] if t.op.type == "IdentityN" and t.op.name in updates else t
+                         for t in op.inputs] for op in update_ops}
+    moved = update_products_of_gradients(
+        [(op.name, op.type, [t.op.name for t in sources[op.name]],
+          op.type == "ReadVariableOp" and op.outputs[0].shape.rank != 0,  # a slot's or a weight's read
+          any(t.dtype == tf.resource for t in op.inputs)) for op in update_ops], gradient_ops)
+    from_gradient, by_name = gradient_ops | set(moved), {op.name: op for op in update_ops}
+    for name in moved:
+        op = by_name[name]
+        for index, (tensor, source) in enumerate(zip(op.inputs, sources[name])):
             if source is not tensor:
                 _compat.update_input(op, index, source)
-        _compat.set_device(op, next(t.op.device for t in sources if t.op.name in gradient_ops | from_gradient))
-        moved.append(op.name)
+        _compat.set_device(op, next(t.op.device for t in sources[name] if t.op.name in from_gradient))
     if moved:
         logger.debug("optimizer on the host: %d update ops that read only gradients stay on the device: %s",
                      len(moved), moved[:5])
