@@ -44,7 +44,7 @@ def with_waits(ir, plan: Plan) -> Plan:
     on_device = update_products_on_device(ir)
     for name in sim.op_intervals:
         if name.startswith(TO_HOST_PREFIX):
-            # what crosses is the gradient or a product of it made on the device (SGD's, Adam's square)
+            # what crosses is the gradient or a product of it made on the device (SGD's)
             for gradient in gradients_crossing_as(ir, name[len(TO_HOST_PREFIX):], on_device):
                 if waitable_gradient(ir, gradient, plan.host):   # the planner's rule (not a tied weight's first contribution)
                     completed.add((sim.op_intervals[ir.tensors[gradient].producer][1], gradient))
@@ -111,7 +111,7 @@ def _derived_from(tensor, gradient: str, hops: int = 4) -> bool:
 def test_fit_with_fetches_waiting_for_gradients_equals_plain_fit(name, waiting_plans):
     """SGD with momentum (the CNN: the product with the learning rate is made on the device and
     sent), BatchNormalization (ResNet-style), Adam with a tied embedding (the decoder: the gradient
-    and its square are sent)."""
+    is sent, and the host squares it)."""
     builder = decoder_lm if name == "decoder_lm" else zoo.FIT_ZOO[name]
     plain = fit_steps(builder)
     facts = {}

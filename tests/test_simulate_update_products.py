@@ -1,8 +1,9 @@
 """With the optimizer update on the host, the simulator keeps on the device what the rewrite keeps
-there: the products of the gradients alone (Adam's squared gradient, SGD's learning rate times
-the gradient, :func:`lms_tf.simulate.update_products_on_device`). Until 2026-12-03 it ran the
-whole update on the host, so Adam's squares never held device memory in its replay, and the
-gradients they read were freed as soon as their own copies out ended."""
+there: the products of the gradients alone (SGD's learning rate times the gradient,
+:func:`lms_tf.simulate.update_products_on_device`). Until 2026-12-03 it ran the whole update on
+the host, so such products never held device memory in its replay, and the gradients they read
+were freed as soon as their own copies out ended. Adam's squared gradient is computed on the host
+since 2026-12-03 (it was made on the device and sent beside the gradient: two copies of each)."""
 
 import keras
 import pytest
@@ -50,27 +51,30 @@ def test_the_rule_on_the_ir_is_where_the_rewrite_places_the_update(optimizer):
     left = {op.name for op in ir.ops if op.phase is Phase.UPDATE and op.name not in ir.host_placed
             and op.type not in COMPUTING}
     assert on_device == left
+    squares = {op.name for op in ir.ops if op.phase is Phase.UPDATE and op.type == "Square"}
     if optimizer is keras.optimizers.Adam:
-        assert {ir.op(name).type for name in on_device} == {"Square"}   # one per weight, nothing else
+        # one per weight, each on the host: the host squares the gradient it receives
+        assert len(squares) == 4 and squares <= ir.host_placed and not on_device, (squares, on_device)
+    else:
+        assert on_device and {ir.op(name).type for name in on_device} <= {"Mul", "Neg"}, on_device
 
 
 @pytest.mark.timeout(120)
-def test_adams_squares_hold_device_memory_and_cross_with_the_gradients():
-    """In the replay each square runs on the device after its gradient, and both it and the
-    gradient are copied to the host; each copy names the gradient it carries."""
+def test_adam_sends_each_gradient_once_and_the_host_squares_it():
+    """In the replay each weight gradient is copied to the host once, and no square is: the host
+    computes it from the gradient, where Adam's first moment reads the gradient too. (Squared on
+    the device, each gradient crossed twice: itself and its square.)"""
     ir, plan = _traced(keras.optimizers.Adam())
     sim = simulate(ir, plan, cost=V100, log_allocations=True)
-    squares = sorted(update_products_on_device(ir))
-    # its own buffer, or the gradient's (written in place once nothing else holds it)
-    allocated = {key for kind, key, _ in sim.allocations if kind == "alloc"} | {
-        new for kind, _, new in sim.allocations if kind == "rename"}
-    copies = {name[len(TO_HOST_PREFIX):] for name in sim.op_intervals if name.startswith(TO_HOST_PREFIX)}
-    gradients = set()
-    for square in squares:
-        (output,) = ir.op(square).outputs
-        assert output in allocated and output in copies, square   # on the device, then sent
-        (gradient,) = gradients_crossing_as(ir, output, frozenset(squares))
-        assert sim.op_intervals[ir.tensors[gradient].producer][1] <= sim.op_intervals[square][0]
-        gradients.add(gradient)
-    assert len(gradients) == len(squares) == 4   # two kernels, two biases
-    assert gradients <= copies   # Adam's first moment reads the gradient itself on the host
+    squares = [op for op in ir.ops if op.phase is Phase.UPDATE and op.type == "Square"]
+    copies = [name[len(TO_HOST_PREFIX):] for name in sim.op_intervals if name.startswith(TO_HOST_PREFIX)]
+    on_device = update_products_on_device(ir)
+    # each square reads its gradient through the optimizer's IdentityN: named by its buffer
+    gradients = {g for square in squares for g in gradients_crossing_as(ir, square.inputs[0], on_device)}
+    assert len(squares) == len(gradients) == 4   # two kernels, two biases
+    carried = [gradients_crossing_as(ir, copy, on_device) for copy in copies]
+    for gradient in gradients:
+        assert carried.count([gradient]) == 1, (gradient, copies)   # one copy carries it
+    assert not {square.outputs[0] for square in squares} & set(copies)
+    allocated = {key for kind, key, _ in sim.allocations if kind == "alloc"}
+    assert not {square.outputs[0] for square in squares} & allocated   # no device memory

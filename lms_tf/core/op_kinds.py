@@ -164,14 +164,23 @@ def is_hyperparameter(tensor: T, producer: Callable[[T], Tuple[str, Sequence[T]]
     return op_type in HYPERPARAMETER_VIEW_TYPES and bool(inputs) and all(is_hyperparameter(t, producer) for t in inputs)
 
 
+#: Elementwise functions of one tensor that an optimizer update applies to a weight gradient and
+#: that Grappler rewrites with nothing around them (it regroups chains of products and sums, and
+#: pushes constants down them, not through these). Run on the host, from the gradient the update
+#: sends there anyway, they give the plain step's bits and save a copy: Adam sent each gradient and
+#: its square.
+UPDATE_FUNCTIONS_RUN_ON_HOST = frozenset({"Square", "Abs"})
+
+
 def update_products_of_gradients(update_ops: Sequence[Tuple[str, str, Sequence[str], bool, bool]],
                                  gradient_ops: Collection[str]) -> List[str]:
     """The optimizer update's ops that compute from the weight gradients (and scalar
-    hyperparameters) alone, not from a slot or a weight: Adam's squared gradient, SGD's learning
-    rate times the gradient. With the update on the host these stay on the device, so the device
-    runs what it runs in the plain step (Grappler regroups a product chain across the end of a
-    gradient only on one device). The rewrite (over TensorFlow's graph) and the simulator (over
-    the IR) both follow this one rule.
+    hyperparameters) alone, not from a slot or a weight: SGD's learning rate times the gradient.
+    With the update on the host these stay on the device, so the device runs what it runs in the
+    plain step (Grappler regroups a product chain across the end of a gradient only on one
+    device). The functions of :data:`UPDATE_FUNCTIONS_RUN_ON_HOST` (Adam's square) do not: they
+    run on the host, with what reads them. The rewrite (over TensorFlow's graph) and the simulator
+    (over the IR) both follow this one rule.
 
     Args:
         update_ops: The update's ops in execution order, each ``(name, type, producers, reads_state,
@@ -184,17 +193,20 @@ def update_products_of_gradients(update_ops: Sequence[Tuple[str, str, Sequence[s
         Their names, in order.
 
     Examples:
-        >>> update_products_of_gradients([("m", "ReadVariableOp", ["slot"], True, True),
+        >>> update_products_of_gradients([("lr", "ReadVariableOp", ["lr_handle"], False, True),
+        ...                               ("step", "Mul", ["grad", "lr"], False, False),
         ...                               ("square", "Square", ["grad"], False, False),
+        ...                               ("m", "ReadVariableOp", ["slot"], True, True),
         ...                               ("moment", "Sub", ["square", "m"], False, False)], {"grad"})
-        ['square']
+        ['step']
     """
     from_state, from_gradient, found = set(), set(), []
     for name, op_type, producers, reads_state, reads_resource in update_ops:
         if reads_state or any(p in from_state for p in producers):
             from_state.add(name)
             continue
-        if op_type == "IdentityN" or reads_resource or not any(p in gradient_ops or p in from_gradient for p in producers):
+        if (op_type == "IdentityN" or op_type in UPDATE_FUNCTIONS_RUN_ON_HOST or reads_resource
+                or not any(p in gradient_ops or p in from_gradient for p in producers)):
             continue
         from_gradient.add(name)
         found.append(name)

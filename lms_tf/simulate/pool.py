@@ -73,24 +73,28 @@ def optimizer_slots(ir: GraphIR) -> frozenset:
 def update_products_on_device(ir: GraphIR) -> frozenset:
     """The optimizer update's ops that stay on the device when the update runs on the host: those
     computing from the weight gradients (and scalar hyperparameters) alone, not from a slot or a
-    weight (Adam's squared gradient, SGD's learning rate times the gradient). The rewrite keeps
-    them there (:func:`lms_tf.tf.optimizer_offload.keep_gradient_products_on_device`; both apply
-    :func:`lms_tf.core.op_kinds.update_products_of_gradients`) so the device runs what it runs in the plain step: each holds
-    its gradient on the device until it runs, and its output crosses to the host beside (or
-    instead of) the gradient.
+    weight (SGD's learning rate times the gradient; not Adam's square, which the host computes
+    from the gradient it receives anyway). The rewrite keeps them there
+    (:func:`lms_tf.tf.optimizer_offload.keep_gradient_products_on_device`; both apply
+    :func:`lms_tf.core.op_kinds.update_products_of_gradients`) so the device runs what it runs in
+    the plain step: each holds its gradient on the device until it runs, and its output crosses
+    to the host beside (or instead of) the gradient.
 
     Examples:
         >>> from lms_tf.core import make_ir
         >>> from lms_tf.core.ir import Phase
         >>> ir = make_ir([dict(name="g", type="MatMul", phase=Phase.BACKWARD, outputs=[("g:0", (4, 4))]),
+        ...               dict(name="lr", type="Const", phase=Phase.UPDATE, outputs=[("lr:0", ())]),
+        ...               dict(name="step", type="Mul", phase=Phase.UPDATE, inputs=["g:0", "lr:0"],
+        ...                    outputs=[("step:0", (4, 4))]),
         ...               dict(name="m", type="ReadVariableOp", phase=Phase.UPDATE, inputs=["slot:0"],
         ...                    outputs=[("m:0", (4, 4))]),
         ...               dict(name="square", type="Square", phase=Phase.UPDATE, inputs=["g:0"],
         ...                    outputs=[("square:0", (4, 4))]),
         ...               dict(name="moment", type="Sub", phase=Phase.UPDATE, inputs=["square:0", "m:0"],
         ...                    outputs=[("moment:0", (4, 4))])])
-        >>> sorted(update_products_on_device(ir))
-        ['square']
+        >>> sorted(update_products_on_device(ir))   # Adam's square runs on the host, from the gradient
+        ['step']
     """
     updates = {op.name for op in ir.ops if op.phase is Phase.UPDATE}
 

@@ -250,8 +250,11 @@ def keep_gradient_products_on_device(update_ops, grads) -> List[str]:
     those products on the host the step rounded differently from the plain one (a last-bit
     difference, on a CPU whose values hit it). With the products on the device the device runs
     what it runs in the plain step, and they hold no more than the gradient they replace: what
-    is sent to the host is the product instead of the gradient (Adam sends the gradient and its
-    square). Everything that reads a slot stays on the host.
+    is sent to the host is the product instead of the gradient. Functions of a gradient that
+    Grappler rewrites with nothing around them (Adam's square:
+    :data:`~lms_tf.core.op_kinds.UPDATE_FUNCTIONS_RUN_ON_HOST`) run on the host, from the gradient
+    it receives for the update anyway: one copy, not two. Everything that reads a slot stays on
+    the host.
 
     Examples:
         >>> keep_gradient_products_on_device([], [])
