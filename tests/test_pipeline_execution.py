@@ -893,14 +893,14 @@ def test_a_serialized_stage_holds_the_kernels_grappler_fuses_at_their_place():
     gated = {kernel.name: set().union(*(readers[name] for name in kernel.ops if name in readers))
              for kernel in kernels if kernel.ops & readers.keys()}
 
-    def kernels_behind(name, seen_names=()):
+    def kernels_behind(name):
         """What a gate waits for, as kernels the profiler shows: an exit or gate (an Identity,
         which it does not) stands for the ops it reads and waits for."""
         op = graph.get_operation_by_name(name)
         if op.type != "Identity":
             return {name}
         behind = [t.op.name for t in op.inputs] + [c.name for c in op.control_inputs]
-        return set().union(set(), *(kernels_behind(n) for n in behind))
+        return set().union(*(kernels_behind(n) for n in behind))
 
     gated = {kernel: set().union(*(kernels_behind(a) for a in afters)) for kernel, afters in gated.items()}
     assert {index(graph.get_operation_by_name(k)) for k in gated} == {0, 1, 2}, gated
