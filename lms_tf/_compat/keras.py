@@ -318,6 +318,23 @@ def call_node(graph, node, values: Dict[int, object], training) -> None:
         values[id(symbolic)] = value
 
 
+def _already_on(current, wanted) -> bool:
+    """Whether a variable on ``current`` is on ``wanted``: the fields ``wanted`` names (job, replica
+    and task too, so a host in another process of a cluster is not taken for this one's CPU), its
+    device index 0 when it names none.
+
+    Examples:
+        >>> spec = tf.DeviceSpec.from_string
+        >>> here = spec("/job:worker/replica:0/task:0/device:CPU:0")
+        >>> _already_on(here, spec("/CPU:0")), _already_on(here, spec("/job:worker/replica:0/task:1/device:CPU:0"))
+        (True, False)
+    """
+    if (current.device_type, current.device_index) != (wanted.device_type, wanted.device_index or 0):
+        return False
+    return all(getattr(wanted, field) is None or getattr(wanted, field) == getattr(current, field)
+               for field in ("job", "replica", "task"))
+
+
 def move_variables(variables, device: str) -> int:
     """Re-creates each Keras 3 variable's TensorFlow variable on ``device`` with its value, name and
     settings (Keras keeps it in the private ``_value``); an optimizer built on them is re-keyed by
@@ -336,8 +353,7 @@ def move_variables(variables, device: str) -> int:
         inner = getattr(variable, "_value", None)
         if not isinstance(inner, tf.Variable):
             continue
-        current = tf.DeviceSpec.from_string(inner.device)
-        if (current.device_type, current.device_index) == (wanted.device_type, wanted.device_index or 0):
+        if _already_on(tf.DeviceSpec.from_string(inner.device), wanted):
             continue
         with tf.init_scope(), tf.device(device):
             variable._value = tf.Variable(inner.read_value(), dtype=inner.dtype, trainable=inner.trainable,
