@@ -72,6 +72,10 @@ class Event:
     order: float = 0.0
     trigger: Optional[str] = None  # IR op after which a copy may start
     workspace: int = 0  # scratch bytes the kernel holds while it runs
+    # An op of the update on the host: the host buffers it reads (a gradient copied out, another
+    # host op's output) and writes, which host memory holds until their last reader ends.
+    host_reads: List[str] = dataclasses.field(default_factory=list)
+    host_writes: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
 
 
 class Lowered:
@@ -282,6 +286,34 @@ def _plain_template(ir: GraphIR) -> Dict[str, _PlainOp]:
                 _workspace(ir, op, "cudnn"))
         object.__setattr__(ir, "_plain_template", cached)
     return cached
+
+
+def _host_buffers(b: "Lowered", op: OpInfo, host_update: AbstractSet[str]) -> Tuple[List[str], List[Tuple[str, int]]]:
+    """The host memory an op of the update on the host reads and writes: the outputs of the update's
+    other host ops it reads, and its own outputs, leaving out what host memory holds anyway
+    (variables, their reads, constants) and what takes no buffer (resources, empty tensors).
+
+    A gradient copied out is not among the reads: the host keeps it until the step ends. Whether the
+    update's ops keep up with the gradients' arrival depends on how fast the host is beside the
+    device, which the step's timing does not settle; measured with the host in a process of its
+    own, every gradient was there at its peak (``tests/test_weights_cluster.py``)."""
+    ir = b.ir
+
+    def transient(tensor: str) -> bool:
+        info = ir.tensors.get(tensor)
+        return info is not None and bool(info.nbytes) and info.dtype not in ("resource", "variant", "string") \
+            and ir.op(info.producer).type not in RESIDENT_TYPES and info.producer not in ir.function_inputs
+
+    reads = []
+    for t in op.inputs:
+        source = b.source(op.name, t)
+        info = ir.tensors.get(source)
+        if info is None or not transient(source):
+            continue
+        if info.producer in host_update:
+            reads.append(source)
+    return (list(dict.fromkeys(reads)),
+            [(t, ir.tensors[t].nbytes) for t in op.outputs if not op.is_alias and transient(t)])
 
 
 def _canonical_reads(op: OpInfo, reads: Iterable[str]) -> List[str]:
@@ -638,6 +670,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         if name in host_update:  # runs on the host: nothing on the device, host time
             event.reads, event.writes, event.updates, event.workspace = [], [], None, 0
             event.stream, event.duration = HOST_COMPUTE_STREAM, cost.host_op_time(ir, op)
+            event.host_reads, event.host_writes = _host_buffers(b, op, host_update)
             writes = []
         as_planned = name not in rebuilt and name not in extra_deps and name not in host_update
         if as_planned:

@@ -62,7 +62,8 @@ class Simulation:
             backward pass, else None: where a plot marks the boundary.
         host_peak_bytes: Peak host bytes the step needs in this process: the variables on the
             host (:func:`~lms_tf.simulate.pool.host_resident`), each copy out from its start until
-            its last copy back ends, and weight gradients copied out for the host update.
+            its last copy back ends, weight gradients copied out for the host update, and the
+            outputs of the update's ops on the host until their last reader ends.
         host_compute_time_s: Sum of the host stream's op times (the optimizer update, when it
             runs on the host).
 
@@ -149,6 +150,8 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
     for op in ops:
         for key in set(op.reads):
             uses[key] = uses.get(key, 0) + 1
+        for key in op.host_reads:  # distinct keys, never a device buffer's
+            uses[key] = uses.get(key, 0) + 1
     handle_reads: Dict[str, List[str]] = collections.defaultdict(list)
     for key, handle in read_handles.items():
         handle_reads[handle].append(key)
@@ -165,8 +168,9 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
 
     alive: Dict[str, int] = {}
     # Host memory: the offloaded weights for the whole step, plus each copy out from its start
-    # until its last reader (a swap-in) ends; a weight gradient copied out for the host update
-    # stays until the update, at the end of the step.
+    # until its last reader (a swap-in) ends, a weight gradient copied out for the host update until
+    # the step ends (lower._host_buffers says why), and what the update's ops on the host make,
+    # until their last reader ends.
     on_host_alive: Dict[str, int] = {}
     host_in_use = host_peak = sum(nbytes for handle, nbytes in host_resident(builder.ir, builder.on_host))
     copy_on_write: Dict[str, List[str]] = {}  # cow buffer -> reads it waits for
@@ -253,6 +257,17 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
             compute_time += op.duration
         elif stream == HOST_COMPUTE_STREAM:
             host_compute_time += op.duration
+            for key, nbytes in op.host_writes:
+                # Element-wise kernels write into an input nothing else reads, as on the device.
+                reuse = next((r for r in op.host_reads if uses.get(r, 0) == 1 and on_host_alive.get(r) == nbytes),
+                             None) if op.forwarding else None
+                if reuse is not None:
+                    on_host_alive[key] = on_host_alive.pop(reuse)
+                    uses[reuse] = 0
+                    continue
+                on_host_alive[key] = nbytes
+                host_in_use += nbytes
+            host_peak = max(host_peak, host_in_use)
         else:
             # A copy in writes what it brings (a swap-in, a weight fetch); a copy out reads it.
             nbytes = sum(n for _, n in op.writes) if stream == TO_DEVICE_STREAM \
@@ -284,6 +299,13 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
             if uses[key] <= 0:
                 free(key)
         for key, _ in op.writes:
+            if uses.get(key, 0) <= 0:
+                free(key)
+        for key in op.host_reads:
+            uses[key] -= 1
+            if uses[key] <= 0:
+                free(key)
+        for key, _ in op.host_writes:
             if uses.get(key, 0) <= 0:
                 free(key)
         if copy_on_write:
