@@ -9,9 +9,15 @@ reports the budget against the state, the plan's simulated peak, Grappler's virt
 each step (told the variable shapes; resident variables included), the serialized plan's peak by
 the simulator and by Grappler (the step's own tensors, each buffer once), and whether the losses
 and weights are bit-identical. On logical CPUs a fetch moves no bytes: no
-time or real memory is claimed from this run.
+time or real memory is claimed from that part.
 
-Command: ``.venv/bin/python benchmarks/weights_cpu_run.py`` (about a minute; writes
+Then the same plan runs with the host in a process of its own (task 1 of a TensorFlow cluster on
+localhost, ``tests/weights_cluster_worker.py``), beside the plain step alone in another: each
+process's real allocator peak, steps 3 to 10, against the simulator's figures for the plan. There
+every fetch and every gradient's copy out crosses TensorFlow's runtime between the processes. Times
+are still not claimed: loopback gRPC is no GPU link.
+
+Command: ``.venv/bin/python benchmarks/weights_cpu_run.py`` (about three minutes; writes
 ``benchmarks/out/weights_cpu_run.json`` and the table into ``docs/benchmarks/weights.md``).
 """
 
@@ -33,6 +39,7 @@ from benchmarks.publish import OUT, publish  # noqa: E402
 from lms_tf.cli.workload import devices  # noqa: E402
 from lms_tf.tf.diagnostics import virtual_gpu_peak, virtual_gpu_peak_report  # noqa: E402
 from lms_tf.tf.workloads import decoder_lm, decoder_lm_params, train_step  # noqa: E402
+from tests.weights_cluster_worker import host_window_peak, run_on_two_processes, run_plain  # noqa: E402
 
 WIDTH, DEPTH, SEQ_LEN, VOCAB, BATCH, STEPS = 512, 4, 32, 1024, 1, 10
 MiB = 2**20
@@ -97,10 +104,44 @@ def main() -> None:
         f"({serial_oracle / serial_sim:.2f}) | {row['fetches']} for {row['variables']} variables | "
         f"{'bit-identical' if equal else 'DIFFERENT'} |"])
     publish("weights-cpu-run", text, page="weights")
+    row["two_processes"], processes_text = two_processes()
+    publish("weights-two-processes", processes_text, page="weights")
     OUT.mkdir(exist_ok=True)
     with open(OUT / "weights_cpu_run.json", "w") as handle:
         json.dump(row, handle, indent=1)
-    print(text)
+    print(text + "\n\n" + processes_text)
+
+
+def two_processes():
+    """The plan with its host in a process of its own, beside the plain step in another."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        plain, plain_weights = run_plain(directory)
+        host, host_weights, events, _ = run_on_two_processes(directory)
+    equal = plain["losses"] == host["losses"] and all(
+        np.array_equal(plain_weights[k], host_weights[k]) for k in plain_weights.files)
+    tensors, _ = host_window_peak(events, "requested_bytes")
+    chunks, _ = host_window_peak(events, "chunk_bytes")
+    device = sorted(host["peaks"])
+    row = dict(plain_peaks=plain["peaks"], device_peaks=host["peaks"], device_replayed_bytes=host["allocator_peak_bytes"],
+               host_tensor_peak_bytes=tensors, host_chunk_peak_bytes=chunks, host_predicted_bytes=host["host_peak_bytes"],
+               resident_host_bytes=host["resident_host_bytes"], equal=equal)
+    median = device[len(device) // 2]
+    text = "\n".join([
+        f"The same plan, its host in a process of its own (steps 3-{len(host['losses'])}; real allocator peaks, "
+        f"`TF_CPU_ALLOCATOR_USE_BFC=true`):", "",
+        "| plain process, each step | device process, each step (median) | simulator, this allocator | "
+        "device vs simulator (median) | host process: tensors / chunks | host predicted (`host_peak_bytes`) | "
+        "host vs predicted (tensors) | losses and weights |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {min(plain['peaks']) / MiB:.1f}-{max(plain['peaks']) / MiB:.1f} MiB | {device[0] / MiB:.1f}-"
+        f"{device[-1] / MiB:.1f} MiB ({median / MiB:.1f}) | {host['allocator_peak_bytes'] / MiB:.1f} MiB | "
+        f"{device[0] / host['allocator_peak_bytes']:.2f}-{device[-1] / host['allocator_peak_bytes']:.2f} "
+        f"({median / host['allocator_peak_bytes']:.2f}) | {tensors / MiB:.1f} / {chunks / MiB:.1f} MiB | "
+        f"{host['host_peak_bytes'] / MiB:.1f} MiB | {tensors / host['host_peak_bytes']:.2f} | "
+        f"{'bit-identical' if equal else 'DIFFERENT'} |"])
+    return row, text
 
 
 if __name__ == "__main__":

@@ -8,51 +8,13 @@ keeps its statistics), and every fetch and every gradient's copy out crosses Ten
 between them, as it would cross a GPU's link. Times are not measured: loopback gRPC is no link.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from lms_tf.tf.pipeline_cluster import stage_devices
-from tests.test_pipeline_cluster import ENV, ROOT, free_ports, result_of
-from tests.weights_cluster_worker import host_window_peak
+from tests.weights_cluster_worker import host_window_peak, run_on_two_processes, run_plain
 
-WORKER = os.path.join(ROOT, "tests", "weights_cluster_worker.py")
-MEASURED = dict(ENV, TF_CPU_ALLOCATOR_USE_BFC="true")
 MiB = 2**20
-
-
-def _run_plain(tmp_path):
-    done = subprocess.run([sys.executable, WORKER, "plain", str(tmp_path / "plain.npz")], cwd=ROOT, env=MEASURED,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return result_of(done.stdout), np.load(tmp_path / "plain.npz")
-
-
-def _run_on_two_processes(tmp_path):
-    """The host run: the stage server records its allocator's every request until its input
-    closes, then writes them (``--memory-trace``)."""
-    workers = free_ports(2)
-    server = subprocess.Popen([sys.executable, "-m", "lms_tf.cli", "stage-server", "--workers", ",".join(workers),
-                               "--index", "1", "--until-stdin-closes", "--memory-trace", str(tmp_path)],
-                              cwd=ROOT, env=MEASURED, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        done = subprocess.run([sys.executable, WORKER, "host", str(tmp_path / "host.npz"), ",".join(workers)],
-                              cwd=ROOT, env=MEASURED, capture_output=True, text=True, timeout=300)
-        server.stdin.close()
-        server_log = server.stderr.read()
-        server.wait(timeout=120)
-    finally:
-        server.kill()
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert server.returncode == 0, server_log[-3000:]
-    with open(tmp_path / "stage1.json") as trace:
-        events = json.load(trace)
-    return result_of(done.stdout), np.load(tmp_path / "host.npz"), events, workers
 
 
 @pytest.mark.timeout(900)
@@ -74,8 +36,8 @@ def test_weights_in_a_host_process_train_exactly_and_each_process_holds_what_the
       0.95-0.97). Before the update's temporaries were counted the prediction was 200.4 MiB
       against 212-218 measured.
     """
-    plain, plain_weights = _run_plain(tmp_path)
-    host, host_weights, events, workers = _run_on_two_processes(tmp_path)
+    plain, plain_weights = run_plain(tmp_path)
+    host, host_weights, events, workers = run_on_two_processes(tmp_path)
 
     assert host["losses"] == plain["losses"] and len(set(plain["losses"])) > 1
     assert len(host_weights.files) == len(plain_weights.files) > 0

@@ -21,9 +21,6 @@ import json
 import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
@@ -33,6 +30,10 @@ import lms_tf  # noqa: E402
 WIDTH, DEPTH, SEQ_LEN, VOCAB, BATCH, STEPS = 512, 4, 32, 1024, 1, 10
 #: Steps before the measured ones: the first traces and plans, the second settles the allocator.
 WARM_STEPS = 2
+#: Each process's environment: deterministic kernels, Eigen's (as the tests), and the BFC allocator
+#: on the CPU, which keeps the statistics and the trace the measurements read.
+MEASURED_ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_DETERMINISTIC_OPS="1", TF_ENABLE_ONEDNN_OPTS="0",
+                    TF_CPU_ALLOCATOR_USE_BFC="true")
 #: A request size no step makes (an odd number of floats): the marks around the measured steps.
 MARK_BYTES = 123457 * 4
 
@@ -66,6 +67,53 @@ def host_window_peak(events, field: str = "requested_bytes"):
         if marks[0] <= i < marks[1]:
             peak = max(peak, in_use)
     return peak, at_first
+
+
+def run_plain(directory):
+    """The plain step trained alone in a fresh process: its ``RESULT`` and its final weights."""
+    import pathlib
+    import subprocess
+
+    from tests.test_pipeline_cluster import ROOT, result_of
+
+    out = pathlib.Path(directory) / "plain.npz"
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "plain", str(out)], cwd=ROOT, env=MEASURED_ENV,
+                          capture_output=True, text=True, timeout=240)
+    if done.returncode:
+        raise AssertionError(done.stderr[-3000:])
+    return result_of(done.stdout), np.load(out)
+
+
+def run_on_two_processes(directory):
+    """The step with its weights in a stage server's process: this module as task 0 in a fresh
+    process, an ``lms-tf stage-server`` as task 1 recording its allocator's every request until
+    its input closes (``--memory-trace``). Returns task 0's ``RESULT``, its final weights, the
+    host's trace and the two addresses; both processes are stopped whatever happens."""
+    import pathlib
+    import subprocess
+
+    from tests.test_pipeline_cluster import ROOT, free_ports, result_of
+
+    directory = pathlib.Path(directory)
+    workers = free_ports(2)
+    server = subprocess.Popen([sys.executable, "-m", "lms_tf.cli", "stage-server", "--workers", ",".join(workers),
+                               "--index", "1", "--until-stdin-closes", "--memory-trace", str(directory)],
+                              cwd=ROOT, env=MEASURED_ENV, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "host", str(directory / "host.npz"),
+                               ",".join(workers)], cwd=ROOT, env=MEASURED_ENV, capture_output=True, text=True,
+                              timeout=300)
+        server.stdin.close()
+        server_log = server.stderr.read()
+        server.wait(timeout=120)
+    finally:
+        server.kill()
+    if done.returncode or server.returncode:
+        raise AssertionError(done.stderr[-3000:] + server_log[-3000:])
+    with open(directory / "stage1.json") as trace:
+        events = json.load(trace)
+    return result_of(done.stdout), np.load(directory / "host.npz"), events, workers
 
 
 def main(mode: str, out: str, workers: str = "") -> None:
@@ -130,4 +178,7 @@ def main(mode: str, out: str, workers: str = "") -> None:
 
 
 if __name__ == "__main__":
+    # Before TensorFlow starts (main imports it), and only here: the tests import this module too.
+    for name in ("TF_CPP_MIN_LOG_LEVEL", "TF_DETERMINISTIC_OPS", "TF_ENABLE_ONEDNN_OPTS", "TF_CPU_ALLOCATOR_USE_BFC"):
+        os.environ.setdefault(name, MEASURED_ENV[name])
     main(*sys.argv[1:])
