@@ -122,7 +122,7 @@ class LMSOptions:
             on the device, and says so in the log.
         host_budget: Host memory this process's planned step may hold at once (bytes or
             ``"64GiB"``): weights and optimizer slots on the host, swapped tensors, gradients
-            copied out. A plan that needs more raises :class:`lms_tf.HostBudgetError` naming both
+            copied out, the update's temporaries there. A plan that needs more raises :class:`lms_tf.HostBudgetError` naming both
             figures. None (default): the machine's physical memory; with several processes on
             one machine (Horovod ranks), pass each its share.
         horovod: Only for :func:`lms_tf.function`: average every gradient across Horovod

@@ -207,7 +207,8 @@ class Predictions:
             cannot fit and the plan also reorders ops.
         least_traffic_bytes: The bytes that least-time plan copies each way.
         host_peak_bytes: The most host memory the planned step holds at once in one process:
-            weights and optimizer slots on the host, swapped tensors, gradients copied out.
+            weights and optimizer slots on the host, swapped tensors, gradients copied out, the
+            update's temporaries there.
 
     Examples:
         >>> Predictions(baseline_step_time_s=2.0, predicted_step_time_s=2.5).overhead

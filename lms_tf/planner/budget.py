@@ -318,8 +318,8 @@ def _check_host_memory(step: PlanningStep, plan: Plan, needed: int) -> None:
     held = sum(nbytes for _, nbytes in host_resident(step.ir, {w.variable for w in plan.offloaded_weights}))
     raise host_budget_error(
         f"the plan fits the device but holds {_bytes_text(needed)} in host memory at its peak "
-        f"({_bytes_text(held)} of weights and optimizer slots on the host, the rest swapped tensors and gradients "
-        f"copied out), more than {what}: {_bytes_text(limit)}. Pass a larger host_budget (per process: with several "
+        f"({_bytes_text(held)} of weights and optimizer slots on the host, the rest swapped tensors, gradients "
+        f"copied out and the update's temporaries), more than {what}: {_bytes_text(limit)}. Pass a larger host_budget (per process: with several "
         f"processes on one machine, each its share), weights='device' for some variables, or a larger budget= so "
         f"fewer tensors are swapped.", limit, needed)
 
