@@ -11,13 +11,13 @@ the simulator and by Grappler (the step's own tensors, each buffer once), and wh
 and weights are bit-identical. On logical CPUs a fetch moves no bytes: no
 time or real memory is claimed from that part.
 
-Then the same plan runs with the host in a process of its own (task 1 of a TensorFlow cluster on
-localhost, ``tests/weights_cluster_worker.py``), beside the plain step alone in another: each
-process's real allocator peak, steps 3 to 10, against the simulator's figures for the plan. There
-every fetch and every gradient's copy out crosses TensorFlow's runtime between the processes. Times
-are still not claimed: loopback gRPC is no GPU link.
+Then the same plan runs, free and serialized, with the host in a process of its own (task 1 of a
+TensorFlow cluster on localhost, ``tests/weights_cluster_worker.py``), beside the plain step alone
+in another: each process's real allocator peak, steps 3 to 10, against the simulator's figures
+for the plan. There every fetch and every gradient's copy out crosses TensorFlow's runtime between
+the processes. Times are still not claimed: loopback gRPC is no GPU link.
 
-Command: ``.venv/bin/python benchmarks/weights_cpu_run.py`` (about three minutes; writes
+Command: ``.venv/bin/python benchmarks/weights_cpu_run.py`` (about four minutes; writes
 ``benchmarks/out/weights_cpu_run.json`` and the table into ``docs/benchmarks/weights.md``).
 """
 
@@ -113,35 +113,38 @@ def main() -> None:
 
 
 def two_processes():
-    """The plan with its host in a process of its own, beside the plain step in another."""
+    """The plan with its host in a process of its own, free and serialized, beside the plain step
+    alone in another process."""
     import tempfile
 
-    with tempfile.TemporaryDirectory() as directory:
-        plain, plain_weights = run_plain(directory)
-        host, host_weights, events, _ = run_on_two_processes(directory)
-    equal = plain["losses"] == host["losses"] and all(
-        np.array_equal(plain_weights[k], host_weights[k]) for k in plain_weights.files)
-    tensors, _ = host_window_peak(events, "requested_bytes")
-    chunks, _ = host_window_peak(events, "chunk_bytes")
-    device = sorted(host["peaks"])
-    row = dict(plain_peaks=plain["peaks"], device_peaks=host["peaks"], device_replayed_bytes=host["allocator_peak_bytes"],
-               host_tensor_peak_bytes=tensors, host_chunk_peak_bytes=chunks, host_predicted_bytes=host["host_peak_bytes"],
-               resident_host_bytes=host["resident_host_bytes"], equal=equal)
-    median = device[len(device) // 2]
-    text = "\n".join([
-        f"The same plan, its host in a process of its own (steps 3-{len(host['losses'])}; real allocator peaks, "
-        f"`TF_CPU_ALLOCATOR_USE_BFC=true`):", "",
-        "| plain process, each step | device process, each step (median) | simulator, this allocator | "
+    rows, lines = [], [
+        "The same plan, its host in a process of its own (steps 3-10; real allocator peaks, "
+        "`TF_CPU_ALLOCATOR_USE_BFC=true`), beside the plain step alone in a process:", "",
+        "| order | plain process, each step | device process, each step (median) | simulator, this allocator | "
         "device vs simulator (median) | host process: tensors / chunks | host predicted (`host_peak_bytes`) | "
         "host vs predicted (tensors) | losses and weights |",
-        "|---|---|---|---|---|---|---|---|",
-        f"| {min(plain['peaks']) / MiB:.1f}-{max(plain['peaks']) / MiB:.1f} MiB | {device[0] / MiB:.1f}-"
-        f"{device[-1] / MiB:.1f} MiB ({median / MiB:.1f}) | {host['allocator_peak_bytes'] / MiB:.1f} MiB | "
-        f"{device[0] / host['allocator_peak_bytes']:.2f}-{device[-1] / host['allocator_peak_bytes']:.2f} "
-        f"({median / host['allocator_peak_bytes']:.2f}) | {tensors / MiB:.1f} / {chunks / MiB:.1f} MiB | "
-        f"{host['host_peak_bytes'] / MiB:.1f} MiB | {tensors / host['host_peak_bytes']:.2f} | "
-        f"{'bit-identical' if equal else 'DIFFERENT'} |"])
-    return row, text
+        "|---|---|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as directory:
+        plain, plain_weights = run_plain(directory)
+        for mode, order in (("host", "TensorFlow's own"), ("host-serialized", "serialized")):
+            host, host_weights, events, _ = run_on_two_processes(directory, mode)
+            equal = plain["losses"] == host["losses"] and all(
+                np.array_equal(plain_weights[k], host_weights[k]) for k in plain_weights.files)
+            tensors, _ = host_window_peak(events, "requested_bytes")
+            chunks, _ = host_window_peak(events, "chunk_bytes")
+            device, replayed, predicted = sorted(host["peaks"]), host["allocator_peak_bytes"], host["host_peak_bytes"]
+            median = device[len(device) // 2]
+            rows.append(dict(order=order, plain_peaks=plain["peaks"], device_peaks=host["peaks"],
+                             device_replayed_bytes=replayed, host_tensor_peak_bytes=tensors,
+                             host_chunk_peak_bytes=chunks, host_predicted_bytes=predicted,
+                             resident_host_bytes=host["resident_host_bytes"], equal=equal))
+            lines.append(
+                f"| {order} | {min(plain['peaks']) / MiB:.1f}-{max(plain['peaks']) / MiB:.1f} MiB | "
+                f"{device[0] / MiB:.1f}-{device[-1] / MiB:.1f} MiB ({median / MiB:.1f}) | {replayed / MiB:.1f} MiB | "
+                f"{device[0] / replayed:.2f}-{device[-1] / replayed:.2f} ({median / replayed:.2f}) | "
+                f"{tensors / MiB:.1f} / {chunks / MiB:.1f} MiB | {predicted / MiB:.1f} MiB | {tensors / predicted:.2f} | "
+                f"{'bit-identical' if equal else 'DIFFERENT'} |")
+    return rows, "\n".join(lines)
 
 
 if __name__ == "__main__":

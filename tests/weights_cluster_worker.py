@@ -3,12 +3,13 @@ variables in a second process of a TensorFlow cluster, and measures each process
 
     python tests/weights_cluster_worker.py plain OUT.npz
     python tests/weights_cluster_worker.py host OUT.npz host:port,host:port
+    python tests/weights_cluster_worker.py host-serialized OUT.npz host:port,host:port
 
 ``plain``: this process alone trains ``decoder_lm`` (width 512, 4 blocks, Adam; 200 MiB of weights,
 gradients and slots) for :data:`STEPS` steps. ``host``: this process is task 0 (the "device") and
 task 1, an ``lms-tf stage-server``, is the host: the variables and Adam's slots are placed there,
 and ``lms_tf.function(weights="host", budget=state / 4)`` fetches each weight over TensorFlow's
-runtime, as a GPU would over its link. The two processes have their own allocators, so the device's
+runtime, as a GPU would over its link (``host-serialized``: with ``serialize=True``). The two processes have their own allocators, so the device's
 and the host's memory are measured apart, and a fetch or a gradient's copy out moves real bytes.
 
 Prints one ``RESULT <json>`` line (losses, each step's allocator peak here, and the simulator's
@@ -84,10 +85,10 @@ def run_plain(directory):
     return result_of(done.stdout), np.load(out)
 
 
-def run_on_two_processes(directory):
+def run_on_two_processes(directory, mode: str = "host"):
     """The step with its weights in a stage server's process: this module as task 0 in a fresh
     process, an ``lms-tf stage-server`` as task 1 recording its allocator's every request until
-    its input closes (``--memory-trace``). Returns task 0's ``RESULT``, its final weights, the
+    its input closes (``--memory-trace``); ``mode`` is ``"host"`` or ``"host-serialized"``. Returns task 0's ``RESULT``, its final weights, the
     host's trace and the two addresses; both processes are stopped whatever happens."""
     import pathlib
     import subprocess
@@ -101,7 +102,7 @@ def run_on_two_processes(directory):
                               cwd=ROOT, env=MEASURED_ENV, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     try:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "host", str(directory / "host.npz"),
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), mode, str(directory / "host.npz"),
                                ",".join(workers)], cwd=ROOT, env=MEASURED_ENV, capture_output=True, text=True,
                               timeout=300)
         server.stdin.close()
@@ -117,7 +118,8 @@ def run_on_two_processes(directory):
 
 
 def main(mode: str, out: str, workers: str = "") -> None:
-    devices = lms_tf.connect_stages(workers, timeout=60) if mode == "host" else None
+    on_host = mode in ("host", "host-serialized")
+    devices = lms_tf.connect_stages(workers, timeout=60) if on_host else None
     import keras
     import tensorflow as tf
 
@@ -133,12 +135,12 @@ def main(mode: str, out: str, workers: str = "") -> None:
     optimizer = keras.optimizers.Adam()
     step = train_step(model, optimizer)
     state = 16 * decoder_lm_params(WIDTH, DEPTH, VOCAB)
-    if mode == "host":
+    if on_host:
         device, host = devices
         optimizer.build(model.trainable_variables)
         lms_tf.place_weights(model, optimizer, host=host)
         fn = lms_tf.function(step, device=device, host=host, weights="host", budget=state // 4,
-                             device_spec="v100-16gb-pcie3")
+                             device_spec="v100-16gb-pcie3", serialize=mode == "host-serialized")
     else:
         fn = tf.function(step)
     tokens = np.random.default_rng(0).integers(0, VOCAB, size=(3 * BATCH, SEQ_LEN + 1)).astype("int32")
@@ -146,7 +148,7 @@ def main(mode: str, out: str, workers: str = "") -> None:
                for i in range(3)]
 
     def mark():
-        if mode == "host":
+        if on_host:
             with tf.device(host):
                 marker = tf.fill([MARK_BYTES // 4], 1.0)
             marker.numpy()
@@ -161,7 +163,7 @@ def main(mode: str, out: str, workers: str = "") -> None:
             peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
     mark()
     result = dict(mode=mode, losses=losses, peaks=peaks, state_bytes=state)
-    if mode == "host":
+    if on_host:
         plan = fn.plan
         # The same plan replayed for this process's allocator (TF_CPU_ALLOCATOR_USE_BFC=true counts
         # whole chunks) and CPU kernels: the figure to hold the measured peaks to.
