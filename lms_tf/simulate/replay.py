@@ -294,20 +294,15 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
             allocations.append(("free", f"workspace/{op.name}", 0))
         if op.stream in (TO_HOST_STREAM, TO_DEVICE_STREAM):
             in_flight[op.stream] -= copying.pop(i, 0)
-        for key in dict.fromkeys(op.reads):  # TensorFlow's executor releases inputs in order
-            uses[key] -= 1
-            if uses[key] <= 0:
-                free(key)
-        for key, _ in op.writes:
-            if uses.get(key, 0) <= 0:
-                free(key)
-        for key in op.host_reads:
-            uses[key] -= 1
-            if uses[key] <= 0:
-                free(key)
-        for key, _ in op.host_writes:
-            if uses.get(key, 0) <= 0:
-                free(key)
+        # The device's buffers, then the host's (an update op on the host has only those).
+        for reads, writes in ((dict.fromkeys(op.reads), op.writes), (op.host_reads, op.host_writes)):
+            for key in reads:  # TensorFlow's executor releases inputs in order
+                uses[key] -= 1
+                if uses[key] <= 0:
+                    free(key)
+            for key, _ in writes:
+                if uses.get(key, 0) <= 0:
+                    free(key)
         if copy_on_write:
             for key in [k for k, reads in copy_on_write.items() if all(uses.get(r, 0) <= 0 for r in reads)]:
                 del copy_on_write[key]
