@@ -44,7 +44,10 @@ import keras  # noqa: E402
 import lms_tf  # noqa: E402
 from lms_tf.cost import CostModel, get_device_spec  # noqa: E402
 from lms_tf.simulate import simulate, tensorflow_cpu_allocator  # noqa: E402
-from lms_tf.tf.diagnostics import allocation_trace, cpu_kernel_library, executed_ops, grappler_accumulated_sums  # noqa: E402
+from lms_tf.simulate.allocator import replay_allocations  # noqa: E402
+from lms_tf.simulate.pool import pool_history  # noqa: E402
+from lms_tf.tf.diagnostics import (allocation_log, allocation_trace, cpu_kernel_library, executed_ops,  # noqa: E402
+                                   grappler_accumulated_sums, live_at_allocator_peak)
 from lms_tf.tf.rewrite.recompute import simulator_name  # noqa: E402
 from lms_tf.tf.rewrite.serialize import serial_chain  # noqa: E402
 from lms_tf.tf.trace import build_ir  # noqa: E402
@@ -86,16 +89,23 @@ def requested_peak(events):
     return peak
 
 
-def accumulated_sums(fn, x, y):
+def accumulated_sums(ir, fn, x, y):
     """The sums Grappler accumulates into a temporary variable: predicted offline from the traced
-    step (what the simulator uses), and seen in the real allocator's trace; and that traced
-    run's ``requested_peak`` (key ``real_requested``)."""
+    step (what the simulator uses), and seen in the real allocator's trace; and, of that traced
+    run, the peak of its tensors (``real_requested``), the peak of its allocator's chunks
+    (``traced_allocator``) and what the allocator model makes of its very requests after the
+    modelled pool history (``model_on_real_requests``: the model's rules checked apart from the
+    simulator's prediction of the requests)."""
     predicted = grappler_accumulated_sums(fn.get_concrete_function(x, y))
     events = allocation_trace(lambda: fn(x, y).numpy())
     seen = {event.op[:-len("/tmp_var")] for event in events
             if event.kind == "alloc" and event.op.endswith("/tmp_var")}
+    model_on_real = replay_allocations(allocation_log(events), tensorflow_cpu_allocator(),
+                                       history=pool_history(ir, predicted))
     return predicted, {"accumulated_predicted": sorted(predicted), "accumulated_real": sorted(seen),
-                       "real_requested": requested_peak(events)}
+                       "real_requested": requested_peak(events),
+                       "traced_allocator": live_at_allocator_peak(events)[0],
+                       "model_on_real_requests": model_on_real}
 
 
 def compare(ir, plan, fn, x, y, runs=5):
@@ -112,7 +122,7 @@ def compare(ir, plan, fn, x, y, runs=5):
     order = sorted(rank, key=rank.__getitem__)
     orders = {tuple(sorted(r, key=r.__getitem__)) for _, r in runs_measured}
     same_order = [peak for peak, r in runs_measured if sorted(r, key=r.__getitem__) == order]
-    accumulated, sums = accumulated_sums(fn, x, y)
+    accumulated, sums = accumulated_sums(ir, fn, x, y)
     kw = dict(cost=COST, kernels=KERNELS, accumulated_sums=accumulated)
     replay = simulate(ir, plan, priority=rank, allocator=tensorflow_cpu_allocator(), **kw)
     blind = simulate(ir, plan, allocator=tensorflow_cpu_allocator(), **kw)
@@ -128,7 +138,7 @@ def serialized(model, x, y, **options):
                          device_spec=COST.device.name, **options)
     graph = fn.get_concrete_function(x, y).graph
     real, rank = sorted((measured(fn, x, y, graph=graph) for _ in range(3)), key=lambda run: run[0])[1]
-    accumulated, sums = accumulated_sums(fn, x, y)
+    accumulated, sums = accumulated_sums(fn.plain_irs[-1], fn, x, y)
     blind = simulate(fn.plain_irs[-1], fn.plan, cost=COST, allocator=tensorflow_cpu_allocator(), kernels=KERNELS,
                      accumulated_sums=accumulated)
     chained = {simulator_name(graph, op.name): position for position, op in enumerate(serial_chain(graph))}

@@ -8,7 +8,9 @@
 * :func:`executed_ops` runs a step under TensorFlow's profiler and returns the
   kernels in the order TensorFlow actually executed them.
 * :func:`allocation_trace` runs a step under the profiler and returns every buffer the
-  allocator handed out and took back (what the simulator's memory rules are checked against).
+  allocator handed out and took back (what the simulator's memory rules are checked against);
+  :func:`allocation_log` turns it into the simulator's allocation log, to put a real run's
+  requests through the allocator model.
 * :func:`cpu_kernel_library` names TensorFlow's CPU kernels here (``simulate(kernels=)``).
 * :func:`grappler_baseline_report` runs Grappler's own memory optimizer offline (the baseline
   to beat) and judges the result by the same oracle.
@@ -530,6 +532,40 @@ def live_at_allocator_peak(events: Sequence[AllocationEvent]) -> Tuple[int, List
         elif event.address in live:
             in_use -= live.pop(event.address).chunk_bytes
     return peak, at_peak
+
+
+def allocation_log(events: Sequence[AllocationEvent]) -> List[Tuple[str, str, int]]:
+    """A real run's requests in the form of :attr:`lms_tf.simulate.Simulation.allocations`, so
+    :func:`lms_tf.simulate.allocator.replay_allocations` can put them through the allocator
+    model: the model's rules checked on the very requests a run made, apart from whether the
+    simulator predicted those requests.
+
+    Each allocation gets a key of its own (an address is reused); a free of a buffer allocated
+    before the trace began is dropped.
+
+    Args:
+        events: An :func:`allocation_trace`, in time order.
+
+    Returns:
+        ``("alloc", key, requested bytes)`` and ``("free", key, 0)`` events.
+
+    Examples:
+        >>> events = [AllocationEvent("alloc", "a", "output", 1000, 1024, 1, "[250]"),
+        ...           AllocationEvent("free", "", "", 1000, 1024, 1, ""),
+        ...           AllocationEvent("alloc", "b", "output", 500, 512, 1, "[125]"),
+        ...           AllocationEvent("free", "", "", 8, 256, 9, "")]
+        >>> allocation_log(events)
+        [('alloc', 'a#0', 1000), ('free', 'a#0', 0), ('alloc', 'b#2', 500)]
+    """
+    live: Dict[int, str] = {}
+    log: List[Tuple[str, str, int]] = []
+    for position, event in enumerate(events):
+        if event.kind == "alloc":
+            live[event.address] = f"{event.op}#{position}"
+            log.append(("alloc", live[event.address], event.requested_bytes))
+        elif event.address in live:
+            log.append(("free", live.pop(event.address), 0))
+    return log
 
 
 def cpu_kernel_library() -> str:
