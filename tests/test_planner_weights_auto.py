@@ -81,3 +81,21 @@ def test_with_room_nothing_moves_and_below_the_floor_the_error_names_it():
     with pytest.raises(InfeasibleBudgetError) as caught:
         make_budget_plan(ir, Policies(budget=both - 1, **POLICIES), device="/device:GPU:0", cost=V100)
     assert caught.value.smallest_feasible_bytes == both
+
+
+def test_the_least_time_bound_takes_the_device_compute_the_plan_leaves_there():
+    """With its weights on the host a plan runs the optimizer update on the host: the least-time
+    bound counts that update on the host's stream, not in the device compute (it took the plain
+    step's compute, update included, and a plan could read below its own bound: 0.99x)."""
+    from lms_tf.simulate import link_lower_bound, simulate
+
+    ir = _wide_read_at_the_peak_ir()
+    plan = make_budget_plan(ir, Policies(budget=10**12, host="/CPU:1", weights="host", swap=False, recompute=False),
+                            device="/device:GPU:0", cost=V100)
+    plain, planned = simulate(ir, cost=V100), simulate(ir, plan, cost=V100)
+    assert planned.host_compute_time_s > 0 and planned.compute_time_s < plain.compute_time_s  # the update moved
+    bound = link_lower_bound(planned, V100)
+    assert bound == max(planned.compute_time_s, planned.host_compute_time_s,
+                        V100.transfer_time(planned.swap_out_bytes, "device_to_host"),
+                        V100.transfer_time(planned.swap_in_bytes, "host_to_device"))
+    assert bound <= planned.step_time_s

@@ -270,7 +270,7 @@ def _at_answer(ir: GraphIR, way: str, cost: CostModel, *, device: str, host: str
                         weights="host" if way == "weights_and_activations" else "device")
     plan = make_budget_plan(ir, policies, device=device, cost=cost)
     baseline, planned = simulate(ir, cost=cost), simulate(ir, plan, cost=cost)
-    bound = link_lower_bound(baseline.compute_time_s, planned, cost)
+    bound = link_lower_bound(planned, cost)
     return {"host_bytes": plan.predictions.host_peak_bytes, "plan": plan,
             "resident_bytes": resident_bytes(ir, variables_on_host(ir, [w.variable for w in plan.offloaded_weights])),
             "baseline_step_time_s": baseline.step_time_s, "predicted_step_time_s": planned.step_time_s,

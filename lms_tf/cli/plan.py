@@ -162,7 +162,7 @@ def run(args) -> int:
         "baseline_step_time_s": baseline.step_time_s,
         "predicted_step_time_s": planned.step_time_s if planned else None,
         "predicted_overhead": (planned.step_time_s / baseline.step_time_s) if planned else None,
-        "link_lower_bound_s": link_lower_bound(baseline.compute_time_s, planned, cost) if planned else None,
+        "link_lower_bound_s": link_lower_bound(planned, cost) if planned else None,
         "least_step_time_s": plan.predictions.least_step_time_s if plan else None,
         "feasible": plan is not None,
         "smallest_feasible_budget_bytes": error.smallest_feasible_bytes if error else None,
