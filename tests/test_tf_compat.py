@@ -5,9 +5,11 @@ If one of these fails after a TensorFlow or Keras upgrade, the lms_tf/_compat pa
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from lms_tf import _compat
+from lms_tf.tf.workloads import train_step
 from tests import zoo
 
 
@@ -167,3 +169,45 @@ def test_a_variable_moved_while_a_step_is_traced_is_the_one_the_step_reads_and_w
     assert step().numpy().tolist() == [2.0, 3.0] and step().numpy().tolist() == [3.0, 4.0]
     assert v.device.endswith("CPU:1") and v.numpy().tolist() == [3.0, 4.0]
     assert all(external.device.endswith("CPU:1") for external, _ in step.get_concrete_function().graph.captures)
+
+
+@pytest.mark.parametrize("family", ["resnet_style", "dropout_mlp", "text_embedding", "lstm"])
+@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
+def test_automatic_control_edges_are_the_ones_the_finished_trace_holds(family, optimizer):
+    """``automatic_control_edges`` predicts, from the ops alone, the edges TensorFlow's automatic
+    control dependencies add when a trace ends: every predicted edge is in the finished step's
+    graph, and every control edge between two stateful ops there (the only kind those rules add)
+    was predicted. Adam and momentum SGD read a slot after writing it."""
+    zoo.reseed()
+    model, (x, y) = zoo.FIT_ZOO[family]()
+    step = tf.function(train_step(model, keras.optimizers.Adam() if optimizer == "adam"
+                                  else keras.optimizers.SGD(0.05, momentum=0.9)))
+    graph = step.get_concrete_function(tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH])).graph
+    predicted = _compat.automatic_control_edges(graph.get_operations())
+    present = {(op.name, c.name) for op in graph.get_operations() for c in op.control_inputs}
+    predicted_pairs = {(op, before) for op, befores in predicted.items() for before in befores}
+    assert predicted_pairs and predicted_pairs <= present
+    stateful = {op.name for op in graph.get_operations() if op.op_def.is_stateful}
+    between_stateful = {(a, b) for a, b in present if a in stateful and b in stateful
+                        and graph.get_operation_by_name(a).type not in ("Identity", "NoOp")}
+    assert between_stateful <= predicted_pairs, sorted(between_stateful - predicted_pairs)[:5]
+
+
+def test_an_update_that_reads_a_slot_after_writing_it_is_not_taken_for_the_forward_pass():
+    """The IR is built while the step is traced, before TensorFlow adds its automatic control
+    edges: it adds them itself, so Adam's second half (a read of each moment after its write, and
+    what follows) is in the update phase, in the IR's edges, and runs after the write."""
+    from lms_tf.core.ir import Phase
+    from lms_tf.tf.trace import trace_step_ir
+
+    zoo.reseed()
+    model, (x, y) = zoo.dropout_mlp()
+    ir = trace_step_ir(train_step(model, keras.optimizers.Adam()), tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH]))
+    writes = [op for op in ir.ops if op.type.startswith("AssignAddVariableOp") and "adam" in op.name]
+    assert writes
+    for op in ir.ops:
+        if op.type == "ReadVariableOp" and any(w.name in op.control_inputs for w in writes):
+            assert op.phase is Phase.UPDATE, op
+    forward_update_math = [op.name for op in ir.ops if op.phase is Phase.FORWARD and "adam" in op.name
+                           and op.type not in ("Placeholder", "Const", "ReadVariableOp")]
+    assert forward_update_math == [], forward_update_math

@@ -84,6 +84,66 @@ def automatic_control_dependencies():
             lambda t: deps.mark_as_return(t) if isinstance(t, tf.Tensor) else t, structure)
 
 
+def automatic_control_edges(ops) -> Dict[str, List[str]]:
+    """The control edges ``tf.function``'s automatic control dependencies add between ``ops`` (in
+    creation order) when a trace ends, by their rules and with TensorFlow's own view of which
+    resources an op reads and which it writes: an op using a resource waits for its last write;
+    a write also waits for every read since; stateful ops that touch no resource run one after
+    another. Ops marked to run independently get none. Collective ops' manager scopes and
+    TF1-style control-flow contexts are left out: a traced step has neither outside a loop body.
+
+    A step's graph has these edges only after its trace ends, so a pass that reads the graph
+    while it is traced (lms-tf's) must add them itself to see the order TensorFlow will run.
+
+    Returns:
+        Op name -> names of the ops it will wait for (only ops that get an edge).
+
+    Examples:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     v = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], name="v")
+        ...     w = tf.raw_ops.AssignVariableOp(resource=v, value=1.0, name="write")
+        ...     r = tf.raw_ops.ReadVariableOp(resource=v, dtype=tf.float32, name="read")
+        ...     w2 = tf.raw_ops.AssignAddVariableOp(resource=v, value=r, name="write2")
+        >>> automatic_control_edges(g.get_operations())
+        {'read': ['write'], 'write2': ['read', 'write']}
+    """
+    from tensorflow.python.framework import auto_control_deps
+    from tensorflow.python.framework import ops as tf_ops
+
+    edges: Dict[str, set] = {}
+    last_write: Dict[int, tf.Operation] = {}
+    reads_since: Dict[int, List[tf.Operation]] = {}
+    last_stateful: Optional[tf.Operation] = None
+    for op in ops:
+        if (op.type in auto_control_deps.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS
+                or "_independent_side_effects" in op.node_def.attr):
+            continue
+        waits: set = set()
+        touched = set()
+        for tensor, kind in auto_control_deps._get_resource_inputs(op):  # pylint: disable=protected-access
+            key = tf_ops.tensor_id(tensor)
+            if key in touched:
+                continue
+            touched.add(key)
+            if key in last_write:
+                waits.add(last_write[key].name)
+            if kind == auto_control_deps.ResourceType.READ_ONLY:
+                reads_since.setdefault(key, []).append(op)
+            else:
+                waits.update(read.name for read in reads_since.pop(key, ()))
+                last_write[key] = op
+        if not touched and auto_control_deps.op_is_stateful(op):
+            if last_stateful is not None:
+                waits.add(last_stateful.name)
+            last_stateful = op
+        waits.discard(op.name)
+        if waits:
+            edges[op.name] = waits
+    return {name: sorted(waits) for name, waits in edges.items()}
+
+
 def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
     """Adds the control edge ``control -> op``.
 

@@ -47,13 +47,24 @@ from lms_tf.core.op_kinds import (
 )
 
 
-def _execution_order(ops: Sequence[tf.Operation]) -> List[tf.Operation]:
-    """Kahn's topological sort over data and control edges; ties go to the op created first."""
+def _control_inputs(op: tf.Operation, automatic: Mapping[str, Sequence[str]]) -> Tuple[str, ...]:
+    """The ops ``op`` will wait for through control edges: those in the graph now and those
+    ``tf.function``'s automatic control dependencies add when the trace ends (``automatic``,
+    from :func:`lms_tf._compat.automatic_control_edges`). The pass reads the step while it is
+    traced, before they exist; without them, half of Adam's update (the reads of a moment after
+    its write) looked like forward ops and ran on the device in the simulator."""
+    present = [c.name for c in op.control_inputs]
+    return tuple(present + [name for name in automatic.get(op.name, ()) if name not in present])
+
+
+def _execution_order(ops: Sequence[tf.Operation], automatic: Mapping[str, Sequence[str]]) -> List[tf.Operation]:
+    """Kahn's topological sort over data and control edges (``automatic``: those the trace's end
+    will add); ties go to the op created first."""
     position = {op.name: i for i, op in enumerate(ops)}
     indegree = {op.name: 0 for op in ops}
     successors: Dict[str, List[str]] = {op.name: [] for op in ops}
     for op in ops:
-        preds = {t.op.name for t in op.inputs} | {c.name for c in op.control_inputs}
+        preds = {t.op.name for t in op.inputs} | set(_control_inputs(op, automatic))
         for pred in preds:
             if pred in successors:
                 successors[pred].append(op.name)
@@ -83,9 +94,9 @@ def _data_dependent(order: Sequence[tf.Operation], sources: FrozenSet[str]) -> F
 
 
 def _classify(order: Sequence[tf.Operation], created: Mapping[str, int],
-              data_dependent: FrozenSet[str]) -> Dict[str, Phase]:
+              data_dependent: FrozenSet[str], automatic: Mapping[str, Sequence[str]]) -> Dict[str, Phase]:
     names = [op.name for op in order]
-    preds = {op.name: {t.op.name for t in op.inputs} | {c.name for c in op.control_inputs} for op in order}
+    preds = {op.name: {t.op.name for t in op.inputs} | set(_control_inputs(op, automatic)) for op in order}
     succs: Dict[str, set] = {n: set() for n in names}
     for name, ps in preds.items():
         for p in ps:
@@ -280,14 +291,15 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
         (128, 128)
     """
     tf_ops = graph.get_operations()
-    order = _execution_order(tf_ops)
+    automatic = _compat.automatic_control_edges(tf_ops)
+    order = _execution_order(tf_ops, automatic)
     pruned = pruned_by_the_runtime(graph, order, outputs)
     inputs = _function_inputs(graph)
     sources = frozenset(
         {n for n in inputs if graph.get_operation_by_name(n).outputs[0].dtype not in (tf.resource, tf.variant)}
         | {op.name for op in tf_ops if op.type in DATA_SOURCE_OP_TYPES})
     data_dependent = _data_dependent(order, sources)
-    phases = _classify(order, {op.name: i for i, op in enumerate(tf_ops)}, data_dependent)
+    phases = _classify(order, {op.name: i for i, op in enumerate(tf_ops)}, data_dependent, automatic)
     after_gradient = _ordered_after_the_gradient(tf_ops, phases)
 
     # Concrete shapes for the batch-carrying tensors, by tensor name.
@@ -346,7 +358,7 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
         ops.append(OpInfo(
             name=op.name, type=op.type, index=index, phase=phases[op.name], device=op.device,
             inputs=tuple(t.name for t in op.inputs),
-            control_inputs=tuple(c.name for c in op.control_inputs),
+            control_inputs=_control_inputs(op, automatic),
             outputs=tuple(t.name for t in op.outputs), stateful=bool(op.op_def.is_stateful),
             reads_state_only=(op.type in _FUNCTIONAL_TYPES and _functions_read_state_only(graph, op)
                               and _variables_unwritten_before_gradient(op, after_gradient)),
