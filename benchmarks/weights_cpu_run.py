@@ -121,9 +121,11 @@ def two_processes():
         "The same plan, its host in a process of its own (steps 3-10; real allocator peaks, "
         "`TF_CPU_ALLOCATOR_USE_BFC=true`), beside the plain step alone in a process:", "",
         "| order | plain process, each step | device process, each step (median) | simulator, this allocator | "
-        "device vs simulator (median) | host process: tensors / chunks | host predicted (`host_peak_bytes`) | "
-        "host vs predicted (tensors) | losses and weights |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "device vs simulator (median) | device, a traced step's tensors / simulated | "
+        "host process: tensors / chunks | host predicted: all at once (`host_peak_bytes`) / one at a time | "
+        "host vs predicted (tensors) | "
+        "losses and weights |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as directory:
         plain, plain_weights = run_plain(directory)
         for mode, order in (("host", "TensorFlow's own"), ("host-serialized", "serialized")):
@@ -133,16 +135,23 @@ def two_processes():
             tensors, _ = host_window_peak(events, "requested_bytes")
             chunks, _ = host_window_peak(events, "chunk_bytes")
             device, replayed, predicted = sorted(host["peaks"]), host["allocator_peak_bytes"], host["host_peak_bytes"]
+            one_at_a_time = host["host_peak_one_at_a_time_bytes"]
             median = device[len(device) // 2]
             rows.append(dict(order=order, plain_peaks=plain["peaks"], device_peaks=host["peaks"],
                              device_replayed_bytes=replayed, host_tensor_peak_bytes=tensors,
                              host_chunk_peak_bytes=chunks, host_predicted_bytes=predicted,
+                             host_predicted_one_at_a_time_bytes=one_at_a_time,
+                             device_traced_tensor_peak_bytes=host["traced_requested_peak"],
+                             device_simulated_tensor_peak_bytes=host["simulated_peak_bytes"],
                              resident_host_bytes=host["resident_host_bytes"], equal=equal))
             lines.append(
                 f"| {order} | {min(plain['peaks']) / MiB:.1f}-{max(plain['peaks']) / MiB:.1f} MiB | "
                 f"{device[0] / MiB:.1f}-{device[-1] / MiB:.1f} MiB ({median / MiB:.1f}) | {replayed / MiB:.1f} MiB | "
                 f"{device[0] / replayed:.2f}-{device[-1] / replayed:.2f} ({median / replayed:.2f}) | "
-                f"{tensors / MiB:.1f} / {chunks / MiB:.1f} MiB | {predicted / MiB:.1f} MiB | {tensors / predicted:.2f} | "
+                f"{host['traced_requested_peak'] / MiB:.2f} / {host['simulated_peak_bytes'] / MiB:.2f} MiB "
+                f"({host['traced_requested_peak'] / host['simulated_peak_bytes']:.2f}) | "
+                f"{tensors / MiB:.1f} / {chunks / MiB:.1f} MiB | {predicted / MiB:.1f} / {one_at_a_time / MiB:.1f} MiB | "
+                f"{tensors / predicted:.2f} / {tensors / one_at_a_time:.2f} | "
                 f"{'bit-identical' if equal else 'DIFFERENT'} |")
     return rows, "\n".join(lines)
 

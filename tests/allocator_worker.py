@@ -47,7 +47,7 @@ from lms_tf.simulate import simulate, tensorflow_cpu_allocator  # noqa: E402
 from lms_tf.simulate.allocator import replay_allocations  # noqa: E402
 from lms_tf.simulate.pool import pool_history  # noqa: E402
 from lms_tf.tf.diagnostics import (allocation_log, allocation_trace, cpu_kernel_library, executed_ops,  # noqa: E402
-                                   grappler_accumulated_sums, live_at_allocator_peak)
+                                   grappler_accumulated_sums, live_at_allocator_peak, requested_peak)
 from lms_tf.tf.rewrite.recompute import simulator_name  # noqa: E402
 from lms_tf.tf.rewrite.serialize import serial_chain  # noqa: E402
 from lms_tf.tf.trace import build_ir  # noqa: E402
@@ -75,24 +75,10 @@ def measured(fn, x, y, graph=None):
     return memory.peak_bytes, rank
 
 
-def requested_peak(events):
-    """The most bytes the step's live allocations asked for at once: the real peak of the tensors
-    alone, before the allocator rounds each request up to its chunk (what ``blind`` predicts)."""
-    live, in_use, peak = {}, 0, 0
-    for event in events:
-        if event.kind == "alloc":
-            live[event.address] = event.requested_bytes
-            in_use += event.requested_bytes
-            peak = max(peak, in_use)
-        elif event.address in live:
-            in_use -= live.pop(event.address)
-    return peak
-
-
 def accumulated_sums(ir, fn, x, y):
     """The sums Grappler accumulates into a temporary variable: predicted offline from the traced
     step (what the simulator uses), and seen in the real allocator's trace; and, of that traced
-    run, the peak of its tensors (``real_requested``), the peak of its allocator's chunks
+    run, the peak of its tensors (``real_requested``, :func:`requested_peak`), the peak of its allocator's chunks
     (``traced_allocator``) and what the allocator model makes of its very requests after the
     modelled pool history (``model_on_real_requests``: the model's rules checked apart from the
     simulator's prediction of the requests)."""

@@ -20,11 +20,13 @@ V100 = CostModel(get_device_spec("v100-16gb-pcie3"))
 COMPUTING = ("ReadVariableOp", "Const", "Placeholder", "NoOp", "VarHandleOp", "_Arg")
 
 
-def _traced(optimizer):
-    """A two-layer MLP with its weights on the host, traced by ``lms_tf.function``: the IR holds
-    where TensorFlow's graph places each update op (``GraphIR.host_placed``)."""
+def _traced(optimizer, hidden=(128,)):
+    """An MLP (``hidden`` widths, then 8 outputs) with its weights on the host, traced by
+    ``lms_tf.function``: the IR holds where TensorFlow's graph places each update op
+    (``GraphIR.host_placed``)."""
     zoo.reseed()
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(8)])
+    model = keras.Sequential([keras.Input((64,)), *[keras.layers.Dense(w, activation="relu") for w in hidden],
+                              keras.layers.Dense(8)])
     optimizer.build(model.trainable_variables)
     lms_tf.place_weights(model, optimizer, host="/CPU:1")
 
@@ -78,3 +80,55 @@ def test_adam_sends_each_gradient_once_and_the_host_squares_it():
     assert not {square.outputs[0] for square in squares} & set(copies)
     allocated = {key for kind, key, _ in sim.allocations if kind == "alloc"}
     assert not {square.outputs[0] for square in squares} & allocated   # no device memory
+
+
+def _update_of_each_variable(ir, plan):
+    """Host op name -> the weight whose update it belongs to: the ops from which a write to exactly
+    one weight descends, through data and control edges (a write to Adam's moments, then its read,
+    then the weight's write). The learning rate's ops feed every update and belong to none."""
+    producers = {t: op.name for op in ir.ops for t in op.outputs}
+    preds = {op.name: {producers[t] for t in op.inputs if t in producers} | set(op.control_inputs) for op in ir.ops}
+    weights = {w.variable for w in plan.offloaded_weights}
+    owners = {}
+    for op in ir.ops:
+        if op.inputs and op.inputs[0] in weights and op.type.startswith(("Assign", "ResourceApply")):
+            stack, seen = [op.name], set()
+            while stack:
+                name = stack.pop()
+                if name not in seen:
+                    seen.add(name)
+                    stack.extend(preds[name])
+            for name in seen:
+                owners.setdefault(name, set()).add(op.inputs[0])
+    return {name: next(iter(found)) for name, found in owners.items() if len(found) == 1}
+
+
+def test_the_host_runs_one_variables_update_after_another_when_asked():
+    """``host_update="one_variable_at_a_time"``: on the host's stream each weight's update runs
+    whole before the next starts (the ops of each weight that make tensors are one run in the
+    order they started),
+    and the host holds no more than with every update started as its gradient arrives (the
+    default, ``host_peak_bytes``)."""
+    # Wide layers whose gradients reach the host faster than it updates them: the first in first
+    # out order interleaves their updates.
+    ir, plan = _traced(keras.optimizers.Adam(), hidden=(1024, 1024, 1024))
+    owner = _update_of_each_variable(ir, plan)
+    by_name = {op.name: op for op in ir.ops}
+
+    def tensor_sized(name):  # not the learning rate's scalars, which each weight has its own of
+        return any((ir.tensors[t].nbytes or 0) > 64 for t in by_name[name].outputs)
+
+    runs = {}
+    for order in ("all_at_once", "one_variable_at_a_time"):
+        sim = simulate(ir, plan, cost=V100, host_update=order)
+        started = sorted((start, name) for name, (start, _) in sim.op_intervals.items()
+                         if name in owner and name in ir.host_placed and tensor_sized(name))
+        labels = [owner[name] for _, name in started]
+        runs[order] = ([label for i, label in enumerate(labels) if i == 0 or labels[i - 1] != label], sim)
+    grouped, one_at_a_time = runs["one_variable_at_a_time"]
+    assert len(grouped) == len(set(grouped)) >= 7, grouped  # the last bias (8 floats) makes no tensor over 64 bytes
+    interleaved, all_at_once = runs["all_at_once"]
+    assert len(interleaved) > len(set(interleaved)), interleaved
+    assert one_at_a_time.host_peak_bytes < all_at_once.host_peak_bytes
+    with pytest.raises(lms_tf.LMSOptionError, match="host_update"):
+        simulate(ir, plan, cost=V100, host_update="sometimes")

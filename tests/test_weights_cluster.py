@@ -25,16 +25,24 @@ def test_weights_in_a_host_process_train_exactly_and_each_process_holds_what_the
     process. Structure: every variable and slot lives on task 1. Memory, steps 3 to 10:
 
     * the device process holds the plan, not the model: each step's real peak is under the budget
-      and a fifth of the plain process's (whose peak holds all 200 MiB); the median step is within
-      10% of the simulator's replay of the plan through a model of this allocator (steps move by
-      about 10% either way, as received tensors land in other chunks; measured 0.83-1.09 a step,
-      the median 0.95-1.02);
+      and a fifth of the plain process's (whose peak holds all 200 MiB). The tensors of a traced
+      step peak where the simulator says (22.35 MiB against 22.39: within 5% is asked). The
+      allocator's chunks hold more, and by step: 24-32 MiB in one process, where the weights
+      received from the host land in whichever free chunk is there when they arrive (a 4 MiB
+      weight in a 7 MiB chunk, which the allocator does not split), after a history the model
+      does not have (the variables were made in this process, then moved). The model of this
+      allocator replaying the plan reads 23.7 MiB: the median step is 1.24-1.25 of it (it was
+      0.95-1.02 while the trace took half of Adam's update for forward ops, which the replay ran
+      on the device); asked: at least the replay, at most 1.35 of it;
     * the host process holds the variables and slots, every gradient it received and the update's
-      temporaries. Its peak between the marks, in the tensors' own bytes, is at most the plan's
-      ``host_peak_bytes`` (which holds every gradient to the step's end, whatever order the host's
-      update ops run in: here all of them had arrived at the peak) and within 10% of it (measured
-      0.95-0.97). Before the update's temporaries were counted the prediction was 200.4 MiB
-      against 212-218 measured.
+      temporaries. Its peak between the marks, in the tensors' own bytes, lies between the plan's
+      ``host_peak_bytes`` (every variable's update started as its gradient arrives, as on a host
+      with a thread for each: the most the update can hold, what ``host_budget=`` is checked
+      against; 259.5 MiB) and the replay with the host running one variable's update at a time
+      (208.4 MiB). This host process has two threads: measured 210-228 MiB, 0.83-0.88 of the first
+      (asked: at most it) and 1.01-1.10 of the second (asked: at least 0.95 of it). Before the
+      trace took in TensorFlow's automatic control edges, half of Adam's update ran on the device in
+      the replay and the prediction read 224.5 MiB.
     """
     plain, plain_weights = run_plain(tmp_path)
     host, host_weights, events, workers = run_on_two_processes(tmp_path)
@@ -49,12 +57,15 @@ def test_weights_in_a_host_process_train_exactly_and_each_process_holds_what_the
     assert max(device_peaks) <= host["budget_bytes"], (device_peaks, host["budget_bytes"])
     assert max(device_peaks) < min(plain_peaks) / 5, (device_peaks, plain_peaks)
     assert min(plain_peaks) >= plain["state_bytes"] * 0.75  # weights and both moments at least
+    tensors = host["traced_requested_peak"] / host["simulated_peak_bytes"]
+    assert 0.95 <= tensors <= 1.05, (host["traced_requested_peak"] / MiB, host["simulated_peak_bytes"] / MiB)
     median = sorted(device_peaks)[len(device_peaks) // 2]
-    assert 0.9 <= median / host["allocator_peak_bytes"] <= 1.1, (
+    assert 1.0 <= median / host["allocator_peak_bytes"] <= 1.35, (
         [p / MiB for p in device_peaks], host["allocator_peak_bytes"] / MiB)
 
     host_peak, at_first_mark = host_window_peak(events)
     # Between steps the host holds the variables and slots, and a few small tensors the runtime
     # keeps there (scalars of the update, received constants: 40 KB measured), nothing of the step.
     assert 0 <= at_first_mark - host["resident_host_bytes"] < 256 * 1024, (at_first_mark, host["resident_host_bytes"])
-    assert 0.9 <= host_peak / host["host_peak_bytes"] <= 1.0, (host_peak / MiB, host["host_peak_bytes"] / MiB)
+    assert 0.95 * host["host_peak_one_at_a_time_bytes"] <= host_peak <= host["host_peak_bytes"], (
+        host_peak / MiB, host["host_peak_one_at_a_time_bytes"] / MiB, host["host_peak_bytes"] / MiB)

@@ -126,7 +126,7 @@ def main(mode: str, out: str, workers: str = "") -> None:
     from lms_tf.cost import CostModel, get_device_spec
     from lms_tf.simulate import simulate
     from lms_tf.simulate.allocator import tensorflow_cpu_allocator
-    from lms_tf.tf.diagnostics import cpu_kernel_library
+    from lms_tf.tf.diagnostics import allocation_trace, cpu_kernel_library, requested_peak
     from lms_tf.tf.variables import variable_bytes_by_device, variable_device
     from lms_tf.tf.workloads import decoder_lm, decoder_lm_params, train_step
 
@@ -153,16 +153,22 @@ def main(mode: str, out: str, workers: str = "") -> None:
                 marker = tf.fill([MARK_BYTES // 4], 1.0)
             marker.numpy()
 
-    losses, peaks = [], []
+    losses, peaks, traced = [], [], {}
     for i in range(STEPS):
         if i == WARM_STEPS:
             mark()
         tf.config.experimental.reset_memory_stats("CPU:0")
-        losses.append(float(fn(*batches[i % 3])))
+        if on_host and i == WARM_STEPS - 1:  # the last warm step, traced: the peak of its tensors
+            events = allocation_trace(lambda: traced.setdefault("loss", float(fn(*batches[i % 3]))))
+            traced["requested_peak"] = requested_peak(events)
+            losses.append(traced["loss"])
+        else:
+            losses.append(float(fn(*batches[i % 3])))
         if i >= WARM_STEPS:  # the whole step's peak here: every op of it has run when the loss is read
             peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
     mark()
-    result = dict(mode=mode, losses=losses, peaks=peaks, state_bytes=state)
+    result = dict(mode=mode, losses=losses, peaks=peaks, state_bytes=state,
+                  traced_requested_peak=traced.get("requested_peak"))
     if on_host:
         plan = fn.plan
         # The same plan replayed for this process's allocator (TF_CPU_ALLOCATOR_USE_BFC=true counts
@@ -170,8 +176,12 @@ def main(mode: str, out: str, workers: str = "") -> None:
         replayed = simulate(fn.plain_irs[-1], plan, cost=CostModel(get_device_spec("v100-16gb-pcie3")),
                             allocator=tensorflow_cpu_allocator(), kernels=cpu_kernel_library())
         result.update(budget_bytes=plan.budget_bytes, planned_peak_bytes=plan.predictions.planned_peak_bytes,
+                      simulated_peak_bytes=replayed.peak_bytes,
                       allocator_peak_bytes=replayed.allocator_peak_bytes,
                       host_peak_bytes=plan.predictions.host_peak_bytes,
+                      host_peak_one_at_a_time_bytes=simulate(
+                          fn.plain_irs[-1], plan, cost=CostModel(get_device_spec("v100-16gb-pcie3")),
+                          host_update="one_variable_at_a_time").host_peak_bytes,
                       resident_host_bytes=variable_bytes_by_device(model.variables + optimizer.variables).get(host, 0),
                       variable_devices=sorted({variable_device(v) for v in model.variables + optimizer.variables}),
                       fetches=plan.num_weight_fetches, offloaded=len(plan.offloaded_weights))

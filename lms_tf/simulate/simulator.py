@@ -56,19 +56,21 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Iterator, Mapping, Optional
 
+from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.ir import GraphIR
 from lms_tf.core.plan import Plan
 from lms_tf.cost.model import CostModel
 from lms_tf.simulate.allocator import BFCAllocatorModel
 from lms_tf.simulate.lower import lower
-from lms_tf.simulate.replay import Simulation, replay
+from lms_tf.simulate.replay import HOST_UPDATE_ORDERS, Simulation, replay
 
 
 def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: Optional[int] = 8,
              priority: Optional[Dict[str, float]] = None,
              op_times: Optional[Mapping[str, float]] = None, log_allocations: bool = False,
              allocator: Optional[BFCAllocatorModel] = None, tie_seed: Optional[int] = None,
-             kernels: str = "cudnn", accumulated_sums: Iterable[str] = ()) -> Simulation:
+             kernels: str = "cudnn", accumulated_sums: Iterable[str] = (),
+             host_update: str = "all_at_once") -> Simulation:
     """Replays the step (rewritten by ``plan``, if given) and reports memory and time.
 
     Args:
@@ -94,12 +96,18 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         accumulated_sums: ``AddN`` ops that Grappler's memory optimizer turns into additions
             into a temporary variable (:func:`lms_tf.tf.diagnostics.grappler_accumulated_sums`):
             their sum takes a buffer of its own instead of writing into an input.
+        host_update: With the optimizer update on the host, how the host runs it:
+            ``"all_at_once"`` (default; each variable's update starts as its gradient arrives, as on
+            a host with a thread for each: the most host memory the update can hold, what
+            ``host_peak_bytes`` and ``host_budget=`` count) or ``"one_variable_at_a_time"`` (one
+            update finished before the next starts, as on a host with one thread: the least).
 
     Returns:
         A :class:`Simulation`.
 
     Raises:
-        LMSOptionError: ``kernels`` is not one of :data:`KERNEL_LIBRARIES`.
+        LMSOptionError: ``kernels`` is not one of :data:`KERNEL_LIBRARIES`, or ``host_update`` not one of
+            :data:`HOST_UPDATE_ORDERS`.
 
     Examples:
         >>> from lms_tf.core.ir import GraphIR
@@ -107,8 +115,10 @@ def simulate(ir: GraphIR, plan: Optional[Plan] = None, *, cost: CostModel, top: 
         >>> simulate(GraphIR((), {}, frozenset(), {}), cost=CostModel(get_device_spec("a100-40gb-pcie4"))).peak_bytes
         0
     """
+    if host_update not in HOST_UPDATE_ORDERS:
+        raise LMSOptionError(f"simulate(host_update=) takes one of {HOST_UPDATE_ORDERS}, got {host_update!r}.")
     return replay(lower(ir, plan, cost, op_times, kernels, frozenset(accumulated_sums)), top=top, priority=priority,
-                   log_allocations=log_allocations, allocator=allocator, tie_seed=tie_seed)
+                   log_allocations=log_allocations, allocator=allocator, tie_seed=tie_seed, host_update=host_update)
 
 
 def simulate_tie_orders(ir: GraphIR, plan: Optional[Plan], seeds: Iterable[int], *, cost: CostModel,

@@ -534,6 +534,30 @@ def live_at_allocator_peak(events: Sequence[AllocationEvent]) -> Tuple[int, List
     return peak, at_peak
 
 
+def requested_peak(events: Sequence[AllocationEvent]) -> int:
+    """The most bytes a trace's live allocations asked for at once: the peak of the tensors
+    themselves, before the allocator serves each from a whole chunk (what the simulator's
+    ``peak_bytes`` predicts; :func:`live_at_allocator_peak` counts the chunks).
+
+    Examples:
+        >>> events = [AllocationEvent("alloc", "a", "output", 1000, 1024, 1, "[250]"),
+        ...           AllocationEvent("alloc", "b", "temp", 2000, 2048, 2, "[500]"),
+        ...           AllocationEvent("free", "", "", 2000, 2048, 2, "")]
+        >>> requested_peak(events)
+        3000
+    """
+    live: Dict[int, int] = {}
+    in_use = peak = 0
+    for event in events:
+        if event.kind == "alloc":
+            live[event.address] = event.requested_bytes
+            in_use += event.requested_bytes
+            peak = max(peak, in_use)
+        elif event.address in live:
+            in_use -= live.pop(event.address)
+    return peak
+
+
 def allocation_log(events: Sequence[AllocationEvent]) -> List[Tuple[str, str, int]]:
     """A real run's requests in the form of :attr:`lms_tf.simulate.Simulation.allocations`, so
     :func:`lms_tf.simulate.allocator.replay_allocations` can put them through the allocator
