@@ -39,8 +39,8 @@ def test_weights_in_a_host_process_train_exactly_and_each_process_holds_what_the
       ``host_peak_bytes`` (every variable's update started as its gradient arrives, as on a host
       with a thread for each: the most the update can hold, what ``host_budget=`` is checked
       against; 259.5 MiB) and the replay with the host running one variable's update at a time
-      (208.4 MiB). This host process has two threads: measured 210-228 MiB, 0.83-0.88 of the first
-      (asked: at most it) and 1.01-1.10 of the second (asked: at least 0.95 of it). Before the
+      (208.4 MiB). This host process has two threads: measured 208-228 MiB, 0.80-0.88 of the first
+      (asked: at most it) and 1.00-1.10 of the second (asked: at least 0.95 of it). Before the
       trace took in TensorFlow's automatic control edges, half of Adam's update ran on the device in
       the replay and the prediction read 224.5 MiB.
     """

@@ -225,7 +225,7 @@ def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str,
     # default ("all_at_once") it is first in first out: each variable's update starts as its
     # gradient arrives, as on a host with a thread for each, and their temporaries are held
     # together. A host process with two threads lies between the two (the 4x decoder's host:
-    # 208.4 and 259.5 MiB predicted, 210-228 measured).
+    # 208.4 and 259.5 MiB predicted, 208-228 measured).
     by_chain = priority is None and host_update == "one_variable_at_a_time"
     ranked = [priority is not None or (by_chain and stream == HOST_COMPUTE_STREAM) for stream in STREAMS]
     ready: List = [[] if by_rank else collections.deque() for by_rank in ranked]
