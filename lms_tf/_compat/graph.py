@@ -24,11 +24,14 @@ def check_private_apis() -> None:
     """
     missing = [name for name in ("_update_input", "_add_control_input", "_set_attr", "_get_attr_type", "_set_device")
                if not hasattr(tf.Operation, name)]
-    from tensorflow.python.framework import func_graph  # noqa: F401 - import is the check
+    from tensorflow.python.framework import auto_control_deps, func_graph  # noqa: F401 - import is the check
 
+    missing += [f"auto_control_deps.{name}" for name in ("_get_resource_inputs", "ResourceType", "op_is_stateful",
+                                                          "MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS")
+                if not hasattr(auto_control_deps, name)]
     if missing:
         raise LMSError(
-            f"TensorFlow {tf.__version__} lacks tf.Operation.{', '.join(missing)}, which lms-tf uses to "
+            f"TensorFlow {tf.__version__} lacks {', '.join(missing)} (tf.Operation's methods, unless named), which lms-tf uses to "
             f"rewrite graphs. Install a tested version (see README) or report the TF version."
         )
 
