@@ -23,7 +23,9 @@ BATCH = 10  # the zoo's 24 samples give batches of 10, 10 and 4
 OPTIONS = {
     "swap": dict(CPU_LMS, min_swap_bytes=1024, swapout_threshold=1),
     "recompute": dict(device="/CPU:0", swap=False, recompute="sqrt"),
-    "budget": dict(CPU_LMS, budget="80%", device_spec="v100-16gb-pcie3"),
+    # 85%: with its update ordered as TensorFlow orders it (RMSprop reads a slot after writing it),
+    # the inception net's least plan needs 81% of its plain peak.
+    "budget": dict(CPU_LMS, budget="85%", device_spec="v100-16gb-pcie3"),
 }
 
 
