@@ -1163,12 +1163,6 @@ def test_a_budget_with_a_recompute_policy_recomputes_tensors_inside_a_stage_to_t
     assert_gates_are_the_stages(step, graph, plain_graph)
 
 
-@pytest.mark.xfail(strict=True, raises=lms_tf.InfeasibleBudgetError, reason=(
-    "Known since 2026-12-06 (docs/limits.md, pipeline partitioning): the first call plans stage 0 "
-    "in two traces, and since the trace holds TensorFlow's automatic control edges their replays "
-    "differ: at 1 KiB the error names 33.20 MiB as the least; given that, the first trace's plan "
-    "replays at 33.20 and fits, the second reaches 33.27 and is refused. Why the traces differ is "
-    "not found yet."))
 def test_a_budget_no_swap_plan_meets_names_the_least_the_stage_reaches():
     """A 1 KiB budget: the error names the least the stage's replay reaches with the planner's
     closest plan, and that figure, given as the budget, is met."""

@@ -98,6 +98,46 @@ class LMSWarning(UserWarning):
     """
 
 
+class _Figure:
+    """A figure an error carries (a budget, a least) that survives AutoGraph's re-raise.
+
+    AutoGraph re-raises an error from a traced step as a new error of the same type made from
+    the message alone, raised while the original is handled: the original is the copy's
+    ``__context__``. A figure not set on the copy is read from there.
+
+    Examples:
+        >>> class Sample(LMSError):
+        ...     figure = _Figure(0)
+        >>> try:
+        ...     try:
+        ...         original = Sample("first"); original.figure = 5; raise original
+        ...     except Sample:
+        ...         raise Sample("copy")
+        ... except Sample as err:
+        ...     print(err, err.figure)
+        copy 5
+    """
+
+    def __init__(self, default):
+        self.default = default
+
+    def __set_name__(self, owner, name):
+        self.key = f"_figure_{name}"
+
+    def __get__(self, err, owner=None):
+        if err is None:
+            return self
+        seen = err
+        while isinstance(seen, type(err)):
+            if self.key in vars(seen):
+                return vars(seen)[self.key]
+            seen = seen.__context__
+        return self.default
+
+    def __set__(self, err, value):
+        vars(err)[self.key] = value
+
+
 class InfeasibleBudgetError(LMSOptionError):
     """No plan fits the budget; the message names the smallest budget that fits.
 
@@ -113,9 +153,10 @@ class InfeasibleBudgetError(LMSOptionError):
     """
 
     # No __init__ of its own: AutoGraph re-raises only exceptions with Exception's __init__ as
-    # themselves (see LMSError); the figures are attributes set by :func:`infeasible`.
-    budget_bytes: int = 0
-    smallest_feasible_bytes: int = 0
+    # themselves (see LMSError); the figures are set by :func:`infeasible` and read through the
+    # re-raised copy (_Figure).
+    budget_bytes = _Figure(0)
+    smallest_feasible_bytes = _Figure(0)
 
 
 def infeasible(message: str, budget_bytes: int, smallest_feasible_bytes: int) -> InfeasibleBudgetError:
@@ -144,8 +185,8 @@ class HostBudgetError(InfeasibleBudgetError):
         (True, 20)
     """
 
-    host_budget_bytes: int = 0
-    host_needed_bytes: int = 0
+    host_budget_bytes = _Figure(0)
+    host_needed_bytes = _Figure(0)
 
 
 def host_budget_error(message: str, host_budget_bytes: int, host_needed_bytes: int) -> HostBudgetError:

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence
 
 import tensorflow as tf
 
 from lms_tf import _compat
-from lms_tf.core.errors import LMSError, LMSOptionError, UnknownSizeError, warn_once
+from lms_tf.core.errors import InfeasibleBudgetError, LMSError, LMSOptionError, UnknownSizeError, warn_once
 from lms_tf.core.ir import GraphIR, Phase, same_device
 from lms_tf.core.plan import Decision, Plan
-from lms_tf.core.policy import Policies
+from lms_tf.core.policy import Policies, format_bytes
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.planner import make_budget_plan, make_plan
 from lms_tf.simulate import simulate
@@ -151,20 +152,58 @@ def no_accelerator_message(api: str) -> str:
             f"host='/CPU:1' with two logical CPUs to exercise the pass on a CPU.")
 
 
+# The tf.function graphs whose trace created variables (see creates_variables).
+_VARIABLE_CREATING_TRACES: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
+
+
 @tf.autograph.experimental.do_not_convert
 def call_step_for_rewrite(serialize: bool, step, *args, **kwargs):
-    """Calls the step being traced. With ``serialize=True`` it runs inside TensorFlow's automatic
-    control dependencies, added now: the order the pass imposes must respect the edges TF adds
-    between stateful ops, which would otherwise come when the trace ends and close a cycle.
+    """Calls the step being traced, noting whether it creates variables (:func:`creates_variables`).
+
+    With ``serialize=True`` the step runs inside TensorFlow's automatic control dependencies,
+    added now: the order the pass imposes must respect the edges TF adds between stateful ops,
+    which would otherwise come when the trace ends and close a cycle.
 
     Examples:
         >>> call_step_for_rewrite(False, lambda x: x + 1, 1)
         2
     """
-    if not serialize:
-        return step(*args, **kwargs)
-    with _compat.automatic_control_dependencies() as mark_as_return:
-        return mark_as_return(step(*args, **kwargs))
+    graph = _compat.current_graph()
+
+    def note_creation(next_creator, **kwargs):
+        if _compat.is_function_graph(graph):
+            _VARIABLE_CREATING_TRACES.add(graph)
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(note_creation):
+        if not serialize:
+            return step(*args, **kwargs)
+        with _compat.automatic_control_dependencies() as mark_as_return:
+            return mark_as_return(step(*args, **kwargs))
+
+
+def creates_variables(graph: tf.Graph) -> bool:
+    """Whether the step traced in ``graph`` (through :func:`call_step_for_rewrite`) created variables.
+
+    A step that builds its optimizer's slots (or a lazy layer, a metric) is traced twice on its
+    first call: this trace, which creates them, and then the step without creations. The first
+    one holds each new variable's initialization (a conditional assign that TensorFlow orders
+    before the variable's reads), and it runs only when TensorFlow cannot lift those
+    initializations out of it, once; every step runs the second. So a budget is judged on the
+    second trace: the first is planned as close to the budget as it gets.
+
+    Examples:
+        >>> import tensorflow as tf
+        >>> made = []
+        >>> @tf.function
+        ... def step():
+        ...     out = call_step_for_rewrite(False, lambda: tf.Variable(1.0) if not made else None)
+        ...     made.append(creates_variables(_compat.current_graph()))
+        >>> step()
+        >>> made
+        [True, False]
+    """
+    return graph in _VARIABLE_CREATING_TRACES
 
 
 def check_plan_matches(plan: Plan, ir: GraphIR, *, api: str) -> None:
@@ -271,7 +310,7 @@ def rewrite_traced_step(request: RewriteRequest, *, api: str,
         plan = request.plan
     else:
         try:
-            plan = _make_plan(ir, request, scope_aliases)
+            plan = _make_plan(ir, request, scope_aliases, api=api, first_trace=creates_variables(graph))
         except UnknownSizeError as err:
             warn_once(f"unknown-size:{api}:{err.shape}", unknown_size_message(api, err))
             return None
@@ -514,11 +553,32 @@ def _log_once(message: str) -> None:
         logger.info("%s", message)
 
 
-def _make_plan(ir: GraphIR, request: RewriteRequest, scope_aliases) -> Plan:
-    if request.policies.budget is not None:
+def _make_plan(ir: GraphIR, request: RewriteRequest, scope_aliases, *, api: str, first_trace: bool) -> Plan:
+    """The plan for the traced step; ``first_trace``: the trace that creates variables (:func:`creates_variables`)."""
+    if request.policies.budget is None:
+        return make_plan(ir, request.policies, device=request.device, scope_aliases=scope_aliases)
+    try:
         return make_budget_plan(ir, request.policies, device=request.device, cost=request.cost_model(),
                                 scope_aliases=scope_aliases)
-    return make_plan(ir, request.policies, device=request.device, scope_aliases=scope_aliases)
+    except InfeasibleBudgetError as err:
+        if not first_trace:
+            raise
+        asked, least = err.budget_bytes, err.smallest_feasible_bytes
+    # The budget is judged on the step's next trace, which runs every step; this one runs at
+    # most once and gets its closest plan. (A least is the simulated peak with everything
+    # movable moved; a second ask can name a slightly different one.)
+    logger.info("%s: the step's first trace (which creates variables, and runs only if TensorFlow cannot lift "
+                "their initializers out of it) needs at least %s, more than the budget %s: planned for that; "
+                "the budget is held on the next trace, which every step runs", api, format_bytes(least),
+                format_bytes(asked))
+    for _ in range(2):
+        try:
+            return make_budget_plan(ir, dataclasses.replace(request.policies, budget=least), device=request.device,
+                                    cost=request.cost_model(), scope_aliases=scope_aliases)
+        except InfeasibleBudgetError as err:
+            least = max(least + 1, err.smallest_feasible_bytes)
+    return make_budget_plan(ir, dataclasses.replace(request.policies, budget=least), device=request.device,
+                            cost=request.cost_model(), scope_aliases=scope_aliases)
 
 
 def unknown_size_message(api: str, err: UnknownSizeError) -> str:

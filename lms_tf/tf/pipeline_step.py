@@ -45,8 +45,8 @@ from lms_tf.pipeline.schedule import FORWARD, run_order, stage_tasks
 from lms_tf.planner import make_budget_plan
 from lms_tf.simulate import simulate, tensorflow_cpu_allocator
 from lms_tf.tf.diagnostics import CPU_GRAPPLER_MEMORY_BYTES, cpu_kernel_library
-from lms_tf.tf.driver import RewriteRequest, call_step_for_rewrite, check_visible, is_visible, resolve_device, \
-    rewrite_traced_stages, serialize_stages, stage_plan, visible_device_names
+from lms_tf.tf.driver import RewriteRequest, call_step_for_rewrite, check_visible, creates_variables, is_visible, \
+    resolve_device, rewrite_traced_stages, serialize_stages, stage_plan, visible_device_names
 from lms_tf.tf.rewrite.common import LMS_ATTR, mark
 from lms_tf.tf.rewrite.serialize import bypass_identity_n, grappler_rewritten_ops
 from lms_tf.tf.trace import build_ir
@@ -633,7 +633,14 @@ class PipelineStep:
         if plain > budget:
             plan, reached = self._fit_replay(k, ir, stage_ir, replay, budget, device, cost, unplaced) or (
                 unplanned, plain)
-            if reached > budget:
+            if reached > budget and creates_variables(graph):
+                # The trace that creates the optimizer's variables runs at most once (only if
+                # TensorFlow cannot lift their initializers out of it): the budget is held on
+                # the next trace, which every step runs; this one gets its closest plan.
+                logger.info("PipelineStep: stage %d of the step's first trace (which creates variables) reaches %s "
+                            "at least, more than its budget %s: given its closest plan; the budget is held on the "
+                            "next trace", k, format_bytes(min(plain, reached)), format_bytes(budget))
+            elif reached > budget:
                 ways = "swapping or recomputing" if self._tensor_recompute else "swapping"
                 hint = "" if self._tensor_recompute else ", let it recompute tensors too (recompute='auto')"
                 least = min(plain, reached)
