@@ -1028,7 +1028,8 @@ def test_a_stage_held_to_a_budget_never_gates_on_what_the_step_never_reads(monke
             step = budgeted("gpipe", [1, None], swap=[0])(model)
             with pytest.raises(lms_tf.InfeasibleBudgetError, match="stage 0 does not fit 1 B"):
                 step(tf.constant(x[:zoo.BATCH]), tf.constant(y[:zoo.BATCH]))
-        (rewritten,) = seen
+        # Two traces: the one creating Adam's variables gets its closest plan, the next one raises.
+        first, rewritten = seen
         return sum(name.endswith("conv0_1/convolution/Conv2DBackpropInput") for name in rewritten)
 
     assert marked_dead_ends() == MICROBATCHES
