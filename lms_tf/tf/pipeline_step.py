@@ -657,7 +657,7 @@ class PipelineStep:
         predictions = plan.predictions if plan.predictions is not None else Predictions()
         return dataclasses.replace(plan, budget_bytes=budget, device_spec=f"pipeline stage {k} ({self._presets[k].name})",
                                    predictions=dataclasses.replace(predictions, baseline_peak_bytes=plain,
-                                                                   planned_peak_bytes=reached, feasible=True))
+                                                                   planned_peak_bytes=reached, feasible=reached <= budget))
 
     def _fit_replay(self, k: int, ir, stage_ir, replay, budget: int, device: str, cost: CostModel,
                     unplaced: FrozenSet[str]) -> Optional[Tuple[Plan, int]]:
