@@ -64,7 +64,8 @@ def with_waits(ir, plan: Plan) -> Plan:
 def waiting_plans(monkeypatch):
     """The front-ends plan as usual, then every fetch that can waits for a gradient."""
     planned = driver._make_plan
-    monkeypatch.setattr(driver, "_make_plan", lambda ir, request, aliases: with_waits(ir, planned(ir, request, aliases)))
+    monkeypatch.setattr(driver, "_make_plan",
+                        lambda ir, request, aliases, **kwargs: with_waits(ir, planned(ir, request, aliases, **kwargs)))
 
 
 def _waits(plan):
