@@ -571,14 +571,14 @@ def _make_plan(ir: GraphIR, request: RewriteRequest, scope_aliases, *, api: str,
                 "their initializers out of it) needs at least %s, more than the budget %s: planned for that; "
                 "the budget is held on the next trace, which every step runs", api, format_bytes(least),
                 format_bytes(asked))
-    for _ in range(2):
+    for attempt in range(3):
         try:
             return make_budget_plan(ir, dataclasses.replace(request.policies, budget=least), device=request.device,
                                     cost=request.cost_model(), scope_aliases=scope_aliases)
         except InfeasibleBudgetError as err:
+            if attempt == 2:
+                raise
             least = max(least + 1, err.smallest_feasible_bytes)
-    return make_budget_plan(ir, dataclasses.replace(request.policies, budget=least), device=request.device,
-                            cost=request.cost_model(), scope_aliases=scope_aliases)
 
 
 def unknown_size_message(api: str, err: UnknownSizeError) -> str:
