@@ -183,10 +183,13 @@ def main() -> None:
     traced_48 = partition_layers(transformer_profile, stages=4, microbatches=MICROBATCHES, devices="v100-16gb-pcie3")
     repeated_48 = partition_layers(repeat_blocks(transformer_profile, 48), stages=4, microbatches=MICROBATCHES,
                                    devices="v100-16gb-pcie3")
-    # The per-layer model's least peak reads as low as `worst` of lms-tf planner's least on whole
-    # steps: the swapping depths again with every device taken as only that share of its memory.
-    worst = min(c["least_model_bytes"] / c["least_planner_bytes"] for c in results["check"].values()
-                if c["least_planner_bytes"])
+    # Where the per-layer model's least peak reads below lms-tf planner's least on whole steps (as
+    # low as `worst` of it), the swapping depths again with every device taken as only that share
+    # of its memory. Where it reads above on every model, the cut is already conservative: the
+    # share is 1 and the column repeats the swapping depths.
+    read_low = [c["least_model_bytes"] / c["least_planner_bytes"] for c in results["check"].values()
+                if c["least_planner_bytes"]]
+    worst = min([1.0, *read_low])
     v100 = get_device_spec("v100-16gb-pcie3")
     shrunk = dataclasses.replace(v100, memory_bytes=int(v100.memory_bytes * worst))
     depth_rows = ["| K | memory: blocks | parameters: blocks | uniform: blocks | memory / uniform | memory / parameters "
@@ -257,9 +260,9 @@ def main() -> None:
         "traced. With swap, a stage that does not fit swaps just the activations over its device (at least 2 layers' "
         "kept activations stay), counted in the cut; the last column is the deepest swapping cut's predicted step "
         f"time over the same cut's without the copies. Host memory is capped at {HOST_BUDGET} per stage process, "
-        "not at a particular server's: the host memory column says what the first stage needs. The per-layer model's least peak reads as low as "
-        f"{worst:.2f}x lms-tf's planner's (next table), so the last column takes every device as only that share "
-        "of its memory. With recompute, a stage that does not fit may instead keep only what it receives per "
+        "not at a particular server's: the host memory column says what the first stage needs. "
+        + _share_reading(worst, read_low)
+        + "With recompute, a stage that does not fit may instead keep only what it receives per "
         "micro-batch in flight and run its forward pass again (one more forward pass of time); with both, each "
         "such stage takes whichever fits in less time.", "", *depth_rows, "",
         "What swapping lets the whole step reach (one stage, one micro-batch) by the per-layer model (weights, "
@@ -273,6 +276,18 @@ def main() -> None:
     (OUT / "partition.md").write_text(text + "\n", encoding="utf-8")
     (OUT / "partition.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     publish("partition", text, page="partition")
+
+
+def _share_reading(worst: float, read_low: list[float]) -> str:
+    """What the table's "devices at a share" column means, from how the per-layer model read."""
+    if worst < 1:
+        return (f"The per-layer model's least peak reads as low as {worst:.2f}x lms-tf's planner's (next table), "
+                "so the column at that share takes every device as only that share of its memory. ")
+    if not read_low:
+        return "The planner found no least to check the per-layer model against: the column at 100% repeats it. "
+    return (f"The per-layer model's least peak reads {min(read_low):.2f}x to {max(read_low):.2f}x lms-tf's planner's "
+            "(next table), never below it, so its cuts are already conservative: the column at 100% repeats the "
+            "swapping depths. ")
 
 
 if __name__ == "__main__":
