@@ -300,7 +300,7 @@ def build_ir(graph: tf.Graph, *, input_shapes: Optional[Mapping[str, Sequence[Op
         | {op.name for op in tf_ops if op.type in DATA_SOURCE_OP_TYPES})
     data_dependent = _data_dependent(order, sources)
     phases = _classify(order, {op.name: i for i, op in enumerate(tf_ops)}, data_dependent, automatic)
-    after_gradient = _ordered_after_the_gradient(tf_ops, phases)
+    after_gradient = _ordered_after_the_gradient(tf_ops, phases, automatic)
 
     # Concrete shapes for the batch-carrying tensors, by tensor name.
     resolution: Dict[str, Tuple[Optional[int], ...]] = {}
@@ -444,24 +444,19 @@ def _loop_accumulator(op: tf.Operation, out: tf.Tensor, batch_size: Optional[int
     return tf.as_dtype(init.get_attr("element_dtype")), (count, *dims), shares_a_variable
 
 
-def _ordered_after_the_gradient(ops: Sequence[tf.Operation], phases: Mapping[str, Phase]) -> FrozenSet[str]:
-    """Ops that run after some backward op: its data descendants, and what ``tf.function``'s
-    automatic control dependencies will order after them when the trace ends (not yet in the graph
-    now): an op reading a variable runs after the writes to it created before it. So Keras's
-    momentum SGD and Adam, which write a slot and then add a read of it to the weight, update the
-    weight after the gradient."""
+def _ordered_after_the_gradient(ops: Sequence[tf.Operation], phases: Mapping[str, Phase],
+                                automatic: Mapping[str, Sequence[str]]) -> FrozenSet[str]:
+    """Ops that run after some backward op: its data and control descendants, counting the edges
+    ``tf.function``'s automatic control dependencies add when the trace ends (``automatic``, from
+    :func:`lms_tf._compat.automatic_control_edges`). Through those edges an op reading a variable
+    runs after the writes to it created before it, so Keras's momentum SGD and Adam, which write a
+    slot and then add a read of it to the weight, update the weight after the gradient."""
     after = set()
-    last_write: Dict[int, bool] = {}  # variable handle (tensor id) -> whether its latest write is after
-    for op in ops:  # creation order, as the automatic control dependencies use
-        handles = [t for t in op.inputs if t.dtype == tf.resource]
-        late = (phases.get(op.name) is Phase.BACKWARD or any(t.op.name in after for t in op.inputs)
+    for op in ops:  # creation order: every op an op waits for was created before it
+        if (phases.get(op.name) is Phase.BACKWARD or any(t.op.name in after for t in op.inputs)
                 or any(c.name in after for c in op.control_inputs)
-                or any(last_write.get(id(h)) for h in handles))
-        if late:
+                or any(name in after for name in automatic.get(op.name, ()))):
             after.add(op.name)
-        if op.type.startswith(VARIABLE_UPDATE_PREFIXES):
-            for h in handles[:1]:
-                last_write[id(h)] = late
     return frozenset(after)
 
 
