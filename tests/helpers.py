@@ -140,3 +140,17 @@ def first_consumers(op) -> list:
             else:
                 found.append(consumer.name)
     return found
+
+
+def device_readers(swap_in) -> list:
+    """The ops that read a swap-in: the consumers of its device read (``device_read``, the
+    Identity on the device that the rewrite puts between a host copy and its readers)."""
+    reads = swap_in.outputs[0].consumers()
+    assert all(_compat.string_attr(r, "_lms") == "device_read" for r in reads), [r.name for r in reads]
+    return [c for r in reads for c in r.outputs[0].consumers()]
+
+
+def behind_device_read(op):
+    """The host copy a device read reads (``op`` itself when it is not a device read)."""
+    return op.inputs[0].op if _compat.string_attr(op, "_lms") == "device_read" else op
+

@@ -77,7 +77,8 @@ def swaps(step, args):
     for out in (op for op in graph.get_operations() if kind(op) == b"swap_out"):
         swap_ins = [c for c in out.outputs[0].consumers() if kind(c) == b"swap_in"]
         placements[json.dumps([out.device, out.inputs[0].op.device, sorted({c.device for c in swap_ins}),
-                               sorted({r.device for c in swap_ins for r in c.outputs[0].consumers()})])] += 1
+                               sorted({r.device for c in swap_ins for d in c.outputs[0].consumers()
+                                       for r in d.outputs[0].consumers()})])] += 1
     return {"hosts": {str(k): h for k, h in step.hosts.items()}, "swapped": [len(p.swapped) for p in step.plans],
             "swap_placements": [json.loads(key) + [count] for key, count in sorted(placements.items())]}
 

@@ -24,6 +24,7 @@ from lms_tf.pipeline.schedule import Task
 from lms_tf.tf.diagnostics import executed_ops
 from lms_tf.tf.pipeline_step import PipelineStep, accumulation_step, place_stages, split_stages
 from tests import zoo
+from tests.helpers import device_readers
 
 DEVICES = ["/CPU:0", "/CPU:1", "/CPU:2"]
 MICROBATCHES = 4
@@ -617,7 +618,7 @@ def test_each_swapping_stage_has_its_own_plan_over_its_own_tensors():
         assert index(out) == 2 and index(out.inputs[0].op) == 0, out.name
     for swap_in in swap_ins:  # back from the host, gated, read by stage 0's backward pass only
         assert index(swap_in) == 2 and swap_in.control_inputs, swap_in.name
-        readers = [c for c in swap_in.outputs[0].consumers()]
+        readers = device_readers(swap_in)
         assert readers and all(index(r) == 0 and r.name.startswith("gradient_tape/") for r in readers), swap_in.name
     # Nothing of stage 1 (CPU:1) was swapped.
     assert not [d for d in step.plans[0].swapped if "CPU:1" in graph.get_operation_by_name(d.tensor.split(":")[0]).device]

@@ -166,6 +166,10 @@ def backward_gates(ir: GraphIR) -> List[OpInfo]:
 
     An op Grappler folds into another (:attr:`GraphIR.grappler_rewritten`, when the caller found
     them) is never one: the gate's extra reader would stop the rewrite and change the numbers.
+    Nor is an op Grappler may regroup with its neighbours at run time
+    (:func:`regrouped_with_a_reader`): a swap-in's gate reads it and a recompute gate waits on
+    it, and either stops the regrouping. Seen on a GELU's gradient: clones gated on a backward
+    ``Mul`` changed Adam's updates from the first step.
     Nor is an op run off the device (:attr:`GraphIR.host_placed`: the update on the host, or in a
     pipeline stage's view, another stage's ops): the swap-in would wait for another device's
     progress."""
@@ -174,7 +178,7 @@ def backward_gates(ir: GraphIR) -> List[OpInfo]:
     for op in ir.ops:
         if (op.phase is not Phase.BACKWARD or op.type in ("Const", "NoOp") or op.type in CONTROL_FLOW_OP_TYPES
                 or op.type in FUSABLE_GATE_TYPES or op.name not in after_forward or op.name in ir.grappler_rewritten
-                or op.name in ir.host_placed):
+                or op.name in ir.host_placed or regrouped_with_a_reader(ir, op)):
             continue
         gradient_input = any(ir.op(ir.tensors[t].producer).phase is Phase.BACKWARD
                              and ir.op(ir.tensors[t].producer).type != "Const" for t in op.inputs)

@@ -61,7 +61,7 @@ def apply_plan(graph: tf.Graph, ir: GraphIR, plan: Plan) -> RewriteReport:
         ...     return loss
         >>> graph = tf.function(step).get_concrete_function(tf.ones((256, 64))).graph
         >>> count_lms_ops(graph)   # the last activation is read by the first gradient op: kept
-        {'swap_out': 3, 'swap_gate': 6, 'swap_in': 3, 'marker': 1}
+        {'swap_out': 3, 'swap_gate': 6, 'swap_in': 3, 'device_read': 3, 'marker': 1}
     """
     return apply_plans(graph, ir, [plan])
 

@@ -183,7 +183,7 @@ def check_postconditions(graph: tf.Graph, plan: Plan, forward_inputs_before) -> 
         if kind == "swap_in" and not any(_compat.string_attr(c, LMS_ATTR) == "swap_gate" for c in op.control_inputs):
             raise RewriteError(f"postcondition failed: swap-in {op.name!r} has no gate.")
         if kind == "recompute" and not any(_compat.string_attr(t.op, LMS_ATTR) in (
-                "recompute", "recompute_gate", "swap_in", "weight_fetch") for t in op.inputs):
+                "recompute", "recompute_gate", "swap_in", "device_read", "weight_fetch") for t in op.inputs):
             raise RewriteError(f"postcondition failed: recompute clone {op.name!r} is not gated.")
     for decision in plan.swapped:
         if decision.swap_out_before is not None and not any(

@@ -28,7 +28,7 @@ from lms_tf import _compat
 from lms_tf.core.op_kinds import WHILE_OP_TYPES, recompute_clone_name
 from lms_tf.core.plan import Plan
 from lms_tf.tf.rewrite.common import mark, repoint_consumers
-from lms_tf.tf.rewrite.swap import gated_swap_in
+from lms_tf.tf.rewrite.swap import device_read, gated_swap_in
 from lms_tf.tf.rewrite.weights import offloaded_reads
 
 CLONE_OF_ATTR = "_lms_clone_of"
@@ -101,10 +101,12 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
                 elif tensor.name in swap_outs:
                     key = (tensor.name, decision.gate)
                     if key not in swap_ins:
-                        swap_ins[key] = gated_swap_in(graph, swap_outs[tensor.name], gate, plan.host,
-                                                      f"recompute_swap_in_{len(swap_ins)}")
+                        copy = gated_swap_in(graph, swap_outs[tensor.name], gate, plan.host,
+                                             f"recompute_swap_in_{len(swap_ins)}")
+                        swap_ins[key] = device_read(graph, copy, plan.device, tensor.op.name)
                         inserted["swap_gate"] += 2
                         inserted["swap_in"] += 1
+                        inserted["device_read"] += 1
                     inputs.append(swap_ins[key])
                     from_clone = True
                 elif tensor.name in weight_reads:
@@ -121,7 +123,8 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
                 inputs[0] = _gated_input(graph, inputs[0], gate, original.device, inserted)
             if original.type in WHILE_OP_TYPES:
                 inputs = _loop_handles_from_outputs(original, inputs)
-            clone = _compat.clone_op(graph, original, inputs, name=f"recompute/{op_name.replace('/', '_')}")
+            with graph.name_scope(None):  # sorts by name as the original does (device_read's docstring)
+                clone = _compat.clone_op(graph, original, inputs, name=f"{op_name}-lms_recompute")
             mark(clone, "recompute", keep=False)
             # Which op this clones and behind which gate: the simulator names the clone
             # "recompute/<gate>/<op>", and diagnostics map executed clones back with these.
@@ -144,8 +147,8 @@ def _gated_input(graph: tf.Graph, tensor: tf.Tensor, gate: tf.Operation, device:
     and an unfused clone would compute in a different order than the fused original.
     """
     with graph.colocate_with(None, ignore_existing=True), graph.device(device), \
-            graph.control_dependencies([gate]):
-        gated = tf.identity(tensor, name="recompute_gate")
+            graph.control_dependencies([gate]), graph.name_scope(None):
+        gated = tf.identity(tensor, name=f"{tensor.op.name}-lms_recompute_gate")
     mark(gated.op, "recompute_gate")
     inserted["recompute_gate"] += 1
     return gated

@@ -2,7 +2,7 @@
 
 For a tensor ``t`` the plan marks SWAP, on the host device::
 
-    producer -> t -> swap_out (Identity, host) -> swap_in (Identity, host) -> backward consumers
+    producer -> t -> swap_out (Identity, host) -> swap_in (Identity, host) -> read (Identity, device) -> backward consumers
     trigger -> Shape (trigger's device) -> gate (Identity, host) -^ (control edge, host -> host)
 
 When the plan makes the forward pass wait for the copy out (``swap_out_before``, TFLMS's
@@ -12,7 +12,9 @@ synchronous swap-out), the signal travels back the same way::
 
 The gate reaches the host as a data edge: a control edge that crosses devices can
 hang TensorFlow's executor (docs/design.md), so the only control edge is host -> host.
-Every inserted op carries ``_lms`` (``swap_out``, ``swap_in``, ``swap_gate``,
+The read is on the device and sorts by name as ``t``'s producer does, so Grappler regroups the
+consumers' arithmetic as in the plain step (:func:`device_read`).
+Every inserted op carries ``_lms`` (``swap_out``, ``swap_in``, ``device_read``, ``swap_gate``,
 ``swap_out_done``, ``marker``) and ``_grappler_do_not_remove`` (Grappler would delete the identities).
 
 Examples:
@@ -87,6 +89,37 @@ def gated_swap_in(graph: tf.Graph, swap_out: tf.Tensor, trigger: tf.Operation, h
     return swap_in
 
 
+def device_read(graph: tf.Graph, copy: tf.Tensor, device: str, sort_as: str) -> tf.Tensor:
+    """The device's own ``Identity`` of a host copy: what the device's consumers read instead of
+    the host copy itself. It moves no bytes (an Identity forwards its input's buffer); the copy to
+    the device is the edge into it, as before.
+
+    Without it the rewritten step rounds differently from the plain one. Grappler regroups trees
+    of ``Mul``/``Add`` ops in the backward pass (constant folding's ``ConstantPushDown``, the
+    arithmetic optimizer's tree rewrites), but constant folding leaves a tree alone when a leaf
+    is on another device, and the arithmetic optimizer orders the leaves it regroups by node
+    name. A backward ``Mul`` that read a host copy of MultiHeadAttention's softmax was grouped
+    with another factor than in the plain step, and the query and key gradients differed after
+    one step. So the read is on the consumers' device, and named ``<sort_as>-lms_read``, which
+    sorts against every other node name exactly as ``sort_as`` (the original producer) does: no
+    character TensorFlow allows in a name sorts before ``-`` except ``-`` itself.
+
+    Examples:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default(), g.name_scope("lms_tf"):
+        ...     y = tf.square(tf.constant(1.0), name="layer/y")
+        ...     copy = tf.identity(y, name="swap_in_0_0")
+        ...     read = device_read(g, copy, "/device:CPU:0", y.op.name)
+        >>> read.name, read.device, read.op.inputs[0].name
+        ('lms_tf/layer/y-lms_read:0', '/device:CPU:0', 'lms_tf/swap_in_0_0:0')
+    """
+    with graph.colocate_with(None, ignore_existing=True), graph.device(device), graph.name_scope(None):
+        read = tf.identity(copy, name=f"{sort_as}-lms_read")
+    mark(read.op, "device_read")
+    return read
+
+
 def wait_for_swap_out(graph: tf.Graph, swap_out: tf.Tensor, waiter: tf.Operation, name: str) -> None:
     """Makes forward op ``waiter`` start only after the copy ``swap_out`` has reached the host.
 
@@ -131,8 +164,9 @@ def insert_swaps(graph: tf.Graph, plan: Plan, inserted: Dict[str, int], first: i
         >>> with g.as_default():
         ...     swap_outs, rerouted = insert_swaps(g, Plan((swap,), "/device:CPU:0", "/device:CPU:1", {}, {}),
         ...                                        collections.Counter())
-        >>> rerouted, [i.name for i in z.op.inputs], swap_outs["y:0"].name
-        (1, ['swap_in_0_0:0', 't:0'], 'swap_out_0:0')
+        >>> z_reads = z.op.inputs[0]   # the device's read of the gated copy
+        >>> rerouted, z_reads.name, z_reads.op.inputs[0].name, swap_outs["y:0"].name
+        (1, 'y-lms_read:0', 'swap_in_0_0:0', 'swap_out_0:0')
     """
     rerouted = 0
     swap_outs: Dict[str, tf.Tensor] = {}
@@ -152,5 +186,7 @@ def insert_swaps(graph: tf.Graph, plan: Plan, inserted: Dict[str, int], first: i
             swap_in = gated_swap_in(graph, swap_out, trigger, plan.host, f"swap_in_{i}_{j}")
             inserted["swap_gate"] += 2
             inserted["swap_in"] += 1
-            rerouted += repoint_consumers(graph, swap.consumers, decision.tensor, swap_in)
+            read = device_read(graph, swap_in, plan.device, original.op.name)
+            inserted["device_read"] += 1
+            rerouted += repoint_consumers(graph, swap.consumers, decision.tensor, read)
     return swap_outs, rerouted
