@@ -166,10 +166,8 @@ def backward_gates(ir: GraphIR) -> List[OpInfo]:
 
     An op Grappler folds into another (:attr:`GraphIR.grappler_rewritten`, when the caller found
     them) is never one: the gate's extra reader would stop the rewrite and change the numbers.
-    Nor is an op Grappler may regroup with its neighbours at run time
-    (:func:`regrouped_with_a_reader`): a swap-in's gate reads it and a recompute gate waits on
-    it, and either stops the regrouping. Seen on a GELU's gradient: clones gated on a backward
-    ``Mul`` changed Adam's updates from the first step.
+    A recompute gate is also never an op Grappler may absorb into its reader's tree
+    (:attr:`Candidates.recompute_gates`).
     Nor is an op run off the device (:attr:`GraphIR.host_placed`: the update on the host, or in a
     pipeline stage's view, another stage's ops): the swap-in would wait for another device's
     progress."""
@@ -178,7 +176,7 @@ def backward_gates(ir: GraphIR) -> List[OpInfo]:
     for op in ir.ops:
         if (op.phase is not Phase.BACKWARD or op.type in ("Const", "NoOp") or op.type in CONTROL_FLOW_OP_TYPES
                 or op.type in FUSABLE_GATE_TYPES or op.name not in after_forward or op.name in ir.grappler_rewritten
-                or op.name in ir.host_placed or regrouped_with_a_reader(ir, op)):
+                or op.name in ir.host_placed):
             continue
         gradient_input = any(ir.op(ir.tensors[t].producer).phase is Phase.BACKWARD
                              and ir.op(ir.tensors[t].producer).type != "Const" for t in op.inputs)
@@ -208,6 +206,25 @@ def regrouped_with_a_reader(ir: GraphIR, op: OpInfo) -> bool:
     readers = (c for t in op.outputs for c in ir.tensors[t].consumers)
     producers = (ir.tensors[t].producer for t in op.inputs if t in ir.tensors)
     return any(ir.op(name).type in REGROUPED_ARITHMETIC_TYPES for name in (*readers, *producers))
+
+
+def absorbed_by_its_reader(ir: GraphIR, op: OpInfo) -> bool:
+    """Whether Grappler's arithmetic optimizer may absorb ``op`` into the tree of the op that reads
+    it: both are :data:`~lms_tf.core.op_kinds.REGROUPED_ARITHMETIC_TYPES` and that reader is its
+    only one. It absorbs only such an op, and only when no control edge leaves it, so a recompute
+    gate (a control edge out of its gate op) on ``op`` changes the tree and its rounding. The tree's
+    root may drive control edges: gating it changes nothing.
+
+    Examples:
+        >>> from lms_tf.core.examples import chain_ir
+        >>> ir = chain_ir()   # g3 -> g2 -> g1, products in a chain
+        >>> [absorbed_by_its_reader(ir, ir.op(name)) for name in ("g3", "g2", "g1", "b")]
+        [True, True, False, False]
+    """
+    if op.type not in REGROUPED_ARITHMETIC_TYPES:
+        return False
+    readers = [c for t in op.outputs for c in ir.tensors[t].consumers]
+    return len(readers) == 1 and ir.op(readers[0]).type in REGROUPED_ARITHMETIC_TYPES
 
 
 def _accumulates(ir: GraphIR, op: OpInfo, tensor: str) -> bool:
@@ -298,8 +315,14 @@ class Candidates:
         kept: Decisions (KEEP, with the reason) for the others.
         backward_of: Tensor -> its backward consumers.
         distance: Tensor -> ops between its producer and its first backward consumer.
-        gates: Backward ops that can trigger a swap-in or gate a recompute.
+        gates: Backward ops that can trigger a swap-in.
         gate_positions: Their execution indices.
+        recompute_gates: Those of them that can gate a recompute: not an op Grappler may absorb into
+            its reader's tree (:func:`absorbed_by_its_reader`). The clones wait on their gate
+            through a control edge, and an op that drives one is never absorbed: on a GELU's
+            gradient, clones gated on a backward ``Mul`` changed Adam's updates from the first
+            step. Swap-ins keep every gate (docs/design.md says why).
+        recompute_gate_positions: Their execution indices.
 
     Examples:
         >>> from lms_tf.core.ir import GraphIR
@@ -314,6 +337,8 @@ class Candidates:
     distance: Mapping[str, int]
     gates: Tuple[OpInfo, ...]
     gate_positions: Tuple[int, ...]
+    recompute_gates: Tuple[OpInfo, ...] = ()
+    recompute_gate_positions: Tuple[int, ...] = ()
 
     def gates_before(self, index: int) -> int:
         """How many gates run before the op at execution index ``index`` (``gates[n - 1]`` is the last).
@@ -324,6 +349,18 @@ class Candidates:
             0
         """
         return bisect.bisect_left(self.gate_positions, index)
+
+    def recompute_gates_before(self, index: int) -> int:
+        """How many recompute gates run before the op at execution index ``index``
+        (``recompute_gates[n - 1]`` is the last).
+
+        Examples:
+            >>> from lms_tf.core.examples import chain_ir
+            >>> found = collect_candidates(chain_ir(), Policies(), device="/device:GPU:0")
+            >>> found.recompute_gates_before(len(chain_ir().ops)) <= found.gates_before(len(chain_ir().ops))
+            True
+        """
+        return bisect.bisect_left(self.recompute_gate_positions, index)
 
 
 def collect_candidates(ir: GraphIR, policies: Policies, *, device: str,
@@ -370,5 +407,6 @@ def collect_candidates(ir: GraphIR, policies: Policies, *, device: str,
                                             Decision.KEEP, reason, distance, ())
             else:
                 eligible.append(name)
+    recompute_gates = tuple(op for op in gates if not absorbed_by_its_reader(ir, op))
     return Candidates(tuple(order), tuple(eligible), kept, backward_of, distances, tuple(gates),
-                      tuple(op.index for op in gates))
+                      tuple(op.index for op in gates), recompute_gates, tuple(op.index for op in recompute_gates))

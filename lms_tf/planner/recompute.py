@@ -229,11 +229,11 @@ def checkpoint_gates(ir: GraphIR, found: Candidates, tensor: str,
         ()
     """
     readers = found.backward_of.get(tensor)
-    before = found.gates_before(min(c.index for c in readers)) if readers else 0
+    before = found.recompute_gates_before(min(c.index for c in readers)) if readers else 0
     if before == 0:
         return ()
-    own = found.gates[before - 1]
-    positions = {g.name: g.index for g in found.gates}
+    own = found.recompute_gates[before - 1]
+    positions = {g.name: g.index for g in found.recompute_gates}
     shared = [d.gate for d in recomputed if d.gate in positions and positions[d.gate] < own.index
               and any(tensor in ir.op(name).inputs for name in d.recompute_ops)]
     return tuple(([min(shared, key=positions.get)] if shared else []) + [own.name])
@@ -253,7 +253,7 @@ def check_also_recompute(ir: GraphIR, found: Candidates, deeper: Mapping[str, st
         lms_tf.LMSOptionError: also_recompute: 'x:0' cannot be recomputed: it is not a forward tensor the backward pass reads that may be moved, made by a clonable op. Name one of Candidates.eligible whose producer is stateless.
     """
     eligible = set(found.eligible)
-    gate_index = {g.name: g.index for g in found.gates}
+    gate_index = {g.name: g.index for g in found.recompute_gates}
     for tensor, gate in deeper.items():
         if tensor not in eligible or not clonable(ir.op(ir.tensors[tensor].producer)):
             raise LMSOptionError(

@@ -127,7 +127,7 @@ def make_plan(ir: GraphIR, policies: Policies, *, device: str,
         # A tensor read before any gate can run (label handling at the very start of the backward
         # pass) cannot be recomputed; it must not drag its segment's shared gate before every gate.
         segment_of = {name: seg for name, seg in segment_of.items()
-                      if found.gates_before(min(c.index for c in backward_of[name])) > 0}
+                      if found.recompute_gates_before(min(c.index for c in backward_of[name])) > 0}
         deeper = {t: gate for t, gate in (also_recompute or {}).items() if t not in segment_of}
         check_also_recompute(ir, found, deeper)
         targets = set(segment_of) | set(deeper)
@@ -152,14 +152,14 @@ def make_plan(ir: GraphIR, policies: Policies, *, device: str,
                         decisions[name], reason="stateful op: never recomputed" if producer.stateful else
                         f"{producer.type}: never recomputed (oneDNN pairs its gradient with its workspace)")
                 continue
-            before = found.gates_before(first_use[segment_of[name]])
+            before = found.recompute_gates_before(first_use[segment_of[name]])
             if before == 0:
                 continue
             old = decisions[name]
             why = f"recompute ({policies.recompute})" if isinstance(policies.recompute, str) else "recompute (named)"
             decisions[name] = TensorDecision(
                 name, old.layer, old.shape, old.nbytes, Decision.RECOMPUTE, why, old.distance, (),
-                recompute_ops=regions.region(name), gate=gates[before - 1].name,
+                recompute_ops=regions.region(name), gate=found.recompute_gates[before - 1].name,
                 consumers=tuple(c.name for c in sorted(backward_of[name], key=lambda c: c.index)))
 
     return Plan(decisions=tuple(decisions[n] for n in order), device=device, host=policies.host,

@@ -108,7 +108,11 @@ def weight_gates(ir: GraphIR) -> List[OpInfo]:
     """
     cached = ir.__dict__.get("_weight_gates")
     if cached is None:
-        cached = sorted(forward_gates(ir) + backward_gates(ir), key=lambda op: op.index)
+        # Swap-ins keep every backward gate (their plans depend on them, and the numbers tests hold
+        # on the zoo and beyond); a fetch skips the ones a gate could make Grappler regroup
+        # otherwise (backward_gates already skips those it folds into another op).
+        backward = [op for op in backward_gates(ir) if not regrouped_with_a_reader(ir, op)]
+        cached = sorted(forward_gates(ir) + backward, key=lambda op: op.index)
         ir.__dict__["_weight_gates"] = cached
     return cached
 

@@ -80,7 +80,7 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
         ...     rerouted = insert_recomputes(g, Plan((again,), "/device:CPU:0", "/device:CPU:1", {}, {}), {},
         ...                                  collections.Counter())
         >>> rerouted, [i.name for i in z.op.inputs]
-        (1, ['recompute/y:0', 't:0'])
+        (1, ['y-lms_recompute:0', 't:0'])
     """
     clones: Dict[Tuple[str, str], tf.Operation] = {}
     swap_ins: Dict[Tuple[str, str], tf.Tensor] = {}
