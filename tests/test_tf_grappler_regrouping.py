@@ -24,7 +24,8 @@ import lms_tf
 from lms_tf import _compat
 from lms_tf.tf.rewrite import LMS_ATTR
 from tests import zoo
-from tests.helpers import BATCH, CPU_LMS, assert_same_numbers, custom_loop, fit_steps, lms_function
+from tests.helpers import (BATCH, CPU_LMS, assert_same_numbers, custom_loop, fit_steps, keras_train_step,
+                           lms_function)
 
 #: Small enough that the attention's tensors (a few KiB at this size) are swapped.
 SWAP_ALL = dict(CPU_LMS, swapout_threshold=4, min_swap_bytes=1024, swapin_ahead=2)
@@ -137,16 +138,8 @@ def _first_call_graph(decorate) -> tuple:
     executor on the step's first call). Run metadata holds a function's graphs only from the
     call that instantiates it, so it is on from the first call."""
     model, (x, y) = attention_classifier()
-    optimizer = keras.optimizers.SGD(0.1)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        return loss
-
-    fn, batch = decorate(step), (tf.constant(x[:BATCH]), tf.constant(y[:BATCH]))
+    fn = decorate(keras_train_step(model, keras.optimizers.SGD(0.1)))
+    batch = (tf.constant(x[:BATCH]), tf.constant(y[:BATCH]))
     context.enable_run_metadata()
     try:
         fn(*batch)
