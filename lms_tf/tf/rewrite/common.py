@@ -73,6 +73,19 @@ def is_rewritten(graph: tf.Graph) -> bool:
                for op in graph.get_operations() if op.name.startswith(SCOPE))
 
 
+def sorting_as(op_name: str, role: str) -> str:
+    """The name of an op lms-tf inserts in place of ``op_name`` (a device read, a recompute clone
+    or its gated input): ``<op_name>-lms_<role>``. No character TensorFlow allows in a name sorts
+    before ``-`` except ``-`` itself, so it sorts against every other node as ``op_name`` does,
+    and Grappler, which orders the leaves it regroups by name, regroups as in the plain step.
+
+    Examples:
+        >>> sorting_as("dense/Gelu/mul_1", "recompute")
+        'dense/Gelu/mul_1-lms_recompute'
+    """
+    return f"{op_name}-lms_{role}"
+
+
 def mark(op: tf.Operation, kind: str, *, keep: bool = True) -> None:
     """Marks an op lms-tf inserted: its kind in ``_lms`` and, with ``keep``, kept from Grappler.
 

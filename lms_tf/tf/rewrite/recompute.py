@@ -27,7 +27,7 @@ import tensorflow as tf
 from lms_tf import _compat
 from lms_tf.core.op_kinds import WHILE_OP_TYPES, recompute_clone_name
 from lms_tf.core.plan import Plan
-from lms_tf.tf.rewrite.common import mark, repoint_consumers
+from lms_tf.tf.rewrite.common import mark, repoint_consumers, sorting_as
 from lms_tf.tf.rewrite.swap import device_read, gated_swap_in
 from lms_tf.tf.rewrite.weights import offloaded_reads
 
@@ -124,7 +124,7 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
             if original.type in WHILE_OP_TYPES:
                 inputs = _loop_handles_from_outputs(original, inputs)
             with graph.name_scope(None):  # sorts by name as the original does (device_read's docstring)
-                clone = _compat.clone_op(graph, original, inputs, name=f"{op_name}-lms_recompute")
+                clone = _compat.clone_op(graph, original, inputs, name=sorting_as(op_name, "recompute"))
             mark(clone, "recompute", keep=False)
             # Which op this clones and behind which gate: the simulator names the clone
             # "recompute/<gate>/<op>", and diagnostics map executed clones back with these.
@@ -148,7 +148,7 @@ def _gated_input(graph: tf.Graph, tensor: tf.Tensor, gate: tf.Operation, device:
     """
     with graph.colocate_with(None, ignore_existing=True), graph.device(device), \
             graph.control_dependencies([gate]), graph.name_scope(None):
-        gated = tf.identity(tensor, name=f"{tensor.op.name}-lms_recompute_gate")
+        gated = tf.identity(tensor, name=sorting_as(tensor.op.name, "recompute_gate"))
     mark(gated.op, "recompute_gate")
     inserted["recompute_gate"] += 1
     return gated

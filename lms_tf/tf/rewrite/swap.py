@@ -30,7 +30,7 @@ import tensorflow as tf
 from lms_tf import _compat
 from lms_tf.core.errors import RewriteError
 from lms_tf.core.plan import Plan
-from lms_tf.tf.rewrite.common import mark, repoint_consumers
+from lms_tf.tf.rewrite.common import mark, repoint_consumers, sorting_as
 
 
 def _gate_source(trigger: tf.Operation) -> tf.Tensor:
@@ -115,7 +115,7 @@ def device_read(graph: tf.Graph, copy: tf.Tensor, device: str, sort_as: str) -> 
         ('lms_tf/layer/y-lms_read:0', '/device:CPU:0', 'lms_tf/swap_in_0_0:0')
     """
     with graph.colocate_with(None, ignore_existing=True), graph.device(device), graph.name_scope(None):
-        read = tf.identity(copy, name=f"{sort_as}-lms_read")
+        read = tf.identity(copy, name=sorting_as(sort_as, "read"))
     mark(read.op, "device_read")
     return read
 
