@@ -12,6 +12,8 @@ Proven three ways: the numbers (bit-identical losses and weights, through ``fit`
 loop); the structure (every device read on the plan's device, sorting against every other node
 as its producer does); the behaviour (the graph Grappler hands TensorFlow's executor holds the
 same ops with the same inputs as the plain step's, the swap-ins mapped back to their tensors).
+A weight on the host is a leaf of such trees too: a model whose weights sit in constant-scaled
+products trains with ``weights="host"`` bit for bit like the plain step.
 """
 
 import keras
@@ -78,6 +80,45 @@ def test_fit_swapping_and_recomputing_a_gelu_block_equals_plain_fit(recompute):
     rewritten = fit_steps(gelu_block, callbacks=[callback])
     plan = callback.plan
     assert plan.swapped and (plan.recomputed or not recompute), lms_tf.explain(callback)
+    assert_same_numbers(plain, rewritten)
+
+
+class _ScaledWeights(keras.layers.Layer):
+    """Two weights as leaves of constant-scaled product trees, which Grappler regroups: with the
+    weights on the host, each is read from a fetch made there."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1],), initializer="random_normal")
+        self.v = self.add_weight(shape=(input_shape[-1],), initializer="random_normal")
+
+    def call(self, x):
+        return 2.0 * (x * self.w) * 3.0 + (self.v * 0.5) * 4.0 + x * self.v * self.w * 1.5
+
+
+def scaled_weights_mlp():
+    """Dense layers around two :class:`_ScaledWeights` and a GELU, Adam."""
+    zoo.reseed()
+    inputs = keras.Input((16,))
+    h = _ScaledWeights()(keras.layers.Dense(16)(inputs))
+    h = _ScaledWeights()(keras.layers.Dense(16, activation="gelu")(h))
+    model = keras.Model(inputs, keras.layers.Dense(5)(h))
+    model.compile(optimizer=keras.optimizers.Adam(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(5)
+    return model, (rng.random((3 * BATCH, 16)).astype("float32"), rng.integers(0, 5, 3 * BATCH).astype("int32"))
+
+
+@pytest.mark.timeout(300)
+def test_weights_on_the_host_as_leaves_of_constant_scaled_products_keep_the_numbers():
+    plain = fit_steps(scaled_weights_mlp)
+    callback = lms_tf.LMSCallback(**SWAP_ALL, weights="host")
+    rewritten = fit_steps(scaled_weights_mlp, callbacks=[callback])
+    assert len(callback.plan.offloaded_weights) >= 10, lms_tf.explain(callback)
+    assert_same_numbers(plain, rewritten)
+    plain = custom_loop(scaled_weights_mlp, tf.function, optimizer=keras.optimizers.Adam())
+    to_host = lambda model, optimizer: lms_tf.place_weights(model, optimizer, host=CPU_LMS["host"])  # noqa: E731
+    rewritten = custom_loop(scaled_weights_mlp, lms_function(**SWAP_ALL, weights="host"),
+                            optimizer=keras.optimizers.Adam(), prepare=to_host)
+    assert len(rewritten[2].plan.offloaded_weights) >= 10, lms_tf.explain(rewritten[2])
     assert_same_numbers(plain, rewritten)
 
 
