@@ -25,7 +25,7 @@ from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.planner.timing import waitable_gradient
 from lms_tf.simulate import gradients_crossing_as, simulate, update_products_on_device
 from lms_tf.tf import driver
-from lms_tf.tf.diagnostics import executed_ops
+from lms_tf.tf.diagnostics import executed_ops, find_executed
 from lms_tf.tf.rewrite import LMS_ATTR
 from tests import zoo
 from lms_tf.keras.step_hooks import add_step_hook
@@ -155,12 +155,15 @@ def test_custom_loop_with_fetches_waiting_for_gradients_equals_plain_and_runs_in
     events = executed_ops(lambda: fn(xb, yb))
     # The profiler records the copies between the logical devices (``_Send``, named after what
     # they send), not the host identities: a waiting fetch's copy to the device starts only after
-    # the copy of each tensor its gradient's identity received has ended.
+    # the copy of each tensor its gradient's identity received has started, and after the kernel
+    # that made that tensor ended. Start, not end: in one process a ``_Send`` hands its tensor to
+    # the waiting ``_Recv`` inside its own kernel, and what waited for it starts on another thread
+    # before the ``_Send``'s span is recorded as ended (CI saw 0.36 ms of overlap on two cores).
     sends = {}
     for e in events:
         if e.type == "_Send":
             sends.setdefault(e.node.rsplit("/_", 1)[0], []).append(e)
-    checked = 0
+    checked = made_seen = 0
     for variable, fetch in _waits(plan):
         fetch_op = next(t.op for c in fetch.consumers for t in graph.get_operation_by_name(c).inputs
                         if _compat.string_attr(t.op, LMS_ATTR) == "weight_fetch")
@@ -171,9 +174,13 @@ def test_custom_loop_with_fetches_waiting_for_gradients_equals_plain_and_runs_in
                 continue
             source = control.inputs[0].op.name
             assert source in sends, f"no copy of {source} to the host in the profile"
-            assert copied >= min(e.end_ps for e in sends[source]), (fetch_op.name, source)
+            assert copied >= min(e.start_ps for e in sends[source]), (fetch_op.name, source)
+            made = find_executed(events, source)
+            if made is not None:   # an op the executor ran inline leaves no kernel in the trace
+                assert copied >= made.end_ps, (fetch_op.name, source)
+                made_seen += 1
             checked += 1
-    assert checked >= waiting
+    assert checked >= waiting and made_seen >= 1, (checked, made_seen, waiting)
 
 
 def test_a_plan_whose_fetch_waits_for_a_tensor_the_step_does_not_have_is_refused():
