@@ -633,12 +633,16 @@ def test_remembered_replays_do_not_change_the_plan(name, monkeypatch):
     assert fresh == remembered
 
 
-@pytest.mark.parametrize("name", ["resnet_style", "inception_style", "shared_multi_input_residual", "text_embedding"])
-def test_lowering_from_the_plain_template_equals_lowering_from_scratch(name, monkeypatch):
+@pytest.mark.parametrize("name, weights", [("resnet_style", "device"), ("inception_style", "device"),
+                                           ("shared_multi_input_residual", "device"), ("text_embedding", "device"),
+                                           ("resnet_style", "host"), ("text_embedding", "host")])
+def test_lowering_from_the_plain_template_equals_lowering_from_scratch(name, weights, monkeypatch):
     """Lowering takes the ops a plan leaves alone from a per-IR template of the plain step (reads,
-    writes, waits). Every plan a budget search replays (swaps, recompute clones, orderings, waits
-    for copies out, late swap-ins) lowers to the very events a lowering that rebuilds every op
-    from the IR gives, and replays to the same peak, time and allocations."""
+    writes, waits), and with weights on the host the update's ops from a template of the update
+    there (the gradients each copies in, the host buffers it reads and writes). Every plan a
+    budget search replays (swaps, recompute clones, orderings, waits for copies out, late
+    swap-ins, weight fetches and their waits for gradients) lowers to the very events a lowering
+    that rebuilds every op from the IR gives, and replays to the same peak, time and allocations."""
     from lms_tf.planner import fit_check
     from lms_tf.planner.search import BudgetSearch
     from lms_tf.planner.step import PlanningStep
@@ -648,8 +652,8 @@ def test_lowering_from_the_plain_template_equals_lowering_from_scratch(name, mon
     model, (x, _) = zoo.FIT_ZOO[name]()
     ir = build_ir(_unbatched_step_graph(model, x), batch_size=64)
     cost = CostModel(get_device_spec("v100-16gb-pcie3"))
-    step = PlanningStep.build(ir, Policies(host="/CPU:1", budget="45%", recompute="auto"), device="/device:GPU:0",
-                              cost=cost)
+    step = PlanningStep.build(ir, Policies(host="/CPU:1", budget="45%", recompute="auto", weights=weights),
+                              device="/device:GPU:0", cost=cost)
     plans = []
 
     def recording(ir_, plan, **kwargs):
@@ -661,11 +665,15 @@ def test_lowering_from_the_plain_template_equals_lowering_from_scratch(name, mon
     monkeypatch.undo()
     kinds = {"swap": any(p.swapped for p in plans), "recompute": any(p.recomputed for p in plans),
              "ordering": any(p.orderings for p in plans)}
+    if weights == "host":
+        kinds = {"swap": kinds["swap"], "fetch": all(p.offloaded_weights for p in plans),
+                 "wait for a gradient": any(f.after_gradients for p in plans for w in p.offloaded_weights
+                                            for f in w.fetches)}
     assert all(kinds.values()), kinds  # the comparison covers every kind of rewrite
 
     def fields(lowered):
         return [(e.name, e.stream, e.duration, list(e.reads), list(e.writes), list(e.deps), e.forwarding, e.updates,
-                 e.order, e.trigger, e.workspace) for e in lowered.ops]
+                 e.order, e.trigger, e.workspace, list(e.host_reads), list(e.host_writes)) for e in lowered.ops]
 
     for plan in [None] + plans:
         template = lower(ir, plan, cost, step.op_times)

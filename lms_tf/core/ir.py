@@ -17,12 +17,14 @@ import dataclasses
 import enum
 import re
 from fractions import Fraction
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.op_kinds import ALIAS_TYPES
 
 _GRADIENT_SCOPE = re.compile(r"^(gradient_tape|gradients)(_\d+)?$")
+_T = TypeVar("_T")
+_MISSING = object()  # GraphIR.memo: a key not computed yet (None is a value)
 
 
 class Phase(str, enum.Enum):
@@ -210,6 +212,25 @@ class GraphIR:
         """
         return [op for op in self.ops if op.phase is phase]
 
+    def memo(self, key: str, compute: Callable[[], _T]) -> _T:
+        """``compute()``, computed once per IR and kept on it under ``key``.
+
+        The IR never changes, so whatever is a function of it alone can be kept with it: a
+        planner simulates one step hundreds of times (a large decoder's budget search lowers it
+        about 200 times), and these derived views would otherwise be rebuilt for each. Keep only
+        values no caller changes (tuples, frozensets, mappings nobody writes to).
+
+        Examples:
+            >>> ir = GraphIR((), {}, frozenset(), {})
+            >>> ir.memo("answer", lambda: 42), ir.memo("answer", lambda: 0)
+            (42, 42)
+        """
+        cached = self.__dict__.get(key, _MISSING)
+        if cached is _MISSING:
+            cached = compute()
+            object.__setattr__(self, key, cached)
+        return cached
+
     def phase_counts(self) -> Dict[str, int]:
         """Number of ops per phase.
 
@@ -217,14 +238,13 @@ class GraphIR:
             >>> GraphIR((), {}, frozenset(), {}).phase_counts()
             {'forward': 0, 'backward': 0, 'update': 0}
         """
-        cached = self.__dict__.get("_phase_counts")
-        if cached is None:  # planners stamp it on every plan they assemble
+        def count():  # planners stamp it on every plan they assemble
             counts = {p.value: 0 for p in Phase}
             for op in self.ops:
                 counts[op.phase.value] += 1
-            cached = tuple(counts.items())
-            object.__setattr__(self, "_phase_counts", cached)
-        return dict(cached)
+            return tuple(counts.items())
+
+        return dict(self.memo("_phase_counts", count))
 
 
 

@@ -106,15 +106,14 @@ def weight_gates(ir: GraphIR) -> List[OpInfo]:
         >>> [op.name for op in weight_gates(weighted_chain_ir())]
         ['r1', 'r2', 'loss', 'gx2', 'gw2', 'g1', 'gw1']
     """
-    cached = ir.__dict__.get("_weight_gates")
-    if cached is None:
+    def build():
         # Swap-ins keep every backward gate (their plans depend on them, and the numbers tests hold
         # on the zoo and beyond); a fetch skips the ones a gate could make Grappler regroup
         # otherwise (backward_gates already skips those it folds into another op).
         backward = [op for op in backward_gates(ir) if not regrouped_with_a_reader(ir, op)]
-        cached = sorted(forward_gates(ir) + backward, key=lambda op: op.index)
-        ir.__dict__["_weight_gates"] = cached
-    return cached
+        return sorted(forward_gates(ir) + backward, key=lambda op: op.index)
+
+    return ir.memo("_weight_gates", build)
 
 
 def timed_fetches(ir: GraphIR, weights: Tuple[WeightDecision, ...], intervals: Mapping[str, Tuple[float, float]],

@@ -100,10 +100,7 @@ class Lowered:
         self.read_handles: Dict[str, str] = {}  # read buffer -> variable handle tensor
         self.on_host: frozenset = frozenset()  # handles of the variables on the host (weights="host")
         # Whether a buffer counts, per buffer key: the same for every plan of one IR, so kept on it.
-        self._counted_cache: Dict[str, bool] = ir.__dict__.get("_counted")
-        if self._counted_cache is None:
-            self._counted_cache = {}
-            object.__setattr__(ir, "_counted", self._counted_cache)
+        self._counted_cache: Dict[str, bool] = ir.memo("_counted", dict)  # filled as buffers are asked about
 
     def source(self, consumer: str, tensor: str) -> str:
         """The buffer ``consumer`` really reads for input ``tensor`` (aliases and re-pointing resolved).
@@ -229,8 +226,7 @@ def _readers_through_alias(ir: GraphIR) -> Dict[str, frozenset]:
     """Alias op name -> the non-alias ops whose reads resolve through it (:meth:`Lowered.source`
     follows one input of each alias op up the chain). Re-pointing an alias op's read re-points
     theirs. Cached on the IR."""
-    cached = ir.__dict__.get("_readers_through_alias")
-    if cached is None:
+    def build() -> Dict[str, frozenset]:
         readers: Dict[str, set] = collections.defaultdict(set)
         for op in ir.ops:
             if op.is_alias:
@@ -239,9 +235,9 @@ def _readers_through_alias(ir: GraphIR) -> Dict[str, frozenset]:
                 for reader, _ in _alias_chain(ir, op.name, t):
                     if reader != op.name:
                         readers[reader].add(op.name)
-        cached = {name: frozenset(names) for name, names in readers.items()}
-        object.__setattr__(ir, "_readers_through_alias", cached)
-    return cached
+        return {name: frozenset(names) for name, names in readers.items()}
+
+    return ir.memo("_readers_through_alias", build)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -264,8 +260,7 @@ class _PlainOp:
 def _plain_template(ir: GraphIR) -> Dict[str, _PlainOp]:
     """Non-alias op name -> its :class:`_PlainOp`. Cached on the IR: planners replay one step
     many times and a plan changes few ops."""
-    cached = ir.__dict__.get("_plain_template")
-    if cached is None:
+    def build() -> Dict[str, _PlainOp]:
         b = Lowered(ir, None)
         writer = {t: op.name for op in ir.ops if not op.is_alias for t in op.outputs}
         cached = {}
@@ -284,8 +279,55 @@ def _plain_template(ir: GraphIR) -> Dict[str, _PlainOp]:
                 producer_deps, tuple(sorted(names, key=lambda n: ir.op(n).index)), op.type in FORWARDING_TYPES,
                 op.inputs[0] if op.type.startswith(VARIABLE_UPDATE_PREFIXES) and op.inputs else None,
                 _workspace(ir, op, "cudnn"))
-        object.__setattr__(ir, "_plain_template", cached)
-    return cached
+        return cached
+
+    return ir.memo("_plain_template", build)
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostUpdate:
+    """The optimizer update on the host (weights or slots there), as the plain step's reads make
+    it, computed once per IR (:func:`_host_update_template`): an op of it whose reads a plan
+    re-points is worked out again with that plan's reads."""
+    ops: frozenset  # the update's ops that run on the host
+    on_device: frozenset  # the update's ops the device keeps (:func:`update_products_on_device`)
+    order: Tuple[str, ...]  # ``ops`` in graph order
+    # op -> ``(buffer, its producer, bytes, gradients crossing as it)`` per device buffer it
+    # reads, each copied to the host after its producer (:func:`_update_reads`)
+    reads: Mapping[str, Tuple[Tuple[str, str, int, Tuple[str, ...]], ...]]
+    buffers: Mapping[str, Tuple[List[str], List[Tuple[str, int]]]]  # op -> :func:`_host_buffers`
+
+
+def _host_update_template(ir: GraphIR) -> _HostUpdate:
+    """The :class:`_HostUpdate` of ``ir`` (cached on it)."""
+    def build() -> _HostUpdate:
+        # The update runs on the host but for the products of the gradients alone, which the
+        # rewrite keeps on the device: they read the gradients there, and what they make crosses.
+        on_device = update_products_on_device(ir)
+        order = tuple(op.name for op in ir.ops
+                      if op.phase is Phase.UPDATE and not op.is_alias and op.name not in on_device)
+        update = _HostUpdate(frozenset(order), on_device, order, {}, {})
+        plain = Lowered(ir, None)
+        return dataclasses.replace(
+            update, reads={name: _update_reads(plain, ir.op(name), update) for name in order},
+            buffers={name: _host_buffers(plain, ir.op(name), update.ops) for name in order})
+
+    return ir.memo("_host_update_template", build)
+
+
+def _update_reads(b: "Lowered", op: OpInfo, update: _HostUpdate) -> Tuple[Tuple[str, str, int, Tuple[str, ...]], ...]:
+    """The device buffers ``op`` (of the update on the host) reads, as ``b``'s reads resolve:
+    ``(buffer, its producer, bytes, the weight gradients crossing as it)`` each; not the update's
+    own outputs, nor what is not step memory (variables, constants, inputs)."""
+    ir, found = b.ir, []
+    for t in op.inputs:
+        source = b.source(op.name, t)
+        producer = ir.tensors[source].producer if source in ir.tensors else None
+        if producer is None or producer in update.ops or not b.counted(source):
+            continue
+        found.append((source, producer, ir.tensors[source].nbytes or 0,
+                      tuple(gradients_crossing_as(ir, source, update.on_device))))
+    return tuple(found)
 
 
 def _host_buffers(b: "Lowered", op: OpInfo, host_update: AbstractSet[str]) -> Tuple[List[str], List[Tuple[str, int]]]:
@@ -596,28 +638,28 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
     # weight gradient) is copied out as soon as it is complete and freed after the copy; the update
     # ops hold no device memory and run one after another on the host's own stream, timed by the
     # bytes they move through host memory (:meth:`CostModel.host_op_time`).
-    host_update: set = set()
+    # Ops whose reads and waits differ from the plain step's: re-pointed consumers, and the ops
+    # reading through a re-pointed alias op. The others reuse the cached structure (of the plain
+    # step, and of its update on the host). Nothing re-points a read after this.
+    rebuilt = {consumer for consumer, _ in b.replace}
+    through_alias = _readers_through_alias(ir)
+    for consumer in list(rebuilt):
+        rebuilt |= through_alias.get(consumer, frozenset())
+    if not reuse_plain:
+        rebuilt = ir_names
+    host_update: AbstractSet[str] = frozenset()
     crossings: Dict[str, List[str]] = {}  # weight gradient -> the copies to the host of it or its products
     if b.on_host:
-        # The update runs on the host but for the products of the gradients alone, which the
-        # rewrite keeps on the device: they read the gradients there, and what they make crosses.
-        on_device = update_products_on_device(ir)
-        host_update = {op.name for op in ir.ops
-                       if op.phase is Phase.UPDATE and op.name in ir_names and op.name not in on_device}
-        for op in ir.ops:
-            if op.name not in host_update:
-                continue
-            for t in op.inputs:
-                source = b.source(op.name, t)
-                producer = ir.tensors[source].producer if source in ir.tensors else None
-                if producer is None or producer in host_update or not b.counted(source):
-                    continue
+        update = _host_update_template(ir)
+        host_update = update.ops
+        for name in update.order:
+            reads = _update_reads(b, ir.op(name), update) if name in rebuilt else update.reads[name]
+            for source, producer, nbytes, gradients in reads:
                 key = f"{TO_HOST_PREFIX}{source}"
-                nbytes = ir.tensors[source].nbytes or 0
                 _once(extra_after[producer],
                       Event(key, TO_HOST_STREAM, cost.transfer_time(nbytes, "device_to_host"), [source], [], []))
-                extra_deps[op.name].append(key)
-                for gradient in gradients_crossing_as(ir, source, on_device):
+                extra_deps[name].append(key)
+                for gradient in gradients:
                     if key not in crossings.setdefault(gradient, []):
                         crossings[gradient].append(key)
     for key, gradients in gradient_waits:
@@ -625,14 +667,6 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         # (SGD sends only the learning rate times the gradient, Adam the gradient and its square).
         extra_deps[key].extend(k for g in gradients for k in crossings.get(g, [f"{TO_HOST_PREFIX}{g}"]))
     template = _plain_template(ir)
-    # Ops whose reads and waits differ from the plain step's: re-pointed consumers, and the ops
-    # reading through a re-pointed alias op. The others reuse the cached structure.
-    rebuilt = {consumer for consumer, _ in b.replace}
-    through_alias = _readers_through_alias(ir)
-    for consumer in list(rebuilt):
-        rebuilt |= through_alias.get(consumer, frozenset())
-    if not reuse_plain:
-        rebuilt = ir_names
     with_workspace = kernels != "onednn"
     settled = set()  # events whose dependencies are the plain op's (computed below for the others)
     for extra in at_start:
@@ -670,7 +704,8 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         if name in host_update:  # runs on the host: nothing on the device, host time
             event.reads, event.writes, event.updates, event.workspace = [], [], None, 0
             event.stream, event.duration = HOST_COMPUTE_STREAM, cost.host_op_time(ir, op)
-            event.host_reads, event.host_writes = _host_buffers(b, op, host_update)
+            event.host_reads, event.host_writes = (_host_buffers(b, op, host_update) if name in rebuilt
+                                                   else update.buffers[name])
             writes = []
         as_planned = name not in rebuilt and name not in extra_deps and name not in host_update
         if as_planned:

@@ -56,6 +56,10 @@ def optimizer_slots(ir: GraphIR) -> frozenset:
         >>> optimizer_slots(weighted_chain_ir())   # the weights are read forward: not slots
         frozenset()
     """
+    return ir.memo("_optimizer_slots", lambda: _optimizer_slots(ir))
+
+
+def _optimizer_slots(ir: GraphIR) -> frozenset:
     phases: Dict[str, set] = {}
     for op in ir.ops:
         if op.type == "ReadVariableOp" and op.inputs:
@@ -96,6 +100,10 @@ def update_products_on_device(ir: GraphIR) -> frozenset:
         >>> sorted(update_products_on_device(ir))   # Adam's square runs on the host, from the gradient
         ['step']
     """
+    return ir.memo("_update_products_on_device", lambda: _update_products_on_device(ir))
+
+
+def _update_products_on_device(ir: GraphIR) -> frozenset:
     updates = {op.name for op in ir.ops if op.phase is Phase.UPDATE}
 
     def producer(tensor: str) -> str:

@@ -115,12 +115,8 @@ def _kind(key: str) -> Optional[str]:
 def _forward_op_names(ir) -> Tuple[Tuple[str, ...], bool]:
     """The IR's forward ops' names and whether it has a backward pass (cached on the IR: every
     replay marks where the forward pass ends)."""
-    cached = ir.__dict__.get("_forward_op_names")
-    if cached is None:
-        cached = (tuple(op.name for op in ir.ops if op.phase is Phase.FORWARD),
-                  any(op.phase is Phase.BACKWARD for op in ir.ops))
-        object.__setattr__(ir, "_forward_op_names", cached)
-    return cached
+    return ir.memo("_forward_op_names", lambda: (tuple(op.name for op in ir.ops if op.phase is Phase.FORWARD),
+                                                 any(op.phase is Phase.BACKWARD for op in ir.ops)))
 
 
 def replay(builder: Lowered, *, top: Optional[int], priority: Optional[Dict[str, float]],
