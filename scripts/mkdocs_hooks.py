@@ -42,10 +42,11 @@ def _cases():
         make_budget_plan(chain_ir(), Policies(host="/CPU:1", budget="1KiB"), device="/device:GPU:0",
                          cost=CostModel(get_device_spec("v100-16gb-pcie3")))
 
-    def host_memory():
+    def host_memory(host_budget="512KiB"):
         from lms_tf.core.examples import weighted_chain_ir
 
-        make_budget_plan(weighted_chain_ir(), Policies(host="/CPU:1", budget="auto", weights="host", host_budget="512KiB"),
+        make_budget_plan(weighted_chain_ir(), Policies(host="/CPU:1", budget="auto", weights="host",
+                                                       host_budget=host_budget),
                          device="/device:GPU:0", cost=CostModel(get_device_spec("v100-16gb-pcie3")))
 
     def unassigned_layer():
@@ -92,6 +93,7 @@ def _cases():
     return [
         ("A budget that no plan can fit", infeasible),
         ("A budget string lms-tf cannot read", lambda: parse_budget("12 gigs")),
+        ("Weights on the host that alone are more than the process may use", lambda: host_memory("256KiB")),
         ("A plan that needs more host memory than the process may use", host_memory),
         ("An option out of range", lambda: lms_tf.LMSOptions(swapin_ahead=0)),
         ("An unknown device preset", lambda: get_device_spec("v200-16gb")),

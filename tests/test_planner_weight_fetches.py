@@ -217,3 +217,31 @@ def test_an_op_made_from_constants_alone_never_triggers_a_fetch():
     intervals = {name: (float(t), t + 1.0) for name, t in clock.items()}
     w2 = next(w for w in timed_fetches(ir, planned, intervals, copy_time=lambda nbytes: 1.5) if w.variable == "w2:0")
     assert w2.fetches[0].trigger == "r1"
+
+
+def test_variables_the_host_cannot_hold_are_refused_before_the_search(monkeypatch):
+    """No plan holds less on the host than the variables it keeps there for the whole step (with
+    ``weights="host"`` the weights and their optimizer's slots): a host budget below them is the
+    library's error naming both figures, raised before the budget search runs. A budget the
+    variables fit is judged after the search, by the plan's host peak (here the two 256 KiB
+    weights and their gradients copied out)."""
+    from lms_tf.core.errors import HostBudgetError
+    from lms_tf.core.examples import weighted_chain_ir
+    from lms_tf.planner.search import BudgetSearch
+
+    cost = CostModel(get_device_spec("v100-16gb-pcie3"))
+    searched = []
+    original = BudgetSearch.fit
+    monkeypatch.setattr(BudgetSearch, "fit", lambda self, *a, **k: searched.append(1) or original(self, *a, **k))
+    weights = 2 * 256 * 1024
+    below = Policies(host="/CPU:1", budget="auto", weights="host", host_budget=weights - 1)
+    with pytest.raises(HostBudgetError, match=r"weights='host' keeps 512\.0 KiB \(524288 bytes\) of weights and "
+                                              r"optimizer slots in host memory for the whole step.*more than "
+                                              r"host_budget: 512\.0 KiB \(524287 bytes\)") as err:
+        make_budget_plan(weighted_chain_ir(), below, device="/device:GPU:0", cost=cost)
+    assert (err.value.host_needed_bytes, err.value.host_budget_bytes) == (weights, weights - 1)
+    assert not searched
+    at = Policies(host="/CPU:1", budget="auto", weights="host", host_budget=weights)
+    with pytest.raises(HostBudgetError, match=r"the plan fits the device but holds 1\.0 MiB") as err:
+        make_budget_plan(weighted_chain_ir(), at, device="/device:GPU:0", cost=cost)
+    assert err.value.host_needed_bytes == 2 * weights and searched

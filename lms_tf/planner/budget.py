@@ -64,7 +64,7 @@ from lms_tf.planner.candidates import UNSIZED_LOOP_REASON
 from lms_tf.planner.search import BudgetSearch
 from lms_tf.planner.step import PlanningStep
 from lms_tf.planner.weights import weight_candidates
-from lms_tf.simulate import host_resident
+from lms_tf.simulate import host_resident, resident_buffers
 from lms_tf.simulate.bounds import fit_lower_bound, whole_op_floor
 
 logger = logging.getLogger("lms_tf")
@@ -156,6 +156,7 @@ def _make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, scope_ali
     started = time.perf_counter()
     spec = cost.device
     step = PlanningStep.build(ir, policies, device=device, cost=cost, scope_aliases=scope_aliases)
+    _check_host_holds_the_variables(step)
     baseline = step.baseline
     total_bytes = None
     if policies.weights == "auto":
@@ -306,6 +307,24 @@ def _kept_back(costliest_first: List[WeightDecision], best: frozenset, fits, sec
                 break
         else:
             return best
+
+
+def _check_host_holds_the_variables(step: PlanningStep) -> None:
+    """Raises :class:`HostBudgetError` before the search when the variables the host holds for the
+    whole step (weights on the host and their optimizer slots; the slots alone with
+    ``weights="auto"``) are already more than ``host_budget`` allows: no plan can need less, and
+    the search takes minutes on a large model (a 40-block decoder many times too wide took over
+    20 minutes to reach the same error)."""
+    limit = step.policies.host_budget or machine_memory_bytes()
+    held = sum(nbytes for handle, nbytes in resident_buffers(step.ir) if handle in step.on_host)
+    if limit is None or held <= limit:
+        return
+    what = "host_budget" if step.policies.host_budget else "this machine's physical memory"
+    raise host_budget_error(
+        f"weights={step.policies.weights!r} keeps {_bytes_text(held)} of weights and optimizer slots in host memory "
+        f"for the whole step, before any tensor is swapped or gradient copied out: more than {what}: "
+        f"{_bytes_text(limit)}. Pass a larger host_budget (per process: with several processes on one machine, "
+        f"each its share), or weights='device' for some variables.", limit, held)
 
 
 def _check_host_memory(step: PlanningStep, plan: Plan, needed: int) -> None:

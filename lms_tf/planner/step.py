@@ -96,6 +96,22 @@ class PlanningStep:
         return dataclasses.replace(self, offloaded=offloaded, pool_history=pool_history(self.ir, on_host=on_host),
                                    resident=self._resident(self.ir, on_host))
 
+    @property
+    def on_host(self) -> FrozenSet[str]:
+        """The handles of the variables in host memory for the whole step: the weights planned
+        there and their optimizer's slots (with ``weights="auto"``, the slots whatever moves).
+
+        Examples:
+            >>> from lms_tf.core import Policies
+            >>> from lms_tf.core.examples import weighted_chain_ir
+            >>> from lms_tf.cost import CostModel, get_device_spec
+            >>> step = PlanningStep.build(weighted_chain_ir(), Policies(weights="host", budget="50%", host="/CPU:0"),
+            ...                           device="/device:GPU:0", cost=CostModel(get_device_spec("v100-16gb-pcie3")))
+            >>> sorted(step.on_host)
+            ['w1:0', 'w2:0']
+        """
+        return self._on_host(self.ir, self.policies, self.offloaded)
+
     @staticmethod
     def _resident(ir: GraphIR, on_host: FrozenSet[str]) -> int:
         return resident_bytes(ir, on_host) + input_bytes(ir)
