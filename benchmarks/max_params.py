@@ -19,8 +19,8 @@ busier of compute, either link direction and the host's update). Everything is t
 this machine has no GPU. A timeline of the largest plan on ``v100-32gb-nvlink2`` is drawn to
 ``docs/benchmarks/max_params_timeline.png``.
 
-Command: ``.venv/bin/python benchmarks/max_params.py [--presets PRESET ...]`` (35-45 minutes a V100
-preset, 83 minutes the H100, on 2 cores; the table rewritten after each). Each preset's rows are kept, stamped with the
+Command: ``.venv/bin/python benchmarks/max_params.py [--presets PRESET ...]`` (43 minutes for the four
+presets on 2 cores on 2026-12-07: 4 tracing, 5-22 a preset; the table rewritten after each). Each preset's rows are kept, stamped with the
 day and commit of their run, in ``docs/benchmarks/max_params.json``: a run of some presets keeps
 the others' rows from earlier runs, and the table says which run each row is from.
 """
@@ -87,8 +87,8 @@ def main(argv=None) -> None:
         rows = [row for row in rows if row["preset"] != preset] + [
             dict(preset=preset, way=way, host_budget_bytes=spec.host_memory_bytes, **stamp,
                  **{k: v for k, v in found[way].items() if k != "plan"}) for way in WAYS]
-        # Each preset takes from half an hour to well over an hour: the rows and the table are written after each,
-        # so a run cut short keeps what it found.
+        # Each preset takes minutes to tens of minutes: the rows and the table are written after each, so a run
+        # cut short keeps what it found.
         ROWS.write_text(json.dumps(rows, indent=1) + "\n")
         text = table(args, rows)
         publish("max-params", text, page="weights")
