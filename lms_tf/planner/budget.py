@@ -53,7 +53,7 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from lms_tf.core.errors import LMSOptionError, host_budget_error, infeasible
 from lms_tf.core.ir import GraphIR
@@ -315,32 +315,39 @@ def _check_host_holds_the_variables(step: PlanningStep) -> None:
     ``weights="auto"``) are already more than ``host_budget`` allows: no plan can need less, and
     the search takes minutes on a large model (a 40-block decoder many times too wide took over
     20 minutes to reach the same error)."""
-    limit = step.policies.host_budget or machine_memory_bytes()
+    limit, what = _host_limit(step)
     held = sum(nbytes for handle, nbytes in resident_buffers(step.ir) if handle in step.on_host)
     if limit is None or held <= limit:
         return
-    what = "host_budget" if step.policies.host_budget else "this machine's physical memory"
     raise host_budget_error(
         f"weights={step.policies.weights!r} keeps {_bytes_text(held)} of weights and optimizer slots in host memory "
         f"for the whole step, before any tensor is swapped or gradient copied out: more than {what}: "
-        f"{_bytes_text(limit)}. Pass a larger host_budget (per process: with several processes on one machine, "
-        f"each its share), or weights='device' for some variables.", limit, held)
+        f"{_bytes_text(limit)}. {_LARGER_HOST_BUDGET}, or weights='device' for some variables.", limit, held)
+
+
+#: What both host memory errors advise first.
+_LARGER_HOST_BUDGET = "Pass a larger host_budget (per process: with several processes on one machine, each its share)"
+
+
+def _host_limit(step: PlanningStep) -> Tuple[Optional[int], str]:
+    """The host memory one process's planned step may hold, and what set it (for the error)."""
+    if step.policies.host_budget:
+        return step.policies.host_budget, "host_budget"
+    return machine_memory_bytes(), "this machine's physical memory"
 
 
 def _check_host_memory(step: PlanningStep, plan: Plan, needed: int) -> None:
     """Raises :class:`HostBudgetError` when the planned step holds more on the host than
     ``host_budget`` (default: the machine's physical memory) allows."""
-    limit = step.policies.host_budget or machine_memory_bytes()
+    limit, what = _host_limit(step)
     if limit is None or needed <= limit:
         return
-    what = "host_budget" if step.policies.host_budget else "this machine's physical memory"
     held = sum(nbytes for _, nbytes in host_resident(step.ir, {w.variable for w in plan.offloaded_weights}))
     raise host_budget_error(
         f"the plan fits the device but holds {_bytes_text(needed)} in host memory at its peak "
         f"({_bytes_text(held)} of weights and optimizer slots on the host, the rest swapped tensors, gradients "
-        f"copied out and the update's temporaries), more than {what}: {_bytes_text(limit)}. Pass a larger host_budget (per process: with several "
-        f"processes on one machine, each its share), weights='device' for some variables, or a larger budget= so "
-        f"fewer tensors are swapped.", limit, needed)
+        f"copied out and the update's temporaries), more than {what}: {_bytes_text(limit)}. {_LARGER_HOST_BUDGET}, "
+        f"weights='device' for some variables, or a larger budget= so fewer tensors are swapped.", limit, needed)
 
 
 def _least_time_to_fit(step: PlanningStep, budget_bytes: int) -> dict:

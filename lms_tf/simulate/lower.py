@@ -306,27 +306,28 @@ def _host_update_template(ir: GraphIR) -> _HostUpdate:
         on_device = update_products_on_device(ir)
         order = tuple(op.name for op in ir.ops
                       if op.phase is Phase.UPDATE and not op.is_alias and op.name not in on_device)
-        update = _HostUpdate(frozenset(order), on_device, order, {}, {})
-        plain = Lowered(ir, None)
-        return dataclasses.replace(
-            update, reads={name: _update_reads(plain, ir.op(name), update) for name in order},
-            buffers={name: _host_buffers(plain, ir.op(name), update.ops) for name in order})
+        ops, plain = frozenset(order), Lowered(ir, None)
+        return _HostUpdate(ops, on_device, order,
+                           reads={name: _update_reads(plain, ir.op(name), ops, on_device) for name in order},
+                           buffers={name: _host_buffers(plain, ir.op(name), ops) for name in order})
 
     return ir.memo("_host_update_template", build)
 
 
-def _update_reads(b: "Lowered", op: OpInfo, update: _HostUpdate) -> Tuple[Tuple[str, str, int, Tuple[str, ...]], ...]:
-    """The device buffers ``op`` (of the update on the host) reads, as ``b``'s reads resolve:
-    ``(buffer, its producer, bytes, the weight gradients crossing as it)`` each; not the update's
-    own outputs, nor what is not step memory (variables, constants, inputs)."""
+def _update_reads(b: "Lowered", op: OpInfo, host_update: AbstractSet[str],
+                  on_device: AbstractSet[str]) -> Tuple[Tuple[str, str, int, Tuple[str, ...]], ...]:
+    """The device buffers ``op`` (of the update on the host, ``host_update``) reads, as ``b``'s
+    reads resolve: ``(buffer, its producer, bytes, the weight gradients crossing as it)`` each
+    (``on_device``: the update's products the device keeps); not the update's own outputs, nor
+    what is not step memory (variables, constants, inputs)."""
     ir, found = b.ir, []
     for t in op.inputs:
         source = b.source(op.name, t)
         producer = ir.tensors[source].producer if source in ir.tensors else None
-        if producer is None or producer in update.ops or not b.counted(source):
+        if producer is None or producer in host_update or not b.counted(source):
             continue
         found.append((source, producer, ir.tensors[source].nbytes or 0,
-                      tuple(gradients_crossing_as(ir, source, update.on_device))))
+                      tuple(gradients_crossing_as(ir, source, on_device))))
     return tuple(found)
 
 
@@ -653,7 +654,8 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         update = _host_update_template(ir)
         host_update = update.ops
         for name in update.order:
-            reads = _update_reads(b, ir.op(name), update) if name in rebuilt else update.reads[name]
+            reads = (_update_reads(b, ir.op(name), host_update, update.on_device) if name in rebuilt
+                     else update.reads[name])
             for source, producer, nbytes, gradients in reads:
                 key = f"{TO_HOST_PREFIX}{source}"
                 _once(extra_after[producer],
