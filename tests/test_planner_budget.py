@@ -633,10 +633,13 @@ def test_remembered_replays_do_not_change_the_plan(name, monkeypatch):
     assert fresh == remembered
 
 
-@pytest.mark.parametrize("name, weights", [("resnet_style", "device"), ("inception_style", "device"),
-                                           ("shared_multi_input_residual", "device"), ("text_embedding", "device"),
-                                           ("resnet_style", "host"), ("text_embedding", "host")])
-def test_lowering_from_the_plain_template_equals_lowering_from_scratch(name, weights, monkeypatch):
+# A budget at which each search tries every kind of rewrite its comparison must cover (the fetches'
+# waits for gradients only where the backward pass outruns the copies out).
+@pytest.mark.parametrize("name, weights, fraction", [
+    ("resnet_style", "device", 0.45), ("inception_style", "device", 0.45),
+    ("shared_multi_input_residual", "device", 0.45), ("text_embedding", "device", 0.45),
+    ("resnet_style", "host", 0.5), ("text_embedding", "host", 0.45)])
+def test_lowering_from_the_plain_template_equals_lowering_from_scratch(name, weights, fraction, monkeypatch):
     """Lowering takes the ops a plan leaves alone from a per-IR template of the plain step (reads,
     writes, waits), and with weights on the host the update's ops from a template of the update
     there (the gradients each copies in, the host buffers it reads and writes). Every plan a
@@ -652,7 +655,7 @@ def test_lowering_from_the_plain_template_equals_lowering_from_scratch(name, wei
     model, (x, _) = zoo.FIT_ZOO[name]()
     ir = build_ir(_unbatched_step_graph(model, x), batch_size=64)
     cost = CostModel(get_device_spec("v100-16gb-pcie3"))
-    step = PlanningStep.build(ir, Policies(host="/CPU:1", budget="45%", recompute="auto", weights=weights),
+    step = PlanningStep.build(ir, Policies(host="/CPU:1", budget=fraction, recompute="auto", weights=weights),
                               device="/device:GPU:0", cost=cost)
     plans = []
 
@@ -661,7 +664,7 @@ def test_lowering_from_the_plain_template_equals_lowering_from_scratch(name, wei
         return simulate(ir_, plan, **kwargs)
 
     monkeypatch.setattr(fit_check, "simulate", recording)
-    BudgetSearch(step).fit(int(0.45 * step.baseline.peak_bytes))
+    BudgetSearch(step).fit(int(fraction * step.baseline.peak_bytes))
     monkeypatch.undo()
     kinds = {"swap": any(p.swapped for p in plans), "recompute": any(p.recomputed for p in plans),
              "ordering": any(p.orderings for p in plans)}

@@ -17,8 +17,8 @@ from lms_tf.planner import make_budget_plan
 from lms_tf.planner.fit_check import plan_key
 from lms_tf.planner.step import PlanningStep
 from lms_tf.planner.weights import forward_gates, plan_weights, timed_fetches
-from lms_tf.planner.timing import (assemble, delayed_fetches, gradients_on_device_at_peak, idle_fetches, timed_weights,
-                                   waitable_gradient)
+from lms_tf.planner.timing import (Tools, assemble, delayed_fetches, gradients_on_device_at_peak, idle_fetches,
+                                   timed_weights, waitable_gradient)
 from lms_tf.simulate import simulate
 
 MiB = 2**20
@@ -245,3 +245,64 @@ def test_variables_the_host_cannot_hold_are_refused_before_the_search(monkeypatc
     with pytest.raises(HostBudgetError, match=r"the plan fits the device but holds 1\.0 MiB") as err:
         make_budget_plan(weighted_chain_ir(), at, device="/device:GPU:0", cost=cost)
     assert err.value.host_needed_bytes == 2 * weights and searched
+
+
+def _conv_pair_ir():
+    """Two convolutions, ``x -> conv(w1) -> relu -> conv(w2) -> relu -> sum``, with the gradient
+    TensorFlow builds for a convolution: one ``ShapeN`` of the layer's input and kernel (indexed with
+    the backward pass, ready as soon as the forward layer's input exists), the input gradient
+    reading the kernel, the filter gradient reading the input."""
+    act, kernel = (8, 64, 64, 32), (3, 3, 32, 32)
+    return make_ir([
+        dict(name="x", type="Placeholder", outputs=[("x:0", act)]),
+        dict(name="w1", type="Placeholder", outputs=[("w1:0", (), "resource")]),
+        dict(name="w2", type="Placeholder", outputs=[("w2:0", (), "resource")]),
+        dict(name="rw1", type="ReadVariableOp", inputs=["w1:0"], outputs=[("rw1:0", kernel)]),
+        dict(name="rw2", type="ReadVariableOp", inputs=["w2:0"], outputs=[("rw2:0", kernel)]),
+        dict(name="c1", type="Conv2D", inputs=["x:0", "rw1:0"], outputs=[("c1:0", act)]),
+        dict(name="r1", type="Relu", inputs=["c1:0"], outputs=[("r1:0", act)]),
+        dict(name="c2", type="Conv2D", inputs=["r1:0", "rw2:0"], outputs=[("c2:0", act)]),
+        dict(name="r2", type="Relu", inputs=["c2:0"], outputs=[("r2:0", act)]),
+        dict(name="loss", type="Sum", inputs=["r2:0"], outputs=[("loss:0", (1,))]),
+        dict(name="gr2", type="Fill", phase="backward", inputs=["loss:0"], outputs=[("gr2:0", act)]),
+        dict(name="g2", type="ReluGrad", phase="backward", inputs=["gr2:0", "r2:0"], outputs=[("g2:0", act)]),
+        dict(name="sn2", type="ShapeN", phase="backward", inputs=["r1:0", "rw2:0"],
+             outputs=[("sn2:0", (4,), "int32"), ("sn2:1", (4,), "int32")]),
+        dict(name="bi2", type="Conv2DBackpropInput", phase="backward", inputs=["sn2:0", "rw2:0", "g2:0"],
+             outputs=[("bi2:0", act)]),
+        dict(name="bf2", type="Conv2DBackpropFilter", phase="backward", inputs=["r1:0", "sn2:1", "g2:0"],
+             outputs=[("bf2:0", kernel)]),
+        dict(name="g1", type="ReluGrad", phase="backward", inputs=["bi2:0", "r1:0"], outputs=[("g1:0", act)]),
+        dict(name="sn1", type="ShapeN", phase="backward", inputs=["x:0", "rw1:0"],
+             outputs=[("sn1:0", (4,), "int32"), ("sn1:1", (4,), "int32")]),
+        dict(name="bf1", type="Conv2DBackpropFilter", phase="backward", inputs=["x:0", "sn1:1", "g1:0"],
+             outputs=[("bf1:0", kernel)]),
+        dict(name="u2", type="ResourceApplyGradientDescent", phase="update", inputs=["w2:0", "bf2:0"], outputs=[]),
+        dict(name="u1", type="ResourceApplyGradientDescent", phase="update", inputs=["w1:0", "bf1:0"], outputs=[]),
+    ], function_inputs=["x"])
+
+
+def test_a_convolution_gradients_shape_reader_takes_the_forward_fetch_and_frees_the_layer_input():
+    """A kernel's ``ShapeN`` belongs to the forward window: in the backward window it read the
+    backward fetch, so it ran only when that copy arrived, and held the layer's input (swapped out
+    or not) on the device until then. Seen on VGG16 with its weights on the host: each
+    ``block1`` activation (196 MiB) stayed on the device through the whole backward pass."""
+    ir = _conv_pair_ir()
+    planned = {w.variable: w for w in plan_weights(ir, Policies(weights="host", swapin_groupby=1))}
+    assert [f.consumers for f in planned["w2:0"].fetches] == [("c2", "sn2"), ("bi2",)]
+    # The first layer has no input gradient: its kernel is fetched once, for the forward layer
+    # and its shape reader (it took a fetch of its own, for the ShapeN alone, before).
+    assert [f.consumers for f in planned["w1:0"].fetches] == [("c1", "sn1")]
+    # Replayed, the shape reader runs in the forward pass, right after the layer's input exists,
+    # and the swapped input leaves the device when its copy out ends, long before the backward pass.
+    step = PlanningStep.build(ir, Policies(host="/CPU:1", weights="host", budget=1 << 40, swapin_groupby=1),
+                              device="/device:GPU:0", cost=H100)
+    plan = assemble(step, {"r1:0"}, {}, Tools(throttle=True))
+    assert [f.consumers for f in _by_variable(plan.weights)["w2:0"].fetches] == [("c2", "sn2"), ("bi2",)]
+    sim = simulate(ir, plan, cost=H100)
+    assert sim.op_intervals["sn2"][1] <= sim.op_intervals["loss"][0]
+    assert sim.op_intervals["sn2"][0] >= sim.op_intervals["r1"][1]
+
+
+def _by_variable(weights):
+    return {w.variable: w for w in weights}

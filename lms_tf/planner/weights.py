@@ -27,7 +27,8 @@ import dataclasses
 from typing import AbstractSet, Callable, Dict, List, Mapping, Optional, Tuple
 
 from lms_tf.core.ir import GraphIR, OpInfo, Phase, same_device
-from lms_tf.core.op_kinds import CONSTANT_TYPES, CONTROL_FLOW_OP_TYPES, RESIDENT_TYPES, STATE_READ_TYPES
+from lms_tf.core.op_kinds import (CONSTANT_TYPES, CONTROL_FLOW_OP_TYPES, METADATA_READER_TYPES, RESIDENT_TYPES,
+                                  STATE_READ_TYPES)
 from lms_tf.core.plan import Decision, SwapIn, WeightDecision
 from lms_tf.core.policy import Policies
 from lms_tf.planner.candidates import backward_gates, regrouped_with_a_reader
@@ -183,14 +184,53 @@ def _leads_to_the_step(ir: GraphIR, op: OpInfo, on_data: set, hops: int = 3) -> 
     return any(_leads_to_the_step(ir, ir.op(c), on_data, hops - 1) for t in op.outputs for c in ir.tensors[t].consumers)
 
 
-def _windows(readers: List[OpInfo], groupby: int) -> List[List[OpInfo]]:
+def _windows(ir: GraphIR, readers: List[OpInfo], groupby: int, forms: AbstractSet[str]) -> List[List[OpInfo]]:
+    """``readers`` of one variable (read as ``forms``) in windows: runs of ops within ``groupby``
+    of the window's first. A reader of shapes only joins the first window still running when it
+    becomes ready (:func:`ready_position`)."""
     windows: List[List[OpInfo]] = []
+    shape_readers = []
     for op in sorted(readers, key=lambda o: o.index):
-        if windows and op.index - windows[-1][0].index <= groupby:
+        if op.type in METADATA_READER_TYPES:
+            shape_readers.append(op)
+        elif windows and op.index - windows[-1][0].index <= groupby:
             windows[-1].append(op)
         else:
             windows.append([op])
+    for op in shape_readers:
+        ready = ready_position(ir, op, forms)
+        window = next((w for w in windows if w[-1].index >= ready), None)
+        if window is None:
+            windows.append([op])
+        else:
+            window.append(op)
     return windows
+
+
+def ready_position(ir: GraphIR, op: OpInfo, forms: AbstractSet[str]) -> float:
+    """Where ``op`` takes its place among a weight's readers: its index in the step, except for a
+    reader of shapes only (:data:`~lms_tf.core.op_kinds.METADATA_READER_TYPES`), which
+    TensorFlow's executor runs as soon as its inputs exist. A convolution's gradient takes the
+    shapes of its input and kernel with one ``ShapeN``, indexed with the backward pass but ready as
+    soon as the forward layer's input exists: in the backward window it would read the backward
+    fetch, and hold the layer's input on the device (swapped out or not) until that fetch arrives.
+    It belongs to the window of the forward layer that runs when it becomes ready (a reader of the
+    weight alone is ready at the step's start).
+
+    Examples:
+        >>> from lms_tf.core import make_ir
+        >>> ir = make_ir([dict(name="x", type="Placeholder", outputs=[("x:0", (2, 4))]),
+        ...               dict(name="w", type="ReadVariableOp", outputs=[("w:0", (4, 4))]),
+        ...               dict(name="y", type="MatMul", inputs=["x:0", "w:0"], outputs=[("y:0", (2, 4))]),
+        ...               dict(name="shapes", type="ShapeN", inputs=["x:0", "w:0"],
+        ...                    outputs=[("shapes:0", (2,)), ("shapes:1", (2,))])])
+        >>> ready_position(ir, ir.op("y"), {"w:0"}), ready_position(ir, ir.op("shapes"), {"w:0"})
+        (2, 0.5)
+    """
+    if op.type not in METADATA_READER_TYPES:
+        return op.index
+    made = [ir.op(ir.tensors[t].producer).index for t in op.inputs if t not in forms and ir.tensors[t].producer]
+    return max(made) + 0.5 if made else -1.0
 
 
 def weight_view(ir: GraphIR, read: str) -> str:
@@ -301,7 +341,7 @@ def weight_candidates(ir: GraphIR, policies: Policies) -> Tuple[WeightDecision, 
             continue
         info = ir.tensors[names[0]]
         fetches = []
-        for window in _windows(list(readers[handle].values()), policies.swapin_groupby):
+        for window in _windows(ir, list(readers[handle].values()), policies.swapin_groupby, frozenset(names)):
             before = bisect.bisect_left(positions, window[0].index)
             trigger = gates[max(0, before - policies.swapin_ahead)].name if before > 0 else ""
             fetches.append(SwapIn(trigger, tuple(op.name for op in window)))
