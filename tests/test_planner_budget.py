@@ -879,11 +879,16 @@ def test_largest_batch_bisects_and_lms_fits_a_larger_one():
         answers[with_lms] = best
     assert 20 < answers[False] < 64 and answers[False] & (answers[False] - 1)  # not a power of two: bisected
     assert answers[True] > answers[False]
-    # The CLI starts the lms-tf search from the plain answer (it fits with lms-tf too), with fewer tries.
+    # The CLI starts the lms-tf search from the plain answer (it fits with lms-tf too), with fewer
+    # tries. Its path differs, and the planner's verdict is not monotone in the batch here (84-88
+    # and 94-103 fit, 89-93 do not, with or without swapping in twice): it ends on a boundary,
+    # maybe another one.
     tried = []
     best, _ = largest_batch(ir_for_batch, policies, cost, True, 4096, device="/device:CPU:0",
                             known_good=answers[False], progress=lambda batch, ok: tried.append(batch))
-    assert best == answers[True] and min(tried) > answers[False]
+    assert min(tried) > answers[False] and best > answers[False]
+    assert fits(ir_for_batch, best, policies, cost, True, device="/device:CPU:0")[0]
+    assert not fits(ir_for_batch, best + 1, policies, cost, True, device="/device:CPU:0")[0]
     # Two batches per round (the next, and the one after it if that fits), planned in two forked
     # processes (sizes by arithmetic: the forks never call TensorFlow), take the same path to the
     # same answers in fewer rounds.

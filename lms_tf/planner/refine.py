@@ -15,7 +15,7 @@ from lms_tf.core.plan import Plan
 from lms_tf.planner.bases import recompute_only
 from lms_tf.planner.candidates import clonable
 from lms_tf.planner.recompute import checkpoint_gates
-from lms_tf.planner.timing import Tools, assemble
+from lms_tf.planner.timing import Tools, assemble, split_swap_ins
 from lms_tf.simulate import Simulation
 
 if TYPE_CHECKING:
@@ -78,7 +78,8 @@ def recompute_checkpoints(search: "BudgetSearch", budget_bytes: int, plan: Plan,
             also = {**dropped, decision.tensor: gate}
             recomputed = recompute_only(search.step, *policy, also=also)
             swap = {d.tensor for d in plan.swapped} - set(also)
-            candidate = assemble(search.step, swap, recomputed, tools, plan.orderings, weights=plan.weights)
+            candidate = assemble(search.step, swap, recomputed, tools, plan.orderings, weights=plan.weights,
+                                 split=split_swap_ins(plan))
             try:
                 candidate_sim = search.check.simulate(candidate)
             except PlanCycleError:
@@ -146,7 +147,7 @@ def retime_swap_ins(search: "BudgetSearch", budget_bytes: int, plan: Plan, sim: 
     for decision in sorted(plan.swapped, key=lambda d: -(d.nbytes or 0)):
         for lead in RETIME_LEADS:
             candidate = assemble(search.step, swap, recomputed, tools, plan.orderings, {**leads, decision.tensor: lead},
-                                 weights=plan.weights)
+                                 weights=plan.weights, split=split_swap_ins(plan))
             try:
                 candidate_sim = search.check.simulate(candidate)
             except PlanCycleError:

@@ -5,20 +5,23 @@ rounds swap what sits idle in device memory at the simulated peak (produced befo
 after it), cheapest per byte first (:mod:`~lms_tf.planner.timing`), until the bytes over budget
 are covered; the step is replayed (:mod:`~lms_tf.planner.fit_check`) and the rounds repeat until
 it fits or the link is saturated. When no swap lowers the peak, two backward branches alive at it
-are made to run one after the other (:mod:`~lms_tf.planner.ordering`). The fitting plan with the
+are made to run one after the other (:mod:`~lms_tf.planner.ordering`); when that does not either,
+a swapped tensor whose copy is on the device at the peak is brought back twice, around an op
+between its readers (:meth:`BudgetSearch.swap_in_twice`). The fitting plan with the
 least predicted step time wins, and is then refined (:mod:`~lms_tf.planner.refine`).
 
 Examples:
-    >>> MAX_ROUNDS, LOWER_AIMS, GRADIENT_WAITS_TRIED
-    (40, 2, 3)
+    >>> MAX_ROUNDS, LOWER_AIMS, GRADIENT_WAITS_TRIED, SWAPPED_IN_TWICE_TRIED, OPS_AROUND_TRIED
+    (40, 2, 3, 3, 2)
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Mapping, Optional, Set, Tuple
+from typing import Dict, Iterable, Mapping, Optional, Set, Tuple
 
 from lms_tf.core.errors import PlanCycleError
+from lms_tf.core.op_kinds import SWAP_IN_PREFIX
 from lms_tf.core.plan import Ordering, Plan, TensorDecision, WeightDecision
 from lms_tf.planner.bases import compute_floor, recompute_bases
 from lms_tf.planner.fit_check import FitCheck
@@ -26,7 +29,8 @@ from lms_tf.planner.ordering import ORDERING_PAIRS, BranchOrdering
 from lms_tf.planner.refine import lower_the_lowest, recompute_checkpoints, recomputed_checkpoints_label, retime_swap_ins
 from lms_tf.planner.step import PlanningStep
 from lms_tf.planner.timing import (DELAYED_FETCH_LEADS, Tools, assemble, delayed_fetches, fetches_after,
-                                   gradients_on_device_at_peak, idle_fetches, swap_round, waiting_for_gradient)
+                                   gradients_on_device_at_peak, idle_fetches, ops_between_readers, split_swap_ins,
+                                   swap_round, waiting_for_gradient)
 from lms_tf.simulate import Simulation
 
 logger = logging.getLogger("lms_tf")
@@ -40,6 +44,11 @@ LOWER_AIMS = 2
 #: How many weight fetches after a gradient still being copied out at the peak the planner tries
 #: making wait for that copy, in turn (the one the peak op reads first, then the nearest before it).
 GRADIENT_WAITS_TRIED = 3
+#: How many swapped tensors whose copy waits through the op at the peak the planner tries
+#: swapping in twice around it, in turn (the largest first).
+SWAPPED_IN_TWICE_TRIED = 3
+#: For each, how many of the ops between its readers it tries being swapped in twice around.
+OPS_AROUND_TRIED = 2
 
 
 class BudgetSearch:
@@ -84,14 +93,14 @@ class BudgetSearch:
             sim = self.check.simulate(plan)
         else:
             (plan, sim), swap, orderings = start, {d.tensor for d in start[0].swapped}, start[0].orderings
-        weights = plan.weights
+        weights, split = plan.weights, split_swap_ins(plan)
         ir, cost = self.step.ir, self.step.cost
         link_busy = sum(cost.transfer_time(ir.tensors[t].nbytes or 0, "device_to_host") for t in swap)
         for _ in range(MAX_ROUNDS):
             if sim.held_bytes <= budget_bytes:
                 break
-            delayed = (self.delay_a_fetch(sim, swap, recomputed, tools, orderings, weights)
-                       or self.wait_for_a_gradient(sim, swap, recomputed, tools, orderings, weights))
+            delayed = (self.delay_a_fetch(sim, swap, recomputed, tools, orderings, weights, split)
+                       or self.wait_for_a_gradient(sim, swap, recomputed, tools, orderings, weights, split))
             if delayed is not None:
                 logger.debug("planner round: peak %d -> %d fetching a weight later (or after a gradient)", sim.peak_bytes,
                              delayed[1].peak_bytes)
@@ -101,7 +110,7 @@ class BudgetSearch:
             swapped = (swap_round(self.step, budget_bytes, sim, swap, recomputed, link_busy)
                        if self.step.policies.swap else None)
             if swapped is not None:
-                candidate = assemble(self.step, swapped[0], recomputed, tools, orderings, weights=weights)
+                candidate = assemble(self.step, swapped[0], recomputed, tools, orderings, weights=weights, split=split)
                 candidate_sim = self.check.simulate(candidate)
                 logger.debug("planner round: peak %d -> %d swapping %d tensors", sim.peak_bytes,
                              candidate_sim.peak_bytes, len(swapped[0]))
@@ -110,9 +119,19 @@ class BudgetSearch:
                     swap, link_busy = swapped
                     plan, sim = candidate, candidate_sim
                     continue
-            ordered = self.order_branches(sim, swap, recomputed, tools, orderings, weights) if tools.order else None
+            ordered = (self.order_branches(sim, swap, recomputed, tools, orderings, weights, split) if tools.order
+                       else None)
             if ordered is None:
-                break
+                # The last resort (an extra copy, and a search that went this far before it
+                # existed is left as it was): a copy at the peak brought back twice.
+                twice = self.swap_in_twice(sim, swap, recomputed, tools, orderings, weights, split)
+                if twice is None:
+                    break
+                logger.debug("planner round: peak %d -> %d swapping a tensor in twice", sim.peak_bytes,
+                             twice[1].peak_bytes)
+                plan, sim = twice
+                orderings, split = plan.orderings, split_swap_ins(plan)
+                continue
             logger.debug("planner round: peak %d -> %d ordering backward branches", sim.peak_bytes,
                          ordered[1].peak_bytes)
             plan, sim = ordered
@@ -120,8 +139,8 @@ class BudgetSearch:
         return plan, sim
 
     def delay_a_fetch(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
-                      tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...]
-                      ) -> Optional[Tuple[Plan, Simulation]]:
+                      tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...],
+                      split: Optional[Mapping[str, str]] = None) -> Optional[Tuple[Plan, Simulation]]:
         """Lowers the peak by fetching later the largest weight that waits idle on the device at
         it (:func:`~lms_tf.planner.timing.idle_fetches`), with the first of
         :data:`~lms_tf.planner.timing.DELAYED_FETCH_LEADS` that lowers it: its window may then wait
@@ -135,11 +154,11 @@ class BudgetSearch:
         """
         tried = (delayed_fetches(self.step, weights, weight.variable, lead)
                  for _, weight in idle_fetches(self.step, sim, weights) for lead in DELAYED_FETCH_LEADS)
-        return self._first_lower(sim, swap, recomputed, tools, orderings, (w for w in tried if w != weights))
+        return self._first_lower(sim, swap, recomputed, tools, orderings, (w for w in tried if w != weights), split)
 
     def wait_for_a_gradient(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
-                            tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...]
-                            ) -> Optional[Tuple[Plan, Simulation]]:
+                            tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...],
+                            split: Optional[Mapping[str, str]] = None) -> Optional[Tuple[Plan, Simulation]]:
         """Lowers the peak by holding the backward pass back until the largest weight gradient still
         being copied to the host at it has arrived (and left the device): a weight fetch after the
         gradient (:func:`~lms_tf.planner.timing.fetches_after`, at most :data:`GRADIENT_WAITS_TRIED`)
@@ -154,14 +173,58 @@ class BudgetSearch:
         tried = (waiting_for_gradient(weights, variable, window, gradient)
                  for _, gradient in gradients_on_device_at_peak(self.step, sim)[:1]
                  for variable, window in fetches_after(self.step, sim, weights, gradient)[:GRADIENT_WAITS_TRIED])
-        return self._first_lower(sim, swap, recomputed, tools, orderings, tried)
+        return self._first_lower(sim, swap, recomputed, tools, orderings, tried, split)
+
+    def swap_in_twice(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
+                      tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...],
+                      split: Optional[Mapping[str, str]] = None) -> Optional[Tuple[Plan, Simulation]]:
+        """Lowers the peak when a swapped tensor's copy is on the device at it, brought back for
+        readers on both sides of an op: the readers that need not wait for that op get a swap-in of
+        their own and run before it, the others a second swap-in started when it ends
+        (:func:`~lms_tf.planner.timing.readers_around`). The ops between the readers that run
+        nearest the peak are tried (:func:`~lms_tf.planner.timing.ops_between_readers`, at most
+        :data:`OPS_AROUND_TRIED`), the copy at the peak largest first (at most
+        :data:`SWAPPED_IN_TWICE_TRIED` of them); the lowest wins. It costs one more copy.
+        None if no such copy, or no split lowers the peak.
+
+        Examples:
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.example()   # nothing swapped: no copy to split
+            >>> BudgetSearch(step).swap_in_twice(step.baseline, set(), {}, Tools(), (), ()) is None
+            True
+        """
+        split = dict(split or {})
+        copies: Dict[str, int] = {}  # swapped tensor -> bytes of its copy on the device at the peak
+        for key, nbytes in sim.live_at_peak:
+            if key.startswith(SWAP_IN_PREFIX):
+                tensor = key[len(SWAP_IN_PREFIX):].rsplit("/", 1)[0]
+                if tensor in swap and tensor not in split:
+                    copies[tensor] = max(copies.get(tensor, 0), nbytes)
+        best = None
+        for _, tensor in sorted((-nbytes, tensor) for tensor, nbytes in copies.items())[:SWAPPED_IN_TWICE_TRIED]:
+            between = ops_between_readers(self.step, tensor)
+            # The ops that run nearest the peak first (a tensor read early and late in a block's
+            # backward pass has many ops between its readers; each try is a replay).
+            between.sort(key=lambda op: abs(sim.op_intervals.get(op, (float("inf"),))[0] - sim.peak_time_s))
+            for op in between[:OPS_AROUND_TRIED]:
+                plan = assemble(self.step, swap, recomputed, tools, orderings, weights=weights,
+                                split={**split, tensor: op})
+                try:
+                    candidate = self.check.simulate(plan)
+                except PlanCycleError:
+                    continue  # the wait against a gate or another ordering
+                if candidate.held_bytes < (best or (None, sim))[1].held_bytes:
+                    best = (plan, candidate)
+            if best is not None:
+                return best
+        return None
 
     def _first_lower(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision], tools: Tools,
-                     orderings: Tuple[Ordering, ...], tried: Iterable[Tuple[WeightDecision, ...]]
-                     ) -> Optional[Tuple[Plan, Simulation]]:
+                     orderings: Tuple[Ordering, ...], tried: Iterable[Tuple[WeightDecision, ...]],
+                     split: Optional[Mapping[str, str]] = None) -> Optional[Tuple[Plan, Simulation]]:
         """The first of the weight decisions ``tried`` with which the plan holds less than ``sim``, and its replay."""
         for weights in tried:
-            plan = assemble(self.step, swap, recomputed, tools, orderings, weights=weights)
+            plan = assemble(self.step, swap, recomputed, tools, orderings, weights=weights, split=split)
             try:
                 candidate = self.check.simulate(plan)
             except PlanCycleError:
@@ -172,7 +235,8 @@ class BudgetSearch:
 
     def order_branches(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
                        tools: Tools, orderings: Tuple[Ordering, ...],
-                       weights: Optional[Tuple[WeightDecision, ...]] = None) -> Optional[Tuple[Plan, Simulation]]:
+                       weights: Optional[Tuple[WeightDecision, ...]] = None,
+                       split: Optional[Mapping[str, str]] = None) -> Optional[Tuple[Plan, Simulation]]:
         """Lowers the peak by running two backward branches alive at it one after the other
         (either order, whichever simulates lower); None if no ordering lowers it.
 
@@ -190,7 +254,8 @@ class BudgetSearch:
                 ordering = self.branches.ordering(first, then)
                 if ordering is None:
                     continue
-                plan = assemble(self.step, swap, recomputed, tools, orderings + (ordering,), weights=weights)
+                plan = assemble(self.step, swap, recomputed, tools, orderings + (ordering,), weights=weights,
+                                split=split)
                 try:
                     candidate = self.check.simulate(plan)
                 except PlanCycleError:

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from typing import Dict, List, Mapping, Optional, Set, Tuple
 
-from lms_tf.core.ir import Phase, layer_of, same_device
+from lms_tf.core.ir import OpInfo, Phase, layer_of, same_device
 from lms_tf.core.op_kinds import TO_HOST_PREFIX, is_hyperparameter
 from lms_tf.core.plan import Decision, Ordering, Plan, SwapIn, TensorDecision, WeightDecision
 from lms_tf.planner.step import PlanningStep
@@ -57,10 +57,14 @@ class Tools:
     throttle: bool = False
 
 
-def timed_swap(step: PlanningStep, tensor: str, distance: int, lead: float = 1.0) -> Optional[TensorDecision]:
+def timed_swap(step: PlanningStep, tensor: str, distance: int, lead: float = 1.0,
+               around: Optional[str] = None) -> Optional[TensorDecision]:
     """A SWAP decision whose swap-ins start just early enough for the copy back to end
     before their consumers (by the baseline's predicted times; ``lead`` scales that head
     start, 0 = right before them); None if no backward op runs early enough to trigger one.
+    With ``around`` (a backward op, see :func:`readers_around`), two swap-ins: one for the
+    readers that need not wait for that op, timed as above, and one for the others, started
+    when that op ends.
 
     Examples:
         >>> from lms_tf.core.examples import MiB
@@ -75,17 +79,24 @@ def timed_swap(step: PlanningStep, tensor: str, distance: int, lead: float = 1.0
     copy_back = step.cost.transfer_time(info.nbytes or 0, "host_to_device")
     intervals = step.baseline.op_intervals
     groups: List[List] = []
-    for consumer in sorted(found.backward_of[tensor], key=lambda c: c.index):
-        if groups and consumer.index - groups[-1][0].index <= step.policies.swapin_groupby:
-            groups[-1].append(consumer)
-        else:
-            groups.append([consumer])
+    split = readers_around(step, tensor, around) if around is not None else None
+    if split is not None:
+        groups = [list(split[0])]
+    else:
+        for consumer in sorted(found.backward_of[tensor], key=lambda c: c.index):
+            if groups and consumer.index - groups[-1][0].index <= step.policies.swapin_groupby:
+                groups[-1].append(consumer)
+            else:
+                groups.append([consumer])
     swap_ins = []
     for group in groups:
-        position = found.gates_before(group[0].index) - 1
+        # The first swap-in of a split comes before the op the second waits for, which waits for
+        # its readers: its trigger is counted back from whichever of them comes first.
+        head = group[0] if split is None else min(group[0], ir.op(around), key=lambda op: op.index)
+        position = found.gates_before(head.index) - 1
         if position < 0:
             return None
-        deadline = intervals.get(group[0].name, (0.0, 0.0))[0] - lead * copy_back
+        deadline = intervals.get(head.name, (0.0, 0.0))[0] - lead * copy_back
         # Alias ops (Reshape, Identity) take no time of their own and have no interval: walk past them.
         while lead > 0 and position > 0 and \
                 intervals.get(found.gates[position].name, (0.0, float("inf")))[1] > deadline:
@@ -93,8 +104,75 @@ def timed_swap(step: PlanningStep, tensor: str, distance: int, lead: float = 1.0
         swap_ins.append(SwapIn(found.gates[position].name, tuple(c.name for c in group)))
     reason = ("swap (copy hidden behind compute)" if swap_exposed(step, tensor) <= 0 else
               "swap (cheapest per byte freed)")
+    if split is not None:
+        swap_ins.append(SwapIn(around, tuple(c.name for c in split[1])))
+        reason += f"; swapped in again after {around} (one copy for all its readers was on the device through it)"
     return TensorDecision(tensor, layer_of(info.producer), info.shape, info.nbytes, Decision.SWAP, reason,
                           distance, tuple(swap_ins))
+
+
+def readers_around(step: PlanningStep, tensor: str, op: str) -> Optional[Tuple[Tuple[OpInfo, ...], Tuple[OpInfo, ...]]]:
+    """The backward readers of ``tensor`` split around the backward op ``op`` (which does not read
+    it): those that need not wait for ``op`` (no path from it), and those that do, each in run
+    order; None unless both are there and ``op`` can trigger a swap-in. A swap-in shared by both
+    holds the copy on the device while ``op`` runs; two swap-ins, with ``op`` waiting for the
+    first readers, do not (a convolution's filter gradient and the previous layer's ``ReluGrad``
+    both read the layer's input, and the input gradient, the layer's largest op, runs between them).
+
+    Examples:
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
+        >>> readers_around(step, "a:0", "g2") is None   # a's only backward reader waits for g2
+        True
+    """
+    ir, found = step.ir, step.found
+    readers = sorted(found.backward_of[tensor], key=lambda c: c.index)
+    if not readers or op in {r.name for r in readers} or op not in step.__dict__.setdefault(
+            "_gate_names", frozenset(g.name for g in found.gates)):
+        return None
+    last = readers[-1].index
+    after, frontier = {op}, [op]
+    while frontier:  # the ops that wait for op, up to the last reader
+        for t in ir.op(frontier.pop()).outputs:
+            for consumer in ir.tensors[t].consumers:
+                if consumer not in after and ir.op(consumer).index <= last:
+                    after.add(consumer)
+                    frontier.append(consumer)
+    first = tuple(r for r in readers if r.name not in after)
+    then = tuple(r for r in readers if r.name in after)
+    return (first, then) if first and then else None
+
+
+def ops_between_readers(step: PlanningStep, tensor: str) -> List[str]:
+    """The backward ops a swapped copy of ``tensor`` could be brought back twice around
+    (:func:`readers_around`), in run order: gates among its readers, or up to ``swapin_groupby``
+    ops before the first (TensorFlow builds a convolution's input gradient before its filter
+    gradient, and the filter gradient is the first reader of the layer's input).
+
+    Examples:
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
+        >>> ops_between_readers(step, "a:0")   # one reader: nothing between
+        []
+    """
+    readers = sorted(step.found.backward_of[tensor], key=lambda c: c.index)
+    if len(readers) < 2:
+        return []
+    low, high = readers[0].index - step.policies.swapin_groupby, readers[-1].index
+    return [g.name for g in step.found.gates if low <= g.index <= high and readers_around(step, tensor, g.name)]
+
+
+def split_swap_ins(plan: Plan) -> Dict[str, str]:
+    """The swapped tensors of ``plan`` swapped in twice around an op (:func:`timed_swap` with
+    ``around``), each with that op: what :func:`assemble` takes as ``split`` to build them again.
+
+    Examples:
+        >>> split_swap_ins(Plan((), "/device:GPU:0", "/device:CPU:0", {}, {}))
+        {}
+    """
+    waits = {(o.waiters, o.after) for o in plan.orderings}
+    return {d.tensor: d.swap_ins[1].trigger for d in plan.swapped
+            if len(d.swap_ins) == 2 and ((d.swap_ins[1].trigger,), d.swap_ins[0].consumers) in waits}
 
 
 def window(step: PlanningStep, tensor: str) -> float:
@@ -211,14 +289,16 @@ def swap_out_waits(step: PlanningStep, swapped: List[TensorDecision]) -> Dict[st
 
 def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, TensorDecision], tools: Tools = Tools(),
              orderings: Tuple[Ordering, ...] = (), leads: Optional[Mapping[str, float]] = None,
-             weights: Optional[Tuple[WeightDecision, ...]] = None) -> Plan:
+             weights: Optional[Tuple[WeightDecision, ...]] = None, split: Optional[Mapping[str, str]] = None) -> Plan:
     """The plan of these choices: ``swap`` swapped (timed by :func:`timed_swap`, with ``leads`` scaling
     their head starts), ``recomputed`` recomputed, the rest kept; with ``tools.throttle`` the forward pass
     waits for its copies out and swap-ins lag behind the compute, and each weight fetch keeps the rule's
     trigger (``swapin_ahead`` gates before its window) instead of the earliest that hides its copy (a
     link-bound step fetches every weight at its start to save time, and holds them all). ``weights``,
     when given, are the weight decisions to keep (a plan's, some fetches delayed by
-    :func:`delayed_fetches`) instead of those timings.
+    :func:`delayed_fetches`) instead of those timings. ``split`` maps swapped tensors to the op
+    they are swapped in again after (:func:`timed_swap` with ``around``); that op waits for the
+    first swap-in's readers.
 
     Examples:
         >>> from lms_tf.core.examples import MiB
@@ -235,14 +315,27 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
             continue
         info = ir.tensors[name]
         lead = (leads or {}).get(name, 0.0 if tools.late_swap_ins else 1.0)
-        decision = timed_swap(step, name, found.distance[name], lead) if name in swap else None
+        decision = (timed_swap(step, name, found.distance[name], lead, (split or {}).get(name)) if name in swap
+                    else None)
         decisions[name] = decision or TensorDecision(
             name, layer_of(info.producer), info.shape, info.nbytes, Decision.KEEP, "fits the budget",
             found.distance[name], ())
     if tools.throttle:
         swapped = [d for d in decisions.values() if d.decision is Decision.SWAP]
         decisions.update(swap_out_waits(step, swapped))
-        decisions.update(lagged_swap_ins(step, [decisions[d.tensor] for d in swapped]))
+        lagged = lagged_swap_ins(step, [decisions[d.tensor] for d in swapped])
+        for tensor, decision in lagged.items():
+            if len(decision.swap_ins) == 2 and tensor in (split or {}):  # the second copy starts after its op
+                lagged[tensor] = dataclasses.replace(decision, swap_ins=(
+                    decision.swap_ins[0], dataclasses.replace(decision.swap_ins[1], trigger=split[tensor])))
+        decisions.update(lagged)
+    for tensor, op in (split or {}).items():
+        decision = decisions.get(tensor)
+        if decision is not None and len(decision.swap_ins) == 2:
+            wait = Ordering((op,), decision.swap_ins[0].consumers,
+                            f"{op} waits for the readers of {tensor}'s first swap-in (it is swapped in again after)")
+            if all((o.waiters, o.after) != (wait.waiters, wait.after) for o in orderings):
+                orderings = orderings + (wait,)
     return Plan(decisions=tuple(decisions[n] for n in found.order), device=step.device, host=policies.host,
                 policies=policies.to_dict(), phase_counts=ir.phase_counts(), orderings=orderings,
                 weights=(weights if weights is not None else
