@@ -126,9 +126,11 @@ def readers_around(step: PlanningStep, tensor: str, op: str) -> Optional[Tuple[T
         True
     """
     ir, found = step.ir, step.found
+    gate_names = step.__dict__.get("_gate_names")  # one step: one set of gates
+    if gate_names is None:
+        gate_names = step.__dict__["_gate_names"] = frozenset(g.name for g in found.gates)
     readers = sorted(found.backward_of[tensor], key=lambda c: c.index)
-    if not readers or op in {r.name for r in readers} or op not in step.__dict__.setdefault(
-            "_gate_names", frozenset(g.name for g in found.gates)):
+    if not readers or op in {r.name for r in readers} or op not in gate_names:
         return None
     last = readers[-1].index
     after, frontier = {op}, [op]
