@@ -19,8 +19,8 @@ busier of compute, either link direction and the host's update). Everything is t
 this machine has no GPU. A timeline of the largest plan on ``v100-32gb-nvlink2`` is drawn to
 ``docs/benchmarks/max_params_timeline.png``.
 
-Command: ``.venv/bin/python benchmarks/max_params.py [--presets PRESET ...]`` (43 minutes for the four
-presets on 2 cores on 2026-12-07: 4 tracing, 5-22 a preset; the table rewritten after each). Each preset's rows are kept, stamped with the
+Command: ``.venv/bin/python benchmarks/max_params.py [--presets PRESET ...]`` (43-48 minutes for the four
+presets on 2 cores on 2026-12-07: 4 tracing, 5-25 a preset; the table rewritten after each). Each preset's rows are kept, stamped with the
 day and commit of their run, in ``docs/benchmarks/max_params.json``: a run of some presets keeps
 the others' rows from earlier runs, and the table says which run each row is from.
 """
