@@ -17,7 +17,7 @@ from lms_tf.core.policy import Policies
 from lms_tf.planner.step import PlanningStep
 from lms_tf.planner.timing import Tools, assemble, ops_between_readers, split_swap_ins
 from lms_tf.tf import driver
-from lms_tf.tf.diagnostics import executed_ops
+from lms_tf.tf.diagnostics import executed_ops, find_executed
 from lms_tf.tf.rewrite import LMS_ATTR
 from tests import zoo
 from tests.helpers import BATCH, CPU_LMS, assert_same_numbers, custom_loop, lms_function
@@ -85,7 +85,7 @@ def test_a_custom_loop_with_tensors_swapped_in_twice_equals_plain_and_runs_in_th
         assert any({a.name for a in b.control_inputs} >= set(first.consumers) for b in barriers), op
         # Executed order: the first copy's readers end before the op starts; the second copy
         # leaves the host after the op ended, and before its readers start.
-        ran = {name: _kernel(events, name) for name in (op,) + first.consumers + second.consumers}
+        ran = {name: find_executed(events, name) for name in (op,) + first.consumers + second.consumers}
         sends = [e for e in events if e.node.startswith(f"lms_tf/swap_in_{i}_1/") and e.type == "_Send"]
         assert sends, decision.tensor
         if ran[op] is not None:
@@ -99,7 +99,3 @@ def test_a_custom_loop_with_tensors_swapped_in_twice_equals_plain_and_runs_in_th
                 assert sends[0].start_ps <= ran[reader].start_ps, (reader, decision.tensor)
     assert checked >= 2, checked
 
-
-def _kernel(events, name):
-    """The executed kernel of the graph's op ``name`` (Grappler may prefix the node's name)."""
-    return next((e for e in events if e.node == name or e.node.endswith("/" + name)), None)
