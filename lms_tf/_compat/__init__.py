@@ -23,6 +23,7 @@ from lms_tf._compat.graph import (
                                   automatic_control_edges,
                                   check_private_apis,
                                   clone_op,
+                                  control_outputs,
                                   current_graph,
                                   function_body_graph_def,
                                   function_def,
@@ -70,7 +71,7 @@ from lms_tf._compat.keras import (
 from lms_tf._compat.profiler import onednn_enabled, profile_allocations, profile_executed_ops
 from lms_tf._compat.xla import compiled_temp_bytes, must_compile
 
-__all__ = ["GRAPPLER_RECOMPUTED_PREFIX", "GRAPPLER_SWAP_OPS", "add_control_input", "automatic_control_dependencies", "automatic_control_edges", "remove_control_input",
+__all__ = ["GRAPPLER_RECOMPUTED_PREFIX", "GRAPPLER_SWAP_OPS", "add_control_input", "automatic_control_dependencies", "automatic_control_edges", "control_outputs", "remove_control_input",
            "call_node", "compiled_temp_bytes", "check_private_apis", "clone_op", "current_graph", "dataset_batch_size", "fit_batch_size",
            "flat_model_inputs", "function_body_graph_def", "function_def", "nested_layers", "functional_graph", "get_jit_compile", "grappler_accumulated_sums",
            "grappler_default_optimized", "grappler_memory_optimized", "grappler_peak_live_tensors",

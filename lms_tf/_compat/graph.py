@@ -297,6 +297,22 @@ def is_dead_end(op: tf.Operation) -> bool:
     return not any(t.consumers() for t in op.outputs) and not op._control_outputs
 
 
+def control_outputs(op: tf.Operation) -> List[tf.Operation]:
+    """The ops that have a control edge from ``op`` (``tf.Operation`` keeps them privately).
+
+    Examples:
+        >>> import tensorflow as tf
+        >>> g = tf.Graph()
+        >>> with g.as_default():
+        ...     a = tf.constant(1.0, name="a")
+        ...     with tf.control_dependencies([a]):
+        ...         b = tf.constant(2.0, name="b")
+        >>> [op.name for op in control_outputs(a.op)]
+        ['b']
+    """
+    return list(op._control_outputs)  # pylint: disable=protected-access
+
+
 def current_graph() -> tf.Graph:
     """The graph ops are being added to: the FuncGraph while a ``tf.function`` traces.
 

@@ -21,10 +21,11 @@ from lms_tf.core.errors import (
                                 RewriteError,
 )
 from lms_tf.core.ir import BatchSizedIR, GraphIR, OpInfo, Phase, TensorInfo, layer_of, make_ir
-from lms_tf.core.plan import PLAN_SCHEMA_VERSION, Decision, Ordering, Plan, SwapIn, TensorDecision, WeightDecision
+from lms_tf.core.plan import (PLAN_SCHEMA_VERSION, Decision, Ordering, Plan, SlicedOp, SwapIn, TensorDecision,
+                              WeightDecision)
 from lms_tf.core.policy import Policies, parse_budget, parse_bytes, resolve_budget
 
 __all__ = ["BatchSizedIR", "Decision", "GraphAnalysisError", "GraphIR", "InfeasibleBudgetError", "LMSError", "LMSOptionError",
            "LMSWarning", "OpInfo", "Ordering", "PLAN_SCHEMA_VERSION", "Phase", "Plan", "PlanCycleError",
-           "Policies", "RewriteError", "SwapIn", "TensorDecision", "TensorInfo", "WeightDecision", "layer_of", "make_ir",
+           "Policies", "RewriteError", "SlicedOp", "SwapIn", "TensorDecision", "TensorInfo", "WeightDecision", "layer_of", "make_ir",
            "parse_budget", "parse_bytes", "resolve_budget"]

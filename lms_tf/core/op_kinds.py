@@ -230,6 +230,15 @@ WORKSPACE_TYPES = frozenset({"Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFil
 MAXPOOL_TYPES = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D"})
 MAXPOOL_GRAD_TYPES = frozenset({"MaxPoolGrad", "MaxPoolGradV2", "MaxPool3DGrad"})
 
+#: Kernels a plan may run a slice of the batch at a time (:class:`~lms_tf.core.plan.SlicedOp`),
+#: and which of their inputs are sliced with the batch (the others are read whole). Each image's
+#: gradient of a max pool is made from that image's input, pool output and output gradient alone
+#: (no sum crosses images, and the kernel does not change with the batch size), so the slices,
+#: put back together in order, hold the values the whole op computes. Convolutions are not here:
+#: cuDNN picks an algorithm per shape, so a slice may round differently, and a filter gradient
+#: sums over the batch.
+BATCH_SLICED_INPUTS = {"MaxPoolGrad": (0, 1, 2), "MaxPoolGradV2": (0, 1, 2), "MaxPool3DGrad": (0, 1, 2)}
+
 # --- Cost classes (the cost model) ------------------------------------------------------------
 
 CONV_TYPES = frozenset({"Conv2D", "Conv3D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3DBackpropInputV2",

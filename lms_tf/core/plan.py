@@ -189,6 +189,81 @@ class Ordering:
 
 
 @dataclasses.dataclass(frozen=True)
+class SlicedOp:
+    """A backward op run a slice of the batch at a time, its slices put back together after.
+
+    An op that reads and writes several batch-sized tensors at once (a max pool's gradient reads
+    the pool's input, output and output gradient and writes the input gradient) can hold more
+    device memory than any plan that runs it whole can go below. Run in ``slices`` parts, with its
+    largest input copied from the host one slice at a time, it holds one slice of that input and
+    of its output instead of the whole; a ``ConcatV2`` puts the output slices together for its
+    readers. Only types in :data:`~lms_tf.core.op_kinds.BATCH_SLICED_INPUTS` are sliced, whose
+    slices compute exactly what the whole op does.
+
+    Attributes:
+        op: The op sliced.
+        slices: How many parts the batch is cut into (near-equal, in order; at least 2).
+        from_host: Its inputs copied from the host a slice at a time: each is swapped by the plan,
+            and the op reads none of that tensor's swap-ins. Its other inputs are read whole, on the device.
+        trigger: The op after which the copies of the first two slices may start; the copy of slice
+            ``i`` starts when slice ``i - 2`` has ended, so two slices are on the device at most.
+        reason: Why, in words.
+
+    Examples:
+        >>> s = SlicedOp("gradient_tape/pool/MaxPoolGrad", 4, ("conv/Relu:0",), "gradient_tape/conv2/MatMul")
+        >>> s.slice_name(1), s.copy_name("conv/Relu:0", 3)
+        ('slice/gradient_tape/pool/MaxPoolGrad/1', 'swap_in/conv/Relu:0/slice/gradient_tape/pool/MaxPoolGrad/3')
+        >>> [s.bounds(16)[i] for i in (0, 3)], SlicedOp("g", 3, (), "t").bounds(8)
+        ([(0, 4), (12, 4)], ((0, 3), (3, 3), (6, 2)))
+    """
+
+    op: str
+    slices: int
+    from_host: Tuple[str, ...]
+    trigger: str
+    reason: str = ""
+
+    def slice_name(self, index: int) -> str:
+        """The simulator's name of slice ``index`` of the op (its kernel on that part of the batch).
+
+        Examples:
+            >>> SlicedOp("pool_grad", 2, (), "t").slice_name(0)
+            'slice/pool_grad/0'
+        """
+        return f"slice/{self.op}/{index}"
+
+    def copy_name(self, tensor: str, index: int) -> str:
+        """The simulator's name of the copy to the device of slice ``index`` of input ``tensor``.
+
+        Examples:
+            >>> SlicedOp("pool_grad", 2, ("x:0",), "t").copy_name("x:0", 1)
+            'swap_in/x:0/slice/pool_grad/1'
+        """
+        return f"swap_in/{tensor}/slice/{self.op}/{index}"
+
+    def bounds(self, batch: int) -> Tuple[Tuple[int, int], ...]:
+        """``(start, size)`` of each slice of a batch of ``batch``: near-equal parts, the larger first.
+
+        Raises:
+            LMSOptionError: Fewer than 2 slices, or more slices than the batch has examples.
+
+        Examples:
+            >>> SlicedOp("pool_grad", 2, (), "t").bounds(5)
+            ((0, 3), (3, 2))
+        """
+        if not 2 <= self.slices <= batch:
+            raise LMSOptionError(f"sliced op {self.op!r}: slices={self.slices} must be between 2 and its batch of "
+                                 f"{batch}; edit the plan's 'sliced' entry (or remove it to run the op whole).")
+        size, extra = divmod(batch, self.slices)
+        starts, start = [], 0
+        for i in range(self.slices):
+            n = size + (1 if i < extra else 0)
+            starts.append((start, n))
+            start += n
+        return tuple(starts)
+
+
+@dataclasses.dataclass(frozen=True)
 class Predictions:
     """What the simulator predicts for a plan on the device it was planned for.
 
@@ -280,6 +355,7 @@ class Plan:
         predictions: The simulator's peaks and times for this plan (:class:`Predictions`).
         weights: One entry per variable the device reads (:class:`WeightDecision`); empty when
             the weights stay on the device (the default).
+        sliced: Backward ops run a slice of the batch at a time (:class:`SlicedOp`).
 
     Examples:
         >>> plan = Plan((), "/device:GPU:0", "/device:CPU:0", {}, {"forward": 3})
@@ -297,6 +373,7 @@ class Plan:
     orderings: Tuple[Ordering, ...] = ()
     predictions: Predictions = Predictions()
     weights: Tuple[WeightDecision, ...] = ()
+    sliced: Tuple[SlicedOp, ...] = ()
 
     @property
     def offloaded_weights(self) -> Tuple[WeightDecision, ...]:
@@ -461,6 +538,9 @@ class Plan:
                      f"({_mib(self.offloaded_weight_bytes)} MiB) fetched {self.num_weight_fetches} times")
             if self.num_gradient_waits:
                 line += f", {self.num_gradient_waits} of the fetches after a gradient reached the host"
+        if self.sliced:
+            line += (f"; {len(self.sliced)} op{'s' if len(self.sliced) > 1 else ''} run a slice of the batch at "
+                     f"a time ({sum(s.slices for s in self.sliced)} slices)")
         if self.predictions.host_peak_bytes:
             line += f"; host memory at most {_mib(self.predictions.host_peak_bytes)} MiB"
         return line
@@ -492,6 +572,7 @@ class Plan:
                 lines.append(f"the forward pass waits for {waits} copies out (the link sets its pace)")
             for ordering in self.orderings[:max_rows]:
                 lines.append(f"order: {ordering.reason}")
+            lines.extend(self._sliced_lines(max_rows))
             return "\n".join(lines)
         rows = self.swapped
         name = (lambda text: text) if wide else (lambda text: shorten(text, 52))  # noqa: E731
@@ -522,10 +603,19 @@ class Plan:
                              f"{len(w.reads):>5}  {triggers}")
             if len(self.offloaded_weights) > max_rows:
                 lines.append(f"... {len(self.offloaded_weights) - max_rows} more weights on the host")
+        lines.extend(self._sliced_lines(max_rows))
         reasons = self.kept_reasons()
         if reasons:
             lines.append("kept: " + "; ".join(f"{n} {r}" for r, n in sorted(reasons.items(), key=lambda x: -x[1])))
         return "\n".join(lines)
+
+    def _sliced_lines(self, max_rows: int) -> List[str]:
+        lines = []
+        for s in self.sliced[:max_rows]:
+            host = f", {len(s.from_host)} input(s) copied in a slice at a time" if s.from_host else ""
+            lines.append(f"sliced: {s.op} in {s.slices} slices of the batch{host}, after {s.trigger}"
+                         + (f" ({s.reason})" if s.reason else ""))
+        return lines
 
     def budget_line(self) -> str:
         """Budget, simulated peaks and predicted overhead in one line.
@@ -577,6 +667,7 @@ class Plan:
             "weights": [{**{k: v for k, v in dataclasses.asdict(w).items() if k != "fetches"},
                          "decision": w.decision.value, "fetches": [dataclasses.asdict(f) for f in w.fetches]}
                         for w in self.weights],
+            "sliced": [dataclasses.asdict(s) for s in self.sliced],
             "predictions": {**dataclasses.asdict(self.predictions), "overhead": self.predictions.overhead},
             # Derived from the decisions, for people and tools reading the file; ignored on load.
             "totals": {"swapped_bytes": self.swapped_bytes, "num_swapped": len(self.swapped),
@@ -621,10 +712,12 @@ class Plan:
             fields = {f.name for f in dataclasses.fields(Predictions)}
             predictions = Predictions(**{k: v for k, v in (data.get("predictions") or {}).items() if k in fields})
             weights = tuple(_weight_from_dict(w) for w in data.get("weights", ()))
+            sliced = tuple(SlicedOp(s["op"], int(s["slices"]), tuple(s["from_host"]), s["trigger"], s.get("reason", ""))
+                           for s in data.get("sliced", ()))
             return cls(decisions=decisions, device=data["device"], host=data["host"],
                        policies=dict(data.get("policies") or {}), phase_counts=dict(data.get("phase_counts") or {}),
                        budget_bytes=data.get("budget_bytes"), device_spec=data.get("device_spec"),
-                       orderings=orderings, predictions=predictions, weights=weights)
+                       orderings=orderings, predictions=predictions, weights=weights, sliced=sliced)
         except (KeyError, TypeError, ValueError) as err:
             raise LMSOptionError(f"malformed lms-tf plan: {type(err).__name__}: {err}. A plan file holds what "
                                  f"Plan.to_json() wrote; an edit may change a decision's 'decision' "

@@ -17,6 +17,7 @@ from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.ir import GraphIR, OpInfo, Phase
 from lms_tf.core.op_kinds import (
     ALIAS_TYPES,
+    BATCH_SLICED_INPUTS,
     COMMUTATIVE_TYPES,
     FORWARDING_TYPES,
     MAXPOOL_GRAD_TYPES,
@@ -28,7 +29,7 @@ from lms_tf.core.op_kinds import (
     WORKSPACE_TYPES,
     recompute_clone_name,
 )
-from lms_tf.core.plan import Decision, Plan
+from lms_tf.core.plan import Decision, Plan, SlicedOp, TensorDecision
 from lms_tf.cost.model import CostModel
 from lms_tf.simulate.pool import optimizer_slots, update_products_on_device, variables_on_host
 
@@ -530,6 +531,92 @@ def gradients_crossing_as(ir: GraphIR, tensor: str, on_device: AbstractSet[str])
     return sorted(found)
 
 
+def _batch_of(ir: GraphIR, sliced: SlicedOp) -> int:
+    """The batch a sliced op's output holds (its first dimension)."""
+    op = ir.op(sliced.op)
+    shape = ir.tensors[op.outputs[0]].shape if op.outputs else None
+    if not shape or not shape[0]:
+        raise LMSOptionError(f"plan error: sliced op {sliced.op!r} has no known batch (its output's shape is "
+                             f"{shape}); only an op whose output's first dimension is known can be sliced.")
+    return int(shape[0])
+
+
+def check_sliced_op(ir: GraphIR, sliced: SlicedOp, decisions: Mapping[str, TensorDecision]) -> None:
+    """Raises the library's error unless ``sliced`` can be applied to ``ir`` with the plan's
+    ``decisions`` (tensor -> decision): a known op of a type that may be sliced, a trigger that runs
+    before it, and inputs copied in a slice at a time that it slices, the plan swaps, and it reads
+    from none of their swap-ins.
+
+    Examples:
+        >>> from lms_tf.core.examples import chain_ir
+        >>> check_sliced_op(chain_ir(), SlicedOp("g2", 2, (), "g3"), {})
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSOptionError: plan error: sliced op 'g2' is a Mul; only MaxPool3DGrad, MaxPoolGrad, MaxPoolGradV2 compute each example apart so that slices give the whole op's values. Remove the entry from the plan's 'sliced'.
+    """
+    known = ir.memo("_op_names", lambda: frozenset(o.name for o in ir.ops))
+    if sliced.op not in known:
+        raise LMSOptionError(f"plan error: sliced op {sliced.op!r} is not in the step; remove it from the plan's "
+                             f"'sliced' (was the plan made for another model?).")
+    op = ir.op(sliced.op)
+    if op.type not in BATCH_SLICED_INPUTS:
+        raise LMSOptionError(f"plan error: sliced op {sliced.op!r} is a {op.type}; only "
+                             f"{', '.join(sorted(BATCH_SLICED_INPUTS))} compute each example apart so that slices "
+                             f"give the whole op's values. Remove the entry from the plan's 'sliced'.")
+    if sliced.trigger not in known or ir.op(sliced.trigger).index >= op.index:
+        raise LMSOptionError(f"plan error: sliced op {sliced.op!r} has trigger {sliced.trigger!r}, which is not an "
+                             f"op of the step that runs before it; name an op before it.")
+    sliced.bounds(_batch_of(ir, sliced))
+    batch_inputs = {op.inputs[i] for i in BATCH_SLICED_INPUTS[op.type] if i < len(op.inputs)}
+    for t in sliced.from_host:
+        d = decisions.get(t)
+        why = ("it is not an input the op slices" if t not in batch_inputs
+               else "the plan does not swap it" if d is None or d.decision is not Decision.SWAP
+               else "the op also reads one of its swap-ins" if any(sliced.op in s.consumers for s in d.swap_ins)
+               else None)
+        if why:
+            raise LMSOptionError(f"plan error: sliced op {sliced.op!r} copies {t!r} from the host a slice at a time, "
+                                 f"but {why}. Copy in slices only a swapped input the op reads from no swap-in.")
+
+
+def _slice_copy(ir: GraphIR, sliced: SlicedOp, tensor: str, index: int, size: int, cost: CostModel,
+                trigger: str) -> Event:
+    nbytes = (ir.tensors[tensor].nbytes or 0) * size // _batch_of(ir, sliced)
+    return _copy_in(sliced.copy_name(tensor, index), f"host/{tensor}", nbytes, cost, trigger)
+
+
+def _add_slices(b: "Lowered", op: OpInfo, sliced: SlicedOp, reads: List[str], op_time: float,
+                extra_deps: Mapping[str, List[str]], pool_workspace: bool) -> List[str]:
+    """Adds the slices of sliced op ``op`` (``reads``: what the whole op would read) and the copies
+    of later slices' inputs (each after the slice two before ends); returns what the op itself,
+    the ``ConcatV2`` of their outputs, reads. A slice reads its part of each input copied from the
+    host and the whole of the others (a slice of a device tensor is a view of it); it waits for
+    what the whole op would (control inputs, orderings, swap-ins)."""
+    ir, cost = b.ir, b.cost
+    batch = _batch_of(ir, sliced)
+    bounds = sliced.bounds(batch)
+    launch = cost.device.launch_overhead_s
+    waits = list(b.producer_deps(op)) + list(extra_deps.get(op.name, ()))
+    outputs = []
+    for i, (start, size) in enumerate(bounds):
+        name = sliced.slice_name(i)
+        slice_reads = [sliced.copy_name(t, i) if t in sliced.from_host else key for t, key in zip(op.inputs, reads)]
+        if pool_workspace:  # oneDNN: every slice reads the workspace the forward pool wrote
+            slice_reads.append(b.source(op.name, op.inputs[1]) + POOL_WORKSPACE)
+        writes = [(f"{name}:{j}", (ir.tensors[t].nbytes or 0) * size // batch) for j, t in enumerate(op.outputs)]
+        event = Event(name, COMPUTE_STREAM, max(op_time - launch, 0.0) * size / batch + launch, slice_reads, writes,
+                      [], order=op.index - 0.5 + i / (2 * len(bounds)))
+        b.index_of[name] = b.add(event)
+        extra_deps[name].extend(waits)  # type: ignore[index]
+        outputs.extend(key for key, _ in writes)
+        if i + 2 < len(bounds):
+            for t in sliced.from_host:
+                copy = _slice_copy(ir, sliced, t, i + 2, bounds[i + 2][1], cost, name)
+                copy.order = event.order + 1 / (4 * len(bounds))
+                b.index_of[copy.name] = b.add(copy)
+    return outputs
+
+
 def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional[Mapping[str, float]] = None,
            kernels: str = "cudnn", accumulated_sums: frozenset = frozenset(), *, reuse_plain: bool = True) -> Lowered:
     """Lowers ``ir`` with ``plan`` (None: the plain step) to the events :func:`~lms_tf.simulate.replay.replay` runs.
@@ -565,6 +652,12 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
 
     extra_after: Dict[str, List[Event]] = collections.defaultdict(list)  # ops gated by an IR op
     extra_deps: Dict[str, List[str]] = collections.defaultdict(list)  # IR op -> names of extra ops it waits for
+    sliced = {s.op: s for s in plan.sliced} if plan is not None else {}
+    for s in sliced.values():
+        check_sliced_op(ir, s, decisions)
+        for t in s.from_host:  # the first two slices' copies start after the trigger
+            for i, (start, size) in enumerate(s.bounds(_batch_of(ir, s))[:2]):
+                extra_after[s.trigger].append(_slice_copy(ir, s, t, i, size, cost, s.trigger))
     for t in sorted(swapped, key=lambda t: ir.op(ir.tensors[t].producer).index):
         d, nbytes = decisions[t], decisions[t].nbytes or 0
         extra_after[ir.tensors[t].producer].append(Event(
@@ -642,7 +735,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
     # Ops whose reads and waits differ from the plain step's: re-pointed consumers, and the ops
     # reading through a re-pointed alias op. The others reuse the cached structure (of the plain
     # step, and of its update on the host). Nothing re-points a read after this.
-    rebuilt = {consumer for consumer, _ in b.replace}
+    rebuilt = {consumer for consumer, _ in b.replace} | set(sliced)
     through_alias = _readers_through_alias(ir)
     for consumer in list(rebuilt):
         rebuilt |= through_alias.get(consumer, frozenset())
@@ -687,7 +780,11 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         else:
             reads = list(cached.reads)
         writes = cached.writes
-        if pooled:
+        if name in sliced:  # its slices run first; the op itself puts their outputs together
+            reads = _add_slices(b, op, sliced[name], reads, op_time(op), extra_deps,
+                                pool_workspace=bool(pooled) and op.type in MAXPOOL_GRAD_TYPES
+                                and len(cached.sources) > 1 and ir.tensors[cached.sources[1]].producer in pooled)
+        if pooled and name not in sliced:
             cached_reads = cached.sources
             if name in pooled:
                 writes = writes + [(op.outputs[0] + POOL_WORKSPACE, _pool_workspace_bytes(ir, op.outputs[0]))]
@@ -703,6 +800,10 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                       workspace=(0 if name in ir.host_placed else _compiled_scratch(ir, name, kernels) + (
                           0 if not with_workspace else _eigen_workspace(ir, op) if kernels == "eigen"
                           else cached.workspace)))
+        if name in sliced:  # a ConcatV2 of the slices' outputs: a copy through device memory
+            event.forwarding, event.workspace = False, 0
+            event.duration = 2 * sum(n for _, n in writes) / cost.device.memory_bytes_per_s + \
+                cost.device.launch_overhead_s
         if name in host_update:  # runs on the host: nothing on the device, host time
             event.reads, event.writes, event.updates, event.workspace = [], [], None, 0
             event.stream, event.duration = HOST_COMPUTE_STREAM, cost.host_op_time(ir, op)

@@ -1,4 +1,4 @@
-"""Applies a whole Plan: preconditions, the swap, recompute and ordering steps, postconditions.
+"""Applies a whole Plan: preconditions, the swap, recompute, slice, weight and ordering steps, postconditions.
 
 Examples:
     >>> from lms_tf.tf.rewrite import apply_plan
@@ -18,6 +18,7 @@ from lms_tf.core.plan import Plan
 from lms_tf.tf.rewrite.common import LMS_ATTR, SCOPE, RewriteReport, check_postconditions, is_rewritten
 from lms_tf.tf.rewrite.order import insert_orderings
 from lms_tf.tf.rewrite.recompute import insert_recomputes
+from lms_tf.tf.rewrite.slices import insert_slices
 from lms_tf.tf.rewrite.swap import insert_swaps
 from lms_tf.tf.rewrite.weights import insert_weight_fetches
 
@@ -112,6 +113,8 @@ def apply_plans(graph: tf.Graph, ir: GraphIR, plans: Sequence[Plan]) -> RewriteR
             rerouted += swaps_rerouted + insert_recomputes(graph, plan, swap_outs, inserted)
             rerouted += insert_weight_fetches(graph, plan, inserted, update_ops)
             insert_orderings(graph, plan, inserted)
+            # Last: a sliced op's readers and waits, whichever step made them, move to its slices.
+            rerouted += insert_slices(graph, plan, swap_outs, inserted)
         marker = tf.raw_ops.NoOp(name="rewritten")
         _compat.set_string_attr(marker, LMS_ATTR, "marker")
         inserted["marker"] += 1

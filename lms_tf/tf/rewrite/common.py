@@ -195,6 +195,8 @@ def check_postconditions(graph: tf.Graph, plan: Plan, forward_inputs_before) -> 
         kind = _compat.string_attr(op, LMS_ATTR)
         if kind == "swap_in" and not any(_compat.string_attr(c, LMS_ATTR) == "swap_gate" for c in op.control_inputs):
             raise RewriteError(f"postcondition failed: swap-in {op.name!r} has no gate.")
+        if kind == "slice_in" and not any(_compat.string_attr(c, LMS_ATTR) == "swap_gate" for c in op.control_inputs):
+            raise RewriteError(f"postcondition failed: the copy of a slice {op.name!r} has no gate.")
         if kind == "recompute" and not any(_compat.string_attr(t.op, LMS_ATTR) in (
                 "recompute", "recompute_gate", "swap_in", "device_read", "weight_fetch") for t in op.inputs):
             raise RewriteError(f"postcondition failed: recompute clone {op.name!r} is not gated.")
@@ -225,6 +227,10 @@ def check_postconditions(graph: tf.Graph, plan: Plan, forward_inputs_before) -> 
                         _compat.string_attr(c, LMS_ATTR) == "gradient_on_host" for f in fetches for c in f.control_inputs):
                     raise RewriteError(f"postcondition failed: the fetch {consumer_name!r} reads does not wait for "
                                        f"{list(fetch.after_gradients)[:3]} to reach the host, as the plan asks.")
+    for sliced in plan.sliced:
+        if not _compat.is_dead_end(graph.get_operation_by_name(sliced.op)):
+            raise RewriteError(f"postcondition failed: sliced op {sliced.op!r} is still read or waited for; it would "
+                               f"run whole beside its slices.")
     for decision in plan.swapped + plan.recomputed:
         consumers = [c for s in decision.swap_ins for c in s.consumers] + list(decision.consumers)
         for consumer_name in consumers:
