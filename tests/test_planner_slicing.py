@@ -17,6 +17,8 @@ from lms_tf.core.ir import make_ir
 from lms_tf.core.plan import Plan, SlicedOp
 from lms_tf.core.policy import Policies
 from lms_tf.cost import CostModel, get_device_spec
+from lms_tf.planner import make_budget_plan
+from lms_tf.planner.search import SLICES_TRIED
 from lms_tf.planner.slicing import slice_op
 from lms_tf.planner.step import PlanningStep
 from lms_tf.planner.timing import assemble
@@ -122,3 +124,15 @@ def test_bad_slices_get_the_librarys_error_before_any_replay():
                          (SlicedOp("nothing", 2, (), "x"), "not in the step")]:
         with pytest.raises(LMSOptionError, match=match):
             simulate(ir, dataclasses.replace(sliced, sliced=(entry,)), cost=V100)
+
+
+def test_the_budget_search_slices_the_op_at_the_peak_when_nothing_else_goes_below_it():
+    ir = _pool_ir()
+    policies = Policies(host="/CPU:1", budget=140 * MiB, recompute=False)
+    plan = make_budget_plan(ir, policies, device="/device:GPU:0", cost=V100)
+    entry, = plan.sliced
+    assert entry.op == "dr" and "r:0" in entry.from_host and entry.slices in SLICES_TRIED
+    assert plan.predictions.feasible and plan.predictions.planned_peak_bytes <= 140 * MiB
+    assert simulate(ir, plan, cost=V100).peak_bytes == plan.predictions.planned_peak_bytes
+    # Where running it whole fits, nothing is sliced.
+    assert make_budget_plan(ir, policies.replace(budget=200 * MiB), device="/device:GPU:0", cost=V100).sliced == ()

@@ -32,15 +32,15 @@ REMEMBERED_REPLAYS = 256
 
 
 def plan_key(plan: Plan) -> Hashable:
-    """What a replay of ``plan`` depends on, as a dictionary key: its decisions, orderings and
-    weight fetches (the device, host and policies are the same for every plan of one step).
+    """What a replay of ``plan`` depends on, as a dictionary key: its decisions, orderings, weight
+    fetches and sliced ops (the device, host and policies are the same for every plan of one step).
 
     Examples:
         >>> from lms_tf.core.plan import Plan
-        >>> plan_key(Plan((), "/device:GPU:0", "/device:CPU:0", {}, {})) == ((), (), ())
+        >>> plan_key(Plan((), "/device:GPU:0", "/device:CPU:0", {}, {})) == ((), (), (), ())
         True
     """
-    return plan.decisions, plan.orderings, plan.weights
+    return plan.decisions, plan.orderings, plan.weights, plan.sliced
 
 
 class FitCheck:

@@ -15,7 +15,7 @@ from lms_tf.core.plan import Plan
 from lms_tf.planner.bases import recompute_only
 from lms_tf.planner.candidates import clonable
 from lms_tf.planner.recompute import checkpoint_gates
-from lms_tf.planner.timing import Tools, assemble, split_swap_ins
+from lms_tf.planner.timing import Tools, assemble, sliced_ops, split_swap_ins
 from lms_tf.simulate import Simulation
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def recompute_checkpoints(search: "BudgetSearch", budget_bytes: int, plan: Plan,
             recomputed = recompute_only(search.step, *policy, also=also)
             swap = {d.tensor for d in plan.swapped} - set(also)
             candidate = assemble(search.step, swap, recomputed, tools, plan.orderings, weights=plan.weights,
-                                 split=split_swap_ins(plan))
+                                 split=split_swap_ins(plan), sliced=sliced_ops(plan))
             try:
                 candidate_sim = search.check.simulate(candidate)
             except PlanCycleError:
@@ -147,7 +147,7 @@ def retime_swap_ins(search: "BudgetSearch", budget_bytes: int, plan: Plan, sim: 
     for decision in sorted(plan.swapped, key=lambda d: -(d.nbytes or 0)):
         for lead in RETIME_LEADS:
             candidate = assemble(search.step, swap, recomputed, tools, plan.orderings, {**leads, decision.tensor: lead},
-                                 weights=plan.weights, split=split_swap_ins(plan))
+                                 weights=plan.weights, split=split_swap_ins(plan), sliced=sliced_ops(plan))
             try:
                 candidate_sim = search.check.simulate(candidate)
             except PlanCycleError:

@@ -7,12 +7,14 @@ are covered; the step is replayed (:mod:`~lms_tf.planner.fit_check`) and the rou
 it fits or the link is saturated. When no swap lowers the peak, two backward branches alive at it
 are made to run one after the other (:mod:`~lms_tf.planner.ordering`); when that does not either,
 a swapped tensor whose copy is on the device at the peak is brought back twice, around an op
-between its readers (:meth:`BudgetSearch.swap_in_twice`). The fitting plan with the
-least predicted step time wins, and is then refined (:mod:`~lms_tf.planner.refine`).
+between its readers (:meth:`BudgetSearch.swap_in_twice`); and when the op at the peak is one
+that computes each example apart (a max pool's gradient), it is run a slice of the batch at a
+time (:meth:`BudgetSearch.slice_the_peak_op`). The fitting plan with the least predicted step
+time wins, and is then refined (:mod:`~lms_tf.planner.refine`).
 
 Examples:
-    >>> MAX_ROUNDS, LOWER_AIMS, GRADIENT_WAITS_TRIED, SWAPPED_IN_TWICE_TRIED, OPS_AROUND_TRIED
-    (40, 2, 3, 3, 2)
+    >>> MAX_ROUNDS, LOWER_AIMS, GRADIENT_WAITS_TRIED, SWAPPED_IN_TWICE_TRIED, OPS_AROUND_TRIED, SLICES_TRIED
+    (40, 2, 3, 3, 2, (2, 4, 8, 16))
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 from typing import Dict, Iterable, Mapping, Optional, Set, Tuple
 
 from lms_tf.core.errors import PlanCycleError
-from lms_tf.core.op_kinds import SWAP_IN_PREFIX
+from lms_tf.core.op_kinds import BATCH_SLICED_INPUTS, SWAP_IN_PREFIX
 from lms_tf.core.plan import Ordering, Plan, TensorDecision, WeightDecision
 from lms_tf.planner.bases import compute_floor, recompute_bases
 from lms_tf.planner.fit_check import FitCheck
@@ -29,8 +31,8 @@ from lms_tf.planner.ordering import ORDERING_PAIRS, BranchOrdering
 from lms_tf.planner.refine import lower_the_lowest, recompute_checkpoints, recomputed_checkpoints_label, retime_swap_ins
 from lms_tf.planner.step import PlanningStep
 from lms_tf.planner.timing import (DELAYED_FETCH_LEADS, Tools, assemble, delayed_fetches, fetches_after,
-                                   gradients_on_device_at_peak, idle_fetches, ops_between_readers, split_swap_ins,
-                                   swap_round, waiting_for_gradient)
+                                   gradients_on_device_at_peak, idle_fetches, ops_between_readers, sliced_ops,
+                                   split_swap_ins, swap_round, waiting_for_gradient)
 from lms_tf.simulate import Simulation
 
 logger = logging.getLogger("lms_tf")
@@ -49,6 +51,8 @@ GRADIENT_WAITS_TRIED = 3
 SWAPPED_IN_TWICE_TRIED = 3
 #: For each, how many of the ops between its readers it tries being swapped in twice around.
 OPS_AROUND_TRIED = 2
+#: Into how many slices of the batch the planner tries cutting an op it slices (at most the batch).
+SLICES_TRIED = (2, 4, 8, 16)
 
 
 class BudgetSearch:
@@ -68,6 +72,7 @@ class BudgetSearch:
         self.check = FitCheck(step)
         self.branches = BranchOrdering(step.ir)
         self.bases, self.base_policies = recompute_bases(step)
+        self._op_names = frozenset(op.name for op in step.ir.ops)
 
     def add_swaps(self, budget_bytes: int, recomputed: Mapping[str, TensorDecision],
                   tools: Tools = Tools(), start: Optional[Tuple[Plan, Simulation]] = None
@@ -93,14 +98,14 @@ class BudgetSearch:
             sim = self.check.simulate(plan)
         else:
             (plan, sim), swap, orderings = start, {d.tensor for d in start[0].swapped}, start[0].orderings
-        weights, split = plan.weights, split_swap_ins(plan)
+        weights, split, sliced = plan.weights, split_swap_ins(plan), sliced_ops(plan)
         ir, cost = self.step.ir, self.step.cost
         link_busy = sum(cost.transfer_time(ir.tensors[t].nbytes or 0, "device_to_host") for t in swap)
         for _ in range(MAX_ROUNDS):
             if sim.held_bytes <= budget_bytes:
                 break
-            delayed = (self.delay_a_fetch(sim, swap, recomputed, tools, orderings, weights, split)
-                       or self.wait_for_a_gradient(sim, swap, recomputed, tools, orderings, weights, split))
+            delayed = (self.delay_a_fetch(sim, swap, recomputed, tools, orderings, weights, split, sliced)
+                       or self.wait_for_a_gradient(sim, swap, recomputed, tools, orderings, weights, split, sliced))
             if delayed is not None:
                 logger.debug("planner round: peak %d -> %d fetching a weight later (or after a gradient)", sim.peak_bytes,
                              delayed[1].peak_bytes)
@@ -110,7 +115,8 @@ class BudgetSearch:
             swapped = (swap_round(self.step, budget_bytes, sim, swap, recomputed, link_busy)
                        if self.step.policies.swap else None)
             if swapped is not None:
-                candidate = assemble(self.step, swapped[0], recomputed, tools, orderings, weights=weights, split=split)
+                candidate = assemble(self.step, swapped[0], recomputed, tools, orderings, weights=weights, split=split,
+                                     sliced=sliced)
                 candidate_sim = self.check.simulate(candidate)
                 logger.debug("planner round: peak %d -> %d swapping %d tensors", sim.peak_bytes,
                              candidate_sim.peak_bytes, len(swapped[0]))
@@ -119,18 +125,25 @@ class BudgetSearch:
                     swap, link_busy = swapped
                     plan, sim = candidate, candidate_sim
                     continue
-            ordered = (self.order_branches(sim, swap, recomputed, tools, orderings, weights, split) if tools.order
+            ordered = (self.order_branches(sim, swap, recomputed, tools, orderings, weights, split, sliced) if tools.order
                        else None)
             if ordered is None:
                 # The last resort (an extra copy, and a search that went this far before it
                 # existed is left as it was): a copy at the peak brought back twice.
-                twice = self.swap_in_twice(sim, swap, recomputed, tools, orderings, weights, split)
+                twice = self.swap_in_twice(sim, swap, recomputed, tools, orderings, weights, split, sliced)
                 if twice is None:
-                    break
-                logger.debug("planner round: peak %d -> %d swapping a tensor in twice", sim.peak_bytes,
-                             twice[1].peak_bytes)
+                    # Below what the op at the peak holds run whole: that op a slice at a time.
+                    twice = self.slice_the_peak_op(sim, swap, recomputed, tools, orderings, weights, split, sliced)
+                    if twice is None:
+                        break
+                    logger.debug("planner round: peak %d -> %d slicing %s", sim.peak_bytes, twice[1].peak_bytes,
+                                 sim.peak_op)
+                else:
+                    logger.debug("planner round: peak %d -> %d swapping a tensor in twice", sim.peak_bytes,
+                                 twice[1].peak_bytes)
                 plan, sim = twice
-                orderings, split = plan.orderings, split_swap_ins(plan)
+                swap = {d.tensor for d in plan.swapped}
+                orderings, split, sliced = plan.orderings, split_swap_ins(plan), sliced_ops(plan)
                 continue
             logger.debug("planner round: peak %d -> %d ordering backward branches", sim.peak_bytes,
                          ordered[1].peak_bytes)
@@ -140,7 +153,8 @@ class BudgetSearch:
 
     def delay_a_fetch(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
                       tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...],
-                      split: Optional[Mapping[str, str]] = None) -> Optional[Tuple[Plan, Simulation]]:
+                      split: Optional[Mapping[str, str]] = None, sliced: Optional[Mapping[str, int]] = None
+                      ) -> Optional[Tuple[Plan, Simulation]]:
         """Lowers the peak by fetching later the largest weight that waits idle on the device at
         it (:func:`~lms_tf.planner.timing.idle_fetches`), with the first of
         :data:`~lms_tf.planner.timing.DELAYED_FETCH_LEADS` that lowers it: its window may then wait
@@ -154,11 +168,13 @@ class BudgetSearch:
         """
         tried = (delayed_fetches(self.step, weights, weight.variable, lead)
                  for _, weight in idle_fetches(self.step, sim, weights) for lead in DELAYED_FETCH_LEADS)
-        return self._first_lower(sim, swap, recomputed, tools, orderings, (w for w in tried if w != weights), split)
+        return self._first_lower(sim, swap, recomputed, tools, orderings, (w for w in tried if w != weights), split,
+                                 sliced)
 
     def wait_for_a_gradient(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
                             tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...],
-                            split: Optional[Mapping[str, str]] = None) -> Optional[Tuple[Plan, Simulation]]:
+                            split: Optional[Mapping[str, str]] = None, sliced: Optional[Mapping[str, int]] = None
+                      ) -> Optional[Tuple[Plan, Simulation]]:
         """Lowers the peak by holding the backward pass back until the largest weight gradient still
         being copied to the host at it has arrived (and left the device): a weight fetch after the
         gradient (:func:`~lms_tf.planner.timing.fetches_after`, at most :data:`GRADIENT_WAITS_TRIED`)
@@ -173,11 +189,12 @@ class BudgetSearch:
         tried = (waiting_for_gradient(weights, variable, window, gradient)
                  for _, gradient in gradients_on_device_at_peak(self.step, sim)[:1]
                  for variable, window in fetches_after(self.step, sim, weights, gradient)[:GRADIENT_WAITS_TRIED])
-        return self._first_lower(sim, swap, recomputed, tools, orderings, tried, split)
+        return self._first_lower(sim, swap, recomputed, tools, orderings, tried, split, sliced)
 
     def swap_in_twice(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
                       tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...],
-                      split: Optional[Mapping[str, str]] = None) -> Optional[Tuple[Plan, Simulation]]:
+                      split: Optional[Mapping[str, str]] = None, sliced: Optional[Mapping[str, int]] = None
+                      ) -> Optional[Tuple[Plan, Simulation]]:
         """Lowers the peak when a swapped tensor's copy is on the device at it, brought back for
         readers on both sides of an op: the readers that need not wait for that op get a swap-in of
         their own and run before it, the others a second swap-in started when it ends
@@ -208,7 +225,7 @@ class BudgetSearch:
             between.sort(key=lambda op: abs(sim.op_intervals.get(op, (float("inf"),))[0] - sim.peak_time_s))
             for op in between[:OPS_AROUND_TRIED]:
                 plan = assemble(self.step, swap, recomputed, tools, orderings, weights=weights,
-                                split={**split, tensor: op})
+                                split={**split, tensor: op}, sliced=sliced)
                 try:
                     candidate = self.check.simulate(plan)
                 except PlanCycleError:
@@ -219,12 +236,61 @@ class BudgetSearch:
                 return best
         return None
 
+    def slice_the_peak_op(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
+                          tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...],
+                          split: Optional[Mapping[str, str]] = None, sliced: Optional[Mapping[str, int]] = None
+                          ) -> Optional[Tuple[Plan, Simulation]]:
+        """Lowers the peak when the op at it is one a slice of the batch at a time computes exactly
+        (:data:`~lms_tf.core.op_kinds.BATCH_SLICED_INPUTS`, a max pool's gradient): its batch-sized
+        inputs swapped, and it run in :data:`SLICES_TRIED` slices (or twice as many as it already
+        is), its swapped inputs copied in a slice at a time (:func:`~lms_tf.planner.slicing.slice_op`).
+        The count that holds least wins, the fewer slices on a tie. It costs a launch per slice,
+        a concatenation, and the swapped input's copy for the op's other readers, which now starts
+        when the slices are put together. None if the op at the peak is not such an op, or no
+        count lowers the peak.
+
+        Examples:
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.example()   # a chain of matmuls: nothing to slice
+            >>> BudgetSearch(step).slice_the_peak_op(step.baseline, set(), {}, Tools(), (), ()) is None
+            True
+        """
+        ir, sliced = self.step.ir, dict(sliced or {})
+        op = sim.peak_op
+        if op.startswith("slice/"):  # one of an op's slices
+            op = op[len("slice/"):].rsplit("/", 1)[0]
+        if op not in self._op_names or ir.op(op).type not in BATCH_SLICED_INPUTS:
+            return None
+        info = ir.op(op)
+        batch = (ir.tensors[info.outputs[0]].shape or (None,))[0] if info.outputs else None
+        if not batch or batch < 2:
+            return None
+        inputs = {info.inputs[i] for i in BATCH_SLICED_INPUTS[info.type] if i < len(info.inputs)}
+        swap = set(swap) | (inputs & set(self.step.found.eligible))
+        counts = [k for k in SLICES_TRIED if k <= batch] if op not in sliced else [min(2 * sliced[op], batch)]
+        best = None
+        for k in counts:
+            if sliced.get(op) == k:
+                continue
+            plan = assemble(self.step, swap, recomputed, tools, orderings, weights=weights, split=split,
+                            sliced={**sliced, op: k})
+            if not any(s.op == op for s in plan.sliced):
+                return None  # none of its inputs can be swapped
+            try:
+                candidate = self.check.simulate(plan)
+            except PlanCycleError:
+                continue
+            if candidate.held_bytes < (best or (None, sim))[1].held_bytes:
+                best = (plan, candidate)
+        return best
+
     def _first_lower(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision], tools: Tools,
                      orderings: Tuple[Ordering, ...], tried: Iterable[Tuple[WeightDecision, ...]],
-                     split: Optional[Mapping[str, str]] = None) -> Optional[Tuple[Plan, Simulation]]:
+                     split: Optional[Mapping[str, str]] = None, sliced: Optional[Mapping[str, int]] = None
+                     ) -> Optional[Tuple[Plan, Simulation]]:
         """The first of the weight decisions ``tried`` with which the plan holds less than ``sim``, and its replay."""
         for weights in tried:
-            plan = assemble(self.step, swap, recomputed, tools, orderings, weights=weights, split=split)
+            plan = assemble(self.step, swap, recomputed, tools, orderings, weights=weights, split=split, sliced=sliced)
             try:
                 candidate = self.check.simulate(plan)
             except PlanCycleError:
@@ -236,7 +302,8 @@ class BudgetSearch:
     def order_branches(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
                        tools: Tools, orderings: Tuple[Ordering, ...],
                        weights: Optional[Tuple[WeightDecision, ...]] = None,
-                       split: Optional[Mapping[str, str]] = None) -> Optional[Tuple[Plan, Simulation]]:
+                       split: Optional[Mapping[str, str]] = None, sliced: Optional[Mapping[str, int]] = None
+                      ) -> Optional[Tuple[Plan, Simulation]]:
         """Lowers the peak by running two backward branches alive at it one after the other
         (either order, whichever simulates lower); None if no ordering lowers it.
 
@@ -255,7 +322,7 @@ class BudgetSearch:
                 if ordering is None:
                     continue
                 plan = assemble(self.step, swap, recomputed, tools, orderings + (ordering,), weights=weights,
-                                split=split)
+                                split=split, sliced=sliced)
                 try:
                     candidate = self.check.simulate(plan)
                 except PlanCycleError:

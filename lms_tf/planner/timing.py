@@ -17,9 +17,11 @@ import dataclasses
 import logging
 from typing import Dict, List, Mapping, Optional, Set, Tuple
 
+from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.ir import OpInfo, Phase, layer_of, same_device
 from lms_tf.core.op_kinds import TO_HOST_PREFIX, is_hyperparameter
 from lms_tf.core.plan import Decision, Ordering, Plan, SwapIn, TensorDecision, WeightDecision
+from lms_tf.planner.slicing import slice_op
 from lms_tf.planner.step import PlanningStep
 from lms_tf.planner.weights import plan_weights, timed_fetches
 from lms_tf.simulate import Simulation, gradients_crossing_as, update_products_on_device
@@ -291,7 +293,8 @@ def swap_out_waits(step: PlanningStep, swapped: List[TensorDecision]) -> Dict[st
 
 def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, TensorDecision], tools: Tools = Tools(),
              orderings: Tuple[Ordering, ...] = (), leads: Optional[Mapping[str, float]] = None,
-             weights: Optional[Tuple[WeightDecision, ...]] = None, split: Optional[Mapping[str, str]] = None) -> Plan:
+             weights: Optional[Tuple[WeightDecision, ...]] = None, split: Optional[Mapping[str, str]] = None,
+             sliced: Optional[Mapping[str, int]] = None) -> Plan:
     """The plan of these choices: ``swap`` swapped (timed by :func:`timed_swap`, with ``leads`` scaling
     their head starts), ``recomputed`` recomputed, the rest kept; with ``tools.throttle`` the forward pass
     waits for its copies out and swap-ins lag behind the compute, and each weight fetch keeps the rule's
@@ -300,7 +303,8 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
     when given, are the weight decisions to keep (a plan's, some fetches delayed by
     :func:`delayed_fetches`) instead of those timings. ``split`` maps swapped tensors to the op
     they are swapped in again after (:func:`timed_swap` with ``around``); that op waits for the
-    first swap-in's readers.
+    first swap-in's readers. ``sliced`` maps ops to the number of slices of the batch they run in
+    (:func:`~lms_tf.planner.slicing.slice_op`; one that reads no swapped input then runs whole).
 
     Examples:
         >>> from lms_tf.core.examples import MiB
@@ -338,10 +342,27 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
                             f"{op} waits for the readers of {tensor}'s first swap-in (it is swapped in again after)")
             if all((o.waiters, o.after) != (wait.waiters, wait.after) for o in orderings):
                 orderings = orderings + (wait,)
-    return Plan(decisions=tuple(decisions[n] for n in found.order), device=step.device, host=policies.host,
+    plan = Plan(decisions=tuple(decisions[n] for n in found.order), device=step.device, host=policies.host,
                 policies=policies.to_dict(), phase_counts=ir.phase_counts(), orderings=orderings,
                 weights=(weights if weights is not None else
                          plan_weights(step.ir, policies, step.offloaded) if tools.throttle else timed_weights(step)))
+    for op, slices in (sliced or {}).items():
+        try:
+            plan = slice_op(plan, ir, op, slices, reason="it holds more than the budget run whole")
+        except LMSOptionError:
+            continue  # none of its inputs is swapped in this plan: sliced, it would hold no less
+    return plan
+
+
+def sliced_ops(plan: Plan) -> Dict[str, int]:
+    """The ops ``plan`` runs a slice of the batch at a time, each with its number of slices: what
+    :func:`assemble` takes as ``sliced`` to build them again.
+
+    Examples:
+        >>> sliced_ops(Plan((), "/device:GPU:0", "/device:CPU:0", {}, {}))
+        {}
+    """
+    return {s.op: s.slices for s in plan.sliced}
 
 
 def timed_weights(step: PlanningStep):
