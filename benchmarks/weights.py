@@ -9,7 +9,13 @@ what stays resident (the variables on the device). Three ways:
 * **plain**: the step as TensorFlow runs it: its simulated peak plus every variable it reads;
 * **activations planned**: swap and recompute (``budget=``), weights and slots resident;
 * **weights + activations planned**: the same with ``weights="host"``: the variables live on the
-  host, each fetched per window of readers, the update on the host.
+  host, each fetched per window of readers, the update on the host;
+* **the same, cuDNN workspace capped**: with ``TF_CUDNN_WORKSPACE_LIMIT_IN_MB`` at
+  :data:`WORKSPACE_CAP_MIB` (the device spec's ``cudnn_workspace_limit_bytes``), which the
+  simulator then counts instead of a convolution's largest operand.
+
+The planner may slice a max pool's gradient along the batch in any of them (``Plan.sliced``);
+the table says how many ops each way's plan slices.
 
 Each row also gives the host memory the weights plan pins (the variables it holds plus the
 activations it swaps) and the predicted step time of a plan at that least budget against the
@@ -48,6 +54,8 @@ PRESETS = ("v100-16gb-pcie3", "v100-32gb-nvlink2", "h100-80gb-pcie5", "gh200-96g
 #: (model, input size or sequence length, batch).
 MODELS = (("VGG16", "224", 16), ("ResNet50", "224", 32), ("TransformerEncoder", "128", 32))
 GiB = 2**30
+#: The cap on cuDNN's convolution workspace of the fourth way, in MiB.
+WORKSPACE_CAP_MIB = 32
 
 
 def least_budget(ir, policies: Policies, cost: CostModel, plain_peak: int) -> int:
@@ -65,13 +73,16 @@ def least_budget(ir, policies: Policies, cost: CostModel, plain_peak: int) -> in
 
 
 def measure(ir, way: str, cost: CostModel) -> dict:
-    weights = "host" if way == "weights" else "device"
+    weights = "host" if way in ("weights", "capped") else "device"
+    if way == "capped":
+        cost = CostModel(dataclasses.replace(cost.device, cudnn_workspace_limit_bytes=WORKSPACE_CAP_MIB << 20))
     policies = Policies(host="/CPU:1", recompute="auto", budget="auto", weights=weights)
     on_host = {w.variable for w in plan_weights(ir, policies)}
     resident = resident_bytes(ir, on_host)
     plain = simulate(ir, cost=cost)
     if way == "plain":
-        return dict(device_bytes=plain.peak_bytes + resident_bytes(ir), host_bytes=0, overhead=1.0)
+        return dict(device_bytes=plain.peak_bytes + resident_bytes(ir), host_bytes=0, overhead=1.0, sliced=0,
+                    tensors_bytes=plain.peak_bytes + resident_bytes(ir))
     least = least_budget(ir, policies, cost, plain.peak_bytes)
     # The planner's lowest figure is not monotone in the budget asked for: plan a little above it,
     # then higher, and report the budget a plan was found for.
@@ -87,57 +98,67 @@ def measure(ir, way: str, cost: CostModel) -> dict:
     pred = plan.predictions
     return dict(device_bytes=budget + resident, host_bytes=plan.offloaded_weight_bytes + plan.swapped_bytes,
                 overhead=pred.overhead, offloaded=plan.offloaded_weight_bytes, fetches=plan.num_weight_fetches,
-                least_reached=least, factor=factor)
+                least_reached=least, factor=factor, sliced=len(plan.sliced),
+                tensors_bytes=pred.planned_peak_bytes + resident)
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("lms_tf").setLevel(logging.WARNING)
-    rows, floors = [], {}
+    rows, floors, capped_floors = [], {}, {}
     for model, size, batch in MODELS:
         args = build_parser().parse_args(["max-batch", "--model", model, "--input-shape", size])
         _, _, graph, _, _ = trace_unbatched(args)
         ir = build_ir(graph, batch_size=batch)
         floors[model] = whole_op_floor(ir, kernels="cudnn")
+        capped_floors[model] = whole_op_floor(ir, kernels="cudnn", cudnn_workspace_limit=WORKSPACE_CAP_MIB << 20)
         for preset in PRESETS:
             cost = CostModel(get_device_spec(preset))
-            for way in ("plain", "activations", "weights"):
+            for way in ("plain", "activations", "weights", "capped"):
                 started = time.perf_counter()
                 row = dict(model=model, batch=batch, preset=preset, way=way, **measure(ir, way, cost))
                 log.info("%s b%d %s %s: %.2f GiB on the device (%.0f s)", model, batch, preset, way,
                          row["device_bytes"] / GiB, time.perf_counter() - started)
                 rows.append(row)
-    names = {"plain": "plain", "activations": "activations planned", "weights": "weights + activations planned"}
+    names = {"plain": "plain", "activations": "activations planned", "weights": "weights + activations planned",
+             "capped": f"the same, cuDNN workspace at most {WORKSPACE_CAP_MIB} MiB"}
     lines = ["Least device memory each way trains the step in (the lowest budget a plan was found for, plus "
-             "the variables left on the device; for plain, the simulated peak plus every variable), host memory "
-             "the weights plan pins, and the predicted step time of that plan against the plain step's.", "",
-             "| model, batch | device | way | device GiB | vs plain | host GiB | predicted time |",
-             "|---|---|---|---|---|---|---|"]
+             "the variables left on the device; for plain, the simulated peak plus every variable; the tensors "
+             "of the plan at that budget, before TensorFlow's allocator rounds them into whole chunks, in "
+             "brackets), host memory the weights plan pins, ops the plan runs a slice of the batch at a time, "
+             "and the predicted step time of that plan against the plain step's.", "",
+             "| model, batch | device | way | device GiB | vs plain | host GiB | sliced ops | predicted time |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         plain = next(r for r in rows if r["model"] == row["model"] and r["preset"] == row["preset"]
                      and r["way"] == "plain")
         lines.append(f"| {row['model']} b{row['batch']} | {row['preset']} | {names[row['way']]} | "
-                     f"{row['device_bytes'] / GiB:.2f} | {row['device_bytes'] / plain['device_bytes']:.2f} | "
-                     f"{row['host_bytes'] / GiB:.2f} | {row['overhead']:.2f}x |")
+                     f"{row['device_bytes'] / GiB:.3f} ({row['tensors_bytes'] / GiB:.3f}) | "
+                     f"{row['device_bytes'] / plain['device_bytes']:.3f} | "
+                     f"{row['host_bytes'] / GiB:.2f} | {row['sliced']} | {row['overhead']:.2f}x |")
     lines += ["", "The least device memory any plan reaches that runs each op whole: the op holding the most while "
               "it runs (its inputs, weights included, its outputs and cuDNN's workspace, by the simulator's rules), "
-              "against the plain step (the same on every preset). A budget below it needs that op split.", "",
-              "| model, batch | largest op | type | its working set GiB | vs plain | 25% of plain | "
-              "weights + activations planned, least on v100-16gb-pcie3 |", "|---|---|---|---|---|---|---|"]
+              f"against the plain step (the same on every preset); then the same with the workspace at most "
+              f"{WORKSPACE_CAP_MIB} MiB; and the least any way above reached on any preset. A budget below the "
+              "floor needs that op run a slice at a time (the planner slices max-pool gradients).", "",
+              "| model, batch | largest op | its working set GiB (vs plain) | workspace capped: largest op | "
+              "its working set GiB (vs plain) | 25% of plain GiB | least reached GiB (vs plain), way, device |",
+              "|---|---|---|---|---|---|---|"]
     for model, size, batch in MODELS:
-        floor = floors[model]
-        plain, least = (next(r for r in rows if r["model"] == model and r["preset"] == PRESETS[0] and r["way"] == way)
-                        for way in ("plain", "weights"))
-        lines.append(f"| {model} b{batch} | `{floor.op}` | {floor.op_type} | {floor.nbytes / GiB:.2f} | "
-                     f"{floor.nbytes / plain['device_bytes']:.2f} | {plain['device_bytes'] / 4 / GiB:.2f} "
-                     f"({'below' if plain['device_bytes'] / 4 < floor.nbytes else 'above'} it) | "
-                     f"{least['device_bytes'] / GiB:.2f} ({least['device_bytes'] / floor.nbytes:.2f}x it) |")
+        floor, capped = floors[model], capped_floors[model]
+        plain = next(r for r in rows if r["model"] == model and r["way"] == "plain")["device_bytes"]
+        least = min((r for r in rows if r["model"] == model and r["way"] != "plain"), key=lambda r: r["device_bytes"])
+        lines.append(f"| {model} b{batch} | `{floor.op}` ({floor.op_type}) | {floor.nbytes / GiB:.3f} "
+                     f"({floor.nbytes / plain:.3f}) | `{capped.op}` ({capped.op_type}) | {capped.nbytes / GiB:.3f} "
+                     f"({capped.nbytes / plain:.3f}) | {plain / 4 / GiB:.3f} | {least['device_bytes'] / GiB:.3f} "
+                     f"({least['device_bytes'] / plain:.3f}), {names[least['way']]}, {least['preset']} |")
     text = "\n".join(lines)
     publish("weights", text, page="weights")
     OUT.mkdir(exist_ok=True)
     with open(OUT / "weights.json", "w") as handle:
-        json.dump(dict(rows=rows, whole_op_floors={m: dataclasses.asdict(f) for m, f in floors.items()}), handle,
-                  indent=1)
+        json.dump(dict(rows=rows, whole_op_floors={m: dataclasses.asdict(f) for m, f in floors.items()},
+                       capped_whole_op_floors={m: dataclasses.asdict(f) for m, f in capped_floors.items()},
+                       workspace_cap_mib=WORKSPACE_CAP_MIB), handle, indent=1)
     print(text)
 
 

@@ -118,3 +118,26 @@ def test_fit_with_pool_gradients_sliced_equals_plain(sliced_plans, builder):
     rewritten = fit_steps(builder, callbacks=[callback])
     assert_same_numbers(plain, rewritten)
     assert any(p is not None and p.sliced for p in callback.plans), [p and p.summary() for p in callback.plans]
+
+
+@pytest.mark.timeout(300)
+def test_a_saved_sliced_plan_applies_and_a_bad_edit_is_refused_before_the_step_runs(sliced_plans, monkeypatch,
+                                                                                    tmp_path):
+    """The sliced plan saved as JSON and given back with ``plan=`` trains as the plain step; the
+    same file edited to more slices than the batch has is refused with the library's error."""
+    import lms_tf
+
+    rewritten = custom_loop(zoo.sequential_cnn, lms_function(**OPTIONS))
+    plan = rewritten[2].plan
+    assert plan.sliced
+    monkeypatch.undo()  # planning no longer happens: the file decides
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    plain = custom_loop(zoo.sequential_cnn, tf.function)
+    again = custom_loop(zoo.sequential_cnn, lms_function(**CPU_LMS, plan=str(path)))
+    assert_same_numbers(plain, again)
+    assert again[2].plan.sliced == plan.sliced
+    bad = dataclasses.replace(plan, sliced=(dataclasses.replace(plan.sliced[0], slices=BATCH + 1),))
+    path.write_text(bad.to_json())
+    with pytest.raises(lms_tf.LMSOptionError, match=f"between 2 and its batch of {BATCH}"):
+        custom_loop(zoo.sequential_cnn, lms_function(**CPU_LMS, plan=str(path)))

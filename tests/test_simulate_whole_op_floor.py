@@ -100,3 +100,37 @@ def test_a_budget_below_the_largest_op_is_refused_naming_it():
                                                               f"{format_bytes(floor.nbytes)} while it runs")):
         make_budget_plan(ir, Policies(host="/CPU:1", recompute="auto", budget=floor.nbytes // 2),
                          device="/device:GPU:0", cost=V100)
+
+
+def test_a_cudnn_workspace_cap_is_counted_where_the_process_sets_it(monkeypatch):
+    """``TF_CUDNN_WORKSPACE_LIMIT_IN_MB`` caps what the simulator counts for a convolution's
+    workspace (the presets read it; a DeviceSpec takes it as a field), in the floor, the replay
+    and the budget error; a value TensorFlow would not read is refused."""
+    import dataclasses
+
+    from lms_tf.core.errors import LMSOptionError
+    from lms_tf.cost.devices import WORKSPACE_LIMIT_VARIABLE
+
+    ir = _conv_backward_ir()
+    kernel, sizes = 3 * 3 * 64 * 64 * 4, 16
+    monkeypatch.delenv(WORKSPACE_LIMIT_VARIABLE, raising=False)
+    assert get_device_spec("v100-16gb-pcie3").cudnn_workspace_limit_bytes is None
+    uncapped = simulate(ir, cost=V100)
+    monkeypatch.setenv(WORKSPACE_LIMIT_VARIABLE, "2")
+    spec = get_device_spec("v100-16gb-pcie3")
+    assert spec.cudnn_workspace_limit_bytes == 2 * MiB
+    assert spec == dataclasses.replace(V100.device, cudnn_workspace_limit_bytes=2 * MiB)
+    capped = simulate(ir, cost=CostModel(spec))
+    assert uncapped.peak_bytes - capped.peak_bytes == 6 * MiB, (uncapped.peak_bytes, capped.peak_bytes)
+    floor = whole_op_floor(ir, cudnn_workspace_limit=2 * MiB)
+    assert floor.nbytes == 2 * 8 * MiB + 2 * MiB + kernel + sizes
+    with pytest.raises(InfeasibleBudgetError) as info:
+        make_budget_plan(ir, Policies(host="/CPU:1", recompute="auto", budget=floor.nbytes // 2),
+                         device="/device:GPU:0", cost=CostModel(spec))
+    assert format_bytes(floor.nbytes) in str(info.value) and WORKSPACE_LIMIT_VARIABLE not in str(info.value)
+    with pytest.raises(InfeasibleBudgetError, match=WORKSPACE_LIMIT_VARIABLE):  # uncapped: the hint
+        make_budget_plan(ir, Policies(host="/CPU:1", recompute="auto", budget=floor.nbytes // 2),
+                         device="/device:GPU:0", cost=V100)
+    monkeypatch.setenv(WORKSPACE_LIMIT_VARIABLE, "2GB")
+    with pytest.raises(LMSOptionError, match="whole number of MiB.*'2GB'"):
+        get_device_spec("v100-16gb-pcie3")

@@ -33,6 +33,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Dict, Mapping, Optional, Union
 
@@ -66,6 +67,10 @@ class DeviceSpec:
             (None: unknown).
         peer_over_host_link: Whether that traffic crosses the link to the host, which the
             swap and weight copies use (PCIe cards without a bridge: yes).
+        cudnn_workspace_limit_bytes: The most scratch memory cuDNN may take for one convolution
+            (TensorFlow's ``TF_CUDNN_WORKSPACE_LIMIT_IN_MB``, which it reads once per process);
+            None: no cap, and the simulator counts about the convolution's largest operand.
+            :func:`get_device_spec` sets it from that variable when the process has it.
 
     Examples:
         >>> DeviceSpec("toy", 2**30, {"float32": 1e12}, {"float32": 1e12}, 1e11, 1e10, 1e10).flops("float32")
@@ -85,6 +90,7 @@ class DeviceSpec:
     host_memory_bytes_per_s: Optional[float] = None
     peer_bytes_per_s: Optional[float] = None
     peer_over_host_link: bool = True
+    cudnn_workspace_limit_bytes: Optional[int] = None
 
     def flops(self, dtype: str, matmul: bool = True) -> float:
         """Peak FLOP/s for ``dtype`` (float32 figures for dtypes the table does not list).
@@ -182,8 +188,53 @@ def detect_device_spec() -> DeviceSpec:
     return spec
 
 
+#: TensorFlow's cap on cuDNN's convolution workspace, in MiB (read once per process, at the first
+#: convolution of each kind).
+WORKSPACE_LIMIT_VARIABLE = "TF_CUDNN_WORKSPACE_LIMIT_IN_MB"
+
+
+def process_workspace_limit() -> Optional[int]:
+    """The cap on cuDNN's convolution workspace this process gives TensorFlow, in bytes
+    (``TF_CUDNN_WORKSPACE_LIMIT_IN_MB``), or None when it sets none.
+
+    Raises:
+        LMSOptionError: The variable is set to something other than a whole number of MiB.
+
+    Examples:
+        >>> import os
+        >>> os.environ.pop(WORKSPACE_LIMIT_VARIABLE, None) and None
+        >>> process_workspace_limit() is None
+        True
+    """
+    text = os.environ.get(WORKSPACE_LIMIT_VARIABLE, "").strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise LMSOptionError(f"{WORKSPACE_LIMIT_VARIABLE} must be a whole number of MiB (TensorFlow's cap on cuDNN's "
+                             f"convolution workspace); it is {text!r}. Set it to e.g. 64, or unset it.")
+    return int(text) << 20
+
+
+def with_process_workspace_limit(spec: DeviceSpec) -> DeviceSpec:
+    """``spec`` with :attr:`DeviceSpec.cudnn_workspace_limit_bytes` set from this process's
+    ``TF_CUDNN_WORKSPACE_LIMIT_IN_MB``, when it sets one (TensorFlow will cap cuDNN's workspace there).
+
+    Examples:
+        >>> import os
+        >>> os.environ[WORKSPACE_LIMIT_VARIABLE] = "64"
+        >>> with_process_workspace_limit(get_device_spec("v100-16gb-pcie3")).cudnn_workspace_limit_bytes // 2**20
+        64
+        >>> del os.environ[WORKSPACE_LIMIT_VARIABLE]
+    """
+    limit = process_workspace_limit()
+    return spec if limit is None else dataclasses.replace(spec, cudnn_workspace_limit_bytes=limit)
+
+
 def get_device_spec(spec: Union[str, DeviceSpec]) -> DeviceSpec:
     """Resolves a preset name, ``"auto"`` or a :class:`DeviceSpec` to a DeviceSpec.
+
+    A preset or ``"auto"`` takes the cap on cuDNN's workspace this process gives TensorFlow
+    (:func:`with_process_workspace_limit`); a DeviceSpec is used as given.
 
     Raises:
         LMSOptionError: An unknown preset name or a value of the wrong type.
@@ -199,9 +250,9 @@ def get_device_spec(spec: Union[str, DeviceSpec]) -> DeviceSpec:
     if isinstance(spec, DeviceSpec):
         return spec
     if spec == "auto":
-        return detect_device_spec()
+        return with_process_workspace_limit(detect_device_spec())
     if isinstance(spec, str) and spec in PRESETS:
-        return PRESETS[spec]
+        return with_process_workspace_limit(PRESETS[spec])
     if isinstance(spec, str):
         import difflib
 

@@ -59,6 +59,8 @@ from lms_tf.core.errors import LMSOptionError, host_budget_error, infeasible
 from lms_tf.core.ir import GraphIR
 from lms_tf.core.plan import Decision, Plan, Predictions, WeightDecision
 from lms_tf.core.policy import Policies, format_bytes, machine_memory_bytes, resolve_budget
+from lms_tf.core.op_kinds import WORKSPACE_TYPES
+from lms_tf.cost.devices import WORKSPACE_LIMIT_VARIABLE
 from lms_tf.cost.model import CostModel
 from lms_tf.planner.candidates import UNSIZED_LOOP_REASON
 from lms_tf.planner.search import BudgetSearch
@@ -100,14 +102,20 @@ def _what_stays(plan: Plan, top: int = 3) -> str:
     return text
 
 
-def _largest_op(ir: GraphIR) -> str:
-    """The op that needs the most device memory at once: no plan that runs it whole goes below it."""
-    largest = whole_op_floor(ir)
+def _largest_op(ir: GraphIR, cost: CostModel) -> str:
+    """The op that needs the most device memory at once: no plan that runs it whole goes below it
+    (the planner slices only the ops of :data:`~lms_tf.core.op_kinds.BATCH_SLICED_INPUTS`)."""
+    limit = cost.device.cudnn_workspace_limit_bytes
+    largest = whole_op_floor(ir, cudnn_workspace_limit=limit)
     if largest is None:
         return ""
-    return (f" The op that needs the most at once, {largest.op!r} ({largest.op_type}), holds "
+    text = (f" The op that needs the most at once, {largest.op!r} ({largest.op_type}), holds "
             f"{format_bytes(largest.nbytes)} while it runs (its inputs, weights included, its outputs and "
             f"scratch): no plan that runs it whole holds less on the device.")
+    if largest.op_type in WORKSPACE_TYPES and limit is None:
+        text += (f" Its scratch is cuDNN's workspace, counted as its largest operand; TensorFlow caps it with "
+                 f"{WORKSPACE_LIMIT_VARIABLE} (MiB, set before its first convolution), which the planner then counts.")
+    return text
 
 
 def make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, cost: CostModel,
@@ -185,7 +193,7 @@ def _make_budget_plan(ir: GraphIR, policies: Policies, *, device: str, scope_ali
             f"{_bytes_text(baseline.peak_bytes)} (simulated) and {kinds or 'moving'} every movable tensor{counting} "
             f"still needs {_bytes_text(floor)} ({counted}). The smallest feasible budget is about "
             f"{_bytes_text(floor)}; pass budget >= that, "
-            f"a smaller batch{hint}.{_what_stays(plan)}{_largest_op(step.ir)}",
+            f"a smaller batch{hint}.{_what_stays(plan)}{_largest_op(step.ir, cost)}",
             asked, floor)
     _check_host_memory(step, plan, sim.host_peak_bytes)
     logger.info("lms-tf planner: %s peak %.1f -> %.1f MiB (budget %.1f MiB; recompute %s; %d simulations) "

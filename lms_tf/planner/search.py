@@ -240,8 +240,9 @@ class BudgetSearch:
                           tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...],
                           split: Optional[Mapping[str, str]] = None, sliced: Optional[Mapping[str, int]] = None
                           ) -> Optional[Tuple[Plan, Simulation]]:
-        """Lowers the peak when the op at it is one a slice of the batch at a time computes exactly
-        (:data:`~lms_tf.core.op_kinds.BATCH_SLICED_INPUTS`, a max pool's gradient): its batch-sized
+        """Lowers the peak when the op at it (or one running when it is reached) is one a slice of the
+        batch at a time computes exactly (:data:`~lms_tf.core.op_kinds.BATCH_SLICED_INPUTS`, a max
+        pool's gradient): its batch-sized
         inputs swapped, and it run in :data:`SLICES_TRIED` slices (or twice as many as it already
         is), its swapped inputs copied in a slice at a time (:func:`~lms_tf.planner.slicing.slice_op`).
         The count that holds least wins, the fewer slices on a tie. It costs a launch per slice,
@@ -256,10 +257,13 @@ class BudgetSearch:
             True
         """
         ir, sliced = self.step.ir, dict(sliced or {})
-        op = sim.peak_op
-        if op.startswith("slice/"):  # one of an op's slices
-            op = op[len("slice/"):].rsplit("/", 1)[0]
-        if op not in self._op_names or ir.op(op).type not in BATCH_SLICED_INPUTS:
+        # The op at the peak, or one running when it was reached (the peak may be a copy that
+        # starts while the op runs).
+        at = sim.peak_time_s
+        running = [sim.peak_op] + sorted(name for name, (start, end) in sim.op_intervals.items() if start <= at < end)
+        names = [name[len("slice/"):].rsplit("/", 1)[0] if name.startswith("slice/") else name for name in running]
+        op = next((name for name in names if name in self._op_names and ir.op(name).type in BATCH_SLICED_INPUTS), None)
+        if op is None:
             return None
         info = ir.op(op)
         batch = (ir.tensors[info.outputs[0]].shape or (None,))[0] if info.outputs else None

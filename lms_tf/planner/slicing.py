@@ -12,21 +12,25 @@ Examples:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+from typing import AbstractSet, Sequence
 
 from lms_tf.core.errors import LMSOptionError
-from lms_tf.core.ir import GraphIR
+from lms_tf.core.ir import GraphIR, OpInfo
 from lms_tf.core.op_kinds import BATCH_SLICED_INPUTS
-from lms_tf.core.plan import Decision, Plan, SlicedOp
+from lms_tf.core.plan import Decision, Plan, SlicedOp, TensorDecision
 
 
-def slice_op(plan: Plan, ir: GraphIR, op: str, slices: int, reason: str = "") -> Plan:
+def slice_op(plan: Plan, ir: GraphIR, op: str, slices: int, reason: str = "", gates: Sequence[OpInfo] = ()) -> Plan:
     """``plan`` with ``op`` run ``slices`` slices of the batch at a time, each input of it that the
     plan swaps copied from the host a slice at a time instead of swapped in whole for it.
 
-    The op leaves the swap-ins it read (a swap-in left with no reader is dropped, one left with
-    readers after the op is triggered by the op, so that the whole copy does not arrive while the
-    slices run); the first slices' copies start after the earliest trigger of those swap-ins.
+    The op leaves the swap-ins it read (a swap-in left with no reader is dropped); the first
+    slices' copies start after the earliest trigger of those swap-ins. Every other swap-in that
+    would arrive while the slices run (triggered before the op, read only after it), the op's
+    inputs' among them, is triggered by the op instead: it starts when the slices are put
+    together, or later, right before its readers (``gates``), and they may wait for the copy.
 
     Args:
         plan: A plan for ``ir``.
@@ -34,6 +38,9 @@ def slice_op(plan: Plan, ir: GraphIR, op: str, slices: int, reason: str = "") ->
         op: A backward op of a type in :data:`~lms_tf.core.op_kinds.BATCH_SLICED_INPUTS`.
         slices: Into how many parts to cut the batch (2 to the batch size).
         reason: Why, in words, for :meth:`Plan.summary`.
+        gates: The backward ops that may trigger a swap-in, in run order
+            (:attr:`~lms_tf.planner.candidates.Candidates.gates`): a swap-in held back is triggered
+            by the last of them before its first reader (and not before the op); without them, by the op.
 
     Returns:
         The new plan (predictions as ``plan``'s: simulate it to know its peak).
@@ -64,21 +71,16 @@ def slice_op(plan: Plan, ir: GraphIR, op: str, slices: int, reason: str = "") ->
         raise LMSOptionError(f"{op!r} is sliced already in this plan; edit its entry's 'slices' instead.")
     batch_inputs = {info.inputs[i] for i in BATCH_SLICED_INPUTS[info.type] if i < len(info.inputs)}
     decisions, from_host, triggers = [], [], []
+    waiters = {w for o in plan.orderings for w in o.waiters}
     for d in plan.decisions:
         read = [s for s in d.swap_ins if op in s.consumers] if d.tensor in batch_inputs else []
+        if d.decision is Decision.SWAP and not read and d.tensor not in batch_inputs:
+            d = _held_back(ir, d, info, gates, waiters)
         if d.decision is Decision.SWAP and read:
             triggers.extend(s.trigger for s in read)
-            swap_ins = []
-            for s in d.swap_ins:
-                consumers = tuple(c for c in s.consumers if c != op)
-                if not consumers:
-                    continue
-                if s in read and all(ir.op(c).index > info.index for c in consumers):
-                    # Its other readers come after the op: copied back whole while the slices ran,
-                    # it would sit beside them. It is copied back when the op's slices are put together.
-                    s = dataclasses.replace(s, trigger=op)
-                swap_ins.append(dataclasses.replace(s, consumers=consumers))
-            d = dataclasses.replace(d, swap_ins=tuple(swap_ins))
+            swap_ins = tuple(dataclasses.replace(s, consumers=tuple(c for c in s.consumers if c != op))
+                             for s in d.swap_ins)
+            d = _held_back(ir, dataclasses.replace(d, swap_ins=tuple(s for s in swap_ins if s.consumers)), info, gates, waiters)
             from_host.append(d.tensor)
         decisions.append(d)
     if not triggers:
@@ -88,3 +90,42 @@ def slice_op(plan: Plan, ir: GraphIR, op: str, slices: int, reason: str = "") ->
     trigger = min(triggers, key=lambda name: ir.op(name).index)
     entry = SlicedOp(op, slices, tuple(from_host), trigger, reason)
     return dataclasses.replace(plan, decisions=tuple(decisions), sliced=plan.sliced + (entry,))
+
+
+def _waiting_for(ir: GraphIR, op: OpInfo) -> AbstractSet[str]:
+    """The ops that wait for ``op`` through data edges (cached on the IR per op)."""
+    def build() -> AbstractSet[str]:
+        after, frontier = set(), [op.name]
+        while frontier:
+            for t in ir.op(frontier.pop()).outputs:
+                for consumer in ir.tensors[t].consumers:
+                    if consumer not in after:
+                        after.add(consumer)
+                        frontier.append(consumer)
+        return frozenset(after)
+
+    return ir.memo(f"_waiting_for/{op.name}", build)
+
+
+def _held_back(ir: GraphIR, decision: TensorDecision, op: OpInfo, gates: Sequence[OpInfo],
+               waiters: AbstractSet[str]) -> TensorDecision:
+    """``decision`` with each swap-in that would arrive while ``op``'s slices run (triggered before
+    ``op``, every reader after it) triggered later: the op is sliced because it holds the most, and
+    a copy waiting beside its slices would hold as much again. It starts after the last of
+    ``gates`` before its first reader (at ``op`` or after), or after ``op``."""
+    # A trigger must run after the op's slices (so it waits for the op: it reads what the op made,
+    # or something made from it), and an op an ordering holds back could wait for this copy's
+    # readers: it may not trigger it.
+    after = _waiting_for(ir, op)
+    gates = [g for g in gates if g.name in after and g.name not in waiters]
+    positions = [g.index for g in gates]
+    swap_ins = []
+    for s in decision.swap_ins:
+        first = min(ir.op(c).index for c in s.consumers)
+        if ir.op(s.trigger).index < op.index < first:
+            before = bisect.bisect_left(positions, first) - 1
+            trigger = gates[before].name if before >= 0 and positions[before] >= op.index else op.name
+            s = dataclasses.replace(s, trigger=trigger)
+        swap_ins.append(s)
+    swap_ins = tuple(swap_ins)
+    return decision if swap_ins == decision.swap_ins else dataclasses.replace(decision, swap_ins=swap_ins)

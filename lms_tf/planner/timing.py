@@ -348,7 +348,7 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
                          plan_weights(step.ir, policies, step.offloaded) if tools.throttle else timed_weights(step)))
     for op, slices in (sliced or {}).items():
         try:
-            plan = slice_op(plan, ir, op, slices, reason="it holds more than the budget run whole")
+            plan = slice_op(plan, ir, op, slices, reason="it holds more than the budget run whole", gates=found.gates)
         except LMSOptionError:
             continue  # none of its inputs is swapped in this plan: sliced, it would hold no less
     return plan
@@ -387,11 +387,14 @@ def timed_weights(step: PlanningStep):
 
 def idle_fetches(step: PlanningStep, sim: Simulation, weights: Tuple[WeightDecision, ...]
                  ) -> List[Tuple[int, WeightDecision]]:
-    """The weights whose fetched copy is on the device at the simulated peak although no op of its
-    window has started yet, ``(bytes, weight)``, largest first. Each fetch is triggered early enough
-    to hide its copy behind compute (:func:`~lms_tf.planner.weights.timed_fetches`): a large weight
-    on a fast device arrives many ops before its layer, and while it waits it holds its bytes at a
-    peak it takes no part in, as a swapped-out activation's early swap-in would.
+    """The weights whose fetched copy is on the device at the simulated peak although none of its
+    window's ops runs then and some are still to run, ``(bytes, weight)``, largest first. Each
+    fetch is triggered early enough to hide its copy behind compute
+    (:func:`~lms_tf.planner.weights.timed_fetches`): a large weight on a fast device arrives many
+    ops before its layer, and while it waits it holds its bytes at a peak it takes no part in, as
+    a swapped-out activation's early swap-in would. A window whose copy could not be made again in
+    time after its previous one (the last layers' forward and backward reads) shares that copy,
+    which waits on the device between them.
 
     Examples:
         >>> from lms_tf.planner.step import PlanningStep
@@ -400,12 +403,13 @@ def idle_fetches(step: PlanningStep, sim: Simulation, weights: Tuple[WeightDecis
         []
     """
     live = dict(sim.live_at_peak)
+    at = sim.peak_time_s
     idle = []
     for weight in weights:
         for i, fetch in enumerate(weight.fetches):
             nbytes = live.get(weight.fetch_name(i))
-            starts = [sim.op_intervals[c][0] for c in fetch.consumers if c in sim.op_intervals]
-            if nbytes and starts and min(starts) > sim.peak_time_s:
+            ran = [sim.op_intervals[c] for c in fetch.consumers if c in sim.op_intervals]
+            if nbytes and any(start > at for start, _ in ran) and not any(start <= at < end for start, end in ran):
                 idle.append((nbytes, weight))
                 break
     return sorted(idle, key=lambda pair: (-pair[0], pair[1].variable))
@@ -416,6 +420,8 @@ def delayed_fetches(step: PlanningStep, weights: Tuple[WeightDecision, ...], var
     """``weights`` with ``variable``'s fetches triggered later: each ``lead`` of its copy time before its
     window (by the plain step's clock, as :func:`timed_weights` does with the whole copy time), so
     the window may wait for part of the copy and the device holds the copy for less of the step.
+    The windows are the rule's (:func:`~lms_tf.planner.weights.plan_weights`), timed again: two
+    that shared one copy get one each when the second's copy can start after the first ends.
 
     Examples:
         >>> from lms_tf.core.policy import Policies
@@ -427,8 +433,18 @@ def delayed_fetches(step: PlanningStep, weights: Tuple[WeightDecision, ...], var
         >>> [f.trigger for f in late[1].fetches]   # the last gate before each window
         ['r1', 'loss']
     """
+    rule = {w.variable: w for w in plan_weights(step.ir, step.policies, step.offloaded)}
+
     def later(weight: WeightDecision) -> WeightDecision:
-        timed = timed_fetches(step.ir, (weight,), step.baseline.op_intervals,
+        # From the rule's windows: the timing merged a window whose copy could not be made again in
+        # time into the one before; later, each may have its own copy. A wait for gradients stays
+        # with the window whose first reader it was made for.
+        waits = {f.consumers[0]: f.after_gradients for f in weight.fetches if f.after_gradients}
+        windows = rule.get(weight.variable, weight)
+        windows = dataclasses.replace(windows, fetches=tuple(
+            dataclasses.replace(f, after_gradients=waits.get(f.consumers[0], f.after_gradients))
+            for f in windows.fetches))
+        timed = timed_fetches(step.ir, (windows,), step.baseline.op_intervals,
                               lambda nbytes: step.cost.transfer_time(nbytes, "host_to_device"), lead)[0]
         return dataclasses.replace(timed, reason=f"weights='host': fetched {lead:g} of its copy time before each "
                                                  f"window (fetched in time to hide the copy, it sat idle at the peak)")

@@ -146,7 +146,8 @@ class WholeOpFloor:
     nbytes: int
 
 
-def whole_op_floor(ir: GraphIR, kernels: str = "cudnn") -> Optional[WholeOpFloor]:
+def whole_op_floor(ir: GraphIR, kernels: str = "cudnn", cudnn_workspace_limit: Optional[int] = None
+                   ) -> Optional[WholeOpFloor]:
     """The least device memory any plan needs that runs every op of ``ir`` whole: while an op runs,
     its inputs, its outputs and its kernel's scratch are all on the device, whatever was swapped
     or recomputed before. No budget below it can be met without splitting that op (micro-batches,
@@ -161,6 +162,8 @@ def whole_op_floor(ir: GraphIR, kernels: str = "cudnn") -> Optional[WholeOpFloor
     Args:
         ir: The step's IR.
         kernels: The kernel library whose scratch to count (:data:`~lms_tf.simulate.lower.KERNEL_LIBRARIES`).
+        cudnn_workspace_limit: A cap on cuDNN's workspace, in bytes
+            (:attr:`~lms_tf.cost.DeviceSpec.cudnn_workspace_limit_bytes`); None: no cap.
 
     Returns:
         The :class:`WholeOpFloor`, or None for a step with no candidate op.
@@ -188,7 +191,7 @@ def whole_op_floor(ir: GraphIR, kernels: str = "cudnn") -> Optional[WholeOpFloor
                 if size and size in unused:
                     unused.remove(size)
                     writes[i] = 0
-        nbytes = sum(reads) + sum(writes) + kernel_scratch_bytes(ir, op, kernels)
+        nbytes = sum(reads) + sum(writes) + kernel_scratch_bytes(ir, op, kernels, cudnn_workspace_limit)
         if best is None or nbytes > best.nbytes:
             best = WholeOpFloor(op.name, op.type, nbytes)
     return best

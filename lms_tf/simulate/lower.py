@@ -100,6 +100,7 @@ class Lowered:
         self.accumulated_sums: frozenset = frozenset()
         self.read_handles: Dict[str, str] = {}  # read buffer -> variable handle tensor
         self.on_host: frozenset = frozenset()  # handles of the variables on the host (weights="host")
+        self.slice_waits: Dict[str, List[str]] = {}  # a sliced op's slice -> the ops (and copies) it waits for
         # Whether a buffer counts, per buffer key: the same for every plan of one IR, so kept on it.
         self._counted_cache: Dict[str, bool] = ir.memo("_counted", dict)  # filled as buffers are asked about
 
@@ -399,10 +400,12 @@ def check_kernel_library(kernels) -> str:
     return kernels
 
 
-def kernel_scratch_bytes(ir: GraphIR, op: OpInfo, kernels: str = "cudnn") -> int:
+def kernel_scratch_bytes(ir: GraphIR, op: OpInfo, kernels: str = "cudnn",
+                         cudnn_workspace_limit: Optional[int] = None) -> int:
     """Scratch bytes ``op``'s kernel takes from TensorFlow's allocator while it runs, with the
     kernel library ``kernels`` (one of :data:`KERNEL_LIBRARIES`): what :func:`simulate` holds
-    beside the op's inputs and outputs, for per-layer models to count the same.
+    beside the op's inputs and outputs, for per-layer models to count the same. With cuDNN,
+    ``cudnn_workspace_limit`` caps the workspace (:attr:`~lms_tf.cost.DeviceSpec.cudnn_workspace_limit_bytes`).
 
     Raises:
         LMSOptionError: An unknown kernel library.
@@ -416,10 +419,14 @@ def kernel_scratch_bytes(ir: GraphIR, op: OpInfo, kernels: str = "cudnn") -> int
         ...                    outputs=[("g:0", (3, 3, 64, 64))])])
         >>> [kernel_scratch_bytes(ir, ir.op("g"), k) for k in KERNEL_LIBRARIES]
         [4194304, 28311552, 0]
+        >>> kernel_scratch_bytes(ir, ir.op("g"), "cudnn", cudnn_workspace_limit=2**20)
+        1048576
     """
     check_kernel_library(kernels)
-    return (_eigen_workspace(ir, op) if kernels == "eigen" else _workspace(ir, op, kernels)) + _compiled_scratch(
-        ir, op.name, kernels)
+    scratch = _eigen_workspace(ir, op) if kernels == "eigen" else _workspace(ir, op, kernels)
+    if kernels == "cudnn" and cudnn_workspace_limit is not None:
+        scratch = min(scratch, cudnn_workspace_limit)
+    return scratch + _compiled_scratch(ir, op.name, kernels)
 
 
 #: The device type each kernel library runs on.
@@ -607,7 +614,7 @@ def _add_slices(b: "Lowered", op: OpInfo, sliced: SlicedOp, reads: List[str], op
         event = Event(name, COMPUTE_STREAM, max(op_time - launch, 0.0) * size / batch + launch, slice_reads, writes,
                       [], order=op.index - 0.5 + i / (2 * len(bounds)))
         b.index_of[name] = b.add(event)
-        extra_deps[name].extend(waits)  # type: ignore[index]
+        b.slice_waits[name] = waits
         outputs.extend(key for key, _ in writes)
         if i + 2 < len(bounds):
             for t in sliced.from_host:
@@ -763,6 +770,8 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         extra_deps[key].extend(k for g in gradients for k in crossings.get(g, [f"{TO_HOST_PREFIX}{g}"]))
     template = _plain_template(ir)
     with_workspace = kernels != "onednn"
+    limit = cost.device.cudnn_workspace_limit_bytes
+    cudnn_limit = limit if limit is not None else float("inf")  # TF_CUDNN_WORKSPACE_LIMIT_IN_MB
     settled = set()  # events whose dependencies are the plain op's (computed below for the others)
     for extra in at_start:
         extra.order = -0.5
@@ -799,7 +808,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                       # scratch there
                       workspace=(0 if name in ir.host_placed else _compiled_scratch(ir, name, kernels) + (
                           0 if not with_workspace else _eigen_workspace(ir, op) if kernels == "eigen"
-                          else cached.workspace)))
+                          else min(cached.workspace, cudnn_limit))))
         if name in sliced:  # a ConcatV2 of the slices' outputs: a copy through device memory
             event.forwarding, event.workspace = False, 0
             event.duration = 2 * sum(n for _, n in writes) / cost.device.memory_bytes_per_s + \
@@ -835,7 +844,10 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
         deps = {b.buffer_producer[k] for k in sim.reads if k in b.buffer_producer}
         if sim.trigger is not None:
             deps.update(b.indices_of(sim.trigger))
-        if sim.name in ir_names:
+        if sim.name in b.slice_waits:  # a slice waits for what its op would (IR ops: aliases resolved)
+            for n in b.slice_waits[sim.name]:
+                deps.update(b.indices_of(n))
+        elif sim.name in ir_names:
             names = b.producer_deps(ir.op(sim.name)) if sim.name in rebuilt else template[sim.name].producer_deps
             deps.update(b.index_of[n] for n in names)
             for n in extra_deps.get(sim.name, ()):
