@@ -103,6 +103,13 @@ def custom_loop(builder, decorate, steps=NUMBERS_STEPS, use_tf_gradients=False, 
     return losses, [np.array(w) for w in model.get_weights()], fn
 
 
+def first_batch(builder):
+    """The first batch :func:`custom_loop` trains on with ``builder``'s data, as tensors (the zoo's
+    data is seeded: building again gives the same)."""
+    _, (x, y) = builder()
+    return tf.constant(x[:BATCH]), tf.constant(y[:BATCH])
+
+
 def lms_function(**options):
     return lambda step: lms_tf.function(step, **options)
 

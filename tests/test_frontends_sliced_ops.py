@@ -22,7 +22,7 @@ from lms_tf.tf import driver
 from lms_tf.tf.diagnostics import executed_ops, find_executed
 from lms_tf.tf.rewrite import LMS_ATTR
 from tests import zoo
-from tests.helpers import BATCH, CPU_LMS, assert_same_numbers, custom_loop, fit_steps, lms_function
+from tests.helpers import BATCH, CPU_LMS, assert_same_numbers, custom_loop, first_batch, fit_steps, lms_function
 
 OPTIONS = dict(CPU_LMS, budget="80%", recompute=False, device_spec="v100-16gb-pcie3", min_swap_bytes=0)
 #: Uneven slices (BATCH is not a multiple of 3): the last ones are one example shorter.
@@ -57,22 +57,14 @@ def _by_kind(graph, kind):
 @pytest.mark.timeout(300)
 def test_a_custom_loop_with_its_pool_gradient_sliced_equals_plain_and_runs_the_slices_in_order(sliced_plans):
     plain = custom_loop(zoo.sequential_cnn, tf.function)
-    data = {}
-
-    def builder():
-        model, (x, y) = zoo.sequential_cnn()
-        data["xy"] = (x, y)
-        return model, (x, y)
-
-    rewritten = custom_loop(builder, lms_function(**OPTIONS))
+    rewritten = custom_loop(zoo.sequential_cnn, lms_function(**OPTIONS))
     assert_same_numbers(plain, rewritten)
     fn = rewritten[2]
     plan = fn.plan
     assert len(plan.sliced) == 1, plan.summary()
     sliced = plan.sliced[0]
     assert sliced.slices == SLICES and sliced.from_host, sliced
-    x, y = data["xy"]
-    xb, yb = tf.constant(x[:BATCH]), tf.constant(y[:BATCH])
+    xb, yb = first_batch(zoo.sequential_cnn)
     graph = fn.get_concrete_function(xb, yb).graph
     # Structure: one clone per slice, reading a gated host slice of the swapped input; their
     # concatenation is what the op's readers read; the op itself has no reader left.

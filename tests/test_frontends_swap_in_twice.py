@@ -20,7 +20,7 @@ from lms_tf.tf import driver
 from lms_tf.tf.diagnostics import executed_ops, find_executed
 from lms_tf.tf.rewrite import LMS_ATTR
 from tests import zoo
-from tests.helpers import BATCH, CPU_LMS, assert_same_numbers, custom_loop, lms_function
+from tests.helpers import CPU_LMS, assert_same_numbers, custom_loop, first_batch, lms_function
 
 OPTIONS = dict(CPU_LMS, budget="85%", recompute=False, device_spec="v100-16gb-pcie3", min_swap_bytes=0)
 
@@ -52,21 +52,13 @@ def test_a_custom_loop_with_tensors_swapped_in_twice_equals_plain_and_runs_in_th
     """A hand-written step on a stack of convolutions: each layer's input is read by its filter
     gradient and by the previous layer's ``ReluGrad``, with the input gradient between them."""
     plain = custom_loop(zoo.sequential_cnn, tf.function)
-    data = {}
-
-    def builder():
-        model, (x, y) = zoo.sequential_cnn()
-        data["xy"] = (x, y)
-        return model, (x, y)
-
-    rewritten = custom_loop(builder, lms_function(**OPTIONS))
+    rewritten = custom_loop(zoo.sequential_cnn, lms_function(**OPTIONS))
     assert_same_numbers(plain, rewritten)
     fn = rewritten[2]
     plan = fn.plan
     split = split_swap_ins(plan)
     assert len(split) >= 2, plan.summary()
-    x, y = data["xy"]
-    xb, yb = tf.constant(x[:BATCH]), tf.constant(y[:BATCH])
+    xb, yb = first_batch(zoo.sequential_cnn)
     graph = fn.get_concrete_function(xb, yb).graph
     # Structure: two swap-ins of each such tensor, the second triggered by the op, which waits
     # (through an ordering barrier) for the first swap-in's readers.
