@@ -133,3 +133,24 @@ def test_a_saved_sliced_plan_applies_and_a_bad_edit_is_refused_before_the_step_r
     path.write_text(bad.to_json())
     with pytest.raises(lms_tf.LMSOptionError, match=f"between 2 and its batch of {BATCH}"):
         custom_loop(zoo.sequential_cnn, lms_function(**CPU_LMS, plan=str(path)))
+
+
+@pytest.mark.timeout(300)
+def test_serialized_the_concatenation_takes_the_ops_place_and_the_whole_op_stays_out(sliced_plans):
+    """``serialize=True`` chains the step's compute ops in the simulated order: the concatenation
+    of the slices is chained where the simulator ran the op, nothing chains the sliced op itself
+    back in (it would run whole), and the numbers are the plain step's."""
+    plain = custom_loop(zoo.sequential_cnn, tf.function)
+    rewritten = custom_loop(zoo.sequential_cnn, lms_function(**OPTIONS, serialize=True))
+    assert_same_numbers(plain, rewritten)
+    fn = rewritten[2]
+    sliced = fn.plan.sliced[0]
+    xb, yb = first_batch(zoo.sequential_cnn)
+    graph = fn.get_concrete_function(xb, yb).graph
+    assert _compat.is_dead_end(graph.get_operation_by_name(sliced.op))
+    # The concatenation takes the op's place in the chain (the simulator calls it by the op's name).
+    concat, = _by_kind(graph, "slice_concat")
+    assert "_lms_serial" in concat.node_def.attr
+    events = executed_ops(lambda: fn(xb, yb))
+    ran = [e.node for e in events if e.type == "MaxPoolGrad"]
+    assert len(ran) == SLICES and all("-lms_slice_" in node for node in ran), ran

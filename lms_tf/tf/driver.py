@@ -617,6 +617,7 @@ def simulated_ranks(graph: tf.Graph, ir: GraphIR, plan: Plan, cost: CostModel) -
         {'x': 0.0, 'y': 1.0}
     """
     sim = simulate(ir, plan, cost=cost, top=1)
+    # Later ops win: a sliced op's concatenation, made after it, takes its simulator name.
     graph_name = {simulator_name(graph, op.name): op.name for op in graph.get_operations()}
     names = (graph_name.get(name) for name in sim.op_intervals)
     return {name: float(i) for i, name in enumerate(n for n in names if n is not None)}

@@ -28,6 +28,7 @@ from lms_tf import _compat
 from lms_tf.core.op_kinds import WHILE_OP_TYPES, recompute_clone_name
 from lms_tf.core.plan import Plan
 from lms_tf.tf.rewrite.common import mark, repoint_consumers, sorting_as
+from lms_tf.tf.rewrite.slices import SLICE_INDEX_ATTR, SLICE_OF_ATTR
 from lms_tf.tf.rewrite.swap import device_read, gated_swap_in
 from lms_tf.tf.rewrite.weights import offloaded_reads
 
@@ -36,7 +37,10 @@ CLONE_GATE_ATTR = "_lms_gate"
 
 
 def simulator_name(graph: tf.Graph, op_name: str) -> str:
-    """The simulator's name for an op of a rewritten graph: ``recompute/<gate>/<op>`` for a clone.
+    """The simulator's name for an op of a rewritten graph: ``recompute/<gate>/<op>`` for a clone,
+    ``slice/<op>/<i>`` for slice ``i`` of a sliced op and ``<op>`` for the concatenation of its slices
+    (the sliced op itself, which does not run, is then named as the concatenation: callers mapping
+    names to ops should let the later op win).
 
     Examples:
         >>> g = tf.Graph()
@@ -47,7 +51,13 @@ def simulator_name(graph: tf.Graph, op_name: str) -> str:
     """
     op = graph.get_operation_by_name(op_name)
     source = _compat.string_attr(op, CLONE_OF_ATTR)
-    return recompute_clone_name(_compat.string_attr(op, CLONE_GATE_ATTR), source) if source else op_name
+    if source:
+        return recompute_clone_name(_compat.string_attr(op, CLONE_GATE_ATTR), source)
+    sliced = _compat.string_attr(op, SLICE_OF_ATTR)
+    if sliced:  # a slice of a sliced op, or the concatenation the simulator calls by the op's name
+        return f"slice/{sliced}/{op.get_attr(SLICE_INDEX_ATTR)}" if op.type == op.graph.get_operation_by_name(
+            sliced).type else sliced
+    return op_name
 
 
 def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tensor],
