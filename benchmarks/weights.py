@@ -58,12 +58,13 @@ GiB = 2**30
 WORKSPACE_CAP_MIB = 32
 
 
-def least_budget(ir, policies: Policies, cost: CostModel, plain_peak: int) -> int:
+def least_budget(ir, policies: Policies, cost: CostModel, plain_peak: int, quarter: int) -> int:
     """The lowest budget the planner reaches for this step: the least its errors name for budgets
-    of one byte, a quarter and half of the plain peak (the greedy search's lowest plan depends on
-    what it aimed at), or the least of those budgets a plan fits."""
+    of one byte, a quarter and half of the plain peak, and ``quarter`` (a quarter of the plain step
+    with its variables, less what stays resident) (the greedy search's lowest plan depends on what
+    it aimed at), or the least of those budgets a plan fits."""
     reached = []
-    for budget in (1, plain_peak // 4, plain_peak // 2):
+    for budget in (1, plain_peak // 4, plain_peak // 2, quarter):
         try:
             make_budget_plan(ir, policies.replace(budget=budget), device="/device:GPU:0", cost=cost)
             reached.append(budget)
@@ -82,8 +83,10 @@ def measure(ir, way: str, cost: CostModel) -> dict:
     plain = simulate(ir, cost=cost)
     if way == "plain":
         return dict(device_bytes=plain.peak_bytes + resident_bytes(ir), host_bytes=0, overhead=1.0, sliced=0,
-                    tensors_bytes=plain.peak_bytes + resident_bytes(ir))
-    least = least_budget(ir, policies, cost, plain.peak_bytes)
+                    tensors_bytes=plain.peak_bytes + resident_bytes(ir), quarter=dict(fits=False, least=None))
+    quarter = (plain.peak_bytes + resident_bytes(ir)) // 4 - resident
+    at_quarter = at_budget(ir, policies.replace(budget=quarter), cost)
+    least = least_budget(ir, policies, cost, plain.peak_bytes, quarter)
     # The planner's lowest figure is not monotone in the budget asked for: plan a little above it,
     # then higher, and report the budget a plan was found for.
     for factor in (1.02, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0):
@@ -96,10 +99,22 @@ def measure(ir, way: str, cost: CostModel) -> dict:
     else:
         raise SystemExit(f"no plan found up to twice the lowest budget {least} ({way}, {cost.device.name})")
     pred = plan.predictions
-    return dict(device_bytes=budget + resident, host_bytes=plan.offloaded_weight_bytes + plan.swapped_bytes,
+    return dict(device_bytes=budget + resident, budget_bytes=budget,
+                host_bytes=plan.offloaded_weight_bytes + plan.swapped_bytes,
                 overhead=pred.overhead, offloaded=plan.offloaded_weight_bytes, fetches=plan.num_weight_fetches,
                 least_reached=least, factor=factor, sliced=len(plan.sliced),
-                tensors_bytes=pred.planned_peak_bytes + resident)
+                tensors_bytes=pred.planned_peak_bytes + resident, quarter=at_quarter)
+
+
+def at_budget(ir, policies: Policies, cost: CostModel) -> dict:
+    """Whether a plan fits ``policies.budget``; if not, the least budget the planner's error names."""
+    try:
+        plan = make_budget_plan(ir, policies, device="/device:GPU:0", cost=cost)
+    except InfeasibleBudgetError as err:
+        return dict(fits=False, least=err.smallest_feasible_bytes)
+    pred = plan.predictions
+    return dict(fits=True, tensors=pred.planned_peak_bytes, chunks=pred.planned_allocator_peak_bytes,
+                overhead=pred.overhead, sliced=len(plan.sliced))
 
 
 def main() -> None:
@@ -152,6 +167,27 @@ def main() -> None:
                      f"({floor.nbytes / plain:.3f}) | `{capped.op}` ({capped.op_type}) | {capped.nbytes / GiB:.3f} "
                      f"({capped.nbytes / plain:.3f}) | {plain / 4 / GiB:.3f} | {least['device_bytes'] / GiB:.3f} "
                      f"({least['device_bytes'] / plain:.3f}), {names[least['way']]}, {least['preset']} |")
+    lines += ["", "Planned for exactly 25% of the plain step with its variables (the budget the planner is given: that "
+              "less what stays resident): whether a plan fits, its tensors and TensorFlow's allocator's whole chunks "
+              "(each with the resident variables, against the plain step) and predicted time; if none fits, the least "
+              "budget the planner's error names.", "",
+              "| model, batch | device | way | 25% of plain GiB | fits | device GiB: tensors, chunks (vs plain) | "
+              "sliced ops | predicted time |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if row["way"] == "plain":
+            continue
+        plain = next(r for r in rows if r["model"] == row["model"] and r["preset"] == row["preset"]
+                     and r["way"] == "plain")["device_bytes"]
+        q, resident = row["quarter"], row["device_bytes"] - row["budget_bytes"]
+        if q["fits"]:
+            figures = (f"{(q['tensors'] + resident) / GiB:.3f}, {(q['chunks'] + resident) / GiB:.3f} "
+                       f"({(q['chunks'] + resident) / plain:.3f})")
+            tail = f"{q['sliced']} | {q['overhead']:.2f}x"
+        else:
+            figures = f"least {(q['least'] + resident) / GiB:.3f} ({(q['least'] + resident) / plain:.3f})"
+            tail = "- | -"
+        lines.append(f"| {row['model']} b{row['batch']} | {row['preset']} | {names[row['way']]} | {plain / 4 / GiB:.3f} | "
+                     f"{'yes' if q['fits'] else 'no'} | {figures} | {tail} |")
     text = "\n".join(lines)
     publish("weights", text, page="weights")
     OUT.mkdir(exist_ok=True)

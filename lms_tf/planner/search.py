@@ -133,7 +133,8 @@ class BudgetSearch:
                 twice = self.swap_in_twice(sim, swap, recomputed, tools, orderings, weights, split, sliced)
                 if twice is None:
                     # Below what the op at the peak holds run whole: that op a slice at a time.
-                    twice = self.slice_the_peak_op(sim, swap, recomputed, tools, orderings, weights, split, sliced)
+                    twice = (self.slice_the_peak_op(sim, swap, recomputed, tools, orderings, weights, split, sliced)
+                             if tools.slice_ops else None)
                     if twice is None:
                         break
                     logger.debug("planner round: peak %d -> %d slicing %s", sim.peak_bytes, twice[1].peak_bytes,
@@ -250,6 +251,9 @@ class BudgetSearch:
         when the slices are put together. None if the op at the peak is not such an op, or no
         count lowers the peak.
 
+        Used by :meth:`add_swaps` with ``tools.slice_ops``: the search's last passes, run only when
+        nothing fits without it.
+
         Examples:
             >>> from lms_tf.planner.step import PlanningStep
             >>> step = PlanningStep.example()   # a chain of matmuls: nothing to slice
@@ -363,6 +367,13 @@ class BudgetSearch:
                   (bases, Tools(late_swap_ins=True, order=True), " + late swap-ins + orderings")]
         if self.step.policies.swap:
             passes.append((every_base, Tools(order=True, throttle=True), " + orderings + waits for copies out"))
+            # Last, where nothing else fits: ops run a slice of the batch at a time (a launch per
+            # slice, and copies its readers may wait for). Only when nothing fits without them, so a
+            # plan that fits without slicing is found as before.
+            passes += [(bases, Tools(late_swap_ins=True, order=True, slice_ops=True),
+                        " + late swap-ins + orderings + sliced ops"),
+                       (every_base, Tools(order=True, throttle=True, slice_ops=True),
+                        " + orderings + waits for copies out + sliced ops")]
         floors = {label: compute_floor(self.step, recomputed) for label, recomputed in every_base}
         for candidates, tools, suffix in passes:
             for label, recomputed in sorted(candidates, key=lambda base: floors[base[0]]):

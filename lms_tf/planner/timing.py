@@ -48,6 +48,8 @@ class Tools:
         order: Make backward branches alive together at the peak run one after the other.
         throttle: Make the forward pass wait for the copies out; swap-ins run a fixed number of
             groups ahead of their consumers.
+        slice_ops: Run the op at the peak a slice of the batch at a time where it may be
+            (:func:`~lms_tf.planner.slicing.slice_op`), when nothing else lowers the peak.
 
     Examples:
         >>> Tools(order=True).order
@@ -57,6 +59,7 @@ class Tools:
     late_swap_ins: bool = False
     order: bool = False
     throttle: bool = False
+    slice_ops: bool = False
 
 
 def timed_swap(step: PlanningStep, tensor: str, distance: int, lead: float = 1.0,
