@@ -85,8 +85,9 @@ def measure(ir, way: str, cost: CostModel) -> dict:
         return dict(device_bytes=plain.peak_bytes + resident_bytes(ir), host_bytes=0, overhead=1.0, sliced=0,
                     tensors_bytes=plain.peak_bytes + resident_bytes(ir), quarter=dict(fits=False, least=None))
     quarter = (plain.peak_bytes + resident_bytes(ir)) // 4 - resident
-    at_quarter = at_budget(ir, policies.replace(budget=quarter), cost)
-    least = least_budget(ir, policies, cost, plain.peak_bytes, quarter)
+    # With the variables resident, they alone may hold more than a quarter of the plain step.
+    at_quarter = at_budget(ir, policies.replace(budget=quarter), cost) if quarter > 0 else dict(fits=False, least=None)
+    least = least_budget(ir, policies, cost, plain.peak_bytes, max(quarter, 1))
     # The planner's lowest figure is not monotone in the budget asked for: plan a little above it,
     # then higher, and report the budget a plan was found for.
     for factor in (1.02, 1.05, 1.1, 1.2, 1.35, 1.5, 2.0):
@@ -183,6 +184,9 @@ def main() -> None:
             figures = (f"{(q['tensors'] + resident) / GiB:.3f}, {(q['chunks'] + resident) / GiB:.3f} "
                        f"({(q['chunks'] + resident) / plain:.3f})")
             tail = f"{q['sliced']} | {q['overhead']:.2f}x"
+        elif q["least"] is None:
+            figures = f"the variables it keeps resident alone hold {resident / GiB:.3f}"
+            tail = "- | -"
         else:
             figures = f"least {(q['least'] + resident) / GiB:.3f} ({(q['least'] + resident) / plain:.3f})"
             tail = "- | -"

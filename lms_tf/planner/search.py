@@ -73,6 +73,7 @@ class BudgetSearch:
         self.branches = BranchOrdering(step.ir)
         self.bases, self.base_policies = recompute_bases(step)
         self._op_names = frozenset(op.name for op in step.ir.ops)
+        self._sliceable = any(op.type in BATCH_SLICED_INPUTS for op in step.ir.ops)  # the slicing passes
 
     def add_swaps(self, budget_bytes: int, recomputed: Mapping[str, TensorDecision],
                   tools: Tools = Tools(), start: Optional[Tuple[Plan, Simulation]] = None
@@ -367,6 +368,7 @@ class BudgetSearch:
                   (bases, Tools(late_swap_ins=True, order=True), " + late swap-ins + orderings")]
         if self.step.policies.swap:
             passes.append((every_base, Tools(order=True, throttle=True), " + orderings + waits for copies out"))
+        if self.step.policies.swap and self._sliceable:
             # Last, where nothing else fits: ops run a slice of the batch at a time (a launch per
             # slice, and copies its readers may wait for). Only when nothing fits without them, so a
             # plan that fits without slicing is found as before.
