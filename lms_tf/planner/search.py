@@ -126,8 +126,8 @@ class BudgetSearch:
                     swap, link_busy = swapped
                     plan, sim = candidate, candidate_sim
                     continue
-            ordered = (self.order_branches(sim, swap, recomputed, tools, orderings, weights, split, sliced) if tools.order
-                       else None)
+            ordered = (self.order_branches(sim, swap, recomputed, tools, orderings, weights, split, sliced)
+                       if tools.order else None)
             if ordered is None:
                 # The last resort (an extra copy, and a search that went this far before it
                 # existed is left as it was): a copy at the peak brought back twice.

@@ -80,7 +80,8 @@ def slice_op(plan: Plan, ir: GraphIR, op: str, slices: int, reason: str = "", ga
             triggers.extend(s.trigger for s in read)
             swap_ins = tuple(dataclasses.replace(s, consumers=tuple(c for c in s.consumers if c != op))
                              for s in d.swap_ins)
-            d = _held_back(ir, dataclasses.replace(d, swap_ins=tuple(s for s in swap_ins if s.consumers)), info, gates, waiters)
+            d = dataclasses.replace(d, swap_ins=tuple(s for s in swap_ins if s.consumers))
+            d = _held_back(ir, d, info, gates, waiters)
             from_host.append(d.tensor)
         decisions.append(d)
     if not triggers:
