@@ -145,8 +145,9 @@ def test_tie_order_of_ops_made_ready_together_can_change_the_peak():
 def test_planner_refuses_a_step_that_fits_only_in_graph_order():
     """The planner's fit check replays a step that fits in graph order in random tie orders too:
     the fan-out graph (9 readers) fits 4 MiB and one 256-byte chunk in graph order, but ``q``
-    before the sums needs 8 MiB, so at that budget the check reports the larger figure."""
-    from lms_tf.planner.fit_check import TIE_ORDERS_CHECKED, FitCheck
+    before the sums needs 8 MiB, so at that budget the check reports the larger figure, and
+    describes the plan by the order it fails in (its peak, there, for the search's moves)."""
+    from lms_tf.planner.fit_check import CHUNKS_COUNTED_ABOVE, TIE_ORDERS_CHECKED, FitCheck
     from lms_tf.planner.step import PlanningStep
     ir = _fan_out_ir()
     check = FitCheck(PlanningStep.build(ir, Policies(host="/CPU:1"), device="/device:CPU:0", cost=V100))
@@ -155,8 +156,14 @@ def test_planner_refuses_a_step_that_fits_only_in_graph_order():
     assert 2 * 4 * MiB in outcomes  # the seeds it checks include an order that does not fit
     check.budget_bytes = 4 * MiB + 256  # graph order: a and one sum's 4 bytes (a 256-byte chunk)
     checked = check.simulate(plain)
-    assert checked.peak_bytes == 4 * MiB + 4 and checked.held_bytes >= 2 * 4 * MiB
-    check.budget_bytes = 4 * MiB  # the tensors do not fit in graph order: nothing is replayed
+    assert (checked.peak_bytes, checked.peak_op) == (2 * 4 * MiB, "q") and checked.held_bytes >= 2 * 4 * MiB
+    assert simulate(ir, cost=V100).peak_bytes == 4 * MiB + 4   # graph order fits
+    # Just above the budget in graph order: its chunks are counted (the 4 bytes take a 256-byte
+    # chunk), its tie orders are not replayed (it does not fit already).
+    check.budget_bytes = 4 * MiB
+    assert check.simulate(plain).held_bytes == 4 * MiB + 256
+    # Further above: its tensors are its measure, nothing is replayed.
+    check.budget_bytes = int((4 * MiB + 4) / CHUNKS_COUNTED_ABOVE) - 1
     assert check.simulate(plain).held_bytes == 4 * MiB + 4
 
 

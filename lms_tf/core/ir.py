@@ -203,6 +203,15 @@ class GraphIR:
         """
         return self._by_name[name]  # type: ignore[attr-defined]
 
+    def has_op(self, name: str) -> bool:
+        """Whether the step has an op called ``name`` (a simulator's copy or clone is not one).
+
+        Examples:
+            >>> GraphIR((), {}, frozenset(), {}).has_op("missing")
+            False
+        """
+        return name in self._by_name  # type: ignore[attr-defined]
+
     def ops_in(self, phase: Phase) -> List[OpInfo]:
         """Ops of one phase, in execution order.
 

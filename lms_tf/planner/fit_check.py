@@ -16,7 +16,7 @@ from lms_tf.core.errors import PlanCycleError
 from lms_tf.core.plan import Plan
 from lms_tf.planner.step import PlanningStep
 from lms_tf.simulate import Simulation, simulate, simulate_tie_orders
-from lms_tf.simulate.allocator import replay_allocations, tensorflow_gpu_allocator
+from lms_tf.simulate.allocator import chunk_peak_moment, replay_allocations, tensorflow_gpu_allocator
 
 logger = logging.getLogger("lms_tf")
 
@@ -25,6 +25,9 @@ logger = logging.getLogger("lms_tf")
 #: Whole chunks depend on the exact allocation order: when every tie is shuffled, one ResNet-50
 #: 224² b32 plan at 25% on a V100 held 641-735 MiB over 13 orders with tensors at 641 in all.
 TIE_ORDERS_CHECKED = 4
+#: Up to how far above the budget (a factor) a plan's tensors may be for its graph order's whole
+#: chunks to be counted too (:meth:`FitCheck.simulate`); above it, its tensors are its measure.
+CHUNKS_COUNTED_ABOVE = 1.05
 #: How many replayed plans (with their allocation logs) one fit check remembers: a search meets
 #: the same plan again (each recompute base's first plan in every pass and at every lower aim,
 #: the same greedy rounds), about half of its checks on ResNet-50.
@@ -97,18 +100,27 @@ class FitCheck:
         except PlanCycleError:
             self.cycles += 1
             raise
-        if self.budget_bytes is not None and sim.peak_bytes <= self.budget_bytes:
-            held = self._held_in_chunks(key, None, sim)
+        if self.budget_bytes is not None and sim.peak_bytes <= self.budget_bytes * CHUNKS_COUNTED_ABOVE:
+            # Near the budget too: the search compares plans by what they hold, and one whose
+            # tensors just fit (its chunks counted) must not lose to one just above (counted in
+            # tensors) that its chunks would hold as much or more.
+            held, worst = self._held_in_chunks(key, None, sim), sim
             # A plan no faster than one already found will not be chosen: its graph order is enough.
             could_win = self.time_to_beat is None or sim.step_time_s < self.time_to_beat
             if could_win and held <= self.budget_bytes:
                 for seed, other in self._tie_orders(key, plan):
                     held = max(held, other.peak_bytes, self._held_in_chunks(key, seed, other))
                     if held > self.budget_bytes:
+                        worst = other
                         break
-            sim = dataclasses.replace(sim, allocator_peak_bytes=held, allocations=())
+            # A plan that does not fit is described by the order it fails in, at the moment it
+            # fails (its chunks' peak, when they hold more than its tensors): the search's moves
+            # aim at that order's peak and what is on the device then.
+            if held > self.budget_bytes and held > worst.peak_bytes:
+                worst = self._at_chunk_peak(worst)
+            sim = dataclasses.replace(worst, allocator_peak_bytes=held, allocations=())
             if held > self.budget_bytes:
-                logger.debug("planner: the tensors fit (%d bytes) but TensorFlow's allocator would hold %d bytes "
+                logger.debug("planner: the tensors need %d bytes and TensorFlow's allocator would hold %d bytes "
                              "in whole chunks (in graph order or another tie order)", sim.peak_bytes, held)
         return sim
 
@@ -153,6 +165,16 @@ class FitCheck:
             self._chunks[memo_key] = self.held_in_chunks(sim)
         return self._chunks[memo_key]
 
+    def _at_chunk_peak(self, sim: Simulation) -> Simulation:
+        """``sim`` described at the moment its whole chunks peak (its peak op and time, and the
+        buffers on the device then, by the bytes each asked for) instead of its tensors' peak."""
+        _, key, live = chunk_peak_moment(sim.allocations, tensorflow_gpu_allocator(self._region()),
+                                         history=self.step.pool_history)
+        op = _op_allocating(key, sim.op_intervals) if key is not None else None
+        if op is None:
+            return sim
+        return dataclasses.replace(sim, peak_op=op, peak_time_s=sim.op_intervals[op][0], live_at_peak=live)
+
     def _region(self) -> int:
         return max(self.step.cost.device.memory_bytes, self.step.resident + 4 * self.budget_bytes)
 
@@ -172,6 +194,16 @@ class FitCheck:
         """
         return replay_allocations(sim.allocations, tensorflow_gpu_allocator(self._region()),
                                   history=self.step.pool_history)
+
+
+def _op_allocating(key: str, op_intervals) -> Optional[str]:
+    """The op (or simulated copy) that allocated buffer ``key``: a copy's buffer is named after it,
+    an op's output after the op (``op:0``), a workspace or copy-on-write buffer after the op."""
+    for candidate in (key, key.split("/", 1)[-1] if key.startswith(("workspace/", "copy_on_write/")) else None,
+                      key.rsplit(":", 1)[0] if ":" in key else None):
+        if candidate is not None and candidate in op_intervals:
+            return candidate
+    return None
 
 
 def check_plain_step(ir, budget_bytes: int, policies, *, device: str, cost) -> Simulation:

@@ -15,7 +15,7 @@ from lms_tf.core.plan import Plan
 from lms_tf.planner.bases import recompute_only
 from lms_tf.planner.candidates import clonable
 from lms_tf.planner.recompute import checkpoint_gates
-from lms_tf.planner.timing import Tools, assemble, sliced_ops, split_swap_ins
+from lms_tf.planner.timing import Tools
 from lms_tf.simulate import Simulation
 
 if TYPE_CHECKING:
@@ -78,8 +78,7 @@ def recompute_checkpoints(search: "BudgetSearch", budget_bytes: int, plan: Plan,
             also = {**dropped, decision.tensor: gate}
             recomputed = recompute_only(search.step, *policy, also=also)
             swap = {d.tensor for d in plan.swapped} - set(also)
-            candidate = assemble(search.step, swap, recomputed, tools, plan.orderings, weights=plan.weights,
-                                 split=split_swap_ins(plan), sliced=sliced_ops(plan))
+            candidate = search.build(search.choices_of(plan, recomputed, tools).replace(swap=frozenset(swap)))
             try:
                 candidate_sim = search.check.simulate(candidate)
             except PlanCycleError:
@@ -141,19 +140,21 @@ def retime_swap_ins(search: "BudgetSearch", budget_bytes: int, plan: Plan, sim: 
         >>> retime_swap_ins(search, 16 * MiB, plan, sim, "late", Tools(late_swap_ins=True))[2]  # nothing to gain
         'late'
     """
-    swap = {d.tensor for d in plan.swapped}
-    recomputed = {d.tensor: d for d in plan.recomputed}
-    leads: Dict[str, float] = {}
+    choices = search.choices_of(plan, {d.tensor: d for d in plan.recomputed}, tools)
+    leads: Dict[str, float] = dict(choices.leads)
+    retimed = 0
     for decision in sorted(plan.swapped, key=lambda d: -(d.nbytes or 0)):
         for lead in RETIME_LEADS:
-            candidate = assemble(search.step, swap, recomputed, tools, plan.orderings, {**leads, decision.tensor: lead},
-                                 weights=plan.weights, split=split_swap_ins(plan), sliced=sliced_ops(plan))
+            if leads.get(decision.tensor, 0.0) >= lead:
+                break  # started this early already (the search may have started it later than this)
+            candidate = search.build(choices.replace(leads={**leads, decision.tensor: lead}))
             try:
                 candidate_sim = search.check.simulate(candidate)
             except PlanCycleError:
                 continue
             if candidate_sim.held_bytes <= budget_bytes and candidate_sim.step_time_s < sim.step_time_s:
                 plan, sim, leads = candidate, candidate_sim, {**leads, decision.tensor: lead}
+                retimed += 1
                 search.check.time_to_beat = sim.step_time_s
                 break
-    return plan, sim, label + (f" ({len(leads)} swap-ins re-timed)" if leads else "")
+    return plan, sim, label + (f" ({retimed} swap-ins re-timed)" if retimed else "")

@@ -19,20 +19,22 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Dict, Iterable, Mapping, Optional, Set, Tuple
+from typing import Dict, Hashable, Iterable, Mapping, Optional, Tuple
 
 from lms_tf.core.errors import PlanCycleError
 from lms_tf.core.op_kinds import BATCH_SLICED_INPUTS, SWAP_IN_PREFIX
-from lms_tf.core.plan import Ordering, Plan, TensorDecision, WeightDecision
+from lms_tf.core.plan import Plan, TensorDecision
 from lms_tf.planner.bases import compute_floor, recompute_bases
-from lms_tf.planner.fit_check import FitCheck
+from lms_tf.planner.fit_check import FitCheck, plan_key
 from lms_tf.planner.ordering import ORDERING_PAIRS, BranchOrdering
 from lms_tf.planner.refine import lower_the_lowest, recompute_checkpoints, recomputed_checkpoints_label, retime_swap_ins
 from lms_tf.planner.step import PlanningStep
-from lms_tf.planner.timing import (DELAYED_FETCH_LEADS, Tools, assemble, delayed_fetches, fetches_after,
-                                   gradients_on_device_at_peak, idle_fetches, ops_between_readers, sliced_ops,
-                                   split_swap_ins, swap_round, waiting_for_gradient)
+from lms_tf.planner.timing import (DELAYED_FETCH_LEADS, Choices, Tools, copies_out_at_peak, delayed_fetches,
+                                   fetches_after,
+                                   gradients_on_device_at_peak, idle_fetches, idle_swap_ins, ops_between_readers,
+                                   swap_round, waiting_for_gradient)
 from lms_tf.simulate import Simulation
 
 logger = logging.getLogger("lms_tf")
@@ -51,6 +53,15 @@ GRADIENT_WAITS_TRIED = 3
 SWAPPED_IN_TWICE_TRIED = 3
 #: For each, how many of the ops between its readers it tries being swapped in twice around.
 OPS_AROUND_TRIED = 2
+#: How many swap-ins whose copy waits idle on the device at the peak the planner tries starting
+#: later, in turn (the largest first).
+DELAYED_SWAP_INS_TRIED = 3
+#: Head starts tried, in order, for such a swap-in (fractions of its copy's time; 0: triggered by
+#: the last gate before its readers).
+DELAYED_SWAP_IN_LEADS = (0.5, 0.0)
+#: How many copies out that alone keep their tensor on the device at the peak the planner tries
+#: making a forward op wait for, in turn (the largest first).
+COPIES_OUT_WAITED_FOR = 3
 #: Into how many slices of the batch the planner tries cutting an op it slices (at most the batch).
 SLICES_TRIED = (2, 4, 8, 16)
 
@@ -72,8 +83,44 @@ class BudgetSearch:
         self.check = FitCheck(step)
         self.branches = BranchOrdering(step.ir)
         self.bases, self.base_policies = recompute_bases(step)
-        self._op_names = frozenset(op.name for op in step.ir.ops)
         self._sliceable = any(op.type in BATCH_SLICED_INPUTS for op in step.ir.ops)  # the slicing passes
+        # The choices a plan was built from that it does not show (swap-in leads, waits for
+        # copies out chosen by a move), so a later move or refinement builds on them.
+        self._unshown: Dict[Hashable, Choices] = {}
+
+    def choices_of(self, plan: Plan, recomputed: Mapping[str, TensorDecision], tools: Tools) -> Choices:
+        """The choices ``plan`` was built from (by :meth:`build`, or else as far as it shows them), on
+        the recompute base ``recomputed`` with ``tools``.
+
+        Examples:
+            >>> from lms_tf.core.examples import MiB
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> search = BudgetSearch(PlanningStep.example())   # core.examples.chain_ir, 75% on a GH200
+            >>> plan, _ = search.add_swaps(9 * MiB, {})
+            >>> sorted(search.choices_of(plan, {}, Tools()).swap), search.choices_of(plan, {}, Tools()).leads
+            (['a:0'], {})
+        """
+        built = self._unshown.get(plan_key(plan))
+        if built is not None:
+            return built.replace(recomputed=recomputed, tools=tools)
+        return Choices.of(plan, recomputed, tools)
+
+    def build(self, choices: Choices) -> Plan:
+        """The plan of ``choices`` for this step (:meth:`Choices.build`), remembered for
+        :meth:`choices_of` when it has choices a plan does not show.
+
+        Examples:
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> search = BudgetSearch(PlanningStep.example())
+            >>> plan = search.build(Choices(swap=frozenset({"a:0"}), leads={"a:0": 0.0}))
+            >>> search.choices_of(plan, {}, Tools()).leads
+            {'a:0': 0.0}
+        """
+        plan = choices.build(self.step)
+        if choices.leads or choices.copy_out_waits:
+            # As the plan has them: a tensor chosen but left kept (no gate early enough) is not swapped.
+            self._unshown[plan_key(plan)] = choices.replace(swap=frozenset(d.tensor for d in plan.swapped))
+        return plan
 
     def add_swaps(self, budget_bytes: int, recomputed: Mapping[str, TensorDecision],
                   tools: Tools = Tools(), start: Optional[Tuple[Plan, Simulation]] = None
@@ -93,70 +140,56 @@ class BudgetSearch:
             ['a:0']
         """
         if start is None:
-            swap: Set[str] = set()
-            orderings: Tuple[Ordering, ...] = ()
-            plan = assemble(self.step, swap, recomputed, tools)
+            choices = Choices(recomputed=recomputed, tools=tools)
+            plan = self.build(choices)
             sim = self.check.simulate(plan)
+            choices = choices.replace(weights=plan.weights)
         else:
-            (plan, sim), swap, orderings = start, {d.tensor for d in start[0].swapped}, start[0].orderings
-        weights, split, sliced = plan.weights, split_swap_ins(plan), sliced_ops(plan)
+            plan, sim = start
+            choices = self.choices_of(plan, recomputed, tools)
         ir, cost = self.step.ir, self.step.cost
-        link_busy = sum(cost.transfer_time(ir.tensors[t].nbytes or 0, "device_to_host") for t in swap)
+        link_busy = sum(cost.transfer_time(ir.tensors[t].nbytes or 0, "device_to_host") for t in choices.swap)
         for _ in range(MAX_ROUNDS):
             if sim.held_bytes <= budget_bytes:
                 break
-            delayed = (self.delay_a_fetch(sim, swap, recomputed, tools, orderings, weights, split, sliced)
-                       or self.wait_for_a_gradient(sim, swap, recomputed, tools, orderings, weights, split, sliced))
-            if delayed is not None:
+            moved = self.delay_a_fetch(sim, choices) or self.wait_for_a_gradient(sim, choices)
+            if moved is not None:
                 logger.debug("planner round: peak %d -> %d fetching a weight later (or after a gradient)", sim.peak_bytes,
-                             delayed[1].peak_bytes)
-                plan, sim = delayed
-                weights = plan.weights
+                             moved[2].peak_bytes)
+                choices, plan, sim = moved
                 continue
-            swapped = (swap_round(self.step, budget_bytes, sim, swap, recomputed, link_busy)
+            swapped = (swap_round(self.step, budget_bytes, sim, set(choices.swap), recomputed, link_busy)
                        if self.step.policies.swap else None)
             if swapped is not None:
-                candidate = assemble(self.step, swapped[0], recomputed, tools, orderings, weights=weights, split=split,
-                                     sliced=sliced)
+                candidate_choices = choices.replace(swap=frozenset(swapped[0]))
+                candidate = self.build(candidate_choices)
                 candidate_sim = self.check.simulate(candidate)
                 logger.debug("planner round: peak %d -> %d swapping %d tensors", sim.peak_bytes,
                              candidate_sim.peak_bytes, len(swapped[0]))
                 # When the link is saturated, more swaps only slow the step down.
                 if candidate_sim.held_bytes < sim.held_bytes or candidate_sim.step_time_s <= sim.step_time_s:
-                    swap, link_busy = swapped
-                    plan, sim = candidate, candidate_sim
+                    choices, plan, sim, link_busy = candidate_choices, candidate, candidate_sim, swapped[1]
                     continue
-            ordered = (self.order_branches(sim, swap, recomputed, tools, orderings, weights, split, sliced)
-                       if tools.order else None)
-            if ordered is None:
-                # The last resort (an extra copy, and a search that went this far before it
-                # existed is left as it was): a copy at the peak brought back twice.
-                twice = self.swap_in_twice(sim, swap, recomputed, tools, orderings, weights, split, sliced)
-                if twice is None:
-                    # Below what the op at the peak holds run whole: that op a slice at a time.
-                    twice = (self.slice_the_peak_op(sim, swap, recomputed, tools, orderings, weights, split, sliced)
-                             if tools.slice_ops else None)
-                    if twice is None:
-                        break
-                    logger.debug("planner round: peak %d -> %d slicing %s", sim.peak_bytes, twice[1].peak_bytes,
-                                 sim.peak_op)
-                else:
-                    logger.debug("planner round: peak %d -> %d swapping a tensor in twice", sim.peak_bytes,
-                                 twice[1].peak_bytes)
-                plan, sim = twice
-                swap = {d.tensor for d in plan.swapped}
-                orderings, split, sliced = plan.orderings, split_swap_ins(plan), sliced_ops(plan)
-                continue
-            logger.debug("planner round: peak %d -> %d ordering backward branches", sim.peak_bytes,
-                         ordered[1].peak_bytes)
-            plan, sim = ordered
-            orderings = plan.orderings
+            # Then, in turn: running two backward branches one after the other; a copy at the peak
+            # brought back twice; the op at the peak run a slice of the batch at a time (below what
+            # it holds run whole); a swap-in that arrived too early started later. (Each came after
+            # the ones before it: a search that went that far without it is left as it was.)
+            for move, what in ((self.order_branches if tools.order else None, "ordering backward branches"),
+                               (self.swap_in_twice, "swapping a tensor in twice"),
+                               (self.slice_the_peak_op if tools.slice_ops else None, "slicing an op"),
+                               (self.wait_for_a_copy_out, "making a forward op wait for a copy out"),
+                               (self.delay_a_swap_in, "swapping a tensor in later")):
+                moved = move(sim, choices) if move is not None else None
+                if moved is not None:
+                    logger.debug("planner round: peak %d -> %d %s", sim.peak_bytes, moved[2].peak_bytes, what)
+                    choices, plan, sim = moved
+                    choices = choices.replace(orderings=plan.orderings, swap=frozenset(d.tensor for d in plan.swapped))
+                    break
+            else:
+                break
         return plan, sim
 
-    def delay_a_fetch(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
-                      tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...],
-                      split: Optional[Mapping[str, str]] = None, sliced: Optional[Mapping[str, int]] = None
-                      ) -> Optional[Tuple[Plan, Simulation]]:
+    def delay_a_fetch(self, sim: Simulation, choices: Choices) -> Optional[Tuple[Choices, Plan, Simulation]]:
         """Lowers the peak by fetching later the largest weight that waits idle on the device at
         it (:func:`~lms_tf.planner.timing.idle_fetches`), with the first of
         :data:`~lms_tf.planner.timing.DELAYED_FETCH_LEADS` that lowers it: its window may then wait
@@ -165,18 +198,16 @@ class BudgetSearch:
         Examples:
             >>> from lms_tf.planner.step import PlanningStep
             >>> step = PlanningStep.example()   # weights on the device: no fetch to delay
-            >>> BudgetSearch(step).delay_a_fetch(step.baseline, set(), {}, Tools(), (), ()) is None
+            >>> BudgetSearch(step).delay_a_fetch(step.baseline, Choices(weights=())) is None
             True
         """
+        weights = choices.weights or ()
+        logger.debug("DBG idle %s sliced %s", [(b, w.variable) for b, w in idle_fetches(self.step, sim, weights)], dict(choices.sliced))
         tried = (delayed_fetches(self.step, weights, weight.variable, lead)
                  for _, weight in idle_fetches(self.step, sim, weights) for lead in DELAYED_FETCH_LEADS)
-        return self._first_lower(sim, swap, recomputed, tools, orderings, (w for w in tried if w != weights), split,
-                                 sliced)
+        return self._first_lower(sim, (choices.replace(weights=w) for w in tried if w != weights))
 
-    def wait_for_a_gradient(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
-                            tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...],
-                            split: Optional[Mapping[str, str]] = None, sliced: Optional[Mapping[str, int]] = None
-                      ) -> Optional[Tuple[Plan, Simulation]]:
+    def wait_for_a_gradient(self, sim: Simulation, choices: Choices) -> Optional[Tuple[Choices, Plan, Simulation]]:
         """Lowers the peak by holding the backward pass back until the largest weight gradient still
         being copied to the host at it has arrived (and left the device): a weight fetch after the
         gradient (:func:`~lms_tf.planner.timing.fetches_after`, at most :data:`GRADIENT_WAITS_TRIED`)
@@ -185,18 +216,73 @@ class BudgetSearch:
         Examples:
             >>> from lms_tf.planner.step import PlanningStep
             >>> step = PlanningStep.example()   # the update on the device: nothing to wait for
-            >>> BudgetSearch(step).wait_for_a_gradient(step.baseline, set(), {}, Tools(), (), ()) is None
+            >>> BudgetSearch(step).wait_for_a_gradient(step.baseline, Choices(weights=())) is None
             True
         """
-        tried = (waiting_for_gradient(weights, variable, window, gradient)
+        weights = choices.weights or ()
+        tried = (choices.replace(weights=waiting_for_gradient(weights, variable, window, gradient))
                  for _, gradient in gradients_on_device_at_peak(self.step, sim)[:1]
                  for variable, window in fetches_after(self.step, sim, weights, gradient)[:GRADIENT_WAITS_TRIED])
-        return self._first_lower(sim, swap, recomputed, tools, orderings, tried, split, sliced)
+        return self._first_lower(sim, tried)
 
-    def swap_in_twice(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
-                      tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...],
-                      split: Optional[Mapping[str, str]] = None, sliced: Optional[Mapping[str, int]] = None
-                      ) -> Optional[Tuple[Plan, Simulation]]:
+    def delay_a_swap_in(self, sim: Simulation, choices: Choices) -> Optional[Tuple[Choices, Plan, Simulation]]:
+        """Lowers the peak by starting later the swap-ins whose copies wait idle on the device at it
+        (:func:`~lms_tf.planner.timing.idle_swap_ins`: none of their readers has started, some are
+        still to run): all of them, then each alone (the largest first, at most
+        :data:`DELAYED_SWAP_INS_TRIED`), their swap-ins started :data:`DELAYED_SWAP_IN_LEADS` of the
+        copy's time before their readers instead, which may then wait for part of the copy. A
+        swap-in timed to hide its copy, or lagged a fixed number of reader groups ahead of the
+        compute, can arrive during a peak it takes no part in (VGG16: the last block's activations
+        beside `fc1`'s weight gradient). The copies arriving later can leave a weight fetch waiting
+        idle at the new peak: when a delay alone does not lower the peak, that fetch is delayed too
+        (:meth:`delay_a_fetch`). None if no such copy, or nothing lowers the peak.
+
+        Examples:
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.example()   # nothing swapped: no copy to delay
+            >>> BudgetSearch(step).delay_a_swap_in(step.baseline, Choices()) is None
+            True
+        """
+        idle = [tensor for _, tensor in idle_swap_ins(self.step, sim, choices.build(self.step))]
+        groups = [idle] + [[tensor] for tensor in idle[:DELAYED_SWAP_INS_TRIED]] if len(idle) > 1 else [idle]
+        default = 0.0 if choices.tools.late_swap_ins else 1.0
+        for lead in DELAYED_SWAP_IN_LEADS if idle else ():
+            for group in groups:
+                later = {tensor: lead for tensor in group if choices.leads.get(tensor, default) > lead}
+                replayed = self._replayed(choices.replace(leads={**choices.leads, **later})) if later else None
+                if replayed is None:
+                    continue
+                if replayed[2].held_bytes < sim.held_bytes:
+                    return replayed
+                fetched_later = self.delay_a_fetch(replayed[2], replayed[0])
+                if fetched_later is not None and fetched_later[2].held_bytes < sim.held_bytes:
+                    return fetched_later
+        return None
+
+    def wait_for_a_copy_out(self, sim: Simulation, choices: Choices) -> Optional[Tuple[Choices, Plan, Simulation]]:
+        """Lowers the peak by making a forward op wait until a swapped tensor's copy to the host has
+        ended, when that copy alone keeps the tensor on the device at the peak
+        (:func:`~lms_tf.planner.timing.copies_out_at_peak`, the largest first, at most
+        :data:`COPIES_OUT_WAITED_FOR` of them): the op at the peak, or the first to start once the
+        tensor's readers are done (the lower wins). TFLMS's synchronous swap-out, for the copy that
+        matters: the forward pass pauses for it instead of running ahead beside it. None if no such
+        copy, or no wait lowers the peak.
+
+        Examples:
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.example()   # nothing swapped: no copy out to wait for
+            >>> BudgetSearch(step).wait_for_a_copy_out(step.baseline, Choices()) is None
+            True
+        """
+        copies = copies_out_at_peak(self.step, sim, choices.build(self.step))[:COPIES_OUT_WAITED_FOR]
+        for _, tensor, waiters in copies:
+            best = self._lowest(sim, (choices.replace(copy_out_waits={**choices.copy_out_waits, tensor: op})
+                                      for op in waiters if choices.copy_out_waits.get(tensor) != op))
+            if best is not None:
+                return best
+        return None
+
+    def swap_in_twice(self, sim: Simulation, choices: Choices) -> Optional[Tuple[Choices, Plan, Simulation]]:
         """Lowers the peak when a swapped tensor's copy is on the device at it, brought back for
         readers on both sides of an op: the readers that need not wait for that op get a swap-in of
         their own and run before it, the others a second swap-in started when it ends
@@ -209,39 +295,27 @@ class BudgetSearch:
         Examples:
             >>> from lms_tf.planner.step import PlanningStep
             >>> step = PlanningStep.example()   # nothing swapped: no copy to split
-            >>> BudgetSearch(step).swap_in_twice(step.baseline, set(), {}, Tools(), (), ()) is None
+            >>> BudgetSearch(step).swap_in_twice(step.baseline, Choices()) is None
             True
         """
-        split = dict(split or {})
         copies: Dict[str, int] = {}  # swapped tensor -> bytes of its copy on the device at the peak
         for key, nbytes in sim.live_at_peak:
             if key.startswith(SWAP_IN_PREFIX):
                 tensor = key[len(SWAP_IN_PREFIX):].rsplit("/", 1)[0]
-                if tensor in swap and tensor not in split:
+                if tensor in choices.swap and tensor not in choices.split:
                     copies[tensor] = max(copies.get(tensor, 0), nbytes)
-        best = None
         for _, tensor in sorted((-nbytes, tensor) for tensor, nbytes in copies.items())[:SWAPPED_IN_TWICE_TRIED]:
             between = ops_between_readers(self.step, tensor)
             # The ops that run nearest the peak first (a tensor read early and late in a block's
             # backward pass has many ops between its readers; each try is a replay).
             between.sort(key=lambda op: abs(sim.op_intervals.get(op, (float("inf"),))[0] - sim.peak_time_s))
-            for op in between[:OPS_AROUND_TRIED]:
-                plan = assemble(self.step, swap, recomputed, tools, orderings, weights=weights,
-                                split={**split, tensor: op}, sliced=sliced)
-                try:
-                    candidate = self.check.simulate(plan)
-                except PlanCycleError:
-                    continue  # the wait against a gate or another ordering
-                if candidate.held_bytes < (best or (None, sim))[1].held_bytes:
-                    best = (plan, candidate)
+            best = self._lowest(sim, (choices.replace(split={**choices.split, tensor: op})
+                                      for op in between[:OPS_AROUND_TRIED]))
             if best is not None:
                 return best
         return None
 
-    def slice_the_peak_op(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
-                          tools: Tools, orderings: Tuple[Ordering, ...], weights: Tuple[WeightDecision, ...],
-                          split: Optional[Mapping[str, str]] = None, sliced: Optional[Mapping[str, int]] = None
-                          ) -> Optional[Tuple[Plan, Simulation]]:
+    def slice_the_peak_op(self, sim: Simulation, choices: Choices) -> Optional[Tuple[Choices, Plan, Simulation]]:
         """Lowers the peak when the op at it (or one running when it is reached) is one a slice of the
         batch at a time computes exactly (:data:`~lms_tf.core.op_kinds.BATCH_SLICED_INPUTS`, a max
         pool's gradient): its batch-sized
@@ -258,16 +332,16 @@ class BudgetSearch:
         Examples:
             >>> from lms_tf.planner.step import PlanningStep
             >>> step = PlanningStep.example()   # a chain of matmuls: nothing to slice
-            >>> BudgetSearch(step).slice_the_peak_op(step.baseline, set(), {}, Tools(), (), ()) is None
+            >>> BudgetSearch(step).slice_the_peak_op(step.baseline, Choices()) is None
             True
         """
-        ir, sliced = self.step.ir, dict(sliced or {})
+        ir, sliced = self.step.ir, choices.sliced
         # The op at the peak, or one running when it was reached (the peak may be a copy that
         # starts while the op runs).
         at = sim.peak_time_s
         running = [sim.peak_op] + sorted(name for name, (start, end) in sim.op_intervals.items() if start <= at < end)
         names = [name[len("slice/"):].rsplit("/", 1)[0] if name.startswith("slice/") else name for name in running]
-        op = next((name for name in names if name in self._op_names and ir.op(name).type in BATCH_SLICED_INPUTS), None)
+        op = next((name for name in names if ir.has_op(name) and ir.op(name).type in BATCH_SLICED_INPUTS), None)
         if op is None:
             return None
         info = ir.op(op)
@@ -275,69 +349,55 @@ class BudgetSearch:
         if not batch or batch < 2:
             return None
         inputs = {info.inputs[i] for i in BATCH_SLICED_INPUTS[info.type] if i < len(info.inputs)}
-        swap = set(swap) | (inputs & set(self.step.found.eligible))
+        swap = choices.swap | (inputs & set(self.step.found.eligible))
         counts = [k for k in SLICES_TRIED if k <= batch] if op not in sliced else [min(2 * sliced[op], batch)]
-        best = None
-        for k in counts:
-            if sliced.get(op) == k:
-                continue
-            plan = assemble(self.step, swap, recomputed, tools, orderings, weights=weights, split=split,
-                            sliced={**sliced, op: k})
-            if not any(s.op == op for s in plan.sliced):
-                return None  # none of its inputs can be swapped
-            try:
-                candidate = self.check.simulate(plan)
-            except PlanCycleError:
-                continue
-            if candidate.held_bytes < (best or (None, sim))[1].held_bytes:
-                best = (plan, candidate)
-        return best
+        tried = [choices.replace(swap=swap, sliced={**sliced, op: k}) for k in counts if sliced.get(op) != k]
+        if tried and not any(s.op == op for s in tried[0].build(self.step).sliced):
+            return None  # none of its inputs can be swapped
+        return self._lowest(sim, tried)
 
-    def _first_lower(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision], tools: Tools,
-                     orderings: Tuple[Ordering, ...], tried: Iterable[Tuple[WeightDecision, ...]],
-                     split: Optional[Mapping[str, str]] = None, sliced: Optional[Mapping[str, int]] = None
-                     ) -> Optional[Tuple[Plan, Simulation]]:
-        """The first of the weight decisions ``tried`` with which the plan holds less than ``sim``, and its replay."""
-        for weights in tried:
-            plan = assemble(self.step, swap, recomputed, tools, orderings, weights=weights, split=split, sliced=sliced)
-            try:
-                candidate = self.check.simulate(plan)
-            except PlanCycleError:
-                continue  # a wait against a gate or an ordering
-            if candidate.held_bytes < sim.held_bytes:
-                return plan, candidate
+    def _replayed(self, choices: Choices) -> Optional[Tuple[Choices, Plan, Simulation]]:
+        """``choices``, their plan and its replay; None if the plan cannot run (an ordering or wait
+        against a gate: :class:`~lms_tf.core.errors.PlanCycleError`)."""
+        plan = self.build(choices)
+        try:
+            return choices, plan, self.check.simulate(plan)
+        except PlanCycleError:
+            return None
+
+    def _first_lower(self, sim: Simulation, tried: Iterable[Choices]) -> Optional[Tuple[Choices, Plan, Simulation]]:
+        """The first of the choices ``tried`` whose plan holds less than ``sim``, with its plan and replay."""
+        for choices in tried:
+            replayed = self._replayed(choices)
+            if replayed is not None and replayed[2].held_bytes < sim.held_bytes:
+                return replayed
         return None
 
-    def order_branches(self, sim: Simulation, swap: Set[str], recomputed: Mapping[str, TensorDecision],
-                       tools: Tools, orderings: Tuple[Ordering, ...],
-                       weights: Optional[Tuple[WeightDecision, ...]] = None,
-                       split: Optional[Mapping[str, str]] = None, sliced: Optional[Mapping[str, int]] = None
-                      ) -> Optional[Tuple[Plan, Simulation]]:
+    def _lowest(self, sim: Simulation, tried: Iterable[Choices], measure: str = "held_bytes"
+                ) -> Optional[Tuple[Choices, Plan, Simulation]]:
+        """Of the choices ``tried``, the one whose plan holds the least (``measure`` of its replay)
+        if less than ``sim``, the first on a tie, with its plan and replay."""
+        best = None
+        for choices in tried:
+            replayed = self._replayed(choices)
+            if replayed is not None and getattr(replayed[2], measure) < getattr((best or (0, 0, sim))[2], measure):
+                best = replayed
+        return best
+
+    def order_branches(self, sim: Simulation, choices: Choices) -> Optional[Tuple[Choices, Plan, Simulation]]:
         """Lowers the peak by running two backward branches alive at it one after the other
         (either order, whichever simulates lower); None if no ordering lowers it.
 
         Examples:
-            >>> from lms_tf.core.examples import MiB
             >>> from lms_tf.planner.step import PlanningStep
             >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
-            >>> from lms_tf.planner.timing import Tools
-            >>> BudgetSearch(step).order_branches(step.baseline, set(), {}, Tools(order=True), ()) is None
+            >>> BudgetSearch(step).order_branches(step.baseline, Choices(tools=Tools(order=True))) is None
             True
         """
-        best = None
         for a, b in self.branches.branch_pairs(sim)[:ORDERING_PAIRS]:
-            for first, then in ((a, b), (b, a)):
-                ordering = self.branches.ordering(first, then)
-                if ordering is None:
-                    continue
-                plan = assemble(self.step, swap, recomputed, tools, orderings + (ordering,), weights=weights,
-                                split=split, sliced=sliced)
-                try:
-                    candidate = self.check.simulate(plan)
-                except PlanCycleError:
-                    continue  # the order conflicts with a recompute gate or a swap-in trigger
-                if candidate.peak_bytes < (best or (None, sim))[1].peak_bytes:
-                    best = (plan, candidate)
+            orderings = (self.branches.ordering(first, then) for first, then in ((a, b), (b, a)))
+            best = self._lowest(sim, (choices.replace(orderings=choices.orderings + (o,))
+                                      for o in orderings if o is not None), measure="peak_bytes")
             if best is not None:
                 return best
         return None
@@ -377,11 +437,20 @@ class BudgetSearch:
                        (every_base, Tools(order=True, throttle=True, slice_ops=True),
                         " + orderings + waits for copies out + sliced ops")]
         floors = {label: compute_floor(self.step, recomputed) for label, recomputed in every_base}
+        ended: Dict[Tuple[str, Tools], Tuple[Plan, Simulation]] = {}  # (base, tools) -> where its rounds ended
         for candidates, tools, suffix in passes:
             for label, recomputed in sorted(candidates, key=lambda base: floors[base[0]]):
                 if best is not None and floors[label] * (1 - 1e-9) >= best[1].step_time_s:
                     break  # this base, and every one after it, computes longer than the best plan takes
                 plan, sim = self.add_swaps(budget_bytes, recomputed, tools)
+                unsliced = ended.get((label, dataclasses.replace(tools, slice_ops=False)))
+                if tools.slice_ops and unsliced is not None:
+                    # Slicing also from where the same pass without it ended: the greedy rounds
+                    # slice the first time the op is at the peak, which can lead elsewhere.
+                    further = self.add_swaps(budget_bytes, recomputed, tools, start=unsliced)
+                    if _better(further[1], sim, budget_bytes):
+                        plan, sim = further
+                ended[(label, tools)] = (plan, sim)
                 logger.debug("lms-tf planner: %s%s holds %.1f MiB", label, suffix, sim.held_bytes / 2**20)
                 if lowest is None or sim.held_bytes < lowest[1].held_bytes:
                     lowest = (plan, sim, label + suffix)
@@ -453,3 +522,12 @@ class BudgetSearch:
                 return plan, sim, label, None
             floor = min(floor, sim.held_bytes)
         return plan, sim, label, floor
+
+
+def _better(sim: Simulation, than: Simulation, budget_bytes: int) -> bool:
+    """Whether a plan replayed as ``sim`` beats one replayed as ``than`` for ``budget_bytes``: it
+    fits and is faster (or the other does not fit), or neither fits and it holds less."""
+    fits, other_fits = sim.held_bytes <= budget_bytes, than.held_bytes <= budget_bytes
+    if fits or other_fits:
+        return fits and (not other_fits or sim.step_time_s < than.step_time_s)
+    return sim.held_bytes < than.held_bytes

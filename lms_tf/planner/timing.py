@@ -15,11 +15,11 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-from typing import Dict, List, Mapping, Optional, Set, Tuple
+from typing import Dict, FrozenSet, List, Mapping, Optional, Set, Tuple
 
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.ir import OpInfo, Phase, layer_of, same_device
-from lms_tf.core.op_kinds import TO_HOST_PREFIX, is_hyperparameter
+from lms_tf.core.op_kinds import SWAP_IN_PREFIX, TO_HOST_PREFIX, is_hyperparameter
 from lms_tf.core.plan import Decision, Ordering, Plan, SwapIn, TensorDecision, WeightDecision
 from lms_tf.planner.slicing import slice_op
 from lms_tf.planner.step import PlanningStep
@@ -60,6 +60,79 @@ class Tools:
     order: bool = False
     throttle: bool = False
     slice_ops: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """What one plan of a step is made of: the search's moves each change one part and
+    :meth:`build` makes the plan (:func:`assemble`).
+
+    Attributes:
+        swap: The tensors swapped.
+        recomputed: The recompute base's decisions (tensor -> RECOMPUTE decision).
+        tools: What the pass may use (:class:`Tools`).
+        orderings: Backward ops made to wait for others.
+        weights: The weight decisions to keep (None: timed anew by :func:`assemble`).
+        split: Swapped tensors brought back twice -> the op they are swapped in again after.
+        sliced: Ops run a slice of the batch at a time -> how many slices.
+        leads: Swapped tensors whose swap-ins start this fraction of their copy time before their
+            readers (0: right before them) instead of as the pass times them; one named here is
+            never lagged behind the compute (``tools.throttle``).
+        copy_out_waits: Swapped tensors -> the forward op that waits until the tensor's copy to
+            the host has ended (``swap_out_before``), instead of the pass's choice.
+
+    Examples:
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
+        >>> choices = Choices(swap=frozenset({"a:0"}))
+        >>> [d.tensor for d in choices.build(step).swapped], choices.replace(leads={"a:0": 0.0}).leads
+        (['a:0'], {'a:0': 0.0})
+    """
+
+    swap: FrozenSet[str] = frozenset()
+    recomputed: Mapping[str, TensorDecision] = dataclasses.field(default_factory=dict)
+    tools: Tools = Tools()
+    orderings: Tuple[Ordering, ...] = ()
+    weights: Optional[Tuple[WeightDecision, ...]] = None
+    split: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    sliced: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    leads: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    copy_out_waits: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, plan: Plan, recomputed: Mapping[str, TensorDecision], tools: Tools) -> "Choices":
+        """The choices ``plan`` was built from, as far as it shows them: its recompute base and tools
+        are given, and its leads and waits for copies out taken for the pass's own.
+
+        Examples:
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.example()
+            >>> Choices.of(Choices(swap=frozenset({"a:0"})).build(step), {}, Tools()).swap
+            frozenset({'a:0'})
+        """
+        return cls(frozenset(d.tensor for d in plan.swapped), recomputed, tools, plan.orderings, plan.weights,
+                   split_swap_ins(plan), sliced_ops(plan))
+
+    def replace(self, **changes) -> "Choices":
+        """These choices with ``changes`` (field name -> new value).
+
+        Examples:
+            >>> Choices().replace(sliced={"pool_grad": 4}).sliced
+            {'pool_grad': 4}
+        """
+        return dataclasses.replace(self, **changes)
+
+    def build(self, step: PlanningStep) -> Plan:
+        """The plan of these choices for ``step`` (:func:`assemble`).
+
+        Examples:
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> len(Choices().build(PlanningStep.example()).swapped)
+            0
+        """
+        return assemble(step, set(self.swap), self.recomputed, self.tools, self.orderings, self.leads,
+                        weights=self.weights, split=self.split, sliced=self.sliced,
+                        copy_out_waits=self.copy_out_waits)
 
 
 def timed_swap(step: PlanningStep, tensor: str, distance: int, lead: float = 1.0,
@@ -297,10 +370,10 @@ def swap_out_waits(step: PlanningStep, swapped: List[TensorDecision]) -> Dict[st
 def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, TensorDecision], tools: Tools = Tools(),
              orderings: Tuple[Ordering, ...] = (), leads: Optional[Mapping[str, float]] = None,
              weights: Optional[Tuple[WeightDecision, ...]] = None, split: Optional[Mapping[str, str]] = None,
-             sliced: Optional[Mapping[str, int]] = None) -> Plan:
+             sliced: Optional[Mapping[str, int]] = None, copy_out_waits: Optional[Mapping[str, str]] = None) -> Plan:
     """The plan of these choices: ``swap`` swapped (timed by :func:`timed_swap`, with ``leads`` scaling
     their head starts), ``recomputed`` recomputed, the rest kept; with ``tools.throttle`` the forward pass
-    waits for its copies out and swap-ins lag behind the compute, and each weight fetch keeps the rule's
+    waits for its copies out and swap-ins lag behind the compute (those given a lead excepted), and each weight fetch keeps the rule's
     trigger (``swapin_ahead`` gates before its window) instead of the earliest that hides its copy (a
     link-bound step fetches every weight at its start to save time, and holds them all). ``weights``,
     when given, are the weight decisions to keep (a plan's, some fetches delayed by
@@ -308,6 +381,7 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
     they are swapped in again after (:func:`timed_swap` with ``around``); that op waits for the
     first swap-in's readers. ``sliced`` maps ops to the number of slices of the batch they run in
     (:func:`~lms_tf.planner.slicing.slice_op`; one that reads no swapped input then runs whole).
+    ``copy_out_waits`` maps swapped tensors to the forward op that waits for their copy out.
 
     Examples:
         >>> from lms_tf.core.examples import MiB
@@ -333,11 +407,19 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
         swapped = [d for d in decisions.values() if d.decision is Decision.SWAP]
         decisions.update(swap_out_waits(step, swapped))
         lagged = lagged_swap_ins(step, [decisions[d.tensor] for d in swapped])
+        for tensor in leads or {}:  # given its own lead for a reason (it arrived too early): not lagged
+            lagged.pop(tensor, None)
         for tensor, decision in lagged.items():
             if len(decision.swap_ins) == 2 and tensor in (split or {}):  # the second copy starts after its op
                 lagged[tensor] = dataclasses.replace(decision, swap_ins=(
                     decision.swap_ins[0], dataclasses.replace(decision.swap_ins[1], trigger=split[tensor])))
         decisions.update(lagged)
+    for tensor, op in (copy_out_waits or {}).items():
+        decision = decisions.get(tensor)
+        if decision is not None and decision.decision is Decision.SWAP:
+            decisions[tensor] = dataclasses.replace(
+                decision, swap_out_before=op, reason=f"{decision.reason}; {op} waits for the copy out (the tensor "
+                                                     f"held its bytes at the peak until the copy ended)")
     for tensor, op in (split or {}).items():
         decision = decisions.get(tensor)
         if decision is not None and len(decision.swap_ins) == 2:
@@ -416,6 +498,73 @@ def idle_fetches(step: PlanningStep, sim: Simulation, weights: Tuple[WeightDecis
                 idle.append((nbytes, weight))
                 break
     return sorted(idle, key=lambda pair: (-pair[0], pair[1].variable))
+
+
+def idle_swap_ins(step: PlanningStep, sim: Simulation, plan: Plan) -> List[Tuple[int, str]]:
+    """The swapped tensors of ``plan`` whose swap-in copy is on the device at the simulated peak
+    although none of its readers has started and some are still to run, ``(bytes, tensor)``,
+    largest first: the copy arrived before the peak for readers after it, and holds its bytes at
+    a peak it takes no part in (:func:`idle_fetches`, for activations).
+
+    Examples:
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.example()   # nothing swapped: no copy to start later
+        >>> idle_swap_ins(step, step.baseline, assemble(step, set(), {}))
+        []
+    """
+    live = dict(sim.live_at_peak)
+    at = sim.peak_time_s
+    idle: Dict[str, int] = {}
+    for d in plan.swapped:
+        for k, swap_in in enumerate(d.swap_ins):
+            nbytes = live.get(f"{SWAP_IN_PREFIX}{d.tensor}/{k}")
+            ran = [sim.op_intervals[c] for c in swap_in.consumers if c in sim.op_intervals]
+            if nbytes and any(start > at for start, _ in ran) and not any(start <= at for start, _ in ran):
+                idle[d.tensor] = max(idle.get(d.tensor, 0), nbytes)
+    return sorted(((nbytes, tensor) for tensor, nbytes in idle.items()), key=lambda pair: (-pair[0], pair[1]))
+
+
+def copies_out_at_peak(step: PlanningStep, sim: Simulation, plan: Plan) -> List[Tuple[int, str, List[str]]]:
+    """The swapped tensors of ``plan`` on the device at the simulated peak only because their
+    copy to the host has not ended (their producer and every reader of the tensor itself have
+    run), largest first, each ``(bytes, tensor, waiters)``: the forward ops that could wait for
+    that copy to lower the peak, the op at the peak (or running then) and the first to start once
+    the tensor's readers are done, in that order. The copy out runs beside the forward pass, and
+    a large one still running when the next layers allocate holds its bytes beside theirs
+    (VGG16: `block1_conv2`'s 196 MiB output while `block2` runs).
+
+    Examples:
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.example()   # nothing swapped: no copy out
+        >>> copies_out_at_peak(step, step.baseline, assemble(step, set(), {}))
+        []
+    """
+    ir, intervals, at = step.ir, sim.op_intervals, sim.peak_time_s
+    live = dict(sim.live_at_peak)
+    forward = sorted((start, name) for name, (start, _) in intervals.items()
+                     if ir.has_op(name) and ir.op(name).phase is Phase.FORWARD)
+    found = []
+    for d in plan.swapped:
+        nbytes = live.get(d.tensor)
+        producer = ir.tensors[d.tensor].producer
+        if not nbytes or producer not in intervals:
+            continue
+        copied_in = {c for s in d.swap_ins for c in s.consumers}
+        readers = [r for r in ir.tensors[d.tensor].consumers if r not in copied_in]
+        ends = [intervals[r][1] for r in readers if r in intervals] + [intervals[producer][1]]
+        if any(r not in intervals for r in readers) or max(ends) > at:
+            continue  # a reader has still to run, or is running: not the copy alone
+        done = max(ends)
+        running = [sim.peak_op] + [name for start, name in forward if start <= at < intervals[name][1]]
+        first = next((name for start, name in forward if start >= done), None)
+        waiters = []
+        for name in running + ([first] if first else []):
+            if name in intervals and name not in waiters and ir.has_op(name) \
+                    and ir.op(name).phase is Phase.FORWARD and ir.op(name).index > ir.op(producer).index:
+                waiters.append(name)
+        if waiters:
+            found.append((nbytes, d.tensor, waiters))
+    return sorted(found, key=lambda item: (-item[0], item[1]))
 
 
 def delayed_fetches(step: PlanningStep, weights: Tuple[WeightDecision, ...], variable: str, lead: float

@@ -313,6 +313,37 @@ def replay_allocations(log: Sequence[Tuple[str, str, object]], model: BFCAllocat
     return model.peak_bytes - start
 
 
+def chunk_peak_moment(log: Sequence[Tuple[str, str, object]], model: BFCAllocatorModel, *,
+                      history: Sequence[Tuple[str, str, object]] = (), warm_steps: int = 1
+                      ) -> Tuple[int, Optional[str], Tuple[Tuple[str, int], ...]]:
+    """Where :func:`replay_allocations`'s peak is reached: the peak (the same figure), the key of
+    the allocation that reached it (None if nothing was allocated) and the step's buffers in use
+    then (not what was allocated before it), ``(key, bytes asked for)``, those in the largest
+    chunks first. The whole chunks can peak at
+    another moment than the tensors (a buffer served from a larger free chunk holds all of it),
+    and what lowers the one need not lower the other.
+
+    Examples:
+        >>> log = [("alloc", "a", 3 << 20), ("alloc", "b", 1 << 20), ("free", "a", 0), ("free", "b", 0)]
+        >>> held, key, live = chunk_peak_moment(log, BFCAllocatorModel(memory_limit_bytes=1 << 30, allow_growth=True))
+        >>> held // 2**20, key, [(k, n // 2**20) for k, n in live]
+        (5, 'b', [('a', 3), ('b', 1)])
+    """
+    _apply(history, model)
+    for _ in range(warm_steps):
+        _run(log, model)
+    start, before = model.in_use_bytes, set(model.keys())
+    best, key, live = 0, None, ()
+    for event in log:
+        _apply((event,), model)
+        if event[0] == "alloc" and model.in_use_bytes - start > best:
+            best, key = model.in_use_bytes - start, event[1]
+            live = tuple((k, nbytes) for k, (_, nbytes) in
+                         sorted(model._allocated.items(), key=lambda item: (-item[1][0].size, item[0]))
+                         if k not in before)
+    return best, key, live
+
+
 def _apply(log: Sequence[Tuple[str, str, object]], model: BFCAllocatorModel) -> None:
     for event, key, value in log:
         if event == "alloc":

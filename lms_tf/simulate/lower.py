@@ -561,8 +561,7 @@ def check_sliced_op(ir: GraphIR, sliced: SlicedOp, decisions: Mapping[str, Tenso
         ...
         lms_tf.LMSOptionError: plan error: sliced op 'g2' is a Mul; only MaxPool3DGrad, MaxPoolGrad, MaxPoolGradV2 compute each example apart so that slices give the whole op's values. Remove the entry from the plan's 'sliced'.
     """
-    known = ir.memo("_op_names", lambda: frozenset(o.name for o in ir.ops))
-    if sliced.op not in known:
+    if not ir.has_op(sliced.op):
         raise LMSOptionError(f"plan error: sliced op {sliced.op!r} is not in the step; remove it from the plan's "
                              f"'sliced' (was the plan made for another model?).")
     op = ir.op(sliced.op)
@@ -570,7 +569,7 @@ def check_sliced_op(ir: GraphIR, sliced: SlicedOp, decisions: Mapping[str, Tenso
         raise LMSOptionError(f"plan error: sliced op {sliced.op!r} is a {op.type}; only "
                              f"{', '.join(sorted(BATCH_SLICED_INPUTS))} compute each example apart so that slices "
                              f"give the whole op's values. Remove the entry from the plan's 'sliced'.")
-    if sliced.trigger not in known or ir.op(sliced.trigger).index >= op.index:
+    if not ir.has_op(sliced.trigger) or ir.op(sliced.trigger).index >= op.index:
         raise LMSOptionError(f"plan error: sliced op {sliced.op!r} has trigger {sliced.trigger!r}, which is not an "
                              f"op of the step that runs before it; name an op before it.")
     sliced.bounds(_batch_of(ir, sliced))

@@ -1,0 +1,169 @@
+"""Copies that hold their bytes at a peak they take no part in: a swap-in that arrived early, a copy
+out still running.
+
+A swap-in timed to hide its copy starts early enough for its readers, and can arrive while an op
+before them allocates the most; the planner starts it later (``Choices.leads``,
+:meth:`BudgetSearch.delay_a_swap_in`). A swapped tensor whose readers are done stays on the device
+until its copy to the host ends, and the forward pass runs on beside it; the planner makes the op at
+the peak wait for that copy (``swap_out_before``, :meth:`BudgetSearch.wait_for_a_copy_out`).
+Hand-built steps with known answers. The rewrite of both (a swap-in's trigger, a forward op waiting
+for a copy out) is the one every plan uses (tests/test_frontends_*.py).
+"""
+
+import pytest
+
+from lms_tf.core.ir import make_ir
+from lms_tf.core.policy import Policies
+from lms_tf.cost import CostModel, get_device_spec
+from lms_tf.planner.fit_check import FitCheck
+from lms_tf.planner.search import BudgetSearch
+from lms_tf.planner.step import PlanningStep
+from lms_tf.planner.timing import Choices, Tools, copies_out_at_peak, idle_swap_ins
+from lms_tf.simulate import simulate
+from lms_tf.simulate.allocator import chunk_peak_moment, replay_allocations, tensorflow_gpu_allocator
+
+MiB = 2**20
+V100 = CostModel(get_device_spec("v100-16gb-pcie3"))
+ACT, WIDE = (16, 128, 128, 64), (16, 256, 128, 64)   # 64 MiB and 128 MiB of float32
+KERNEL = (7, 7, 64, 64)   # 7 ms a convolution on the V100 preset: a 64 MiB copy (6 ms) fits beside it
+
+
+def _early_swap_in_ir():
+    """``a = relu(x)`` is read by a long convolution (its copy out ends meanwhile) and again at the
+    end of the backward pass, after a 128 MiB temporary (``t``) that is freed before that reader
+    runs; the input gradient before ``t`` is long enough to hide ``a``'s copy back."""
+    return make_ir([
+        dict(name="x", type="Placeholder", outputs=[("x:0", ACT)]),
+        dict(name="w", type="Const", outputs=[("w:0", KERNEL)]),
+        dict(name="sizes", type="Const", outputs=[("sizes:0", (4,), "int32")]),
+        dict(name="a", type="Relu", inputs=["x:0"], outputs=[("a:0", ACT)]),
+        dict(name="c", type="Conv2D", inputs=["a:0", "w:0"], outputs=[("c:0", ACT)]),
+        dict(name="loss", type="Sum", inputs=["c:0"], outputs=[("loss:0", (1,))]),
+        dict(name="gr", type="Fill", phase="backward", inputs=["loss:0"], outputs=[("gr:0", ACT)]),
+        dict(name="gc", type="Conv2DBackpropInput", phase="backward", inputs=["sizes:0", "w:0", "gr:0"],
+             outputs=[("gc:0", ACT)]),
+        dict(name="t", type="Tile", phase="backward", inputs=["gc:0"], outputs=[("t:0", WIDE)]),
+        dict(name="s", type="Sum", phase="backward", inputs=["t:0"], outputs=[("s:0", (1,))]),
+        dict(name="gs", type="Mul", phase="backward", inputs=["gc:0", "s:0"], outputs=[("gs:0", ACT)]),
+        dict(name="ga", type="Mul", phase="backward", inputs=["gs:0", "a:0"], outputs=[("ga:0", ACT)]),
+    ], function_inputs=["x"])
+
+
+def _copy_out_ir():
+    """``a = relu(x)`` is read by ``b`` and by the end of the backward pass; after ``b`` the forward
+    pass makes a 128 MiB temporary while ``a``'s copy to the host (64 MiB over PCIe, 6 ms) is still
+    running."""
+    return make_ir([
+        dict(name="x", type="Placeholder", outputs=[("x:0", ACT)]),
+        dict(name="a", type="Relu", inputs=["x:0"], outputs=[("a:0", ACT)]),
+        dict(name="b", type="Square", inputs=["a:0"], outputs=[("b:0", ACT)]),
+        dict(name="t", type="Tile", inputs=["b:0"], outputs=[("t:0", WIDE)]),
+        dict(name="loss", type="Sum", inputs=["t:0"], outputs=[("loss:0", (1,))]),
+        dict(name="gr", type="Fill", phase="backward", inputs=["loss:0"], outputs=[("gr:0", ACT)]),
+        dict(name="gb", type="Mul", phase="backward", inputs=["gr:0", "b:0"], outputs=[("gb:0", ACT)]),
+        dict(name="g2", type="Mul", phase="backward", inputs=["gb:0", "gb:0"], outputs=[("g2:0", ACT)]),
+        dict(name="ga", type="Mul", phase="backward", inputs=["g2:0", "a:0"], outputs=[("ga:0", ACT)]),
+    ], function_inputs=["x"])
+
+
+def _search(ir, budget):
+    search = BudgetSearch(PlanningStep.build(ir, Policies(host="/CPU:1", budget=budget, recompute=False),
+                                             device="/device:GPU:0", cost=V100))
+    search.check.budget_bytes = budget
+    return search
+
+
+def test_a_swap_in_that_arrives_during_a_peak_before_its_readers_is_started_later():
+    search = _search(_early_swap_in_ir(), 200 * MiB)
+    choices = Choices(swap=frozenset({"a:0"}))
+    early = search.build(choices)
+    sim = search.check.simulate(early)
+    # Timed to hide its copy, the swap-in starts with the temporary and waits beside it.
+    assert sim.peak_op in ("t", "s") and dict(sim.live_at_peak)["swap_in/a:0/0"] == 64 * MiB
+    assert idle_swap_ins(search.step, sim, early) == [(64 * MiB, "a:0")]
+    moved, late, late_sim = search.delay_a_swap_in(sim, choices)
+    assert moved.leads == {"a:0": 0.5} or moved.leads == {"a:0": 0.0}
+    # Structure: the copy is triggered after the temporary's op; executed order: it starts after
+    # the temporary is gone and ends before its reader.
+    trigger = late.swapped[0].swap_ins[0].trigger
+    assert search.step.ir.op(trigger).index > search.step.ir.op("t").index
+    spans = late_sim.op_intervals
+    assert spans["swap_in/a:0/0"][0] >= spans["s"][1] and spans["swap_in/a:0/0"][1] <= spans["ga"][0]
+    assert late_sim.peak_bytes <= sim.peak_bytes - 64 * MiB
+    # The plan's choices are remembered for the refinements that build on it.
+    assert search.choices_of(late, {}, Tools()).leads == moved.leads
+    # Already as late as it can be: nothing to delay.
+    assert search.delay_a_swap_in(late_sim, moved.replace(leads={"a:0": 0.0})) is None
+
+
+def test_the_search_starts_an_early_swap_in_later_when_nothing_else_lowers_the_peak():
+    budget = 200 * MiB
+    search = _search(_early_swap_in_ir(), budget)
+    start = search.build(Choices(swap=frozenset({"a:0"})))
+    plan, sim = search.add_swaps(budget, {}, Tools(), start=(start, search.check.simulate(start)))
+    assert sim.held_bytes <= budget
+    assert search.step.ir.op(plan.swapped[0].swap_ins[0].trigger).index > search.step.ir.op("t").index
+
+
+def test_late_swap_ins_have_nothing_to_delay():
+    search = _search(_early_swap_in_ir(), 200 * MiB)
+    choices = Choices(swap=frozenset({"a:0"}), tools=Tools(late_swap_ins=True))
+    plan = search.build(choices)
+    assert search.delay_a_swap_in(search.check.simulate(plan), choices) is None
+
+
+def test_a_forward_op_at_the_peak_waits_for_a_copy_out_that_holds_its_bytes():
+    search = _search(_copy_out_ir(), 200 * MiB)
+    choices = Choices(swap=frozenset({"a:0"}))
+    plan = search.build(choices)
+    sim = search.check.simulate(plan)
+    # a's readers are done, but its copy out is not: it is on the device beside t.
+    assert sim.peak_op in ("t", "loss") and dict(sim.live_at_peak)["a:0"] == 64 * MiB
+    # The op at the peak (the loss, as it starts), and the first to start once b read a (t).
+    ((nbytes, tensor, waiters),) = copies_out_at_peak(search.step, sim, plan)
+    assert (nbytes, tensor) == (64 * MiB, "a:0") and waiters[-1] == "t"
+    moved, waiting, waiting_sim = search.wait_for_a_copy_out(sim, choices)
+    # Structure: the plan's decision names the op that waits; behaviour: it starts after the copy.
+    assert moved.copy_out_waits == {"a:0": "t"} and waiting.swapped[0].swap_out_before == "t"
+    assert "t waits for the copy out" in waiting.swapped[0].reason
+    spans = waiting_sim.op_intervals
+    assert spans["t"][0] >= spans["swap_out/a:0"][1]
+    assert waiting_sim.peak_bytes <= sim.peak_bytes - 64 * MiB
+    assert "a:0" not in dict(waiting_sim.live_at_peak)
+    # It waits already: nothing more to gain.
+    assert search.wait_for_a_copy_out(waiting_sim, moved) is None
+
+
+def test_the_search_makes_the_forward_pass_wait_for_the_copy_out_at_the_peak():
+    budget = 200 * MiB
+    search = _search(_copy_out_ir(), budget)
+    start = search.build(Choices(swap=frozenset({"a:0"})))
+    plan, sim = search.add_swaps(budget, {}, Tools(), start=(start, search.check.simulate(start)))
+    assert sim.held_bytes <= budget and plan.swapped[0].swap_out_before == "t"
+
+
+def test_chunk_peak_moment_names_when_whole_chunks_peak():
+    """A 3 MiB buffer freed before a small one that stays leaves a 3 MiB hole; 2 MiB are then served
+    from it whole (3 < 2 x 2): the chunks peak when a 1 MiB buffer joins them (4 MiB held for 3
+    asked), not when the 3 MiB buffer was in use (3 MiB held)."""
+    log = [("alloc", "big", 3 * MiB), ("alloc", "pin", 1024), ("free", "big", 0), ("alloc", "mid", 2 * MiB),
+           ("alloc", "small", MiB), ("free", "mid", 0), ("free", "small", 0), ("free", "pin", 0)]
+    model = tensorflow_gpu_allocator(1 << 30)
+    held, key, live = chunk_peak_moment(log, model)
+    assert held == replay_allocations(log, tensorflow_gpu_allocator(1 << 30))
+    assert held == 4 * MiB + 1024 and key == "small"
+    assert [k for k, _ in live] == ["mid", "small", "pin"] and dict(live)["mid"] == 2 * MiB
+
+
+def test_a_plan_that_fails_in_chunks_is_described_at_its_chunks_peak():
+    """The fit check describes a plan whose chunks exceed the budget at the moment they peak, so
+    the search's moves aim there (the buffers then, by the bytes each asked for)."""
+    search = _search(_copy_out_ir(), 200 * MiB)
+    plan = search.build(Choices(swap=frozenset({"a:0"})))
+    check = FitCheck(search.step)
+    check.budget_bytes = simulate(search.step.ir, plan, cost=V100).peak_bytes  # the tensors just fit
+    sim = check.simulate(plan)
+    if sim.held_bytes <= check.budget_bytes:
+        pytest.fail("the plan's whole chunks were expected to exceed its tensors' peak here")
+    assert sim.peak_op in sim.op_intervals and sim.peak_time_s == sim.op_intervals[sim.peak_op][0]
+    assert sum(nbytes for _, nbytes in sim.live_at_peak) <= sim.held_bytes
