@@ -167,3 +167,34 @@ def test_a_plan_that_fails_in_chunks_is_described_at_its_chunks_peak():
         pytest.fail("the plan's whole chunks were expected to exceed its tensors' peak here")
     assert sim.peak_op in sim.op_intervals and sim.peak_time_s == sim.op_intervals[sim.peak_op][0]
     assert sum(nbytes for _, nbytes in sim.live_at_peak) <= sim.held_bytes
+
+
+@pytest.mark.timeout(600)
+def test_vgg16_with_its_weights_on_the_host_plans_at_a_quarter_of_its_plain_step():
+    """The benchmark's VGG16 224² b16 (docs/benchmarks/weights.md), weights on the host and cuDNN's
+    workspace capped at 32 MiB, on the NVLink V100 preset: planned for a quarter of the plain step
+    (its simulated peak plus every variable, less what stays resident) it fits, as TensorFlow's
+    allocator would hold it, in the tie orders the planner checked and in others it did not."""
+    import dataclasses
+
+    from lms_tf.cli import build_parser
+    from lms_tf.cli.workload import trace_unbatched
+    from lms_tf.planner import make_budget_plan
+    from lms_tf.planner.weights import plan_weights
+    from lms_tf.simulate import resident_bytes
+    from lms_tf.tf.trace import build_ir
+
+    _, _, graph, _, _ = trace_unbatched(build_parser().parse_args(["max-batch", "--model", "VGG16",
+                                                                   "--input-shape", "224"]))
+    ir = build_ir(graph, batch_size=16)
+    spec = dataclasses.replace(get_device_spec("v100-32gb-nvlink2"), cudnn_workspace_limit_bytes=32 * MiB)
+    cost = CostModel(spec)
+    policies = Policies(host="/CPU:1", recompute="auto", weights="host")
+    resident = resident_bytes(ir, {w.variable for w in plan_weights(ir, policies)})
+    quarter = (simulate(ir, cost=cost).peak_bytes + resident_bytes(ir)) // 4 - resident
+    plan = make_budget_plan(ir, policies.replace(budget=quarter), device="/device:GPU:0", cost=cost)
+    assert plan.predictions.feasible and plan.predictions.planned_allocator_peak_bytes <= quarter
+    assert plan.sliced and plan.offloaded_weights
+    for seed in (None, 100, 101, 102, 103):
+        replayed = simulate(ir, plan, cost=cost, tie_seed=seed, allocator=tensorflow_gpu_allocator(spec.memory_bytes))
+        assert replayed.allocator_peak_bytes <= quarter, (seed, replayed.allocator_peak_bytes, quarter)
