@@ -9,12 +9,17 @@ are made to run one after the other (:mod:`~lms_tf.planner.ordering`); when that
 a swapped tensor whose copy is on the device at the peak is brought back twice, around an op
 between its readers (:meth:`BudgetSearch.swap_in_twice`); and when the op at the peak is one
 that computes each example apart (a max pool's gradient), it is run a slice of the batch at a
-time (:meth:`BudgetSearch.slice_the_peak_op`). The fitting plan with the least predicted step
+time (:meth:`BudgetSearch.slice_the_peak_op`); last, copies that hold their bytes at a peak they
+take no part in are made to: a forward op waits for a copy out (:meth:`BudgetSearch.wait_for_a_copy_out`),
+an idle swap-in starts later (:meth:`BudgetSearch.delay_a_swap_in`). Each move changes one part
+of a plan's :class:`~lms_tf.planner.timing.Choices`. The fitting plan with the least predicted step
 time wins, and is then refined (:mod:`~lms_tf.planner.refine`).
 
 Examples:
     >>> MAX_ROUNDS, LOWER_AIMS, GRADIENT_WAITS_TRIED, SWAPPED_IN_TWICE_TRIED, OPS_AROUND_TRIED, SLICES_TRIED
     (40, 2, 3, 3, 2, (2, 4, 8, 16))
+    >>> DELAYED_SWAP_INS_TRIED, DELAYED_SWAP_IN_LEADS, COPIES_OUT_WAITED_FOR
+    (3, (0.5, 0.0), 3)
 """
 
 from __future__ import annotations
@@ -32,9 +37,8 @@ from lms_tf.planner.ordering import ORDERING_PAIRS, BranchOrdering
 from lms_tf.planner.refine import lower_the_lowest, recompute_checkpoints, recomputed_checkpoints_label, retime_swap_ins
 from lms_tf.planner.step import PlanningStep
 from lms_tf.planner.timing import (DELAYED_FETCH_LEADS, Choices, Tools, copies_out_at_peak, delayed_fetches,
-                                   fetches_after,
-                                   gradients_on_device_at_peak, idle_fetches, idle_swap_ins, ops_between_readers,
-                                   swap_round, waiting_for_gradient)
+                                   fetches_after, gradients_on_device_at_peak, idle_fetches, idle_swap_ins,
+                                   ops_between_readers, swap_round, waiting_for_gradient)
 from lms_tf.simulate import Simulation
 
 logger = logging.getLogger("lms_tf")
@@ -172,8 +176,9 @@ class BudgetSearch:
                     continue
             # Then, in turn: running two backward branches one after the other; a copy at the peak
             # brought back twice; the op at the peak run a slice of the batch at a time (below what
-            # it holds run whole); a swap-in that arrived too early started later. (Each came after
-            # the ones before it: a search that went that far without it is left as it was.)
+            # it holds run whole); a forward op waiting for a copy out; a swap-in that arrived too
+            # early started later. (Each came after the ones before it: a search that went that
+            # far without it is left as it was.)
             for move, what in ((self.order_branches if tools.order else None, "ordering backward branches"),
                                (self.swap_in_twice, "swapping a tensor in twice"),
                                (self.slice_the_peak_op if tools.slice_ops else None, "slicing an op"),
@@ -183,6 +188,8 @@ class BudgetSearch:
                 if moved is not None:
                     logger.debug("planner round: peak %d -> %d %s", sim.peak_bytes, moved[2].peak_bytes, what)
                     choices, plan, sim = moved
+                    # As the plan has them: the waits a split adds are orderings of its own, and a
+                    # tensor chosen but left kept (no gate early enough) is not swapped.
                     choices = choices.replace(orderings=plan.orderings, swap=frozenset(d.tensor for d in plan.swapped))
                     break
             else:
@@ -202,7 +209,6 @@ class BudgetSearch:
             True
         """
         weights = choices.weights or ()
-        logger.debug("DBG idle %s sliced %s", [(b, w.variable) for b, w in idle_fetches(self.step, sim, weights)], dict(choices.sliced))
         tried = (delayed_fetches(self.step, weights, weight.variable, lead)
                  for _, weight in idle_fetches(self.step, sim, weights) for lead in DELAYED_FETCH_LEADS)
         return self._first_lower(sim, (choices.replace(weights=w) for w in tried if w != weights))

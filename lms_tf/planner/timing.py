@@ -372,8 +372,9 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
              weights: Optional[Tuple[WeightDecision, ...]] = None, split: Optional[Mapping[str, str]] = None,
              sliced: Optional[Mapping[str, int]] = None, copy_out_waits: Optional[Mapping[str, str]] = None) -> Plan:
     """The plan of these choices: ``swap`` swapped (timed by :func:`timed_swap`, with ``leads`` scaling
-    their head starts), ``recomputed`` recomputed, the rest kept; with ``tools.throttle`` the forward pass
-    waits for its copies out and swap-ins lag behind the compute (those given a lead excepted), and each weight fetch keeps the rule's
+    their head starts), ``recomputed`` recomputed, the rest kept; with ``tools.throttle`` the forward
+    pass waits for its copies out and swap-ins lag behind the compute (those given a lead excepted),
+    and each weight fetch keeps the rule's
     trigger (``swapin_ahead`` gates before its window) instead of the earliest that hides its copy (a
     link-bound step fetches every weight at its start to save time, and holds them all). ``weights``,
     when given, are the weight decisions to keep (a plan's, some fetches delayed by
