@@ -124,6 +124,30 @@ class FitCheck:
                              "in whole chunks (in graph order or another tie order)", sim.peak_bytes, held)
         return sim
 
+    def in_chunks(self, plan: Plan) -> Simulation:
+        """``plan`` replayed with its whole chunks counted whatever its tensors' peak (the fit
+        check counts them only near the budget), in graph order, and in the checked tie orders
+        where the chunks do not exceed the tensors; the budget is left as it was.
+
+        Examples:
+            >>> from lms_tf.core.examples import MiB
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> from lms_tf.planner.timing import assemble
+            >>> step = PlanningStep.example()   # core.examples.chain_ir planned for 75% on a GH200
+            >>> check = FitCheck(step)
+            >>> check.budget_bytes = 1 * MiB   # far below the plan's tensors
+            >>> sim = check.in_chunks(assemble(step, set(), {}))
+            >>> sim.allocator_peak_bytes >= sim.peak_bytes, check.budget_bytes == 1 * MiB
+            (True, True)
+        """
+        saved = self.budget_bytes, self.time_to_beat
+        try:
+            peak = self._replay(plan_key(plan), plan, log_allocations=True).peak_bytes
+            self.budget_bytes, self.time_to_beat = max(saved[0] or 0, peak), None
+            return self.simulate(plan)
+        finally:
+            self.budget_bytes, self.time_to_beat = saved
+
     def _replay(self, key: Hashable, plan: Plan, *, log_allocations: bool) -> Simulation:
         """The step replayed with ``plan`` in graph order, from memory when it was already."""
         memo_key = (key, log_allocations, None)

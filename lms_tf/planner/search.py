@@ -182,15 +182,18 @@ class BudgetSearch:
             for move, what in ((self.order_branches if tools.order else None, "ordering backward branches"),
                                (self.swap_in_twice, "swapping a tensor in twice"),
                                (self.slice_the_peak_op if tools.slice_ops else None, "slicing an op"),
-                               (self.wait_for_a_copy_out, "making a forward op wait for a copy out"),
-                               (self.delay_a_swap_in, "swapping a tensor in later")):
+                               (self.wait_for_a_copy_out if tools.late_copies else None,
+                                "making a forward op wait for a copy out"),
+                               (self.delay_a_swap_in if tools.late_copies else None, "swapping a tensor in later")):
                 moved = move(sim, choices) if move is not None else None
                 if moved is not None:
                     logger.debug("planner round: peak %d -> %d %s", sim.peak_bytes, moved[2].peak_bytes, what)
                     choices, plan, sim = moved
-                    # As the plan has them: the waits a split adds are orderings of its own, and a
-                    # tensor chosen but left kept (no gate early enough) is not swapped.
-                    choices = choices.replace(orderings=plan.orderings, swap=frozenset(d.tensor for d in plan.swapped))
+                    # The orderings as the plan has them (a split adds a wait of its own); after a
+                    # split or a slice, the tensors it swaps (its inputs are swapped to be sliced).
+                    choices = choices.replace(orderings=plan.orderings)
+                    if move in (self.swap_in_twice, self.slice_the_peak_op):
+                        choices = choices.replace(swap=frozenset(d.tensor for d in plan.swapped))
                     break
             else:
                 break
@@ -430,33 +433,41 @@ class BudgetSearch:
             bases = [b for b in bases if b[0] != "none"]
         # Cheapest tools first; the others only when nothing fits without them (each pass
         # simulates the step again many times).
-        passes = [(bases, Tools(), ""), (bases, Tools(late_swap_ins=True), " + late swap-ins"),
-                  (bases, Tools(late_swap_ins=True, order=True), " + late swap-ins + orderings")]
+        passes = [(bases, Tools(), "", None), (bases, Tools(late_swap_ins=True), " + late swap-ins", None),
+                  (bases, Tools(late_swap_ins=True, order=True), " + late swap-ins + orderings", None)]
         if self.step.policies.swap:
-            passes.append((every_base, Tools(order=True, throttle=True), " + orderings + waits for copies out"))
-        if self.step.policies.swap and self._sliceable:
+            # The forward pass waits for its copies out and swap-ins lag behind the compute; with
+            # late copies, a forward op waits for the copy out at the peak, an idle swap-in starts later.
+            throttled = Tools(order=True, throttle=True, late_copies=True)
+            passes.append((every_base, throttled, " + orderings + waits for copies out", None))
             # Last, where nothing else fits: ops run a slice of the batch at a time (a launch per
-            # slice, and copies its readers may wait for). Only when nothing fits without them, so a
-            # plan that fits without slicing is found as before.
-            passes += [(bases, Tools(late_swap_ins=True, order=True, slice_ops=True),
-                        " + late swap-ins + orderings + sliced ops"),
-                       (every_base, Tools(order=True, throttle=True, slice_ops=True),
-                        " + orderings + waits for copies out + sliced ops")]
+            # slice, and copies its readers may wait for), where the step has such an op, and the
+            # moves for copies that hold their bytes at a peak they take no part in. Only when
+            # nothing fits without them, so a plan that fits without them is found as before. Each
+            # runs from scratch and on from where the pass it extends ended (the greedy rounds
+            # slice the first time the op is at the peak, which can lead elsewhere).
+            sliced = " + sliced ops" if self._sliceable else ""
+            passes += [(bases, Tools(late_swap_ins=True, order=True, slice_ops=self._sliceable, late_copies=True),
+                        f" + late swap-ins + orderings{sliced} + late copies", passes[2][1]),
+                       (every_base, dataclasses.replace(throttled, slice_ops=self._sliceable, late_copies=True),
+                        f" + orderings + waits for copies out{sliced} + late copies", throttled)]
         floors = {label: compute_floor(self.step, recomputed) for label, recomputed in every_base}
         ended: Dict[Tuple[str, Tools], Tuple[Plan, Simulation]] = {}  # (base, tools) -> where its rounds ended
-        for candidates, tools, suffix in passes:
+        for candidates, tools, suffix, extends in passes:
             for label, recomputed in sorted(candidates, key=lambda base: floors[base[0]]):
                 if best is not None and floors[label] * (1 - 1e-9) >= best[1].step_time_s:
                     break  # this base, and every one after it, computes longer than the best plan takes
                 plan, sim = self.add_swaps(budget_bytes, recomputed, tools)
-                unsliced = ended.get((label, dataclasses.replace(tools, slice_ops=False)))
-                if tools.slice_ops and unsliced is not None:
-                    # Slicing also from where the same pass without it ended: the greedy rounds
-                    # slice the first time the op is at the peak, which can lead elsewhere.
-                    further = self.add_swaps(budget_bytes, recomputed, tools, start=unsliced)
+                earlier = ended.get((label, extends))
+                if earlier is not None:
+                    further = self.add_swaps(budget_bytes, recomputed, tools, start=earlier)
                     if _better(further[1], sim, budget_bytes):
                         plan, sim = further
                 ended[(label, tools)] = (plan, sim)
+                if sim.held_bytes > budget_bytes and sim.allocator_peak_bytes is None:
+                    # Far above the budget its tensors were its measure; the lowest plan is judged as
+                    # the allocator holds it (fewer tensors can hold more chunks).
+                    sim = self.check.in_chunks(plan)
                 logger.debug("lms-tf planner: %s%s holds %.1f MiB", label, suffix, sim.held_bytes / 2**20)
                 if lowest is None or sim.held_bytes < lowest[1].held_bytes:
                     lowest = (plan, sim, label + suffix)

@@ -50,6 +50,10 @@ class Tools:
             groups ahead of their consumers.
         slice_ops: Run the op at the peak a slice of the batch at a time where it may be
             (:func:`~lms_tf.planner.slicing.slice_op`), when nothing else lowers the peak.
+        late_copies: When nothing else lowers the peak, make a forward op wait for a copy out that
+            holds its bytes at it, and start an idle swap-in later (slower, and in the search's
+            first passes they led it away from plans it found without them: the pass whose forward
+            pass waits for its copies out and the last two).
 
     Examples:
         >>> Tools(order=True).order
@@ -60,6 +64,7 @@ class Tools:
     order: bool = False
     throttle: bool = False
     slice_ops: bool = False
+    late_copies: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
