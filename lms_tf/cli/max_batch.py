@@ -32,7 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from lms_tf.cli import args as cli_args
-from lms_tf.core.errors import InfeasibleBudgetError
+from lms_tf.core.errors import HostBudgetError, InfeasibleBudgetError
 from lms_tf.core.ir import BatchSizedIR
 from lms_tf.core.policy import Policies, resolve_budget
 from lms_tf.cost.model import CostModel
@@ -135,6 +135,11 @@ def fits(ir_for_batch, batch: int, policies: Policies, cost: CostModel, with_lms
                      budget + batch_bytes)
     try:
         plan = make_budget_plan(ir, policies.replace(budget="auto"), device=device, cost=cost)
+    except HostBudgetError:
+        # It fits the device but not the host: too large, with no device figure to steer by.
+        return Probe(False, baseline.peak_bytes, None, resolve_budget(
+            "auto", baseline_peak_bytes=baseline.peak_bytes, memory_bytes=cost.device.memory_bytes,
+            device_name=cost.device.name, resident=resident_bytes(ir) + batch_bytes) + batch_bytes)
     except InfeasibleBudgetError as err:
         return Probe(False, baseline.peak_bytes, err.smallest_feasible_bytes + batch_bytes,
                      err.budget_bytes + batch_bytes)

@@ -58,7 +58,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from lms_tf.core.errors import LMSOptionError, host_budget_error, infeasible
 from lms_tf.core.ir import GraphIR
 from lms_tf.core.plan import Decision, Plan, Predictions, WeightDecision
-from lms_tf.core.policy import Policies, format_bytes, machine_memory_bytes, resolve_budget
+from lms_tf.core.policy import Policies, format_bytes, resolve_budget
 from lms_tf.core.op_kinds import WORKSPACE_TYPES
 from lms_tf.cost.devices import WORKSPACE_LIMIT_VARIABLE
 from lms_tf.cost.model import CostModel
@@ -323,7 +323,7 @@ def _check_host_holds_the_variables(step: PlanningStep) -> None:
     ``weights="auto"``) are already more than ``host_budget`` allows: no plan can need less, and
     the search takes minutes on a large model (a 40-block decoder many times too wide took over
     20 minutes to reach the same error)."""
-    limit, what = _host_limit(step)
+    limit, what = step.host_limit()
     held = sum(nbytes for handle, nbytes in resident_buffers(step.ir) if handle in step.on_host)
     if limit is None or held <= limit:
         return
@@ -337,17 +337,10 @@ def _check_host_holds_the_variables(step: PlanningStep) -> None:
 _LARGER_HOST_BUDGET = "Pass a larger host_budget (per process: with several processes on one machine, each its share)"
 
 
-def _host_limit(step: PlanningStep) -> Tuple[Optional[int], str]:
-    """The host memory one process's planned step may hold, and what set it (for the error)."""
-    if step.policies.host_budget:
-        return step.policies.host_budget, "host_budget"
-    return machine_memory_bytes(), "this machine's physical memory"
-
-
 def _check_host_memory(step: PlanningStep, plan: Plan, needed: int) -> None:
     """Raises :class:`HostBudgetError` when the planned step holds more on the host than
     ``host_budget`` (default: the machine's physical memory) allows."""
-    limit, what = _host_limit(step)
+    limit, what = step.host_limit()
     if limit is None or needed <= limit:
         return
     held = sum(nbytes for _, nbytes in host_resident(step.ir, {w.variable for w in plan.offloaded_weights}))

@@ -91,6 +91,7 @@ class BudgetSearch:
         # The choices a plan was built from that it does not show (swap-in leads, waits for
         # copies out chosen by a move), so a later move or refinement builds on them.
         self._unshown: Dict[Hashable, Choices] = {}
+        self._host_limit_bytes = step.host_limit()[0]
 
     def choices_of(self, plan: Plan, recomputed: Mapping[str, TensorDecision], tools: Tools) -> Choices:
         """The choices ``plan`` was built from (by :meth:`build`, or else as far as it shows them), on
@@ -452,6 +453,7 @@ class BudgetSearch:
                        (every_base, dataclasses.replace(throttled, slice_ops=self._sliceable, late_copies=True),
                         f" + orderings + waits for copies out{sliced} + late copies", throttled)]
         floors = {label: compute_floor(self.step, recomputed) for label, recomputed in every_base}
+        host_bound: Optional[Tuple[Plan, Simulation, str]] = None
         ended: Dict[Tuple[str, Tools], Tuple[Plan, Simulation]] = {}  # (base, tools) -> where its rounds ended
         for candidates, tools, suffix, extends in passes:
             for label, recomputed in sorted(candidates, key=lambda base: floors[base[0]]):
@@ -472,7 +474,12 @@ class BudgetSearch:
                 if lowest is None or sim.held_bytes < lowest[1].held_bytes:
                     lowest = (plan, sim, label + suffix)
                     lowest_from = (label, tools)
-                if sim.held_bytes <= budget_bytes and (best is None or sim.step_time_s < best[1].step_time_s):
+                if sim.held_bytes <= budget_bytes and not self._host_holds(sim):
+                    # It fits the device, but the host cannot hold what it swaps: kept only for the
+                    # error, should no plan fit both.
+                    if host_bound is None or sim.step_time_s < host_bound[1].step_time_s:
+                        host_bound = (plan, sim, label + suffix)
+                elif sim.held_bytes <= budget_bytes and (best is None or sim.step_time_s < best[1].step_time_s):
                     best = (plan, sim, label + suffix)
                     best_from = (label, tools)
                     self.check.time_to_beat = sim.step_time_s
@@ -484,12 +491,19 @@ class BudgetSearch:
                 if tools.late_swap_ins:
                     best = retime_swap_ins(self, budget_bytes, *best, tools)
                 break
+        if best is None and host_bound is not None:
+            return host_bound  # fits the device only: the planner's caller names the host's limit
         if best is None and lowest is not None:
             lowest = lower_the_lowest(self, budget_bytes, *lowest, *lowest_from)
             if lowest[1].held_bytes <= budget_bytes:
                 best = lowest
         plan, sim, label = best or lowest
         return plan, sim, label
+
+    def _host_holds(self, sim: Simulation) -> bool:
+        """Whether the host can hold what a plan keeps there at its peak (``host_budget``, else the
+        machine's memory): a plan that fits the device but not the host is not one to choose."""
+        return self._host_limit_bytes is None or sim.host_peak_bytes <= self._host_limit_bytes
 
     def _in_chunks(self, plan: Plan, sim: Simulation) -> Simulation:
         """``plan`` replayed for any budget its tensors fit, so its allocator chunks are counted too

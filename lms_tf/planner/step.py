@@ -16,7 +16,7 @@ import dataclasses
 from typing import Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from lms_tf.core.ir import GraphIR
-from lms_tf.core.policy import Policies
+from lms_tf.core.policy import Policies, machine_memory_bytes
 from lms_tf.cost.model import CostModel
 from lms_tf.planner.candidates import Candidates, collect_candidates
 from lms_tf.planner.weights import plan_weights
@@ -78,6 +78,19 @@ class PlanningStep:
 
         return cls.build(chain_ir(), Policies(budget="75%"), device="/device:GPU:0",
                          cost=CostModel(get_device_spec("gh200-96gb-c2c")))
+
+    def host_limit(self) -> Tuple[Optional[int], str]:
+        """The host memory one process's planned step may hold (``host_budget``, else this
+        machine's physical memory; None if unknown), and what set it (for an error).
+
+        Examples:
+            >>> step = PlanningStep.example()
+            >>> step.host_limit()[1] in ("this machine's physical memory", "host_budget")
+            True
+        """
+        if self.policies.host_budget:
+            return self.policies.host_budget, "host_budget"
+        return machine_memory_bytes(), "this machine's physical memory"
 
     def with_offloaded(self, offloaded: FrozenSet[str]) -> "PlanningStep":
         """The same step with ``weights="auto"``'s choice ``offloaded`` (the handles of the weights
