@@ -251,6 +251,26 @@ def test_planned_peak_fits_and_the_plan_is_printable(preset):
         assert other.peak_bytes <= other.allocator_peak_bytes <= plan.budget_bytes
 
 
+@pytest.mark.timeout(600)
+def test_a_plan_the_host_cannot_hold_is_not_chosen_while_another_fits_both():
+    """ResNet-50 224² at batch 762 on a 16 GB V100 (lms-tf max-batch's answer): the fastest plan
+    that fits the device swaps 51.7 GiB to the host; the planner chooses one that the host budget
+    holds too (9.3 GiB, recomputing more), and names the host's limit only when no plan fits both."""
+    from lms_tf.core.errors import HostBudgetError
+    from lms_tf.tf.workloads import build_model, synthetic_batch, train_step
+
+    zoo.reseed(0)
+    model = build_model("ResNet50", image_size=224, classes=1000)
+    x, y = synthetic_batch(model, 762)
+    ir = build_ir(tf.function(train_step(model)).get_concrete_function(x, y).graph)
+    options = Policies(host="/CPU:1", budget="auto", recompute="auto", host_budget=20 * 2**30)
+    plan = make_budget_plan(ir, options, device="/device:GPU:0", cost=V100)
+    assert plan.predictions.feasible and plan.predictions.host_peak_bytes <= 20 * 2**30
+    with pytest.raises(HostBudgetError, match="in host memory at its peak") as raised:
+        make_budget_plan(ir, options.replace(host_budget=2**30), device="/device:GPU:0", cost=V100)
+    assert raised.value.host_budget_bytes == 2**30 and raised.value.host_needed_bytes > 2**30
+
+
 @pytest.mark.timeout(300)
 def test_resnet50_plan_at_25_percent_counts_chunks_and_recomputes_a_swapped_checkpoint(caplog):
     """ResNet-50 224² b32 at 25% on a V100: some candidate plans' tensors fit the budget but
