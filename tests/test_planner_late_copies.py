@@ -73,11 +73,15 @@ def _search(ir, budget):
     return search
 
 
+def _swapping_a(ir):
+    """The search for 200 MiB, the choices that swap ``a`` alone, their plan and its replay."""
+    search, choices = _search(ir, 200 * MiB), Choices(swap=frozenset({"a:0"}))
+    plan = search.build(choices)
+    return search, choices, plan, search.check.simulate(plan)
+
+
 def test_a_swap_in_that_arrives_during_a_peak_before_its_readers_is_started_later():
-    search = _search(_early_swap_in_ir(), 200 * MiB)
-    choices = Choices(swap=frozenset({"a:0"}))
-    early = search.build(choices)
-    sim = search.check.simulate(early)
+    search, choices, early, sim = _swapping_a(_early_swap_in_ir())
     # Timed to hide its copy, the swap-in starts with the temporary and waits beside it.
     assert sim.peak_op in ("t", "s") and dict(sim.live_at_peak)["swap_in/a:0/0"] == 64 * MiB
     assert idle_swap_ins(search.step, sim, early) == [(64 * MiB, "a:0")]
@@ -116,10 +120,7 @@ def test_late_swap_ins_have_nothing_to_delay():
 
 
 def test_a_forward_op_at_the_peak_waits_for_a_copy_out_that_holds_its_bytes():
-    search = _search(_copy_out_ir(), 200 * MiB)
-    choices = Choices(swap=frozenset({"a:0"}))
-    plan = search.build(choices)
-    sim = search.check.simulate(plan)
+    search, choices, plan, sim = _swapping_a(_copy_out_ir())
     # a's readers are done, but its copy out is not: it is on the device beside t.
     assert sim.peak_op in ("t", "loss") and dict(sim.live_at_peak)["a:0"] == 64 * MiB
     # The op at the peak (the loss, as it starts), and the first to start once b read a (t).
