@@ -124,10 +124,12 @@ class FitCheck:
                              "in whole chunks (in graph order or another tie order)", sim.peak_bytes, held)
         return sim
 
-    def in_chunks(self, plan: Plan) -> Simulation:
+    def in_chunks(self, plan: Plan, budget_bytes: Optional[int] = None) -> Simulation:
         """``plan`` replayed with its whole chunks counted whatever its tensors' peak (the fit
-        check counts them only near the budget), in graph order, and in the checked tie orders
-        where the chunks do not exceed the tensors; the budget is left as it was.
+        check counts them only near the budget), as if searched for ``budget_bytes`` (default: the
+        budget searched for, or the plan's tensors' peak if that is more), in graph order and in
+        the checked tie orders while its chunks stay within that budget (a budget far above the
+        plan: in every checked tie order). The budget is left as it was.
 
         Examples:
             >>> from lms_tf.core.examples import MiB
@@ -142,8 +144,10 @@ class FitCheck:
         """
         saved = self.budget_bytes, self.time_to_beat
         try:
-            peak = self._replay(plan_key(plan), plan, log_allocations=True).peak_bytes
-            self.budget_bytes, self.time_to_beat = max(saved[0] or 0, peak), None
+            if budget_bytes is None:
+                peak = self._replay(plan_key(plan), plan, log_allocations=True).peak_bytes
+                budget_bytes = max(saved[0] or 0, peak)
+            self.budget_bytes, self.time_to_beat = budget_bytes, None
             return self.simulate(plan)
         finally:
             self.budget_bytes, self.time_to_beat = saved
