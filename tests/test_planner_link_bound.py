@@ -82,6 +82,39 @@ def test_planner_orders_branches_when_nothing_can_be_swapped():
     assert "order:" in plan.summary() and plan.to_dict()["orderings"][0]["waiters"]
 
 
+def _bias_and_filter_gradient_ir(device):
+    """A convolution's filter gradient and its bias's gradient, both reading the incoming gradient
+    dy, in two backward scopes (``convolution``, ``BiasAdd``): the pair oneDNN fuses on a CPU."""
+    act, dy_shape = (8, 16, 16, 32), (8, 16, 16, 64)
+    return make_ir([
+        dict(name="x", type="Placeholder", outputs=[("x:0", act)]),
+        dict(name="gradient_tape/dy", type="Exp", phase="backward", inputs=["x:0"], outputs=[("gradient_tape/dy:0", dy_shape)],
+             device=device),
+        dict(name="gradient_tape/conv/BiasAdd/BiasAddGrad", type="BiasAddGrad", phase="backward",
+             inputs=["gradient_tape/dy:0"], outputs=[("gradient_tape/conv/BiasAdd/BiasAddGrad:0", (64,))], device=device),
+        dict(name="gradient_tape/conv/convolution/Conv2DBackpropFilter", type="Conv2DBackpropFilter", phase="backward",
+             inputs=["x:0", "gradient_tape/dy:0"],
+             outputs=[("gradient_tape/conv/convolution/Conv2DBackpropFilter:0", (3, 3, 32, 64))], device=device)],
+        function_inputs=["x"])
+
+
+@pytest.mark.parametrize("device", ["/device:CPU:0", "/device:GPU:0", ""])
+def test_a_bias_gradient_and_the_kernel_onednn_fuses_it_into_are_not_ordered_on_a_cpu(device):
+    """On a CPU oneDNN runs a bias gradient and the filter gradient (or MatMul) reading the same
+    gradient as one kernel; an ordering between them runs them apart, and the bias gradient,
+    summed by another kernel, rounds differently (tests/test_tf_onednn.py). The planner orders
+    them only on a GPU (an op without a device runs on the step's)."""
+    step_device = device or "/device:CPU:0"
+    branches = BranchOrdering(_bias_and_filter_gradient_ir(device), step_device)
+    ordering = branches.ordering(("conv", "BiasAdd"), ("conv", "convolution"))
+    reverse = branches.ordering(("conv", "convolution"), ("conv", "BiasAdd"))
+    if "GPU" in step_device:
+        assert ordering is not None and ordering.after == ("gradient_tape/conv/BiasAdd/BiasAddGrad",)
+        assert reverse is not None
+    else:
+        assert ordering is None and reverse is None
+
+
 def test_a_cyclic_ordering_is_refused_by_the_simulator():
     ir = _branches_ir()
     cycle = Ordering(("gradient_tape/g",), ("gradient_tape/join",), "test")

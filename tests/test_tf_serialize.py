@@ -26,6 +26,7 @@ from lms_tf.tf.rewrite.serialize import (
     grappler_fused_kernels,
     grappler_rewritten_ops,
     impose_order,
+    onednn_may_fuse,
     ranked_topological_order,
     serial_chain,
     serialize_step,
@@ -450,15 +451,16 @@ def test_tensorflow_runs_the_ops_in_the_simulated_order(recompute):
     position = {name: i for i, name in enumerate(simulated)}
     chain = serial_chain(graph)
     # Structure: every chained op waits for the one before it, and the chain is the simulated order
-    # (the convolutions Grappler fuses with their bias and activation run off the chain), except
-    # that what reads a bias gradient oneDNN fuses into its filter gradient runs once the fused
-    # kernel can: right after the last op that kernel reads (with recompute, the dense layer's
-    # bias update waits for the recomputed pooling its weight gradient reads). With recompute,
+    # (the convolutions Grappler fuses with their bias and activation run off the chain), except,
+    # with oneDNN on, that what reads a bias gradient oneDNN fuses into its filter gradient runs
+    # once the fused kernel can: right after the last op that kernel reads (with recompute, the
+    # dense layer's bias update waits for the recomputed pooling its weight gradient reads). With recompute,
     # 28 ops or more: what Grappler folds once dead ends are pruned, as the runtime does, is off.
     assert len(chain) >= 25
     assert all(before in after.control_inputs for before, after in zip(chain, chain[1:]))
     chained = [simulator_name(graph, op.name) for op in chain]
-    waits = fused_kernel_waits(graph)
+    # (the suite runs with oneDNN off: nothing fuses, and the chain is the simulated order itself)
+    waits = fused_kernel_waits(graph) if onednn_may_fuse("/CPU:0") else {}
     bias_grads = [graph.get_operation_by_name(name) for name in waits]
 
     def runs_from(op) -> float:
@@ -470,7 +472,7 @@ def test_tensorflow_runs_the_ops_in_the_simulated_order(recompute):
 
     runs = [(runs_from(op), position[name]) for op, name in zip(chain, chained)]
     assert runs == sorted(runs)
-    assert recompute is None or any(place != start for start, place in runs)  # the bias update moved
+    assert recompute is None or not waits or any(place != start for start, place in runs)  # the bias update moved
     if recompute:
         # The plan recomputes whole branches, but their clones are Conv2D + BiasAdd + ReLU, which
         # Grappler fuses, so they run off the chain; the pooling clone is chained. (Chained loss-head
@@ -604,6 +606,86 @@ def test_what_follows_a_fusable_bias_gradient_is_chained_after_its_partners_inpu
     rank = {"bias_grad": 0, "bias_step": 1, "bias_update": 2, "recomputed": 3, "filter_grad": 4, "filter_update": 5}
     impose_order(g, rank)
     assert [op.name for op in serial_chain(g)] == ["recomputed", "bias_step", "bias_update", "filter_update"]
+
+
+def test_a_bias_gradient_its_filter_gradient_waits_for_is_not_fused_with_it():
+    """A plan may make a convolution's backward wait for its bias gradient (the planner's
+    ordering of backward branches: their temporaries were alive together at the peak). oneDNN
+    cannot then run the two as one kernel, so the bias gradient does not wait for the filter
+    gradient's inputs: counting that wait put the bias gradient after itself, and the serializer
+    refused the U-Net's planned step ("a cycle through ... BiasAddGrad ... Conv2DBackpropFilter")."""
+    g = tf.Graph()
+    with g.as_default():
+        dy = tf.compat.v1.placeholder(tf.float32, (2, 4, 4, 8), name="dy")
+        bias_grad = tf.raw_ops.BiasAddGrad(out_backprop=dy, name="bias_grad")
+        tf.negative(bias_grad, name="bias_update")
+        activation = tf.nn.relu(tf.compat.v1.placeholder(tf.float32, (2, 4, 4, 3), name="x"), name="activation")
+        filter_grad = tf.raw_ops.Conv2DBackpropFilter(input=activation, filter_sizes=[1, 1, 3, 8], out_backprop=dy,
+                                                      strides=[1, 1, 1, 1], padding="VALID", name="filter_grad")
+        tf.negative(filter_grad, name="filter_update")
+    assert {"activation", "dy"} <= fused_kernel_waits(g)["bias_grad"]   # its partner's inputs
+    _compat.add_control_input(filter_grad.op, bias_grad.op)   # the plan's ordering
+    assert fused_kernel_waits(g) == {}
+    rank = {"bias_grad": 0, "bias_update": 1, "activation": 2, "filter_grad": 3, "filter_update": 4}
+    assert ranked_topological_order(g, rank, fused_kernel_waits(g)).index("bias_grad") < \
+        ranked_topological_order(g, rank, fused_kernel_waits(g)).index("filter_grad")
+    impose_order(g, rank)   # no cycle
+
+
+def test_a_planned_wait_for_a_bias_gradient_serializes_trains_and_runs_in_that_order(monkeypatch):
+    """Through the front-end: each convolution's backward waits for its bias gradient (an
+    ordering added to the plan); serialized, the step trains to the plain step's numbers and
+    TensorFlow runs each bias gradient before its convolution's filter gradient. (With oneDNN
+    off, the suite's setting, nothing fuses the two; with it on: tests/test_tf_onednn.py.)"""
+    import dataclasses
+
+    from lms_tf.core.plan import Ordering
+    from lms_tf.tf import driver
+
+    planned = driver._make_plan
+
+    def with_orderings(ir, request, aliases, **kwargs):
+        plan = planned(ir, request, aliases, **kwargs)
+        orderings = []
+        for op in ir.ops:
+            if op.type == "Conv2DBackpropFilter":
+                bias = next(o.name for o in ir.ops if o.type == "BiasAddGrad" and o.inputs[0] == op.inputs[2])
+                backward = tuple(o.name for o in ir.ops if o.type.startswith("Conv2DBackprop")
+                                 and o.inputs[2] == op.inputs[2])
+                orderings.append(Ordering(backward, (bias,), "test: the bias gradient first"))
+        assert len(orderings) == 4   # the four convolutions
+        return dataclasses.replace(plan, orderings=plan.orderings + tuple(orderings))
+
+    monkeypatch.setattr(driver, "_make_plan", with_orderings)
+    options = dict(device="/CPU:0", swap=False, serialize=True, device_spec=SPEC)
+    plain = custom_loop(zoo.sequential_cnn, tf.function)
+    serialized = custom_loop(zoo.sequential_cnn, lms_function(**options))
+    assert_same_numbers(plain, serialized, rtol=0.0)
+    fn = serialized[2]
+    x, y = _first_batch(zoo.sequential_cnn)
+    graph = fn.get_concrete_function(x, y).graph
+    filters = [op for op in graph.get_operations() if op.type == "Conv2DBackpropFilter"]
+    assert len(filters) == 4
+    events = executed_ops(lambda: fn(x, y))
+    for op in filters:
+        bias = next(c for c in op.inputs[2].consumers() if c.type == "BiasAddGrad")
+        assert bias in _ancestors(op), op.name   # the ordering is in the graph
+        ran_bias = [e for e in events if e.node.endswith(bias.name)]
+        ran_filter = [e for e in events if e.node.endswith(op.name)]
+        assert ran_bias and ran_filter, (bias.name, op.name, sorted({e.type for e in events}))
+        assert ran_bias[0].end_ps <= ran_filter[0].start_ps, op.name
+
+
+def _ancestors(op):
+    """Every op ``op`` waits for, through data and control edges."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
 
 
 def test_serialize_must_be_a_boolean():

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Set, Tuple
 
-from lms_tf.core.ir import GraphIR, Phase, layer_of
+from lms_tf.core.ir import GraphIR, Phase, device_kind_and_index, layer_of
+from lms_tf.core.op_kinds import FUSABLE_GATE_PARTNER_TYPES, FUSABLE_GATE_TYPES
 from lms_tf.core.plan import Ordering
 from lms_tf.simulate import Simulation
 
@@ -26,7 +27,8 @@ ORDERING_PAIRS = 3
 
 
 class BranchOrdering:
-    """The backward graph's reachability, for finding branches and ordering them without a cycle.
+    """The backward graph's reachability, for finding branches and ordering them without a cycle
+    (``device``: where the ops without a device of their own run).
 
     Examples:
         >>> from lms_tf.core import make_ir
@@ -34,8 +36,9 @@ class BranchOrdering:
         ()
     """
 
-    def __init__(self, ir: GraphIR):
+    def __init__(self, ir: GraphIR, device: str = ""):
         self.ir = ir
+        self.device = device  # where the ops without a device of their own run
         self._successors: Optional[Dict[str, List[str]]] = None
         self._paths: Dict[str, List[str]] = {}
 
@@ -65,6 +68,24 @@ class BranchOrdering:
                 if nxt not in seen:
                     seen.add(nxt)
                     stack.append(nxt)
+        return False
+
+    def _splits_a_fused_kernel(self, first: Set[str], then: Set[str]) -> bool:
+        """Whether ``first`` and ``then`` hold, one each, a bias gradient and an op on a CPU that
+        oneDNN runs with it as one kernel (:data:`~lms_tf.core.op_kinds.FUSABLE_GATE_TYPES`, reading
+        the same gradient). Ordered, the two run apart, and the bias gradient, summed by another
+        kernel, rounds differently: the step's numbers would change (VGG16's bias weights by 6e-6
+        after 10 steps). On a GPU nothing fuses them."""
+        ir = self.ir
+        for name in first | then:
+            op = ir.op(name)
+            if (op.type not in FUSABLE_GATE_TYPES or not op.inputs
+                    or device_kind_and_index(op.device or self.device)[0] != "CPU"):
+                continue
+            other = then if name in first else first
+            if any(ir.op(c).type in FUSABLE_GATE_PARTNER_TYPES and c in other
+                   for c in ir.tensors[op.inputs[0]].consumers):
+                return True
         return False
 
     def branch_pairs(self, sim: Simulation) -> List[Tuple[Tuple[str, ...], Tuple[str, ...]]]:
@@ -121,6 +142,8 @@ class BranchOrdering:
             ir.tensors[t].producer in paths and ir.tensors[t].producer not in in_then for t in ir.op(n).inputs)),
             key=lambda n: ir.op(n).index)
         if not waiters or not exits or self._reaches(waiters, set(exits)):
+            return None
+        if self._splits_a_fused_kernel(in_first, in_then):
             return None
         devices = {ir.op(n).device for n in waiters + exits}
         if len(devices) > 1:

@@ -85,7 +85,7 @@ class BudgetSearch:
     def __init__(self, step: PlanningStep):
         self.step = step
         self.check = FitCheck(step)
-        self.branches = BranchOrdering(step.ir)
+        self.branches = BranchOrdering(step.ir, step.device)
         self.bases, self.base_policies = recompute_bases(step)
         self._sliceable = any(op.type in BATCH_SLICED_INPUTS for op in step.ir.ops)  # the slicing passes
         # The choices a plan was built from that it does not show (swap-in leads, waits for

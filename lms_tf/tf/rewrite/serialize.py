@@ -435,10 +435,29 @@ def _sole_elementwise_reader(graph: tf.Graph, name: str) -> List[tf.Operation]:
 
 
 def _fusable_gate_with_partner(op: tf.Operation) -> List[tf.Operation]:
-    """The ops oneDNN may fuse ``op`` into, when ``op`` is a ``BiasAddGrad`` (else empty)."""
+    """The ops oneDNN may fuse ``op`` into, when ``op`` is a ``BiasAddGrad`` (else empty). A
+    partner made to wait for ``op`` (a plan's ordering: the bias gradient first, then the filter
+    gradient) is not one: the two cannot run as one kernel, and the bias gradient's readers need
+    not wait for what the partner reads."""
     if op.type not in FUSABLE_GATE_TYPES:
         return []
-    return [partner for partner in op.inputs[0].consumers() if partner.type in FUSABLE_GATE_PARTNER_TYPES]
+    partners = [partner for partner in op.inputs[0].consumers() if partner.type in FUSABLE_GATE_PARTNER_TYPES]
+    if not partners:
+        return []
+    waiting = _waiting_for(op)
+    return [partner for partner in partners if partner not in waiting]
+
+
+def _waiting_for(op: tf.Operation) -> set:
+    """Every op that runs after ``op`` (reads it, or waits for it, directly or not)."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for follower in [c for t in current.outputs for c in t.consumers()] + _compat.control_outputs(current):
+            if follower not in seen:
+                seen.add(follower)
+                stack.append(follower)
+    return seen
 
 
 def fused_kernel_waits(graph: tf.Graph) -> Dict[str, FrozenSet[str]]:
