@@ -57,13 +57,14 @@ def _peak_memory_usage(cluster, item):
         cluster.Shutdown()
 
 
-def grappler_peak_live_tensors(graph_def, fetch_names: Sequence[str], devices: Sequence[Tuple[str, str, int]]
-                               ) -> Dict[str, Tuple[int, List[Tuple[str, int, int]]]]:
+def grappler_peak_live_tensors(graph_def, fetch_names: Sequence[str], devices: Sequence[Tuple[str, str, int]],
+                               with_times: bool = False) -> Dict[str, Tuple[int, List[Tuple]]]:
     """:func:`grappler_peak_memory` with the tensors live at each device's peak. A graph larger
     than a device's memory is measured all the same (Grappler alone would refuse it).
 
     Returns:
-        Device -> (peak bytes, ``(node, output index, bytes)`` of each tensor live at the peak).
+        Device -> (peak bytes, ``(node, output index, bytes)`` of each tensor live at the peak;
+        with ``with_times``, also when Grappler's schedule allocates and frees it, in ns).
 
     Examples:
         >>> import tensorflow as tf
@@ -94,7 +95,9 @@ def grappler_peak_live_tensors(graph_def, fetch_names: Sequence[str], devices: S
         peaks = _peak_memory_usage(gcluster.Cluster(devices=_named_devices(devices, UNBOUNDED_BYTES)),
                                    gitem.Item(meta, ignore_colocation=True))
     # Each live tensor: (node, output id, bytes, allocation time, deallocation time).
-    return {dev: (int(peak), [(str(t[0]), int(t[1]), int(t[2])) for t in live]) for dev, (peak, live) in peaks.items()}
+    fields = 5 if with_times else 3
+    return {dev: (int(peak), [(str(t[0]),) + tuple(int(v) for v in t[1:fields]) for t in live])
+            for dev, (peak, live) in peaks.items()}
 
 
 #: Grappler's swap pair. The swap-out kernel allocates its output in host memory, and the

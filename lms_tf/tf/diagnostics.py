@@ -110,7 +110,16 @@ class OraclePeak:
             simulator's ``ALIAS_TYPES``) whose source, or another alias of it, is live too: beyond
             the largest of each such group. TensorFlow hands an alias its input's buffer; Grappler
             gives it one of its own. A serialized step's kept ``Identity`` gates and exits are such
-            aliases (784 MiB of VGG16's serialized plain step at batch 16).
+            aliases (784 MiB of VGG16's serialized plain step at batch 16). An alias of a tensor
+            copied from another device shares the buffer the copy was received into.
+        released_bytes: Bytes of the live tensors whose last reader ended at the peak's instant.
+            Grappler frees them 1 ns later, after the ops starting at that instant allocated;
+            TensorFlow's executor releases them before it starts those ops (a ``ConcatV2`` of
+            16 slices: their 64 MiB counted beside the concatenation's reader).
+        step_bytes_released_first: The step's own tensors at the peak's instant (as
+            :attr:`step_peak_bytes` counts them) once those are released. The peak as TensorFlow
+            would hold Grappler's schedule is between this and :attr:`step_peak_bytes` (it may be
+            at another instant).
 
     Examples:
         >>> OraclePeak(300, (("a", 0, 100), ("b", 0, 100), ("c", 0, 100)), 100).peak_bytes_counting_in_place_once
@@ -126,6 +135,8 @@ class OraclePeak:
     in_place_bytes: int
     variable_read_bytes: int = 0
     alias_bytes: int = 0
+    released_bytes: int = 0
+    step_bytes_released_first: Optional[int] = None
 
     @property
     def step_peak_bytes(self) -> int:
@@ -185,9 +196,16 @@ def virtual_gpu_peak_report(concrete_function, *, host: str = "/CPU:1", gpu_memo
             or takes_host_handle else _VIRTUAL_GPU
     fetches = sorted({t.op.name for t in graph.outputs} | {op.name for op in graph.control_outputs})
     peaks = _compat.grappler_peak_live_tensors(
-        graph_def, fetches, [(_VIRTUAL_GPU, "GPU", gpu_memory_bytes), (_VIRTUAL_CPU, "CPU", host_memory_bytes)])
-    peak, live = peaks.get(_VIRTUAL_GPU, (0, []))
+        graph_def, fetches, [(_VIRTUAL_GPU, "GPU", gpu_memory_bytes), (_VIRTUAL_CPU, "CPU", host_memory_bytes)],
+        with_times=True)
+    peak, timed = peaks.get(_VIRTUAL_GPU, (0, []))
+    live = [(node, port, nbytes) for node, port, nbytes, _, _ in timed]
+    # Grappler frees an op's inputs 1 ns after it ends, so the ops starting then allocate beside
+    # them; TensorFlow's executor releases them before it starts the ops they make ready.
+    instant = max((allocated for *_, allocated, _ in timed), default=0)
+    released = {(node, port) for node, port, _, allocated, freed in timed if allocated < instant <= freed <= instant + 1}
     op_types = {node.name: node.op for node in graph_def.node}
+    device_of = {node.name: node.device for node in graph_def.node}
     # Only what the step runs reads a tensor: TensorFlow prunes the ops no fetch needs (Keras's
     # optimizer leaves an ``IdentityN`` of every gradient unread), and Grappler schedules the
     # fetches' fan-in alone. Counting a pruned reader would deny an elementwise kernel its input.
@@ -204,48 +222,67 @@ def virtual_gpu_peak_report(concrete_function, *, host: str = "/CPU:1", gpu_memo
             continue
         for name in node.input:
             if not name.startswith("^"):
-                source, _, port = name.partition(":")
-                readers.setdefault((source, int(port or 0)), []).append(node.name)
-    sizes = {(node, port): nbytes for node, port, nbytes in live}
+                source_name, _, port = name.partition(":")
+                readers.setdefault((source_name, int(port or 0)), []).append(node.name)
     reads = {op.name for op in graph.get_operations() if op.type == "ReadVariableOp"}
     data_inputs = {node.name: [name for name in node.input if not name.startswith("^")] for node in graph_def.node}
 
     def source(node: str, port: int) -> Tuple[str, int]:
-        """The tensor whose buffer an alias op's output is (through chains of aliases)."""
+        """The tensor whose buffer an alias op's output is (through chains of aliases). An alias
+        of a tensor on another device gets the buffer the copy across was received into: Grappler
+        lists it as ``Recv_<node>_<port>_on_<device>``."""
+        if node not in op_types and node.startswith("Recv_") and "_on_" in node:
+            return node.rpartition("_on_")[0], 0
         for _ in range(len(data_inputs)):
             inputs = data_inputs.get(node, [])
             index = port if op_types.get(node) == "IdentityN" else 0
             if op_types.get(node) not in ALIAS_TYPES or index >= len(inputs):
                 break
             name, _, read_port = inputs[index].partition(":")
+            if device_of.get(name) != device_of.get(node):
+                return f"Recv_{name}_{int(read_port or 0)}", 0
             node, port = name, int(read_port or 0)
         return node, port
 
-    buffers: Dict[Tuple[str, int], List[Tuple[str, int]]] = {}
-    for tensor in sizes:
-        buffers.setdefault(source(*tensor), []).append(tensor)
-    read_bytes = sum(sum(sizes[t] for t in group) for (node, _), group in buffers.items() if node in reads)
+    def counted_twice(sizes: Dict[Tuple[str, int], int]) -> Tuple[int, int, int]:
+        """Of ``sizes`` (live tensors): the in-place, variable-read and alias bytes."""
+        buffers: Dict[Tuple[str, int], List[Tuple[str, int]]] = {}
+        for tensor in sizes:
+            buffers.setdefault(source(*tensor), []).append(tensor)
+        read_bytes = sum(sum(sizes[t] for t in group) for (node, _), group in buffers.items() if node in reads)
 
-    def passed_on(tensor: Tuple[str, int]) -> bool:
-        """Whether ``tensor``'s only reader is an alias of it: once that alias has run, TensorFlow's
-        executor has released ``tensor`` and the alias alone holds the buffer (Grappler may still
-        list both, e.g. a kernel gradient and the serializing gate that holds it)."""
-        reader = readers.get(tensor, [])
-        return len(reader) == 1 and op_types.get(reader[0]) in ALIAS_TYPES and source(reader[0], 0) == source(*tensor)
+        def passed_on(tensor: Tuple[str, int]) -> bool:
+            """Whether ``tensor``'s only reader is an alias of it: once that alias has run, TensorFlow's
+            executor has released ``tensor`` and the alias alone holds the buffer (Grappler may still
+            list both, e.g. a kernel gradient and the serializing gate that holds it). A copy
+            Grappler received from another device is read by what it was sent to: its alias."""
+            if tensor[0] not in op_types:
+                return True
+            reader = readers.get(tensor, [])
+            return len(reader) == 1 and op_types.get(reader[0]) in ALIAS_TYPES and source(reader[0], 0) == source(*tensor)
 
-    # An elementwise kernel writes into its input's buffer only when nothing else holds it: not
-    # when a live alias shares it, unless every other holder has passed the buffer on down the
-    # chain of aliases the kernel reads (a gate of one reader between a producer and the kernel).
-    in_place = 0
-    for tensor, nbytes in sizes.items():
-        reader = readers.get(tensor, [])
-        holders = [t for t in buffers[source(*tensor)] if t != tensor]
-        if (len(reader) == 1 and op_types.get(reader[0]) in FORWARDING_TYPES and sizes.get((reader[0], 0)) == nbytes
-                and all(passed_on(t) for t in holders)):
-            in_place += nbytes
-    alias = sum(sum(sizes[t] for t in group) - max(sizes[t] for t in group)
-                for (node, _), group in buffers.items() if node not in reads)
-    return OraclePeak(peak, tuple(sorted(live, key=lambda t: -t[2])), in_place, read_bytes, alias)
+        # An elementwise kernel writes into its input's buffer only when nothing else holds it: not
+        # when a live alias shares it, unless every other holder has passed the buffer on down the
+        # chain of aliases the kernel reads (a gate of one reader between a producer and the kernel).
+        in_place = 0
+        for tensor, nbytes in sizes.items():
+            reader = readers.get(tensor, [])
+            holders = [t for t in buffers[source(*tensor)] if t != tensor]
+            if (len(reader) == 1 and op_types.get(reader[0]) in FORWARDING_TYPES and sizes.get((reader[0], 0)) == nbytes
+                    and all(passed_on(t) for t in holders)):
+                in_place += nbytes
+        alias = sum(sum(sizes[t] for t in group) - max(sizes[t] for t in group)
+                    for (node, _), group in buffers.items() if node not in reads)
+        return in_place, read_bytes, alias
+
+    sizes = {(node, port): nbytes for node, port, nbytes in live}
+    in_place, read_bytes, alias = counted_twice(sizes)
+    kept = {tensor: nbytes for tensor, nbytes in sizes.items() if tensor not in released}
+    kept_in_place, kept_reads, kept_alias = counted_twice(kept)
+    released_first = sum(kept.values()) - kept_in_place - kept_reads - kept_alias
+    return OraclePeak(peak, tuple(sorted(live, key=lambda t: -t[2])), in_place, read_bytes, alias,
+                      released_bytes=sum(sizes[t] for t in released),
+                      step_bytes_released_first=released_first)
 
 
 def with_variable_shapes(graph_def):
