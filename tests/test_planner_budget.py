@@ -272,6 +272,26 @@ def test_a_plan_the_host_cannot_hold_is_not_chosen_while_another_fits_both():
     assert raised.value.host_budget_bytes == 2**30 and raised.value.host_needed_bytes > 2**30
 
 
+@pytest.mark.timeout(600)
+def test_the_lowest_plan_is_refined_as_the_search_measured_it():
+    """MobileNetV2 224² b32 on a 16 GB V100 does not fit 25% of its plain step. The search keeps
+    the pass's plan that holds the least as the allocator would (its chunks counted), and then
+    refines it with moves that compare plans by their tensors, far above the budget. Refined from
+    its chunks' figure, a change was taken for a gain when the tensors' peak it led to was below
+    that figure, and the refined plan replaced the lowest whatever its chunks: the least budget the
+    error names rose from 630 to 707 MiB (the planner benchmark's 0.34 of the plain step read
+    0.37). Refined from its tensors' figure and kept only if its chunks hold less, it is 630."""
+    from lms_tf.tf.workloads import build_model, synthetic_batch, train_step
+
+    zoo.reseed(0)
+    model = build_model("MobileNetV2", image_size=224, classes=1000)
+    x, y = synthetic_batch(model, 32)
+    ir = build_ir(tf.function(train_step(model)).get_concrete_function(x, y).graph)
+    with pytest.raises(InfeasibleBudgetError) as raised:
+        make_budget_plan(ir, Policies(host="/CPU:1", budget="25%", recompute="auto"), device="/device:CPU:0", cost=V100)
+    assert raised.value.smallest_feasible_bytes <= 640 * 2**20, raised.value.smallest_feasible_bytes / 2**20
+
+
 @pytest.mark.timeout(300)
 def test_resnet50_plan_at_25_percent_counts_chunks_and_recomputes_a_swapped_checkpoint(caplog):
     """ResNet-50 224² b32 at 25% on a V100: some candidate plans' tensors fit the budget but

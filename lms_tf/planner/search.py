@@ -466,6 +466,7 @@ class BudgetSearch:
                     if _better(further[1], sim, budget_bytes):
                         plan, sim = further
                 ended[(label, tools)] = (plan, sim)
+                searched = sim
                 if sim.held_bytes > budget_bytes and sim.allocator_peak_bytes is None:
                     # Far above the budget its tensors were its measure; the lowest plan is judged as
                     # the allocator holds it (fewer tensors can hold more chunks).
@@ -473,7 +474,7 @@ class BudgetSearch:
                 logger.debug("lms-tf planner: %s%s holds %.1f MiB", label, suffix, sim.held_bytes / 2**20)
                 if lowest is None or sim.held_bytes < lowest[1].held_bytes:
                     lowest = (plan, sim, label + suffix)
-                    lowest_from = (label, tools)
+                    lowest_from, lowest_searched = (label, tools), searched
                 if sim.held_bytes <= budget_bytes and not self._host_holds(sim):
                     # It fits the device, but the host cannot hold what it swaps: kept only for the
                     # error, should no plan fit both.
@@ -494,7 +495,15 @@ class BudgetSearch:
         if best is None and host_bound is not None:
             return host_bound  # fits the device only: the planner's caller names the host's limit
         if best is None and lowest is not None:
-            lowest = lower_the_lowest(self, budget_bytes, *lowest, *lowest_from)
+            # Refined as the search measured it (its tensors, far above the budget: its moves compare
+            # plans so), then judged again in chunks against the lowest as it was.
+            refined, refined_sim, refined_label = lower_the_lowest(self, budget_bytes, lowest[0], lowest_searched,
+                                                                   lowest[2], *lowest_from)
+            if refined is not lowest[0]:
+                if refined_sim.held_bytes > budget_bytes and refined_sim.allocator_peak_bytes is None:
+                    refined_sim = self.check.in_chunks(refined)
+                if refined_sim.held_bytes < lowest[1].held_bytes:
+                    lowest = (refined, refined_sim, refined_label)
             if lowest[1].held_bytes <= budget_bytes:
                 best = lowest
         plan, sim, label = best or lowest
