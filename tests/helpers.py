@@ -161,3 +161,15 @@ def behind_device_read(op):
     """The host copy a device read reads (``op`` itself when it is not a device read)."""
     return op.inputs[0].op if _compat.string_attr(op, "_lms") == "device_read" else op
 
+
+
+def ancestors(op) -> set:
+    """The ops ``op`` waits for, through data and control edges."""
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen

@@ -19,7 +19,7 @@ from lms_tf.tf.diagnostics import executed_ops, find_executed, virtual_gpu_peak,
 from lms_tf.tf.rewrite import LMS_ATTR
 from lms_tf.tf.variables import variable_device
 from tests import zoo
-from tests.helpers import (BATCH, CPU_LMS, assert_same_numbers, custom_loop, fit_steps, graph_probe, keras_train_step,
+from tests.helpers import (BATCH, CPU_LMS, ancestors, assert_same_numbers, custom_loop, fit_steps, graph_probe, keras_train_step,
                            lms_function)
 
 SMALL = dict(CPU_LMS, swapout_threshold=4, min_swap_bytes=1024, swapin_ahead=2)
@@ -272,15 +272,7 @@ def test_executed_order_each_weight_gradient_leaves_the_device_as_soon_as_it_is_
 
 def _ancestor_names(graph, node_name):
     """Names of every op ``node_name``'s traced op depends on, through data and control edges."""
-    op = next(o for o in graph.get_operations() if node_name.endswith(o.name))
-    seen, stack = set(), [op]
-    while stack:
-        current = stack.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent.name not in seen:
-                seen.add(parent.name)
-                stack.append(parent)
-    return seen
+    return {parent.name for parent in ancestors(next(o for o in graph.get_operations() if node_name.endswith(o.name)))}
 
 
 def _fusion_chain(op):

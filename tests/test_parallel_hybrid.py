@@ -21,6 +21,7 @@ import lms_tf
 from lms_tf.parallel import ShardedDense, ShardedEmbedding, hybridize, plan_hybrid, unshard
 from lms_tf.parallel.sharded import even_shard
 from tests import zoo
+from tests.helpers import ancestors
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "hybrid_worker.py"
@@ -330,7 +331,7 @@ def test_structure_the_kernel_gradient_waits_for_the_input_gradients_product_not
     assert part in kernel.control_inputs
     collective_name = "lms_tf_sharded_wide_dx"   # a stand-in op of the collective's name and shape
     collective = next(op for op in graph.get_operations() if op.name.rsplit("/", 1)[-1].startswith(collective_name))
-    assert part in _ancestors(collective) and collective not in _ancestors(kernel)
+    assert part in ancestors(collective) and collective not in ancestors(kernel)
 
 
 @pytest.mark.timeout(600)
@@ -399,18 +400,6 @@ def test_a_subclassed_models_shards_are_marked_on_the_variables_its_traces_read(
     concrete = tf.function(net).get_concrete_function(tf.TensorSpec((4, 6)))   # traced, not run
     marked = sorted((tuple(v.shape), is_sharded(v)) for v in concrete.variables)
     assert marked == [((3,), False), ((3, 8), True), ((8,), False), ((8, 3), False)], marked   # fc's kernel only
-
-
-def _ancestors(op) -> set:
-    """The ops ``op`` waits for, through data and control edges."""
-    seen, todo = set(), [op]
-    while todo:
-        current = todo.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                todo.append(parent)
-    return seen
 
 
 @pytest.mark.timeout(900)

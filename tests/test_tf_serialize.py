@@ -32,7 +32,7 @@ from lms_tf.tf.rewrite.serialize import (
     serialize_step,
 )
 from tests import zoo
-from tests.helpers import assert_same_numbers, custom_loop, fit_steps, graph_probe, lms_function
+from tests.helpers import ancestors, assert_same_numbers, custom_loop, fit_steps, graph_probe, lms_function
 
 SPEC = "v100-16gb-pcie3"
 
@@ -669,23 +669,11 @@ def test_a_planned_wait_for_a_bias_gradient_serializes_trains_and_runs_in_that_o
     events = executed_ops(lambda: fn(x, y))
     for op in filters:
         bias = next(c for c in op.inputs[2].consumers() if c.type == "BiasAddGrad")
-        assert bias in _ancestors(op), op.name   # the ordering is in the graph
+        assert bias in ancestors(op), op.name   # the ordering is in the graph
         ran_bias = [e for e in events if e.node.endswith(bias.name)]
         ran_filter = [e for e in events if e.node.endswith(op.name)]
         assert ran_bias and ran_filter, (bias.name, op.name, sorted({e.type for e in events}))
         assert ran_bias[0].end_ps <= ran_filter[0].start_ps, op.name
-
-
-def _ancestors(op):
-    """Every op ``op`` waits for, through data and control edges."""
-    seen, stack = set(), [op]
-    while stack:
-        current = stack.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
 
 
 def test_serialize_must_be_a_boolean():
