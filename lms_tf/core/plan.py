@@ -139,6 +139,12 @@ class WeightDecision:
         fetches: For SWAP, one per window: the op whose output triggers the copy (``""``: the
             start of the step, for a window nothing on the device runs before) and the device
             ops of the window, which read the copy instead of the variable.
+        clone_fetches_after: For SWAP, ``(gate, op)`` pairs: behind recompute gate ``gate``, the
+            copy the recompute clones read is made once the clone of ``op`` has ended, not when
+            the gate has (``op`` is cloned behind that gate before the first clone that reads this
+            variable). A region that recomputes several layers fetches their weights from one gate,
+            back to back, and holds them all at once; fetched in turn, each layer's weight arrives
+            after the layer before it has been recomputed.
 
     Examples:
         >>> w = WeightDecision("dense/kernel", ("dense/MatMul/ReadVariableOp:0",), (4, 4), 64, Decision.SWAP,
@@ -154,6 +160,17 @@ class WeightDecision:
     decision: Decision
     reason: str
     fetches: Tuple[SwapIn, ...] = ()
+    clone_fetches_after: Tuple[Tuple[str, str], ...] = ()
+
+    def clone_fetch_after(self, gate: str) -> Optional[str]:
+        """The op whose clone the copy for the clones behind ``gate`` waits for (None: the gate itself).
+
+        Examples:
+            >>> w = WeightDecision("v", (), None, 0, Decision.SWAP, "", (), (("g", "fc1/Relu"),))
+            >>> w.clone_fetch_after("g"), w.clone_fetch_after("other")
+            ('fc1/Relu', None)
+        """
+        return next((op for g, op in self.clone_fetches_after if g == gate), None)
 
     def fetch_name(self, window: int) -> str:
         """The simulator's name of the copy for window ``window``.
@@ -497,6 +514,18 @@ class Plan:
         """
         return len({(op, d.gate) for d in self.recomputed for op in d.recompute_ops})
 
+    def clones_behind(self, gate: str) -> Tuple[str, ...]:
+        """The ops cloned behind recompute gate ``gate``, each once, in the order the rewrite clones
+        them (decision by decision, each region in order): a clone reads only clones made before it.
+
+        Examples:
+            >>> a = TensorDecision("b:0", "", (), 4, Decision.RECOMPUTE, "", 1, (), recompute_ops=("a", "b"), gate="g")
+            >>> c = TensorDecision("c:0", "", (), 4, Decision.RECOMPUTE, "", 1, (), recompute_ops=("b", "c"), gate="g")
+            >>> Plan((a, c), "d", "h", {}, {}).clones_behind("g")
+            ('a', 'b', 'c')
+        """
+        return tuple(dict.fromkeys(op for d in self.recomputed if d.gate == gate for op in d.recompute_ops))
+
     @property
     def num_swap_ins(self) -> int:
         """Number of swap-in ops the rewrite inserts.
@@ -599,6 +628,7 @@ class Plan:
                                                                    f"{'s' if len(f.after_gradients) > 1 else ''} "
                                                                    f"reached the host)" if f.after_gradients else "")
                                      for f in w.fetches)
+                triggers += "".join(f"; behind {gate}: after {op}'s clone" for gate, op in w.clone_fetches_after)
                 lines.append(f"{name(w.variable):<52} {str(w.shape)[:22]:<22} {_mib(w.nbytes):>8} "
                              f"{len(w.reads):>5}  {triggers}")
             if len(self.offloaded_weights) > max_rows:
@@ -760,4 +790,5 @@ def _weight_from_dict(w: Mapping[str, Any]) -> WeightDecision:
         variable=w["variable"], reads=tuple(w["reads"]), shape=None if shape is None else tuple(shape),
         nbytes=w.get("nbytes"), decision=Decision(w["decision"]), reason=w.get("reason", ""),
         fetches=tuple(SwapIn(f["trigger"], tuple(f["consumers"]), tuple(f.get("after_gradients", ())))
-                      for f in w.get("fetches", ())))
+                      for f in w.get("fetches", ())),
+        clone_fetches_after=tuple((gate, op) for gate, op in w.get("clone_fetches_after", ())))

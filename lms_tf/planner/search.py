@@ -36,9 +36,10 @@ from lms_tf.planner.fit_check import FitCheck, plan_key
 from lms_tf.planner.ordering import ORDERING_PAIRS, BranchOrdering
 from lms_tf.planner.refine import lower_the_lowest, recompute_checkpoints, recomputed_checkpoints_label, retime_swap_ins
 from lms_tf.planner.step import PlanningStep
-from lms_tf.planner.timing import (DELAYED_FETCH_LEADS, Choices, Tools, copies_out_at_peak, delayed_fetches,
-                                   fetches_after, gradients_on_device_at_peak, idle_fetches, idle_swap_ins,
-                                   ops_between_readers, swap_round, waiting_for_gradient)
+from lms_tf.planner.timing import (DELAYED_FETCH_LEADS, Choices, Tools, clone_fetches_in_turn, copies_out_at_peak,
+                                   delayed_fetches, fetches_after, gradients_on_device_at_peak, idle_clone_fetches,
+                                   idle_fetches, idle_swap_ins, ops_between_readers, swap_round, waiting_for_gradient)
+from lms_tf.planner.weights import forward_gates
 from lms_tf.simulate import Simulation
 
 logger = logging.getLogger("lms_tf")
@@ -66,6 +67,9 @@ DELAYED_SWAP_IN_LEADS = (0.5, 0.0)
 #: How many copies out that alone keep their tensor on the device at the peak the planner tries
 #: making a forward op wait for, in turn (the largest first).
 COPIES_OUT_WAITED_FOR = 3
+#: How many earlier clones the planner tries making a recompute region's idle weight fetch wait for
+#: (the latest before its readers first).
+CLONE_FETCH_TRIGGERS_TRIED = 2
 #: Into how many slices of the batch the planner tries cutting an op it slices (at most the batch).
 SLICES_TRIED = (2, 4, 8, 16)
 
@@ -92,6 +96,7 @@ class BudgetSearch:
         # copies out chosen by a move), so a later move or refinement builds on them.
         self._unshown: Dict[Hashable, Choices] = {}
         self._host_limit_bytes = step.host_limit()[0]
+        self._forward_gates: Optional[frozenset] = None  # ops a clone of which may trigger a copy, once needed
 
     def choices_of(self, plan: Plan, recomputed: Mapping[str, TensorDecision], tools: Tools) -> Choices:
         """The choices ``plan`` was built from (by :meth:`build`, or else as far as it shows them), on
@@ -180,7 +185,8 @@ class BudgetSearch:
             # it holds run whole); a forward op waiting for a copy out; a swap-in that arrived too
             # early started later. (Each came after the ones before it: a search that went that
             # far without it is left as it was.)
-            for move, what in ((self.order_branches if tools.order else None, "ordering backward branches"),
+            for move, what in ((self.fetch_for_clones_in_turn, "fetching a recompute region's weights in turn"),
+                               (self.order_branches if tools.order else None, "ordering backward branches"),
                                (self.swap_in_twice, "swapping a tensor in twice"),
                                (self.slice_the_peak_op if tools.slice_ops else None, "slicing an op"),
                                (self.wait_for_a_copy_out if tools.late_copies else None,
@@ -216,6 +222,29 @@ class BudgetSearch:
         tried = (delayed_fetches(self.step, weights, weight.variable, lead)
                  for _, weight in idle_fetches(self.step, sim, weights) for lead in DELAYED_FETCH_LEADS)
         return self._first_lower(sim, (choices.replace(weights=w) for w in tried if w != weights))
+
+    def fetch_for_clones_in_turn(self, sim: Simulation, choices: Choices) -> Optional[Tuple[Choices, Plan, Simulation]]:
+        """Lowers the peak by fetching a weight a recompute region reads after an earlier clone of
+        that region instead of after its gate: the largest such weight idle on the device at the
+        peak (:func:`~lms_tf.planner.timing.idle_clone_fetches`), after the latest clone before its
+        readers that may trigger a copy, or the one before it (:data:`CLONE_FETCH_TRIGGERS_TRIED`).
+        None if no such weight, or no such wait lowers the peak.
+
+        Examples:
+            >>> from lms_tf.planner.step import PlanningStep
+            >>> step = PlanningStep.example()   # nothing recomputed: no clone fetches
+            >>> search = BudgetSearch(step)
+            >>> search.fetch_for_clones_in_turn(step.baseline, Choices(weights=())) is None
+            True
+        """
+        if self._forward_gates is None:
+            self._forward_gates = frozenset(op.name for op in forward_gates(self.step.ir))
+        plan = self.build(choices)
+        tried = (choices.replace(weights=weights)
+                 for _, variable, gate in idle_clone_fetches(self.step, sim, plan)[:1]
+                 for weights in clone_fetches_in_turn(self.step, plan, variable, gate,
+                                                      self._forward_gates)[:CLONE_FETCH_TRIGGERS_TRIED])
+        return self._first_lower(sim, tried)
 
     def wait_for_a_gradient(self, sim: Simulation, choices: Choices) -> Optional[Tuple[Choices, Plan, Simulation]]:
         """Lowers the peak by holding the backward pass back until the largest weight gradient still

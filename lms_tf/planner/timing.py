@@ -15,16 +15,16 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-from typing import Dict, FrozenSet, List, Mapping, Optional, Set, Tuple
+from typing import AbstractSet, Dict, FrozenSet, List, Mapping, Optional, Set, Tuple
 
 from lms_tf.core.errors import LMSOptionError
 from lms_tf.core.ir import OpInfo, Phase, layer_of, same_device
-from lms_tf.core.op_kinds import SWAP_IN_PREFIX, TO_HOST_PREFIX, is_hyperparameter
+from lms_tf.core.op_kinds import SWAP_IN_PREFIX, TO_HOST_PREFIX, is_hyperparameter, recompute_clone_name
 from lms_tf.core.plan import Decision, Ordering, Plan, SwapIn, TensorDecision, WeightDecision
 from lms_tf.planner.slicing import slice_op
 from lms_tf.planner.step import PlanningStep
 from lms_tf.planner.weights import plan_weights, timed_fetches
-from lms_tf.simulate import Simulation, gradients_crossing_as, update_products_on_device
+from lms_tf.simulate import Simulation, gradients_crossing_as, update_products_on_device, without_unsound_clone_fetches
 
 logger = logging.getLogger("lms_tf")
 
@@ -442,7 +442,8 @@ def assemble(step: PlanningStep, swap: Set[str], recomputed: Mapping[str, Tensor
             plan = slice_op(plan, ir, op, slices, reason="it holds more than the budget run whole", gates=found.gates)
         except LMSOptionError:
             continue  # none of its inputs is swapped in this plan: sliced, it would hold no less
-    return plan
+    # Given weights may fetch for clones after an earlier clone that this recompute base has not.
+    return without_unsound_clone_fetches(ir, plan)
 
 
 def sliced_ops(plan: Plan) -> Dict[str, int]:
@@ -504,6 +505,70 @@ def idle_fetches(step: PlanningStep, sim: Simulation, weights: Tuple[WeightDecis
                 idle.append((nbytes, weight))
                 break
     return sorted(idle, key=lambda pair: (-pair[0], pair[1].variable))
+
+
+def idle_clone_fetches(step: PlanningStep, sim: Simulation, plan: Plan) -> List[Tuple[int, str, str]]:
+    """The weights a recompute region fetches behind its gate whose copy is on the device at the
+    simulated peak although none of the clones that read it runs then and some are still to run,
+    ``(bytes, variable, gate)``, largest first. A region that recomputes several layers fetches all
+    their weights from its one gate, back to back on the copy stream: the later layers' weights
+    wait on the device while the first layer is recomputed (VGG16's classifier: ``fc2``'s 64 MiB
+    kernel arrived while ``fc1``'s 392 MiB one was held for its clone).
+
+    Examples:
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.example()   # nothing recomputed: no clone fetches
+        >>> idle_clone_fetches(step, step.baseline, assemble(step, set(), {}))
+        []
+    """
+    live = dict(sim.live_at_peak)
+    at = sim.peak_time_s
+    idle = []
+    for gate in dict.fromkeys(d.gate for d in plan.recomputed):
+        clones = plan.clones_behind(gate)
+        for weight in plan.offloaded_weights:
+            nbytes = live.get(f"fetch/{weight.variable}/@{gate}")
+            if not nbytes:
+                continue
+            reads = set(weight.reads)
+            ran = [sim.op_intervals[name] for name in (recompute_clone_name(gate, op) for op in clones
+                                                       if reads & set(step.ir.op(op).inputs))
+                   if name in sim.op_intervals]
+            if any(start > at for start, _ in ran) and not any(start <= at < end for start, end in ran):
+                idle.append((nbytes, weight.variable, gate))
+    return sorted(idle, key=lambda item: (-item[0], item[1], item[2]))
+
+
+def clone_fetches_in_turn(step: PlanningStep, plan: Plan, variable: str, gate: str, gates: AbstractSet[str]
+                          ) -> List[Tuple[WeightDecision, ...]]:
+    """``plan``'s weights with ``variable``'s copy for the clones behind ``gate`` made after an
+    earlier clone there instead of after the gate: one choice per clone before the first that reads
+    it whose op may trigger a copy (``gates``: :func:`~lms_tf.planner.weights.forward_gates`'s
+    names, whose readers Grappler fuses nothing into), the latest first.
+
+    Examples:
+        >>> from lms_tf.planner.step import PlanningStep
+        >>> step = PlanningStep.example()
+        >>> clone_fetches_in_turn(step, assemble(step, set(), {}), "w", "g", frozenset())
+        []
+    """
+    weight = next((w for w in plan.offloaded_weights if w.variable == variable), None)
+    if weight is None:
+        return []
+    clones = plan.clones_behind(gate)
+    reads = set(weight.reads)
+    first = next((i for i, op in enumerate(clones) if reads & set(step.ir.op(op).inputs)), None)
+    if first is None:
+        return []
+    kept = tuple(pair for pair in weight.clone_fetches_after if pair[0] != gate)
+    current = weight.clone_fetch_after(gate)
+    tried = []
+    for op in reversed(clones[:first]):
+        if op not in gates or op == current:
+            continue
+        changed = dataclasses.replace(weight, clone_fetches_after=kept + ((gate, op),))
+        tried.append(tuple(changed if w.variable == variable else w for w in plan.weights))
+    return tried
 
 
 def idle_swap_ins(step: PlanningStep, sim: Simulation, plan: Plan) -> List[Tuple[int, str]]:
@@ -605,7 +670,8 @@ def delayed_fetches(step: PlanningStep, weights: Tuple[WeightDecision, ...], var
         timed = timed_fetches(step.ir, (windows,), step.baseline.op_intervals,
                               lambda nbytes: step.cost.transfer_time(nbytes, "host_to_device"), lead)[0]
         return dataclasses.replace(timed, reason=f"weights='host': fetched {lead:g} of its copy time before each "
-                                                 f"window (fetched in time to hide the copy, it sat idle at the peak)")
+                                                 f"window (fetched in time to hide the copy, it sat idle at the peak)",
+                                   clone_fetches_after=weight.clone_fetches_after)
 
     return tuple(later(w) if w.variable == variable else w for w in weights)
 

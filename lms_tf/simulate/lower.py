@@ -29,7 +29,7 @@ from lms_tf.core.op_kinds import (
     WORKSPACE_TYPES,
     recompute_clone_name,
 )
-from lms_tf.core.plan import Decision, Plan, SlicedOp, TensorDecision
+from lms_tf.core.plan import Decision, Plan, SlicedOp, TensorDecision, WeightDecision
 from lms_tf.cost.model import CostModel
 from lms_tf.simulate.pool import optimizer_slots, update_products_on_device, variables_on_host
 
@@ -585,6 +585,78 @@ def check_sliced_op(ir: GraphIR, sliced: SlicedOp, decisions: Mapping[str, Tenso
                                  f"but {why}. Copy in slices only a swapped input the op reads from no swap-in.")
 
 
+def check_clone_fetches(ir: GraphIR, plan: Plan) -> None:
+    """Raises the library's error unless each ``clone_fetches_after`` entry of ``plan``'s weights on
+    the host is sound (:func:`clone_fetch_problem`).
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> from lms_tf.core.plan import WeightDecision
+        >>> w = WeightDecision("w2:0", ("rw2:0",), None, 4, Decision.SWAP, "", (), (("g1", "m2"),))
+        >>> check_clone_fetches(weighted_chain_ir(), Plan((), "d", "h", {}, {}, weights=(w,)))
+        Traceback (most recent call last):
+        ...
+        lms_tf.LMSOptionError: plan error: the clones behind 'g1' fetch 'w2:0' after the clone of 'm2', but no clone behind 'g1' reads 'w2:0' (the plan recomputes nothing behind that gate). Remove the entry from the weight's clone_fetches_after.
+    """
+    for weight in plan.offloaded_weights:
+        for gate, after in weight.clone_fetches_after:
+            why = clone_fetch_problem(ir, plan, weight, gate, after)
+            if why:
+                raise LMSOptionError(
+                    f"plan error: the clones behind {gate!r} fetch {weight.variable!r} after the clone of {after!r}, "
+                    f"but {why}. Remove the entry from the weight's clone_fetches_after.")
+
+
+def without_unsound_clone_fetches(ir: GraphIR, plan: Plan) -> Plan:
+    """``plan`` with each ``clone_fetches_after`` entry :func:`clone_fetch_problem` refuses dropped:
+    what a plan whose recompute decisions changed (another recompute base, a pipeline stage's share
+    of the plan) keeps of the entries made for the old ones.
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> from lms_tf.core.plan import WeightDecision
+        >>> w = WeightDecision("w2:0", ("rw2:0",), None, 4, Decision.SWAP, "", (), (("g1", "m2"),))
+        >>> plan = without_unsound_clone_fetches(weighted_chain_ir(), Plan((), "d", "h", {}, {}, weights=(w,)))
+        >>> plan.weights[0].clone_fetches_after
+        ()
+    """
+    if not any(w.clone_fetches_after for w in plan.weights):
+        return plan
+    weights = tuple(dataclasses.replace(w, clone_fetches_after=tuple(
+        (gate, after) for gate, after in w.clone_fetches_after if clone_fetch_problem(ir, plan, w, gate, after) is None))
+        for w in plan.weights)
+    return dataclasses.replace(plan, weights=weights)
+
+
+def clone_fetch_problem(ir: GraphIR, plan: Plan, weight: WeightDecision, gate: str, after: str) -> Optional[str]:
+    """Why the clones behind recompute gate ``gate`` cannot fetch ``weight`` after the clone of
+    ``after``, or None: some clone behind that gate reads the weight, and ``after`` is cloned there
+    before the first that does (so the copy waits for a clone that cannot wait for the copy), with
+    a numeric output a gate can read.
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> from lms_tf.core.plan import WeightDecision
+        >>> w = WeightDecision("w2:0", ("rw2:0",), None, 4, Decision.SWAP, "", ())
+        >>> clone_fetch_problem(weighted_chain_ir(), Plan((), "d", "h", {}, {}, weights=(w,)), w, "g1", "m2")
+        "no clone behind 'g1' reads 'w2:0' (the plan recomputes nothing behind that gate)"
+    """
+    order = plan.clones_behind(gate)
+    reads = set(weight.reads)
+    readers = [i for i, name in enumerate(order) if ir.has_op(name) and reads & set(ir.op(name).inputs)]
+    if not readers:
+        return (f"no clone behind {gate!r} reads {weight.variable!r} (the plan recomputes "
+                + ("nothing behind that gate)" if not order else "no reader of it there)"))
+    if after not in order:
+        return f"{after!r} is not cloned behind {gate!r}"
+    if order.index(after) >= readers[0]:
+        return f"{after!r} is cloned after the first clone that reads it"
+    if not ir.has_op(after) or not any(ir.tensors[t].dtype not in ("resource", "variant", "string")
+                                       for t in ir.op(after).outputs):
+        return f"{after!r} has no numeric output a gate can read"
+    return None
+
+
 def _slice_copy(ir: GraphIR, sliced: SlicedOp, tensor: str, index: int, size: int, cost: CostModel,
                 trigger: str) -> Event:
     nbytes = (ir.tensors[tensor].nbytes or 0) * size // _batch_of(ir, sliced)
@@ -676,7 +748,10 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
             extra_after[s.trigger].append(_copy_in(key, f"host/{t}", nbytes, cost, s.trigger))
             for consumer in s.consumers:
                 extra_deps[consumer].append(key)
-    # Reads of variables on the host: a recompute clone fetches its own copy behind its gate.
+    # Reads of variables on the host: a recompute clone fetches its own copy behind its gate (or
+    # after an earlier clone behind it: clone_fetches_after).
+    if plan is not None:
+        check_clone_fetches(ir, plan)
     weight_of = {read: w for w in plan.offloaded_weights for read in w.reads} if plan is not None else {}
     cloned = set()
     for d in decisions.values():
@@ -700,7 +775,10 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                 elif t in weight_of:
                     weight = weight_of[t]
                     key = f"fetch/{weight.variable}/@{d.gate}"
-                    _once(extra_after[d.gate], _copy_in(key, f"host/{weight.variable}", weight.nbytes or 0, cost, d.gate))
+                    after = weight.clone_fetch_after(d.gate)  # fetched in turn: after an earlier clone
+                    trigger = d.gate if after is None else recompute_clone_name(d.gate, after)
+                    _once(extra_after[d.gate], _copy_in(key, f"host/{weight.variable}", weight.nbytes or 0, cost,
+                                                        trigger))
                     reads.append(key)
                 else:
                     reads.append(b.source(name, t))

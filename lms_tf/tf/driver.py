@@ -25,7 +25,7 @@ from lms_tf.core.plan import Decision, Plan
 from lms_tf.core.policy import Policies, format_bytes
 from lms_tf.cost import CostModel, get_device_spec
 from lms_tf.planner import make_budget_plan, make_plan
-from lms_tf.simulate import check_sliced_op, simulate
+from lms_tf.simulate import check_clone_fetches, check_sliced_op, simulate, without_unsound_clone_fetches
 from lms_tf.tf.diagnostics import CPU_GRAPPLER_MEMORY_BYTES
 from lms_tf.tf.rewrite import apply_plan, apply_plans
 from lms_tf.tf.rewrite.recompute import simulator_name
@@ -211,7 +211,8 @@ def check_plan_matches(plan: Plan, ir: GraphIR, *, api: str) -> None:
 
     Every tensor a decision names must exist with the same shape, and every op it names (swap-in
     triggers and consumers, recompute gates, clones and consumers, orderings, sliced ops) must
-    exist; a sliced op must be one the plan can slice (:func:`~lms_tf.simulate.lower.check_sliced_op`).
+    exist; a sliced op must be one the plan can slice (:func:`~lms_tf.simulate.lower.check_sliced_op`),
+    and a clone's fetch must wait for a clone before its readers (:func:`~lms_tf.simulate.lower.check_clone_fetches`).
 
     Examples:
         >>> from lms_tf.core import make_ir
@@ -254,12 +255,16 @@ def check_plan_matches(plan: Plan, ir: GraphIR, *, api: str) -> None:
         gradient = next((g for f in weight.fetches for g in f.after_gradients if g not in ir.tensors), None)
         if gradient is not None:
             raise mismatch(f"gradient {gradient!r}, which a fetch of {weight.variable!r} waits for, is not in it")
+        missing = next((n for pair in weight.clone_fetches_after for n in pair if n not in ops), None)
+        if missing is not None:
+            raise mismatch(f"op {missing!r}, named by {weight.variable!r}'s clone_fetches_after, is not in it")
     decisions = {d.tensor: d for d in plan.decisions}
     for sliced in plan.sliced:
         missing = next((n for n in (sliced.op, sliced.trigger) if n not in ops), None)
         if missing is not None:
             raise mismatch(f"op {missing!r}, named by the sliced entry for {sliced.op!r}, is not in it")
         check_sliced_op(ir, sliced, decisions)  # the library's error, saying what to edit
+    check_clone_fetches(ir, plan)
 
 
 def rewrite_traced_step(request: RewriteRequest, *, api: str,
@@ -457,7 +462,8 @@ def stage_plan(plan: Plan, ir: GraphIR, device: str, unplaced: Collection[str] =
                                                  "an op there") for d in plan.decisions
                       if d.tensor in ir.tensors and own(ir.tensors[d.tensor].producer))
     orderings = tuple(o for o in plan.orderings if all(map(own, o.waiters + o.after)))
-    return dataclasses.replace(plan, decisions=decisions, orderings=orderings)
+    # A weight's fetch for clones waits for an earlier clone only while both are still recomputed.
+    return without_unsound_clone_fetches(ir, dataclasses.replace(plan, decisions=decisions, orderings=orderings))
 
 
 def move_planned_weights(graph: tf.Graph, plan: Plan, *, api: str) -> int:

@@ -12,7 +12,9 @@ The original forward ops still run for the forward pass; ``t`` is freed after it
 forward consumer instead of living until the backward pass. A checkpoint the clones read
 that is itself swapped is read through a fresh swap-in gated by ``g`` (swap, then
 recompute the rest, as KARMA does). An op shared by several regions with the same gate
-is cloned once. Clones carry ``_lms="recompute"``.
+is cloned once. Clones carry ``_lms="recompute"``. A clone that reads a variable on the host
+reads a copy fetched behind the gate, once per gate, or, where the plan says so
+(``clone_fetches_after``), gated by an earlier clone, so the regions' weights arrive in turn.
 
 Examples:
     >>> from lms_tf.tf.rewrite.recompute import insert_recomputes
@@ -95,6 +97,7 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
     clones: Dict[Tuple[str, str], tf.Operation] = {}
     swap_ins: Dict[Tuple[str, str], tf.Tensor] = {}
     weight_reads = offloaded_reads(graph, plan)  # a clone fetches a weight on the host behind its gate
+    fetched_after = {read: weight for weight in plan.offloaded_weights for read in weight.reads}
     rerouted = 0
     for i, decision in enumerate(plan.recomputed):
         gate = graph.get_operation_by_name(decision.gate)
@@ -122,7 +125,11 @@ def insert_recomputes(graph: tf.Graph, plan: Plan, swap_outs: Dict[str, tf.Tenso
                 elif tensor.name in weight_reads:
                     key = (weight_reads[tensor.name].name, decision.gate)
                     if key not in swap_ins:
-                        swap_ins[key] = gated_swap_in(graph, weight_reads[tensor.name], gate, plan.host,
+                        # Behind the gate, or in turn after an earlier clone (clone_fetches_after;
+                        # the plan was checked: that clone exists by now).
+                        after = fetched_after[tensor.name].clone_fetch_after(decision.gate)
+                        trigger = gate if after is None else clones[(after, decision.gate)]
+                        swap_ins[key] = gated_swap_in(graph, weight_reads[tensor.name], trigger, plan.host,
                                                       f"recompute_weight_fetch_{len(swap_ins)}", kind="weight_fetch")
                         inserted["swap_gate"] += 2
                         inserted["weight_fetch"] += 1
