@@ -113,3 +113,13 @@ def test_no_gate_is_an_op_grappler_rewrites_or_an_op_run_off_the_device(chain_ir
     plan = make_plan(ir, _options(swapout_threshold=1), device=DEVICE)
     triggers = {s.trigger for d in plan.swapped for s in d.swap_ins}
     assert triggers and not triggers & (folded | elsewhere), triggers
+
+
+@pytest.mark.parametrize("option", ["exclude", "recompute"])
+def test_a_layer_list_that_names_nothing_is_refused_naming_its_option(chain_ir, option):
+    """``recompute=[...]`` and ``exclude=[...]`` take the same entries; the error says which was wrong."""
+    from lms_tf.core.errors import LMSOptionError
+    with pytest.raises(LMSOptionError, match=rf"^{option} entry 'no_such_layer' is not a layer name"):
+        make_plan(chain_ir, _options(**{option: ["no_such_layer"]}), device=DEVICE)
+    with pytest.raises(LMSOptionError, match=rf"^{option} pattern '\*/nothing\*' matches no op"):
+        make_plan(chain_ir, _options(**{option: ["*/nothing*"]}), device=DEVICE)

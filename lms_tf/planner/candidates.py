@@ -77,11 +77,13 @@ def _is_glob(entry: str) -> bool:
     return bool(_GLOB_CHARS & set(entry))
 
 
-def exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mapping[str, str]):
+def exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mapping[str, str], option: str = "exclude"):
     """Returns op name -> matching exclude entry; raises for entries that match nothing.
 
     A plain entry names a name-scope segment (a layer) or an op; ``scope_aliases`` maps a
     Keras layer name to the scope it got in this trace (Keras/TF may suffix it, e.g. ``_1``).
+    ``option`` is the option the entries came from (``exclude``, or ``recompute``'s list), which
+    the error names.
 
     Examples:
         >>> from lms_tf.core.examples import chain_ir
@@ -97,13 +99,13 @@ def exclusion_matcher(ir: GraphIR, exclude: Sequence[str], scope_aliases: Mappin
         if _is_glob(entry):
             if not any(fnmatch.fnmatchcase(op.name, entry) for op in ir.ops):
                 raise LMSOptionError(
-                    f"exclude pattern {entry!r} matches no op of the traced step. Patterns are matched "
+                    f"{option} pattern {entry!r} matches no op of the traced step. Patterns are matched "
                     f"against op names such as {ir.ops[len(ir.ops) // 2].name!r}; fix or remove it.")
         elif targets[entry] not in scopes and not any(op.name == entry for op in ir.ops):
             layers = sorted({layer_of(op.name).split("/")[-1] for op in ir.ops
                              if op.phase is Phase.FORWARD and op.type in LAYER_OP_TYPES} - {""})
             raise LMSOptionError(
-                f"exclude entry {entry!r} is not a layer name or op name of the traced step. "
+                f"{option} entry {entry!r} is not a layer name or op name of the traced step. "
                 f"Layers with compute ops in this trace: {', '.join(layers[:20])}"
                 f"{' ...' if len(layers) > 20 else ''}. Use a layer name, an op name or a glob pattern "
                 f"like '*/{entry}*/*'.")

@@ -139,7 +139,7 @@ def recompute_targets(ir: GraphIR, eligible: Sequence[str], policies: Policies,
                         and t not in cut_set]
             through = lambda op: op.type in CHEAP_OP_TYPES  # noqa: E731
         else:  # named layers / patterns: exactly what the user asked for
-            matcher = exclusion_matcher(ir, policy, scope_aliases)
+            matcher = exclusion_matcher(ir, policy, scope_aliases, option="recompute")
             selected = [t for t in clonable_tensors if matcher(ir.tensors[t].producer) is not None]
             through = lambda op: matcher(op.name) is not None  # noqa: E731
         bounds = sorted(index(t) for t in cuts)
