@@ -26,7 +26,7 @@ from lms_tf.tf.diagnostics import executed_ops, find_executed
 from lms_tf.tf.rewrite import LMS_ATTR
 from lms_tf.tf.rewrite.recompute import CLONE_GATE_ATTR, CLONE_OF_ATTR
 from lms_tf.tf.trace import build_ir
-from tests.helpers import BATCH, CPU_LMS, assert_same_numbers, custom_loop, lms_function
+from tests.helpers import BATCH, CPU_LMS, assert_same_numbers, custom_loop, keras_train_step, lms_function
 
 #: The two middle layers, recomputed: the second's region holds the first's clones too.
 RECOMPUTED = ["*/dense_3*/*", "*/dense_4*/*"]
@@ -175,15 +175,7 @@ def test_the_simulator_starts_the_copy_when_the_clone_ends(planned):
     model, _ = _wide_mlp()
     optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
     _on_host(model, optimizer)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        return loss
-
-    ir = build_ir(tf.function(step).get_concrete_function(*_first_batch()).graph)
+    ir = build_ir(tf.function(keras_train_step(model, optimizer)).get_concrete_function(*_first_batch()).graph)
     gate, relu = _two_layer_gate(plan)
     kernel = next(w for w in plan.offloaded_weights if w.clone_fetches_after and w.shape == (1024, 1024))
     cost = CostModel(get_device_spec("v100-16gb-pcie3"))
