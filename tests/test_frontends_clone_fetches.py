@@ -179,7 +179,7 @@ def test_the_simulator_starts_the_copy_when_the_clone_ends(planned):
     gate, relu = _two_layer_gate(plan)
     kernel = next(w for w in plan.offloaded_weights if w.clone_fetches_after and w.shape == (1024, 1024))
     cost = CostModel(get_device_spec("v100-16gb-pcie3"))
-    fetch = f"fetch/{kernel.variable}/@{gate}"
+    fetch = kernel.clone_fetch_name(gate)
     in_turn = simulate(ir, plan, cost=cost)
     clone_end = in_turn.op_intervals[f"recompute/{gate}/{relu}"][1]
     assert in_turn.op_intervals[fetch][0] == pytest.approx(clone_end)

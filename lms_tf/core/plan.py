@@ -172,6 +172,15 @@ class WeightDecision:
         """
         return next((op for g, op in self.clone_fetches_after if g == gate), None)
 
+    def clone_fetch_name(self, gate: str) -> str:
+        """The simulator's name of the copy the clones behind recompute gate ``gate`` read.
+
+        Examples:
+            >>> WeightDecision("v", (), None, 0, Decision.SWAP, "", ()).clone_fetch_name("g")
+            'fetch/v/@g'
+        """
+        return f"fetch/{self.variable}/@{gate}"
+
     def fetch_name(self, window: int) -> str:
         """The simulator's name of the copy for window ``window``.
 

@@ -24,7 +24,8 @@ from lms_tf.core.plan import Decision, Ordering, Plan, SwapIn, TensorDecision, W
 from lms_tf.planner.slicing import slice_op
 from lms_tf.planner.step import PlanningStep
 from lms_tf.planner.weights import plan_weights, timed_fetches
-from lms_tf.simulate import Simulation, gradients_crossing_as, update_products_on_device, without_unsound_clone_fetches
+from lms_tf.simulate import (Simulation, clone_readers, gradients_crossing_as, update_products_on_device,
+                             without_unsound_clone_fetches)
 
 logger = logging.getLogger("lms_tf")
 
@@ -527,12 +528,11 @@ def idle_clone_fetches(step: PlanningStep, sim: Simulation, plan: Plan) -> List[
     for gate in dict.fromkeys(d.gate for d in plan.recomputed):
         clones = plan.clones_behind(gate)
         for weight in plan.offloaded_weights:
-            nbytes = live.get(f"fetch/{weight.variable}/@{gate}")
+            nbytes = live.get(weight.clone_fetch_name(gate))
             if not nbytes:
                 continue
-            reads = set(weight.reads)
-            ran = [sim.op_intervals[name] for name in (recompute_clone_name(gate, op) for op in clones
-                                                       if reads & set(step.ir.op(op).inputs))
+            ran = [sim.op_intervals[name] for name in (recompute_clone_name(gate, clones[i])
+                                                       for i in clone_readers(step.ir, clones, weight))
                    if name in sim.op_intervals]
             if any(start > at for start, _ in ran) and not any(start <= at < end for start, end in ran):
                 idle.append((nbytes, weight.variable, gate))
@@ -556,10 +556,10 @@ def clone_fetches_in_turn(step: PlanningStep, plan: Plan, variable: str, gate: s
     if weight is None:
         return []
     clones = plan.clones_behind(gate)
-    reads = set(weight.reads)
-    first = next((i for i, op in enumerate(clones) if reads & set(step.ir.op(op).inputs)), None)
-    if first is None:
+    readers = clone_readers(step.ir, clones, weight)
+    if not readers:
         return []
+    first = readers[0]
     kept = tuple(pair for pair in weight.clone_fetches_after if pair[0] != gate)
     current = weight.clone_fetch_after(gate)
     tried = []

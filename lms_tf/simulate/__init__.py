@@ -21,7 +21,7 @@ from lms_tf.simulate.allocator import (
                                        tensorflow_gpu_allocator,
 )
 from lms_tf.simulate.bounds import WholeOpFloor, link_lower_bound, whole_op_floor
-from lms_tf.simulate.lower import (KERNEL_LIBRARIES, check_clone_fetches, check_kernel_library, check_sliced_op,
+from lms_tf.simulate.lower import (KERNEL_LIBRARIES, check_clone_fetches, check_kernel_library, clone_readers, check_sliced_op,
                                    without_unsound_clone_fetches, gradients_crossing_as,
                                    kernel_scratch_bytes)
 from lms_tf.simulate.pool import (host_resident, input_bytes, optimizer_slots, pool_history, resident_buffers, resident_bytes,
@@ -33,4 +33,4 @@ __all__ = ["BFCAllocatorModel", "HOST_UPDATE_ORDERS", "WholeOpFloor", "whole_op_
            "link_lower_bound", "pool_history", "replay_allocations",
            "input_bytes", "resident_buffers", "resident_bytes", "simulate", "simulate_tie_orders", "tensorflow_cpu_allocator",
            "tensorflow_gpu_allocator", "variables_on_host", "optimizer_slots", "gradients_crossing_as",
-           "update_products_on_device", "without_unsound_clone_fetches"]
+           "update_products_on_device", "without_unsound_clone_fetches", "clone_readers"]

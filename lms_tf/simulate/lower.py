@@ -628,6 +628,20 @@ def without_unsound_clone_fetches(ir: GraphIR, plan: Plan) -> Plan:
     return dataclasses.replace(plan, weights=weights)
 
 
+def clone_readers(ir: GraphIR, clones: Tuple[str, ...], weight: WeightDecision) -> List[int]:
+    """The positions in ``clones`` (:meth:`Plan.clones_behind`) of the ops that read ``weight``.
+
+    Examples:
+        >>> from lms_tf.core.examples import weighted_chain_ir
+        >>> from lms_tf.core.plan import WeightDecision
+        >>> w = WeightDecision("w2:0", ("rw2:0",), None, 4, Decision.SWAP, "", ())
+        >>> clone_readers(weighted_chain_ir(), ("r1", "m2"), w)
+        [1]
+    """
+    reads = set(weight.reads)
+    return [i for i, name in enumerate(clones) if ir.has_op(name) and reads & set(ir.op(name).inputs)]
+
+
 def clone_fetch_problem(ir: GraphIR, plan: Plan, weight: WeightDecision, gate: str, after: str) -> Optional[str]:
     """Why the clones behind recompute gate ``gate`` cannot fetch ``weight`` after the clone of
     ``after``, or None: some clone behind that gate reads the weight, and ``after`` is cloned there
@@ -642,8 +656,7 @@ def clone_fetch_problem(ir: GraphIR, plan: Plan, weight: WeightDecision, gate: s
         "no clone behind 'g1' reads 'w2:0' (the plan recomputes nothing behind that gate)"
     """
     order = plan.clones_behind(gate)
-    reads = set(weight.reads)
-    readers = [i for i, name in enumerate(order) if ir.has_op(name) and reads & set(ir.op(name).inputs)]
+    readers = clone_readers(ir, order, weight)
     if not readers:
         return (f"no clone behind {gate!r} reads {weight.variable!r} (the plan recomputes "
                 + ("nothing behind that gate)" if not order else "no reader of it there)"))
@@ -774,7 +787,7 @@ def lower(ir: GraphIR, plan: Optional[Plan], cost: CostModel, op_times: Optional
                     reads.append(key)
                 elif t in weight_of:
                     weight = weight_of[t]
-                    key = f"fetch/{weight.variable}/@{d.gate}"
+                    key = weight.clone_fetch_name(d.gate)
                     after = weight.clone_fetch_after(d.gate)  # fetched in turn: after an earlier clone
                     trigger = d.gate if after is None else recompute_clone_name(d.gate, after)
                     _once(extra_after[d.gate], _copy_in(key, f"host/{weight.variable}", weight.nbytes or 0, cost,
